@@ -1,0 +1,331 @@
+"""Batched, ragged, lossless speculative decoding.
+
+Invariants, per active row r of the batch:
+  * `committed[r]` tokens are final (prompt + generated) and stored in `tokens[r, :committed[r]]`;
+  * the target's cache holds all committed tokens but the last: `target_cache.lengths == committed - 1`;
+  * the draft's cache holds a prefix of them: `draft_cache.lengths <= committed - 1` (it lags after
+    steps with k = 0, or by one token after a step in which the row accepted every draft token).
+
+One step with k >= 1 (`_speculative_step`):
+  1. draft catch-up: one pass over the last n0 committed tokens of every row, n0 = the largest lag
+     (rows that lag less are rolled back and re-fed tokens they already hold: same KV, one shape);
+     its last logits give draft token 1; then k - 1 passes of 1 token give tokens 2..k;
+  2. verify: one target pass over [last committed token, d1..dk] (k + 1 tokens per row);
+  3. accept per row (greedy: while the draft token equals the target's argmax; sampling: rejection
+     sampling, exactly the target's distribution), plus one token from the target;
+  4. roll the caches back to what was accepted: a length reset, no copy.
+k = 0 is one target pass of 1 token through the same bookkeeping. Finished rows leave the batch.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .model import CausalLM
+from .sampling import Sampling, probabilities, sample
+
+
+class GenerationError(ValueError):
+    """Input the generator cannot run (prompt too long, k too large, mismatched vocabularies...)."""
+
+
+@dataclass
+class GenerationStats:
+    steps: int = 0
+    k_per_step: list[int] = field(default_factory=list)
+    batch_size_per_step: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)  # position i: draft token i accepted
+    trials_per_position: list[int] = field(default_factory=list)  # ... proposed with 1..i-1 accepted
+    generated_tokens: int = 0
+    first_tokens: int = 0  # tokens produced by the prefill pass (one per prompt)
+    prefill_s: float = 0.0
+    draft_s: float = 0.0  # draft forward passes
+    verify_s: float = 0.0  # target forward passes after prefill
+    other_s: float = 0.0  # everything else in the steps: sampling, acceptance, bookkeeping
+    total_s: float = 0.0
+    synthetic_acceptance: float | None = None
+    draft_passes: list[tuple[int, int]] = field(default_factory=list)  # (batch size, new tokens) per pass
+    target_passes: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        return [a / t if t else 0.0 for a, t in zip(self.accepted_per_position, self.trials_per_position)]
+
+    @property
+    def tokens_per_step(self) -> float:
+        rows = sum(self.batch_size_per_step)
+        return (self.generated_tokens - self.first_tokens) / rows if rows else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.total_s if self.total_s else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "steps": self.steps, "k_per_step": self.k_per_step, "batch_size_per_step": self.batch_size_per_step,
+            "accepted_per_position": self.accepted_per_position, "trials_per_position": self.trials_per_position,
+            "acceptance_per_position": self.acceptance_per_position, "generated_tokens": self.generated_tokens,
+            "tokens_per_step": self.tokens_per_step, "tokens_per_s": self.tokens_per_s,
+            "prefill_s": self.prefill_s, "draft_s": self.draft_s, "verify_s": self.verify_s,
+            "other_s": self.other_s, "total_s": self.total_s, "synthetic_acceptance": self.synthetic_acceptance,
+        }
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[list[int]]  # generated tokens per prompt, EOS included when it was produced
+    stats: GenerationStats
+
+
+class _Timer:
+    """Wall time of forward passes; synchronizes CUDA so queued kernels are counted where they run."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+
+class SpeculativeGenerator:
+    def __init__(self, target: CausalLM, draft: CausalLM | None = None, eos_token_ids=()):
+        if draft is not None and draft.config.vocab_size != target.config.vocab_size:
+            raise GenerationError(
+                f"draft vocabulary ({draft.config.vocab_size} tokens) differs from the target's "
+                f"({target.config.vocab_size} tokens): the tokenizers must agree"
+            )
+        self.target, self.draft = target, draft
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.device = target.lm_head.weight.device
+
+    # ------------------------------------------------------------------ public
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, policy, sampling: Sampling = Sampling(),
+                 seed: int = 0, synthetic_acceptance: float | None = None) -> GenerationResult:
+        """Generate up to `max_new_tokens` per prompt; `policy(batch_size, context_len)` gives k each step.
+
+        `synthetic_acceptance` (benchmarks only) accepts each draft token with that probability instead
+        of comparing with the target; every forward pass still runs.
+        """
+        self._check(prompts, max_new_tokens, policy)
+        started = time.perf_counter()
+        timer = _Timer(self.device)
+        stats = GenerationStats(synthetic_acceptance=synthetic_acceptance)
+        rng = torch.Generator(device=self.device).manual_seed(seed)
+        b = len(prompts)
+        prompt_lens = [len(p) for p in prompts]
+        max_k = policy.max_k if self.draft is not None else 0
+        buffer_len = max(prompt_lens) + max_new_tokens + max_k + 1
+        tokens = torch.zeros(b, buffer_len, dtype=torch.long, device=self.device)
+        for r, prompt in enumerate(prompts):
+            tokens[r, :len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+        committed = torch.tensor(prompt_lens, dtype=torch.long, device=self.device)
+        target_cache = self.target.new_cache(b, buffer_len)
+        draft_cache = self.draft.new_cache(b, buffer_len) if self.draft is not None else None
+
+        # prefill: right-padded prompts; each row's length is then set to its own prompt length
+        t0 = timer.now()
+        width = max(prompt_lens)
+        last_logits = self.target(tokens[:, :width], target_cache)[torch.arange(b), committed - 1]
+        target_cache.lengths = committed.clone()
+        if draft_cache is not None:
+            self.draft(tokens[:, :width], draft_cache)
+            draft_cache.lengths = committed.clone()
+        first = last_logits.argmax(-1) if sampling.greedy else sample(probabilities(last_logits, sampling), rng)
+        tokens[torch.arange(b), committed] = first
+        committed = committed + 1
+        stats.prefill_s = timer.now() - t0
+
+        rows = list(range(b))  # original index of each active row
+        generated = [1] * b
+        outputs: list[list[int] | None] = [None] * b
+        stats.first_tokens = b
+        done = self._finished_rows(first[:, None], torch.ones(b, dtype=torch.long), generated, max_new_tokens)
+        while True:
+            if done:
+                keep = [i for i in range(len(rows)) if i not in done]
+                for i, cut in done.items():
+                    start = prompt_lens[rows[i]]
+                    outputs[rows[i]] = tokens[i, start:start + cut].tolist()
+                if not keep:
+                    break
+                index = torch.tensor(keep, device=self.device)
+                tokens, committed = tokens.index_select(0, index), committed.index_select(0, index)
+                target_cache.keep_rows(index)
+                if draft_cache is not None:
+                    draft_cache.keep_rows(index)
+                rows = [rows[i] for i in keep]
+                generated = [generated[i] for i in keep]
+            step_start = timer.now()
+            batch = len(rows)
+            k = policy(batch, int(committed.float().mean())) if self.draft is not None else 0
+            if k > max_k:
+                raise GenerationError(f"policy asked for k={k}, above the k={max_k} the KV cache was sized for")
+            new, counts = self._step(k, tokens, committed, target_cache, draft_cache, sampling, rng,
+                                     synthetic_acceptance, stats, timer)
+            # write the step's tokens after each row's committed prefix (beyond `counts` is scratch)
+            positions = committed[:, None] + torch.arange(new.shape[1], device=self.device)
+            tokens.scatter_(1, positions, new)
+            committed = committed + counts
+            target_cache.lengths = committed - 1
+            stats.steps += 1
+            stats.k_per_step.append(k)
+            stats.batch_size_per_step.append(batch)
+            counts_list = counts.tolist()
+            for i, c in enumerate(counts_list):
+                generated[i] += c
+            done = self._finished_rows(new, counts, generated, max_new_tokens)
+            stats.other_s += timer.now() - step_start
+        stats.generated_tokens = sum(len(o) for o in outputs)
+        stats.other_s -= stats.draft_s + stats.verify_s
+        stats.total_s = time.perf_counter() - started
+        return GenerationResult(token_ids=outputs, stats=stats)
+
+    # ------------------------------------------------------------------ one step
+    def _step(self, k, tokens, committed, target_cache, draft_cache, sampling, rng, synthetic, stats, timer):
+        """Run one step; returns the new tokens (b, k+1) and how many of them each row keeps (b,)."""
+        b = tokens.shape[0]
+        draft_tokens, draft_probs = None, None
+        if k > 0:
+            draft_tokens, draft_probs = self._draft(k, tokens, committed, draft_cache, sampling, rng, stats, timer)
+            verify_input = torch.cat([tokens.gather(1, (committed - 1)[:, None]), draft_tokens], dim=1)
+        else:
+            verify_input = tokens.gather(1, (committed - 1)[:, None])
+        t0 = timer.now()
+        target_logits = self.target(verify_input, target_cache)  # (b, k+1, vocab)
+        stats.verify_s += timer.now() - t0
+        stats.target_passes.append((b, k + 1))
+        accepted, next_token = accept(draft_tokens, draft_probs, target_logits, sampling, rng, synthetic)
+        if k > 0:
+            # the draft holds committed + d1..d_{k-1}; keep what was accepted
+            draft_cache.lengths = committed + torch.clamp(accepted, max=k - 1)
+            _count_acceptance(stats, accepted, k)
+            new = torch.cat([draft_tokens, next_token[:, None]], dim=1)
+            new.scatter_(1, accepted[:, None], next_token[:, None])
+        else:
+            new = next_token[:, None]
+        return new, accepted + 1
+
+    def _draft(self, k, tokens, committed, draft_cache, sampling, rng, stats, timer):
+        """k draft tokens per row (b, k) and, when sampling, their distributions q (b, k, vocab)."""
+        b = tokens.shape[0]
+        lag = committed - draft_cache.lengths
+        width = int(lag.max())
+        draft_cache.lengths = committed - width
+        catch_up = tokens.gather(1, (committed - width)[:, None] + torch.arange(width, device=tokens.device))
+        proposed, dists = [], []
+        step_input = catch_up
+        for _ in range(k):
+            t0 = timer.now()
+            logits = self.draft(step_input, draft_cache)[:, -1]  # (b, vocab)
+            stats.draft_s += timer.now() - t0
+            stats.draft_passes.append((b, step_input.shape[1]))
+            if sampling.greedy:
+                token = logits.argmax(-1)
+            else:
+                q = probabilities(logits, sampling)
+                token = sample(q, rng)
+                dists.append(q)
+            proposed.append(token)
+            step_input = token[:, None]
+        draft_tokens = torch.stack(proposed, dim=1)
+        return draft_tokens, (torch.stack(dists, dim=1) if dists else None)
+
+    # ------------------------------------------------------------------ checks and bookkeeping
+    def _check(self, prompts, max_new_tokens, policy):
+        if not prompts:
+            raise GenerationError("no prompts given")
+        if max_new_tokens <= 0:
+            raise GenerationError(f"--max-new-tokens must be positive, got {max_new_tokens}")
+        if any(len(p) == 0 for p in prompts):
+            raise GenerationError("a prompt encodes to zero tokens")
+        max_k = policy.max_k if self.draft is not None else 0
+        if max_k < 0:
+            raise GenerationError(f"k must be >= 0, got {max_k}")
+        limit = min(self.target.config.max_position_embeddings,
+                    self.draft.config.max_position_embeddings if self.draft is not None else 10**9)
+        longest = max(len(p) for p in prompts)
+        if longest >= limit:
+            raise GenerationError(f"a prompt has {longest} tokens; the model's context is {limit} positions")
+        if longest + max_new_tokens + max_k > limit:
+            raise GenerationError(
+                f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) + k ({max_k}) exceeds the model's "
+                f"context of {limit} positions; lower --max-new-tokens or k"
+            )
+
+    def _finished_rows(self, new, counts, generated, max_new_tokens) -> dict[int, int]:
+        """Rows that hit EOS or max_new_tokens in this step -> how many generated tokens they keep."""
+        counts_list = counts.tolist()
+        eos_hits = None
+        if self.eos_token_ids:
+            is_eos = torch.isin(new, torch.tensor(self.eos_token_ids, device=new.device))
+            is_eos &= torch.arange(new.shape[1], device=new.device) < counts[:, None].to(new.device)
+            eos_hits = torch.where(is_eos.any(1), is_eos.float().argmax(1), -1).tolist()
+        done = {}
+        for i, total in enumerate(generated):
+            before = total - counts_list[i]
+            keep = min(total, max_new_tokens)
+            if eos_hits is not None and eos_hits[i] >= 0:
+                keep = min(keep, before + eos_hits[i] + 1)
+            if keep < total or total >= max_new_tokens or (eos_hits is not None and eos_hits[i] >= 0):
+                done[i] = keep
+        return done
+
+
+def accept(draft_tokens, draft_probs, target_logits, sampling: Sampling, rng, synthetic: float | None = None):
+    """How many draft tokens each row accepts (b,) and the target's token after them (b,).
+
+    Greedy: accept while the draft token equals the target's argmax; the next token is the argmax at the
+    first disagreement (or after the last draft token). Sampling: accept x with probability
+    min(1, p(x)/q(x)); at the first rejection sample from norm(max(0, p - q)); if all are accepted,
+    sample the bonus token from p. With `synthetic`, each draft token is accepted with that probability.
+    """
+    b = target_logits.shape[0]
+    k = 0 if draft_tokens is None else draft_tokens.shape[1]
+    rows = torch.arange(b, device=target_logits.device)
+    if sampling.greedy:
+        target_choice = target_logits.argmax(-1)  # (b, k+1)
+        if k == 0:
+            return torch.zeros(b, dtype=torch.long, device=rows.device), target_choice[:, 0]
+        if synthetic is None:
+            agree = draft_tokens == target_choice[:, :k]
+        else:
+            agree = torch.rand((b, k), generator=rng, device=rows.device) < synthetic
+        accepted = agree.long().cumprod(1).sum(1)
+        return accepted, target_choice[rows, accepted]
+    p = probabilities(target_logits, sampling)  # (b, k+1, vocab)
+    if k == 0:
+        return torch.zeros(b, dtype=torch.long, device=rows.device), sample(p[:, 0], rng)
+    u = torch.rand((b, k), generator=rng, device=rows.device)
+    if synthetic is None:
+        p_draft = p[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)
+        q_draft = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
+        agree = u * q_draft < p_draft  # u < p/q without dividing by q
+    else:
+        agree = u < synthetic
+    accepted = agree.long().cumprod(1).sum(1)
+    p_next = p[rows, accepted]  # (b, vocab)
+    if synthetic is not None:
+        return accepted, sample(p_next, rng)
+    q_next = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1)[rows, accepted]
+    residual = torch.clamp(p_next - q_next, min=0.0)  # q_next is 0 when every draft token was accepted
+    mass = residual.sum(-1, keepdim=True)
+    residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_next)  # p == q up to rounding
+    return accepted, sample(residual, rng)
+
+
+def _count_acceptance(stats: GenerationStats, accepted: torch.Tensor, k: int) -> None:
+    while len(stats.trials_per_position) < k:
+        stats.trials_per_position.append(0)
+        stats.accepted_per_position.append(0)
+    positions = torch.arange(1, k + 1, device=accepted.device)
+    trials = (accepted[:, None] >= positions - 1).sum(0).tolist()
+    hits = (accepted[:, None] >= positions).sum(0).tolist()
+    for i in range(k):
+        stats.trials_per_position[i] += trials[i]
+        stats.accepted_per_position[i] += hits[i]
+

@@ -1,0 +1,58 @@
+"""Sampling settings and the distribution they define, applied identically to draft and target.
+
+Speculative sampling is exact only if the draft's q and the target's p are the distributions each
+model would really sample from, so temperature, top-k and top-p go through this one function.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0 means greedy (argmax)
+    top_k: int = 0  # 0 means no top-k filter
+    top_p: float = 1.0  # 1.0 means no nucleus filter
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"--top-k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def describe(self) -> str:
+        if self.greedy:
+            return "greedy"
+        return f"T={self.temperature:g}" + (f",top_k={self.top_k}" if self.top_k else "") + (
+            f",top_p={self.top_p:g}" if self.top_p < 1.0 else "")
+
+
+def probabilities(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """Softmax of `logits` (..., vocab) after temperature, top-k and top-p; float32."""
+    logits = logits.float() / sampling.temperature
+    if sampling.top_k and sampling.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if sampling.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        # drop a token when the tokens ranked above it already hold top_p of the mass
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(mass_before >= sampling.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per distribution: probs (..., vocab) -> ids (...)."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
