@@ -1,0 +1,12 @@
+"""The performance model: pure numpy / scipy / scikit-learn, never torch.
+
+profile.py     the specbatch.profile/1 contract (what calibrate measured)
+latency.py     T(b, n, L) per role: a roofline and a monotone data-driven refinement, cross-validated
+acceptance.py  E(k) from per-position acceptance, the constant-alpha fit, what-if overrides
+goodput.py     step time as the runtime schedules it, goodput, the best k per batch size
+model.py       the specbatch.model/1 file: fit a profile, save, load, compute a table
+table.py       the specbatch.table/1 contract the runtime reads (standard library only), exports
+plot.py        the explanatory figure (matplotlib, optional)
+
+Nothing is imported here, so `import perfmodel.table` stays light for the runtime.
+"""

@@ -1,0 +1,163 @@
+"""Acceptance: how many tokens a speculative step yields on average.
+
+`alpha_i` is the probability that draft token i is accepted given that tokens 1..i-1 were. A step
+with k draft tokens always yields the target's own token, plus draft token i if all of 1..i were
+accepted, so
+
+    E(k) = 1 + sum_{i=1..k} prod_{j<=i} alpha_j          (E(0) = 1)
+
+and with a constant alpha, E(k) = (1 - alpha^(k+1)) / (1 - alpha).
+
+Assumption: acceptance does not depend on the batch size or on the context length, and positions
+are independent of the step's history beyond "all earlier tokens accepted".
+
+Positions beyond the measured (or given) list reuse the LAST value: it is the nearest measurement
+of the conditional probability at late positions, which the constant-alpha fit (a whole-list
+average) would blur. The constant fit is reported for goodness of fit, not used for extension.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from .errors import PerfModelError
+from .jsonio import rounded
+from .profile import AcceptanceEntry
+
+
+def extend_alphas(alphas: Sequence[float], k: int) -> tuple[float, ...]:
+    """The first k acceptance probabilities, repeating the last given value past the end."""
+    if k <= 0:
+        return ()
+    if not alphas:
+        raise PerfModelError("acceptance: no per-position values to extend")
+    values = tuple(float(alpha) for alpha in alphas)
+    return values[:k] + (values[-1],) * max(0, k - len(values))
+
+
+def accept_all_probability(alphas: Sequence[float], k: int) -> float:
+    """P(a row accepts all k draft tokens) = prod_{i<=k} alpha_i (1 for k = 0)."""
+    return float(np.prod(extend_alphas(alphas, k))) if k > 0 else 1.0
+
+
+def expected_tokens(alphas: Sequence[float], k: int) -> float:
+    """E(k) = 1 + sum_{i=1..k} prod_{j<=i} alpha_j: tokens a row gains per step with k draft tokens.
+
+    >>> expected_tokens([0.5], 2)  # 1 + 0.5 + 0.25
+    1.75
+    """
+    if k < 0:
+        raise PerfModelError(f"k must be >= 0, found {k}")
+    survival = np.cumprod(extend_alphas(alphas, k))  # P(tokens 1..i all accepted), i = 1..k
+    return 1.0 + float(survival.sum())
+
+
+@dataclass(frozen=True)
+class ConstantAlphaFit:
+    """The single alpha whose powers best match the measured cumulative products (least squares)."""
+
+    alpha: float
+    rmse: float  # of alpha^i against prod_{j<=i} alpha_j, over the measured positions
+    r_squared: float | None  # None when the cumulative products have no variance (one position)
+
+
+def fit_constant_alpha(per_position: Sequence[float]) -> ConstantAlphaFit:
+    """Fit alpha^i to the cumulative products prod_{j<=i} alpha_j, i = 1..len(per_position).
+
+    Fitting the products rather than the alphas weights early positions more, as E(k) does: a miss
+    at position 1 costs every later token.
+    """
+    from scipy.optimize import minimize_scalar
+
+    survival = np.cumprod(np.asarray(per_position, dtype=float))
+    positions = np.arange(1, len(survival) + 1)
+
+    def squared_error(alpha: float) -> float:
+        return float(np.sum((alpha ** positions - survival) ** 2))
+
+    alpha = float(minimize_scalar(squared_error, bounds=(0.0, 1.0), method="bounded",
+                                  options={"xatol": 1e-10}).x)
+    residual = squared_error(alpha)
+    spread = float(np.sum((survival - survival.mean()) ** 2))
+    return ConstantAlphaFit(
+        alpha=alpha,
+        rmse=float(np.sqrt(residual / len(survival))),
+        r_squared=1.0 - residual / spread if spread > 1e-12 else None,
+    )
+
+
+def check_alphas(values: Sequence[float], option: str) -> tuple[float, ...]:
+    """Acceptance values given by a user must lie in (0, 1]; `option` names where they came from."""
+    if not values:
+        raise PerfModelError(f"{option}: needs at least one acceptance value")
+    for value in values:
+        if not 0.0 < value <= 1.0:
+            raise PerfModelError(f"{option}: acceptance {value:g} is outside (0, 1]")
+    return tuple(float(value) for value in values)
+
+
+def parse_acceptance_option(text: str, option: str = "--acceptance") -> tuple[float, ...]:
+    """'0.8' (one alpha for every position) or '0.9,0.85,0.8' (per position) -> validated tuple."""
+    values = []
+    for part in text.split(","):
+        try:
+            values.append(float(part))
+        except ValueError:
+            raise PerfModelError(f"{option}: {part.strip()!r} is not a number (expected e.g. 0.8 or 0.9,0.85,0.8)") from None
+    return check_alphas(values, option)
+
+
+@dataclass(frozen=True)
+class AcceptanceModel:
+    """The acceptance used for goodput: per-position alphas plus the constant fit that summarizes them."""
+
+    source: str  # "profile" (measured by calibrate) or "user" (--acceptance what-if)
+    mode: str | None  # greedy | sampling | None for a user what-if
+    temperature: float | None
+    per_position: tuple[float, ...]
+    constant: ConstantAlphaFit
+
+    def alphas(self, k: int) -> tuple[float, ...]:
+        return extend_alphas(self.per_position, k)
+
+    def expected_tokens(self, k: int) -> float:
+        return expected_tokens(self.per_position, k)
+
+    def to_json(self) -> dict:
+        return {
+            "source": self.source,
+            "mode": self.mode,
+            "temperature": self.temperature,
+            "per_position": [rounded(alpha) for alpha in self.per_position],
+            "extension": "last value repeated",
+            "constant_alpha": rounded(self.constant.alpha),
+            "constant_alpha_rmse": rounded(self.constant.rmse),
+            "constant_alpha_r_squared": rounded(self.constant.r_squared),
+        }
+
+    @classmethod
+    def from_json(cls, obj: dict, where: str) -> "AcceptanceModel":
+        try:
+            per_position = tuple(float(alpha) for alpha in obj["per_position"])
+            model = cls(source=str(obj["source"]), mode=obj["mode"], temperature=obj["temperature"],
+                        per_position=per_position,
+                        constant=ConstantAlphaFit(float(obj["constant_alpha"]), float(obj["constant_alpha_rmse"]),
+                                                  obj["constant_alpha_r_squared"]))
+        except (KeyError, TypeError, ValueError) as error:
+            raise PerfModelError(f"{where}: acceptance: malformed ({error!r})") from None
+        if not per_position or not all(0.0 <= alpha <= 1.0 for alpha in per_position):
+            raise PerfModelError(f"{where}: acceptance.per_position: expected probabilities in [0, 1]")
+        return model
+
+
+def acceptance_from_profile(entry: AcceptanceEntry) -> AcceptanceModel:
+    return AcceptanceModel(source="profile", mode=entry.mode, temperature=entry.temperature,
+                           per_position=entry.per_position, constant=fit_constant_alpha(entry.per_position))
+
+
+def acceptance_from_user(values: Sequence[float], option: str = "--acceptance") -> AcceptanceModel:
+    alphas = check_alphas(values, option)
+    return AcceptanceModel(source="user", mode=None, temperature=None, per_position=alphas,
+                           constant=fit_constant_alpha(alphas))

@@ -1,0 +1,409 @@
+"""Latency of one forward pass, T(b, n, L), fitted per model role to the profile's timing rows.
+
+Two model kinds, chosen per role by grouped k-fold cross-validation (`select_kind`):
+
+- "roofline": T = overhead_ms + smooth_max(memory_ms, compute_ms), four parameters. Physically
+  grounded, so it extrapolates sensibly to batch sizes beyond the measured grid.
+- "roofline+monotone": the roofline's shape term plus nonnegative multiples of monotone basis
+  functions (per-token, per-row, KV-read and attention terms, and saturating ramps in tokens per
+  pass), refit by nonnegative least squares with scikit-learn. It follows the steps real hardware
+  has (thread scheduling on CPUs, tile quantization on GPUs) and stays monotone in b, n and L by
+  construction. Its coefficients are plain numbers: the model is saved as JSON, never pickled.
+
+Why not gradient-boosted trees (even with monotonic constraints): trees are piecewise constant, so a
+held-out batch size between two measured ones snaps to a neighbour's time, and batch sizes beyond
+the grid get the last measured time, which is exactly where the table needs extrapolation.
+
+Errors are relative (MAPE, in percent): timings span orders of magnitude and a 1 ms error means
+nothing at 300 ms and everything at 2 ms.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from .errors import PerfModelError
+from .jsonio import rounded
+from .profile import ModelInfo, TimingRow
+
+ROOFLINE = "roofline"
+MONOTONE = "roofline+monotone"
+KINDS = (ROOFLINE, MONOTONE)
+MIN_POINTS = 8  # twice the roofline's four parameters: fewer cannot tell fit from noise
+CV_FOLDS = 5
+# The data-driven kind must beat the roofline's cross-validated MAPE by this factor to be chosen:
+# a 1% relative gain is noise, and the roofline extrapolates more safely.
+MONOTONE_MIN_GAIN = 0.95
+MAX_TOKEN_KNOTS = 10  # ramps in tokens per pass; more knots than this overfit small grids
+
+
+@dataclass(frozen=True)
+class RoleShape:
+    """What the roofline needs to know about one model, taken from the profile."""
+
+    parameters: int
+    weight_bytes: int  # read once per pass, whatever the batch
+    kv_bytes_per_token: int  # read per cached token per row, written per new token per row
+    layers: int
+    attention_width: int  # heads * head_dim: the width of q.k and p.v products
+
+    @classmethod
+    def from_model_info(cls, info: ModelInfo) -> "RoleShape":
+        return cls(info.parameters, info.weight_bytes, info.kv_bytes_per_token, info.layers,
+                   info.heads * info.head_dim)
+
+
+@dataclass(frozen=True, eq=False)
+class Points:
+    """Timing rows as columns; the arrays are float for arithmetic."""
+
+    batch_size: np.ndarray  # (N,)
+    new_tokens: np.ndarray  # (N,)
+    context_len: np.ndarray  # (N,)
+    latency_ms: np.ndarray  # (N,) measured median
+
+    def __len__(self) -> int:
+        return len(self.latency_ms)
+
+    def subset(self, mask: np.ndarray) -> "Points":
+        return Points(self.batch_size[mask], self.new_tokens[mask], self.context_len[mask], self.latency_ms[mask])
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[TimingRow]) -> "Points":
+        feasible = [row for row in rows if row.feasible]
+        column = lambda name: np.array([float(getattr(row, name)) for row in feasible])  # noqa: E731
+        return cls(column("batch_size"), column("new_tokens"), column("context_len"), column("median_ms"))
+
+
+# ---------------------------------------------------------------- roofline
+
+def memory_bytes(shape: RoleShape, b, n, L):
+    """Bytes moved by one pass: all weights once, the b*L cached KV entries read, b*n new ones written."""
+    return shape.weight_bytes + shape.kv_bytes_per_token * b * (L + n)
+
+
+def pass_flops(shape: RoleShape, b, n, L):
+    """FLOPs of one pass: 2 per parameter per token, plus q.k and p.v over L + n keys per layer.
+
+    L + n, not L + n/2: the runtime computes the full masked score matrix, as most kernels do.
+    """
+    return 2.0 * shape.parameters * b * n + 4.0 * shape.layers * shape.attention_width * b * n * (L + n)
+
+
+def smooth_max(x, y, exponent: float):
+    """The p-norm (x^p + y^p)^(1/p): p = 1 adds (no overlap), p -> infinity is max (perfect overlap)."""
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    top = np.maximum(np.maximum(x, y), 1e-300)
+    return top * ((x / top) ** exponent + (y / top) ** exponent) ** (1.0 / exponent)
+
+
+@dataclass(frozen=True)
+class RooflineParams:
+    """T(b, n, L) = overhead_ms + smooth_max(memory_bytes / bandwidth, flops / flop rate).
+
+    Assumes: a fixed per-pass cost independent of the work (kernel launches, Python dispatch,
+    thread wake-up); one effective bandwidth for weights and KV cache; one effective FLOP rate for
+    matmuls and attention; memory and compute overlapping to the degree `overlap_exponent` says.
+    Breaks where those fail: attention kernels far less efficient than matmuls (CPUs, long
+    context), discrete steps (GPU tile quantization, CPU thread partitioning), caches that hold
+    small models' weights (bandwidth then means cache bandwidth), and memory-allocation effects.
+    """
+
+    overhead_ms: float
+    bandwidth_GBps: float
+    flops_TFLOPs: float
+    overlap_exponent: float  # p of the smooth max, in [1, 64]
+
+    def memory_ms(self, shape: RoleShape, b, n, L):
+        return memory_bytes(shape, b, n, L) / (self.bandwidth_GBps * 1e9) * 1e3
+
+    def compute_ms(self, shape: RoleShape, b, n, L):
+        return pass_flops(shape, b, n, L) / (self.flops_TFLOPs * 1e12) * 1e3
+
+    def work_ms(self, shape: RoleShape, b, n, L):
+        """The roofline term without the fixed overhead."""
+        return smooth_max(self.memory_ms(shape, b, n, L), self.compute_ms(shape, b, n, L), self.overlap_exponent)
+
+    def latency_ms(self, shape: RoleShape, b, n, L):
+        return self.overhead_ms + self.work_ms(shape, b, n, L)
+
+    def ridge_tokens(self, shape: RoleShape) -> float:
+        """Tokens per pass (b*n) where weight reads and matmul FLOPs take equal time, at short
+        context (KV and attention terms left out): below it the pass is memory-bound."""
+        weight_s = shape.weight_bytes / (self.bandwidth_GBps * 1e9)
+        per_token_s = 2.0 * shape.parameters / (self.flops_TFLOPs * 1e12)
+        return weight_s / per_token_s
+
+    def to_json(self, shape: RoleShape) -> dict:
+        return {"overhead_ms": rounded(self.overhead_ms), "bandwidth_GBps": rounded(self.bandwidth_GBps),
+                "flops_TFLOPs": rounded(self.flops_TFLOPs), "overlap_exponent": rounded(self.overlap_exponent),
+                "ridge_tokens": rounded(self.ridge_tokens(shape))}
+
+
+# Fitting happens in log space: parameters stay positive and the optimizer sees relative steps.
+_LOWER = np.log([1e-6, 1e-3, 1e-6, 1e-3])  # overhead_ms, bandwidth_GBps, flops_TFLOPs, exponent - 1
+_UPPER = np.log([1e5, 1e6, 1e5, 63.0])
+
+
+def _params_from_log(theta: np.ndarray) -> RooflineParams:
+    overhead, bandwidth, flops, exponent_minus_one = np.exp(theta)
+    return RooflineParams(float(overhead), float(bandwidth), float(flops), 1.0 + float(exponent_minus_one))
+
+
+def _initial_guesses(shape: RoleShape, points: Points) -> list[np.ndarray]:
+    """A few starting points from the data's extremes: the cheapest pass bounds overhead and
+    memory time, the pass with the most tokens bounds the FLOP rate."""
+    b, n, L, t = points.batch_size, points.new_tokens, points.context_len, points.latency_ms
+    cheapest, biggest = int(np.argmin(t)), int(np.argmax(b * n))
+    starts = []
+    for overhead_share in (0.3, 0.8):
+        overhead = overhead_share * t[cheapest]
+        memory_ms = max(t[cheapest] - overhead, 1e-3 * t[cheapest])
+        bandwidth = memory_bytes(shape, b[cheapest], n[cheapest], L[cheapest]) / memory_ms / 1e6
+        compute_ms = max(t[biggest] - overhead, 1e-3 * t[biggest])
+        flop_rate = pass_flops(shape, b[biggest], n[biggest], L[biggest]) / compute_ms / 1e9
+        for exponent in (2.0, 8.0):
+            theta = np.log([overhead, bandwidth, flop_rate, exponent - 1.0])
+            starts.append(np.clip(theta, _LOWER + 1e-9, _UPPER - 1e-9))
+    return starts
+
+
+def fit_roofline(shape: RoleShape, points: Points) -> RooflineParams:
+    """Least squares on log(predicted / measured), from several starts; the best fit wins."""
+    from scipy.optimize import least_squares
+
+    require_points(points, MIN_POINTS, "the roofline fit")
+    b, n, L, log_measured = points.batch_size, points.new_tokens, points.context_len, np.log(points.latency_ms)
+
+    def residuals(theta: np.ndarray) -> np.ndarray:
+        return np.log(_params_from_log(theta).latency_ms(shape, b, n, L)) - log_measured
+
+    fits = [least_squares(residuals, start, bounds=(_LOWER, _UPPER), x_scale=1.0, max_nfev=400)
+            for start in _initial_guesses(shape, points)]
+    return _params_from_log(min(fits, key=lambda fit: fit.cost).x)
+
+
+# ---------------------------------------------------------------- monotone correction
+
+def token_knots(points: Points, max_knots: int = MAX_TOKEN_KNOTS) -> tuple[float, ...]:
+    """Knots for the token ramps: the distinct tokens-per-pass values, thinned evenly by rank (on a
+    geometric grid of batch sizes that is roughly even in log tokens)."""
+    tokens = np.unique(points.batch_size * points.new_tokens)
+    if len(tokens) <= max_knots:
+        return tuple(float(t) for t in tokens)
+    picks = np.unique(np.round(np.linspace(0, len(tokens) - 1, max_knots)).astype(int))
+    return tuple(float(t) for t in tokens[picks])
+
+
+def monotone_basis(shape: RoleShape, roofline: RooflineParams, knots: Sequence[float], b, n, L) -> tuple[list[str], np.ndarray]:
+    """Columns that are >= 0 and nondecreasing in each of b, n and L; any nonnegative combination
+    of them is therefore monotone too. Returns (names, matrix of shape (N, columns)), N being the
+    size of b, n and L broadcast together and flattened."""
+    b, n, L = (array.reshape(-1) for array in np.broadcast_arrays(*(np.asarray(v, dtype=float) for v in (b, n, L))))
+    tokens = b * n
+    columns = {
+        "fixed_ms": np.ones_like(tokens),  # per-pass overhead
+        "roofline_work": roofline.work_ms(shape, b, n, L),  # ms of the fitted roofline's work term
+        "per_token": tokens,  # per-token work the FLOP count misses (norms, activations, embedding)
+        "per_row": b,  # per-sequence bookkeeping (masks, cache indexing)
+        "per_kv_read": b * (L + n),  # KV traffic at a bandwidth other than the weights'
+        "per_attention": tokens * (L + n),  # attention at an efficiency other than the matmuls'
+    }
+    for low, high in zip(knots[:-1], knots[1:]):
+        # saturating ramp from 0 at `low` to 1 at `high` tokens: a step smoothed over one grid gap
+        columns[f"ramp_{low:g}_{high:g}"] = np.clip((tokens - low) / (high - low), 0.0, 1.0)
+    return list(columns), np.column_stack(list(columns.values()))
+
+
+@dataclass(frozen=True)
+class MonotoneCorrection:
+    """T(b, n, L) = sum_j c_j * basis_j(b, n, L) with every c_j >= 0 (see `monotone_basis`).
+
+    Assumes the time is a sum of nondecreasing effects, each linear in its own work measure, plus
+    steps located at the measured token counts. Breaks when a step falls between grid points (it
+    is smoothed over the gap), and beyond the largest measured tokens per pass, where the ramps
+    are flat and only the linear terms extrapolate.
+    """
+
+    token_knots: tuple[float, ...]
+    coefficients: tuple[float, ...]  # aligned with the names `monotone_basis` returns
+
+    def latency_ms(self, shape: RoleShape, roofline: RooflineParams, b, n, L):
+        _, basis = monotone_basis(shape, roofline, self.token_knots, b, n, L)
+        latency = np.maximum(basis @ np.asarray(self.coefficients), 1e-9)
+        return latency.reshape(np.broadcast(b, n, L).shape)
+
+    def to_json(self, shape: RoleShape, roofline: RooflineParams) -> dict:
+        names, _ = monotone_basis(shape, roofline, self.token_knots, 1, 1, 0)
+        return {"token_knots": list(self.token_knots),
+                "coefficients": {name: rounded(value, 12) for name, value in zip(names, self.coefficients)}}
+
+    @classmethod
+    def from_json(cls, obj: dict, shape: RoleShape, roofline: RooflineParams, where: str) -> "MonotoneCorrection":
+        knots = tuple(float(knot) for knot in obj["token_knots"])
+        names, _ = monotone_basis(shape, roofline, knots, 1, 1, 0)
+        given = obj["coefficients"]
+        if sorted(given) != sorted(names):
+            raise PerfModelError(f"{where}: monotone coefficients {sorted(given)} do not match the basis {sorted(names)}")
+        coefficients = tuple(float(given[name]) for name in names)
+        if min(coefficients) < 0:
+            raise PerfModelError(f"{where}: monotone coefficients must be >= 0")
+        return cls(knots, coefficients)
+
+
+def fit_monotone(shape: RoleShape, roofline: RooflineParams, points: Points) -> MonotoneCorrection:
+    """Nonnegative least squares on relative error (rows weighted by 1 / measured^2)."""
+    from sklearn.linear_model import LinearRegression
+
+    require_points(points, MIN_POINTS, "the monotone fit")
+    knots = token_knots(points)
+    _, basis = monotone_basis(shape, roofline, knots, points.batch_size, points.new_tokens, points.context_len)
+    scale = np.maximum(basis.max(axis=0), 1e-300)  # unit-range columns keep the NNLS well conditioned
+    regression = LinearRegression(positive=True, fit_intercept=False)
+    regression.fit(basis / scale, points.latency_ms, sample_weight=points.latency_ms ** -2.0)
+    return MonotoneCorrection(knots, tuple(float(c) for c in regression.coef_ / scale))
+
+
+# ---------------------------------------------------------------- one role's model
+
+@dataclass(frozen=True)
+class LatencyModel:
+    kind: str  # "roofline" | "roofline+monotone"
+    shape: RoleShape
+    roofline: RooflineParams
+    correction: MonotoneCorrection | None  # present for "roofline+monotone"
+
+    def latency_ms(self, b, n, L):
+        """Predicted milliseconds of one pass; scalars in, float out; arrays in, array out."""
+        if self.correction is None:
+            value = self.roofline.latency_ms(self.shape, b, n, L)
+        else:
+            value = self.correction.latency_ms(self.shape, self.roofline, b, n, L)
+        value = np.asarray(value, dtype=float)
+        return float(value.reshape(-1)[0]) if np.ndim(b) == np.ndim(n) == np.ndim(L) == 0 else value
+
+
+def fit_latency_model(shape: RoleShape, points: Points, kind: str) -> LatencyModel:
+    if kind not in KINDS:
+        raise PerfModelError(f"unknown latency model kind {kind!r}; valid kinds: {', '.join(KINDS)}")
+    roofline = fit_roofline(shape, points)
+    correction = fit_monotone(shape, roofline, points) if kind == MONOTONE else None
+    return LatencyModel(kind, shape, roofline, correction)
+
+
+def require_points(points: Points, needed: int, purpose: str) -> None:
+    if len(points) < needed:
+        raise PerfModelError(f"{purpose} needs at least {needed} feasible timing rows, found {len(points)}")
+
+
+# ---------------------------------------------------------------- errors and selection
+
+def percent_errors(predicted_ms, measured_ms) -> np.ndarray:
+    """Signed relative errors in percent: positive means the model is slower than measured."""
+    return 100.0 * (np.asarray(predicted_ms) - np.asarray(measured_ms)) / np.asarray(measured_ms)
+
+
+def mape_pct(predicted_ms, measured_ms) -> float:
+    return float(np.mean(np.abs(percent_errors(predicted_ms, measured_ms))))
+
+
+def _cells(points: Points) -> np.ndarray:
+    """One group per (batch size, context length): a fold leaves out whole cells, not single rows,
+    because neighbouring n at the same (b, L) would make a held-out row trivially easy."""
+    _, groups = np.unique(np.column_stack([points.batch_size, points.context_len]), axis=0, return_inverse=True)
+    return groups.reshape(-1)
+
+
+def cross_validate(shape: RoleShape, points: Points, folds: int = CV_FOLDS) -> dict[str, float]:
+    """Out-of-fold MAPE (percent) of each kind, grouped k-fold over (b, L) cells; deterministic."""
+    from sklearn.model_selection import GroupKFold
+
+    groups = _cells(points)
+    splits = min(folds, len(np.unique(groups)))
+    if splits < 2:
+        return {}
+    predicted = {kind: np.empty(len(points)) for kind in KINDS}
+    for train, test in GroupKFold(n_splits=splits).split(points.latency_ms, groups=groups):
+        part = points.subset(train)
+        if len(part) < MIN_POINTS:
+            return {}
+        for kind in KINDS:
+            model = fit_latency_model(shape, part, kind)
+            held = points.subset(test)
+            predicted[kind][test] = model.latency_ms(held.batch_size, held.new_tokens, held.context_len)
+    return {kind: mape_pct(predicted[kind], points.latency_ms) for kind in KINDS}
+
+
+def select_kind(cv_mape: dict[str, float]) -> str:
+    """The roofline unless the monotone model's cross-validated MAPE is clearly lower."""
+    if not cv_mape:
+        return ROOFLINE
+    return MONOTONE if cv_mape[MONOTONE] < MONOTONE_MIN_GAIN * cv_mape[ROOFLINE] else ROOFLINE
+
+
+# ---------------------------------------------------------------- held-out evaluation
+
+@dataclass(frozen=True)
+class PointError:
+    batch_size: int
+    new_tokens: int
+    context_len: int
+    measured_ms: float
+    predicted_ms: float
+    error_pct: float  # signed: positive means predicted slower than measured
+
+
+def worst_points(model: LatencyModel, points: Points, count: int = 5) -> tuple[PointError, ...]:
+    predicted = np.asarray(model.latency_ms(points.batch_size, points.new_tokens, points.context_len))
+    errors = percent_errors(predicted, points.latency_ms)
+    order = np.argsort(-np.abs(errors))[:count]
+    return tuple(PointError(int(points.batch_size[i]), int(points.new_tokens[i]), int(points.context_len[i]),
+                            float(points.latency_ms[i]), float(predicted[i]), float(errors[i])) for i in order)
+
+
+def every_other_interior(values: Sequence[float]) -> tuple[int, ...]:
+    """[1, 2, 4, 8, 16, 32] -> (2, 8): the 2nd, 4th, ... values, never an edge of the grid, so the
+    held-out points test interpolation, which is what the table relies on inside the grid."""
+    ordered = sorted(set(int(value) for value in values))
+    return tuple(ordered[1:-1][::2])
+
+
+@dataclass(frozen=True)
+class HoldoutReport:
+    held_out_batch_sizes: tuple[int, ...]
+    held_out_context_lens: tuple[int, ...]
+    train_points: int
+    test_points: int
+    kind: str  # chosen by cross-validation on the training part alone
+    mape_pct: float
+    max_error_pct: float
+    mape_pct_by_kind: dict[str, float]
+    worst: tuple[PointError, ...]
+
+
+def evaluate_holdout(shape: RoleShape, points: Points, role: str) -> HoldoutReport:
+    """Leave out every other interior batch size and context length (all their rows), select and fit
+    on the rest, and measure the error on what was left out."""
+    held_b = every_other_interior(points.batch_size)
+    held_L = every_other_interior(points.context_len)
+    if not held_b and not held_L:
+        raise PerfModelError(f"--holdout: the {role} rows need at least 3 batch sizes or 3 context lengths "
+                             "to leave interior ones out")
+    test = np.isin(points.batch_size, held_b) | np.isin(points.context_len, held_L)
+    train_points, test_points = points.subset(~test), points.subset(test)
+    if len(train_points) < MIN_POINTS:
+        raise PerfModelError(f"--holdout: the {role} fit needs at least {MIN_POINTS} timing rows outside the "
+                             f"held-out batch sizes and context lengths, found {len(train_points)}")
+    by_kind = {}
+    models = {}
+    for kind in KINDS:
+        models[kind] = fit_latency_model(shape, train_points, kind)
+        predicted = models[kind].latency_ms(test_points.batch_size, test_points.new_tokens, test_points.context_len)
+        by_kind[kind] = mape_pct(predicted, test_points.latency_ms)
+    kind = select_kind(cross_validate(shape, train_points))
+    worst = worst_points(models[kind], test_points)
+    return HoldoutReport(held_b, held_L, len(train_points), len(test_points), kind, by_kind[kind],
+                         abs(worst[0].error_pct), by_kind, worst)
+

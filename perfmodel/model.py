@@ -1,0 +1,298 @@
+"""The `specbatch.model/1` file: everything fitted from one profile, and what is computed from it.
+
+    fit_profile(profile, holdout)  -> FittedModel   (latency per role, overheads, acceptance)
+    save_model / load_model                          (JSON; parameters in named units, no pickles)
+    choose_acceptance(fitted, override)             -> AcceptanceModel
+    compute_table(fitted, acceptance, ...)          -> table.Table
+
+A model file carries the measured points it was fitted to, so `specbatch plot` can draw fitted
+against measured latency without the profile.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from typing import Sequence
+
+import numpy as np
+
+from . import latency as lat
+from .acceptance import AcceptanceModel, acceptance_from_profile, acceptance_from_user
+from .errors import PerfModelError
+from .goodput import Choice, OverheadModel, best_k_per_batch, evaluate
+from .jsonio import read_json, rounded, write_json_atomic
+from .profile import ROLES, DeviceInfo, Grid, ModelInfo, Profile
+from .table import Bucket, Table, TableEntry
+
+MODEL_SCHEMA = "specbatch.model/1"
+MIN_REGIME_POINTS = 4  # the roofline's parameter count: fewer points in a regime leave its rate loose
+
+
+@dataclass(frozen=True)
+class RoleFit:
+    """One role's latency model and how well it fits."""
+
+    role: str
+    model: lat.LatencyModel
+    points: lat.Points  # the feasible measured rows it was fitted to
+    infeasible_rows: int  # out-of-memory rows in the profile, not fitted
+    in_sample_mape_pct: float
+    cv_mape_pct: dict[str, float]  # per kind; empty when too few cells to cross-validate
+    worst: tuple[lat.PointError, ...]  # in-sample
+    holdout: lat.HoldoutReport | None
+    memory_bound_share: float  # fraction of points where the roofline's memory term exceeds compute
+    notes: tuple[str, ...]
+
+    @property
+    def kind(self) -> str:
+        return self.model.kind
+
+
+@dataclass(frozen=True)
+class FittedModel:
+    created_utc: str
+    profile_created_utc: str
+    device: DeviceInfo
+    target_info: ModelInfo
+    draft_info: ModelInfo
+    grid: Grid
+    roles: dict[str, RoleFit]  # "target", "draft"
+    overhead: OverheadModel
+    acceptance: tuple[AcceptanceModel, ...]  # from the profile; the first is the default
+
+    def latency_ms(self, role: str, batch_size: int, new_tokens: int, context_len: int) -> float:
+        """Predicted time of one forward pass; matches goodput.LatencyFn."""
+        return self.roles[role].model.latency_ms(batch_size, new_tokens, context_len)
+
+    def default_context_len(self) -> int:
+        """The context length used when none is given: the middle of the profiled context lengths."""
+        lengths = sorted(self.grid.context_lens)
+        return lengths[(len(lengths) - 1) // 2]
+
+    def extrapolation_notes(self, max_batch: int, context_lens: Sequence[int], max_k: int) -> list[str]:
+        """Where a table or query asks the model beyond what the profile measured."""
+        notes = []
+        if max_batch > max(self.grid.batch_sizes):
+            notes.append(f"batch sizes above {max(self.grid.batch_sizes)} are extrapolated by the latency model")
+        lo, hi = min(self.grid.context_lens), max(self.grid.context_lens)
+        outside = [L for L in context_lens if not lo <= L <= hi]
+        if outside:
+            notes.append(f"context lengths {outside} lie outside the profiled [{lo}, {hi}]")
+        if max_k > self.grid.max_k:
+            notes.append(f"k above the profiled max_k={self.grid.max_k} is extrapolated")
+        if not self.overhead.measured:
+            notes.append("the profile has no step-overhead rows: overhead taken as 0 ms")
+        return notes
+
+
+# ---------------------------------------------------------------- fitting
+
+def _role_notes(memory_bound_points: int, total_points: int) -> tuple[str, ...]:
+    """Flag parameters the data cannot pin down: a regime with fewer points than parameters."""
+    notes = []
+    if memory_bound_points < MIN_REGIME_POINTS:
+        notes.append(f"only {memory_bound_points} memory-bound points: bandwidth_GBps is poorly determined")
+    if total_points - memory_bound_points < MIN_REGIME_POINTS:
+        notes.append(f"only {total_points - memory_bound_points} compute-bound points: "
+                     "flops_TFLOPs is poorly determined")
+    return tuple(notes)
+
+
+def fit_role(profile: Profile, role: str, holdout: bool) -> RoleFit:
+    """Cross-validate both kinds, fit the chosen one on every point, optionally evaluate a holdout."""
+    rows = profile.timings_of(role, feasible_only=False)
+    points = lat.Points.from_rows(rows)
+    if len(points) < lat.MIN_POINTS:
+        raise PerfModelError(f"{role}: the latency fit needs at least {lat.MIN_POINTS} feasible timing rows, "
+                             f"the profile has {len(points)}")
+    shape = lat.RoleShape.from_model_info(profile.model(role))
+    cv = lat.cross_validate(shape, points)
+    model = lat.fit_latency_model(shape, points, lat.select_kind(cv))
+    b, n, L = points.batch_size, points.new_tokens, points.context_len
+    predicted = model.latency_ms(b, n, L)
+    roofline = model.roofline
+    memory_bound = roofline.memory_ms(shape, b, n, L) > roofline.compute_ms(shape, b, n, L)
+    memory_share = float(np.mean(memory_bound))
+    notes = _role_notes(int(memory_bound.sum()), len(points))
+    if not cv:
+        notes += ("too few (batch size, context length) cells to cross-validate: roofline used",)
+    return RoleFit(
+        role=role, model=model, points=points, infeasible_rows=len(rows) - len(points),
+        in_sample_mape_pct=lat.mape_pct(predicted, points.latency_ms), cv_mape_pct=cv,
+        worst=lat.worst_points(model, points),
+        holdout=lat.evaluate_holdout(shape, points, role) if holdout else None,
+        memory_bound_share=memory_share, notes=notes,
+    )
+
+
+def fit_profile(profile: Profile, holdout: bool = False) -> FittedModel:
+    """Fit both roles' latency, keep the overhead rows and the acceptance; `holdout` adds held-out errors."""
+    return FittedModel(
+        created_utc=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        profile_created_utc=profile.created_utc,
+        device=profile.device, target_info=profile.target, draft_info=profile.draft, grid=profile.grid,
+        roles={role: fit_role(profile, role, holdout) for role in ROLES},
+        overhead=OverheadModel(tuple((row.batch_size, row.k, row.median_ms) for row in profile.overheads)),
+        acceptance=tuple(acceptance_from_profile(entry) for entry in profile.acceptance),
+    )
+
+
+# ---------------------------------------------------------------- what the model is used for
+
+def choose_acceptance(fitted: FittedModel, override: Sequence[float] | None, source: str = "model") -> AcceptanceModel:
+    """The user's what-if values if given, else the profile's first acceptance entry."""
+    if override is not None:
+        return acceptance_from_user(override)
+    if not fitted.acceptance:
+        raise PerfModelError(f"{source}: the profile has no acceptance measurements; pass --acceptance "
+                             "(one alpha such as 0.8, or per position such as 0.9,0.85,0.8)")
+    return fitted.acceptance[0]
+
+
+def query(fitted: FittedModel, acceptance: AcceptanceModel, batch_size: int, context_len: int, max_k: int) -> Choice:
+    """Every k's step time, tokens per step and goodput at one batch size, and the best k."""
+    alphas = acceptance.alphas(max(max_k, 1))
+    return evaluate(fitted.latency_ms, fitted.overhead, alphas, batch_size, context_len, max_k)
+
+
+def compute_table(fitted: FittedModel, acceptance: AcceptanceModel, max_batch: int,
+                  context_lens: Sequence[int] | None = None, max_k: int | None = None) -> Table:
+    """k*(b) for b = 1..max_batch in one bucket per context length (default: one, the profile's middle)."""
+    max_k = fitted.grid.max_k if max_k is None else max_k
+    lengths = sorted(set(context_lens)) if context_lens else [fitted.default_context_len()]
+    alphas = acceptance.alphas(max(max_k, 1))
+    buckets = []
+    for context_len in lengths:
+        choices = best_k_per_batch(fitted.latency_ms, fitted.overhead, alphas, max_batch, context_len, max_k)
+        entries = tuple(TableEntry(c.batch_size, c.best_k, c.tokens_per_s, c.speedup, c.runner_up_k, c.margin)
+                        for c in choices)
+        buckets.append(Bucket(context_len, entries))
+    return Table(target=fitted.target_info.source, draft=fitted.draft_info.source, device=fitted.device.name,
+                 created_utc=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), max_k=max_k,
+                 acceptance=acceptance.to_json(), buckets=tuple(buckets))
+
+
+# ---------------------------------------------------------------- JSON
+
+def _point_error_json(point: lat.PointError) -> dict:
+    return {key: rounded(value) if isinstance(value, float) else value for key, value in asdict(point).items()}
+
+
+def _holdout_json(report: lat.HoldoutReport | None) -> dict | None:
+    if report is None:
+        return None
+    return {
+        "held_out_batch_sizes": list(report.held_out_batch_sizes),
+        "held_out_context_lens": list(report.held_out_context_lens),
+        "train_points": report.train_points, "test_points": report.test_points, "kind": report.kind,
+        "mape_pct": rounded(report.mape_pct), "max_error_pct": rounded(report.max_error_pct),
+        "mape_pct_by_kind": {kind: rounded(value) for kind, value in report.mape_pct_by_kind.items()},
+        "worst": [_point_error_json(point) for point in report.worst],
+    }
+
+
+def _role_json(fit: RoleFit) -> dict:
+    model = fit.model
+    p = fit.points
+    return {
+        "kind": model.kind,
+        "shape": asdict(model.shape),
+        "roofline": model.roofline.to_json(model.shape),
+        "monotone": None if model.correction is None else model.correction.to_json(model.shape, model.roofline),
+        "validation": {
+            "in_sample_mape_pct": rounded(fit.in_sample_mape_pct),
+            "cv_mape_pct": {kind: rounded(value) for kind, value in fit.cv_mape_pct.items()},
+            "holdout": _holdout_json(fit.holdout),
+            "worst": [_point_error_json(point) for point in fit.worst],
+        },
+        "memory_bound_share": rounded(fit.memory_bound_share),
+        "notes": list(fit.notes),
+        "infeasible_rows": fit.infeasible_rows,
+        "points": {"columns": ["batch_size", "new_tokens", "context_len", "median_ms"],
+                   "rows": [[int(b), int(n), int(L), rounded(t)] for b, n, L, t in
+                            zip(p.batch_size, p.new_tokens, p.context_len, p.latency_ms)]},
+    }
+
+
+def model_to_json(fitted: FittedModel) -> dict:
+    return {
+        "schema": MODEL_SCHEMA,
+        "created_utc": fitted.created_utc,
+        "profile": {"created_utc": fitted.profile_created_utc, "device": asdict(fitted.device),
+                    "models": {"target": asdict(fitted.target_info), "draft": asdict(fitted.draft_info)},
+                    "grid": {key: list(value) if isinstance(value, tuple) else value
+                             for key, value in asdict(fitted.grid).items()}},
+        "roles": {role: _role_json(fit) for role, fit in fitted.roles.items()},
+        "overheads": [{"batch_size": b, "k": k, "median_ms": rounded(ms)} for b, k, ms in fitted.overhead.rows],
+        "acceptance": [model.to_json() for model in fitted.acceptance],
+    }
+
+
+def _holdout_from_json(obj: dict | None) -> lat.HoldoutReport | None:
+    if obj is None:
+        return None
+    return lat.HoldoutReport(
+        tuple(obj["held_out_batch_sizes"]), tuple(obj["held_out_context_lens"]), obj["train_points"],
+        obj["test_points"], obj["kind"], obj["mape_pct"], obj["max_error_pct"], dict(obj["mape_pct_by_kind"]),
+        tuple(lat.PointError(**point) for point in obj["worst"]))
+
+
+def _role_from_json(role: str, obj: dict, where: str) -> RoleFit:
+    shape = lat.RoleShape(**obj["shape"])
+    r = obj["roofline"]
+    roofline = lat.RooflineParams(float(r["overhead_ms"]), float(r["bandwidth_GBps"]), float(r["flops_TFLOPs"]),
+                                  float(r["overlap_exponent"]))
+    if min(roofline.overhead_ms, roofline.bandwidth_GBps, roofline.flops_TFLOPs) <= 0 or roofline.overlap_exponent < 1:
+        raise PerfModelError(f"{where}: roles.{role}.roofline: parameters must be positive (overlap_exponent >= 1)")
+    kind = obj["kind"]
+    if kind not in lat.KINDS:
+        raise PerfModelError(f"{where}: roles.{role}.kind: {kind!r} is not one of {', '.join(lat.KINDS)}")
+    correction = None
+    if kind == lat.MONOTONE:
+        correction = lat.MonotoneCorrection.from_json(obj["monotone"], shape, roofline, f"{where}: roles.{role}")
+    rows = np.array(obj["points"]["rows"], dtype=float).reshape(-1, 4)
+    validation = obj["validation"]
+    return RoleFit(
+        role=role, model=lat.LatencyModel(kind, shape, roofline, correction),
+        points=lat.Points(rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3]),
+        infeasible_rows=int(obj["infeasible_rows"]),
+        in_sample_mape_pct=float(validation["in_sample_mape_pct"]),
+        cv_mape_pct=dict(validation["cv_mape_pct"]),
+        worst=tuple(lat.PointError(**point) for point in validation["worst"]),
+        holdout=_holdout_from_json(validation["holdout"]),
+        memory_bound_share=float(obj["memory_bound_share"]), notes=tuple(obj["notes"]),
+    )
+
+
+def model_from_json(obj: dict, source: str = "model") -> FittedModel:
+    """Rebuild a FittedModel; any structural problem is a one-line PerfModelError naming `source`."""
+    from .profile import profile_from_json  # reuse the profile's strict readers for the metadata
+
+    meta = obj.get("profile")
+    if not isinstance(meta, dict):
+        raise PerfModelError(f"{source}: profile: missing")
+    # The profile readers want a whole profile; metadata plus empty measurement lists is one.
+    stub = profile_from_json({"created_utc": meta.get("created_utc"), "device": meta.get("device"),
+                              "models": meta.get("models"), "grid": meta.get("grid"),
+                              "timings": [], "overheads": [], "acceptance": []}, f"{source}: profile")
+    try:
+        roles = {role: _role_from_json(role, obj["roles"][role], source) for role in ROLES}
+        overhead = OverheadModel(tuple((int(row["batch_size"]), int(row["k"]), float(row["median_ms"]))
+                                       for row in obj["overheads"]))
+        acceptance = tuple(AcceptanceModel.from_json(entry, source) for entry in obj["acceptance"])
+        created = str(obj["created_utc"])
+    except (KeyError, TypeError, ValueError, IndexError) as error:
+        if isinstance(error, PerfModelError):
+            raise
+        raise PerfModelError(f"{source}: malformed model file ({type(error).__name__}: {error})") from None
+    return FittedModel(created, stub.created_utc, stub.device, stub.target, stub.draft, stub.grid, roles,
+                       overhead, acceptance)
+
+
+def save_model(path: str | os.PathLike, fitted: FittedModel) -> None:
+    write_json_atomic(path, model_to_json(fitted))
+
+
+def load_model(path: str | os.PathLike) -> FittedModel:
+    return model_from_json(read_json(path, MODEL_SCHEMA), str(path))

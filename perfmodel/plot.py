@@ -1,0 +1,75 @@
+"""One figure that explains a model: where speculation pays, and how well latency is fitted.
+
+Left: goodput over (batch size b, speculation length k), each column divided by its best k's goodput
+(absolute tokens/s span orders of magnitude across b), with the k*(b) curve on top.
+Right: predicted against measured pass latency per role, with the +-5% band the fit aims for.
+
+matplotlib is an optional extra (`pip install 'specbatch[plot]'`); it is imported only here.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from .acceptance import AcceptanceModel
+from .errors import PerfModelError
+from .goodput import best_k_per_batch
+from .model import FittedModel
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise PerfModelError("plot needs matplotlib: pip install 'specbatch[plot]'") from None
+    matplotlib.use("Agg")  # files only; never needs a display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def goodput_grid(fitted: FittedModel, acceptance: AcceptanceModel, max_batch: int, context_len: int,
+                 max_k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(relative goodput of shape (max_k + 1, max_batch), best k per batch size of shape (max_batch,))."""
+    choices = best_k_per_batch(fitted.latency_ms, fitted.overhead, acceptance.alphas(max(max_k, 1)),
+                               max_batch, context_len, max_k)
+    goodput = np.array([[c.tokens_per_s for c in choice.candidates] for choice in choices]).T  # (k, b)
+    return goodput / goodput.max(axis=0, keepdims=True), np.array([choice.best_k for choice in choices])
+
+
+def plot_model(fitted: FittedModel, acceptance: AcceptanceModel, path: str | os.PathLike, max_batch: int = 64,
+               context_len: int | None = None, max_k: int | None = None) -> None:
+    plt = _pyplot()
+    from matplotlib.ticker import NullFormatter
+    context_len = fitted.default_context_len() if context_len is None else context_len
+    max_k = fitted.grid.max_k if max_k is None else max_k
+    relative, best_k = goodput_grid(fitted, acceptance, max_batch, context_len, max_k)
+
+    figure, axes = plt.subplots(1, 3, figsize=(16, 4.8), gridspec_kw={"width_ratios": [1.6, 1, 1]})
+    heat = axes[0]
+    image = heat.imshow(relative, origin="lower", aspect="auto", cmap="viridis", vmin=max(0.0, relative.min()),
+                        vmax=1.0, extent=(0.5, max_batch + 0.5, -0.5, max_k + 0.5))
+    heat.step(np.arange(1, max_batch + 1), best_k, where="mid", color="white", linewidth=2, label="best k")
+    heat.set(xlabel="batch size b", ylabel="draft tokens k",
+             title=f"goodput / best goodput at each b (context {context_len})")
+    heat.legend(loc="upper right")
+    figure.colorbar(image, ax=heat)
+
+    for axis, role in zip(axes[1:], ("target", "draft")):
+        fit = fitted.roles[role]
+        p = fit.points
+        predicted = np.asarray(fit.model.latency_ms(p.batch_size, p.new_tokens, p.context_len))
+        points = axis.scatter(p.latency_ms, predicted, c=np.log2(p.batch_size), s=12, cmap="plasma")
+        span = np.array([min(p.latency_ms.min(), predicted.min()), max(p.latency_ms.max(), predicted.max())])
+        axis.plot(span, span, color="black", linewidth=1)
+        axis.fill_between(span, 0.95 * span, 1.05 * span, color="grey", alpha=0.3, label="+-5%")
+        axis.set(xscale="log", yscale="log", xlabel="measured ms", ylabel="predicted ms",
+                 title=f"{role}: {fit.kind}, MAPE {fit.in_sample_mape_pct:.1f}%")
+        axis.xaxis.set_minor_formatter(NullFormatter())  # minor log labels collide on short spans
+        axis.yaxis.set_minor_formatter(NullFormatter())
+        axis.legend(loc="upper left")
+        figure.colorbar(points, ax=axis, label="log2 batch size")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)

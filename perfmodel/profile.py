@@ -1,0 +1,364 @@
+"""The `specbatch.profile/1` contract: what `calibrate` measured on one device for one model pair.
+
+A profile is data, kept apart from fitting: device metadata, the two models' shapes, forward-pass
+timings over a grid of (batch size b, new tokens n, context length L), per-step overheads and the
+measured acceptance per draft position. `T(b, n, L)` is the time of ONE forward pass over b
+sequences each feeding n new tokens on top of L cached tokens.
+
+Reading is strict: a missing or mistyped field is a PerfModelError that names the file and the
+field (`profile.json: timings[3].median_ms: expected a number, found 'fast'`).
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .errors import PerfModelError
+from .jsonio import read_json, write_json_atomic
+
+PROFILE_SCHEMA = "specbatch.profile/1"
+ROLES = ("target", "draft")
+DEVICE_KINDS = ("cpu", "cuda")
+DTYPES = ("float32", "bfloat16", "float16")
+ACCEPTANCE_MODES = ("greedy", "sampling")
+ACCEPTANCE_SOURCES = ("measured", "user")
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    kind: str  # cpu | cuda
+    name: str
+    memory_bytes: int
+    dtype: str  # float32 | bfloat16 | float16: the dtype every timing was measured in
+    torch_version: str
+    cpu_threads: int
+    git_revision: str | None
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    source: str  # model directory or shape preset
+    model_type: str
+    random_weights: bool
+    parameters: int
+    layers: int
+    hidden_size: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    weight_bytes: int  # all weights at the profiled dtype
+    kv_bytes_per_token: int  # KV-cache bytes per cached token, all layers
+    max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class Grid:
+    batch_sizes: tuple[int, ...]
+    context_lens: tuple[int, ...]
+    max_k: int
+    target_new_tokens: tuple[int, ...]  # 1..max_k+1: the verify pass feeds k+1 tokens
+    draft_new_tokens: tuple[int, ...]  # 1 and 2: the draft's first pass may catch up two tokens
+
+
+@dataclass(frozen=True)
+class TimingRow:
+    model: str  # target | draft
+    batch_size: int
+    new_tokens: int
+    context_len: int
+    median_ms: float | None  # None when the pass did not fit in memory
+    p10_ms: float | None
+    p90_ms: float | None
+    reps: int
+    feasible: bool
+
+
+@dataclass(frozen=True)
+class OverheadRow:
+    """Time a speculative step spends outside forward passes (sampling, acceptance, bookkeeping)."""
+
+    batch_size: int
+    k: int
+    median_ms: float
+    p10_ms: float
+    p90_ms: float
+    reps: int
+
+
+@dataclass(frozen=True)
+class AcceptanceEntry:
+    mode: str  # greedy | sampling
+    temperature: float | None
+    top_k: int | None
+    top_p: float | None
+    source: str  # measured | user
+    per_position: tuple[float, ...]  # alpha_i = P(draft token i accepted | tokens 1..i-1 accepted)
+    trials: tuple[int, ...] | None  # how many times position i was reached while measuring
+    prompts: str | None
+    prompt_count: int | None
+
+
+@dataclass(frozen=True)
+class Profile:
+    created_utc: str
+    device: DeviceInfo
+    target: ModelInfo
+    draft: ModelInfo
+    grid: Grid
+    timings: tuple[TimingRow, ...]
+    overheads: tuple[OverheadRow, ...]
+    acceptance: tuple[AcceptanceEntry, ...]
+
+    def model(self, role: str) -> ModelInfo:
+        if role not in ROLES:
+            raise PerfModelError(f"unknown model role {role!r}; valid roles: {', '.join(ROLES)}")
+        return self.target if role == "target" else self.draft
+
+    def timings_of(self, role: str, feasible_only: bool = True) -> tuple[TimingRow, ...]:
+        return tuple(row for row in self.timings if row.model == role and (row.feasible or not feasible_only))
+
+    def to_json(self) -> dict:
+        return {
+            "schema": PROFILE_SCHEMA,
+            "created_utc": self.created_utc,
+            "device": asdict(self.device),
+            "models": {"target": asdict(self.target), "draft": asdict(self.draft)},
+            "grid": {key: list(value) if isinstance(value, tuple) else value for key, value in asdict(self.grid).items()},
+            "timings": [asdict(row) for row in self.timings],
+            "overheads": [asdict(row) for row in self.overheads],
+            "acceptance": [_acceptance_json(entry) for entry in self.acceptance],
+        }
+
+
+def _acceptance_json(entry: AcceptanceEntry) -> dict:
+    obj = asdict(entry)
+    obj["per_position"] = list(entry.per_position)
+    obj["trials"] = None if entry.trials is None else list(entry.trials)
+    return obj
+
+
+# ---------------------------------------------------------------- field readers
+# Each reader takes the enclosing object, the key and `where` (the file and the path to the object)
+# so that an error names exactly the field at fault.
+
+def _at(where: str, key: str) -> str:
+    """'profile.json:' + 'grid' -> 'profile.json: grid'; 'profile.json: grid' + 'max_k' -> '... grid.max_k'."""
+    return f"{where} {key}" if where.endswith(":") else f"{where}.{key}"
+
+
+def _get(obj: dict, key: str, where: str) -> Any:
+    if not isinstance(obj, dict):
+        raise PerfModelError(f"{where.rstrip(':')}: expected a JSON object, found {type(obj).__name__}")
+    if key not in obj:
+        raise PerfModelError(f"{_at(where, key)}: missing")
+    return obj[key]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int(obj: dict, key: str, where: str, minimum: int | None = None, nullable: bool = False) -> int | None:
+    value = _get(obj, key, where)
+    if value is None and nullable:
+        return None
+    if not _is_int(value):
+        raise PerfModelError(f"{_at(where, key)}: expected an integer, found {value!r}")
+    if minimum is not None and value < minimum:
+        raise PerfModelError(f"{_at(where, key)}: must be >= {minimum}, found {value}")
+    return value
+
+
+def _number(obj: dict, key: str, where: str, minimum: float | None = None, nullable: bool = False) -> float | None:
+    value = _get(obj, key, where)
+    if value is None and nullable:
+        return None
+    if not (_is_int(value) or isinstance(value, float)) or not math.isfinite(value):
+        raise PerfModelError(f"{_at(where, key)}: expected a number, found {value!r}")
+    if minimum is not None and value < minimum:
+        raise PerfModelError(f"{_at(where, key)}: must be >= {minimum}, found {value}")
+    return float(value)
+
+
+def _str(obj: dict, key: str, where: str, choices: tuple[str, ...] | None = None, nullable: bool = False) -> str | None:
+    value = _get(obj, key, where)
+    if value is None and nullable:
+        return None
+    if not isinstance(value, str):
+        raise PerfModelError(f"{_at(where, key)}: expected a string, found {value!r}")
+    if choices is not None and value not in choices:
+        raise PerfModelError(f"{_at(where, key)}: {value!r} is not one of {', '.join(choices)}")
+    return value
+
+
+def _bool(obj: dict, key: str, where: str) -> bool:
+    value = _get(obj, key, where)
+    if not isinstance(value, bool):
+        raise PerfModelError(f"{_at(where, key)}: expected true or false, found {value!r}")
+    return value
+
+
+def _list(obj: dict, key: str, where: str, nullable: bool = False) -> list | None:
+    value = _get(obj, key, where)
+    if value is None and nullable:
+        return None
+    if not isinstance(value, list):
+        raise PerfModelError(f"{_at(where, key)}: expected a list, found {type(value).__name__}")
+    return value
+
+
+def _int_list(obj: dict, key: str, where: str, minimum: int, nullable: bool = False) -> tuple[int, ...] | None:
+    values = _list(obj, key, where, nullable)
+    if values is None:
+        return None
+    for index, value in enumerate(values):
+        if not _is_int(value) or value < minimum:
+            raise PerfModelError(f"{_at(where, key)}[{index}]: expected an integer >= {minimum}, found {value!r}")
+    return tuple(values)
+
+
+# ---------------------------------------------------------------- sections
+
+def _device(obj: dict, where: str) -> DeviceInfo:
+    return DeviceInfo(
+        kind=_str(obj, "kind", where, DEVICE_KINDS),
+        name=_str(obj, "name", where),
+        memory_bytes=_int(obj, "memory_bytes", where, minimum=0),
+        dtype=_str(obj, "dtype", where, DTYPES),
+        torch_version=_str(obj, "torch_version", where),
+        cpu_threads=_int(obj, "cpu_threads", where, minimum=1),
+        git_revision=_str(obj, "git_revision", where, nullable=True),
+    )
+
+
+def _model_info(obj: dict, where: str) -> ModelInfo:
+    positive = ("parameters", "layers", "hidden_size", "heads", "kv_heads", "head_dim", "intermediate_size",
+                "vocab_size", "weight_bytes", "kv_bytes_per_token", "max_position_embeddings")
+    return ModelInfo(
+        source=_str(obj, "source", where),
+        model_type=_str(obj, "model_type", where),
+        random_weights=_bool(obj, "random_weights", where),
+        **{key: _int(obj, key, where, minimum=1) for key in positive},
+    )
+
+
+def _grid(obj: dict, where: str) -> Grid:
+    grid = Grid(
+        batch_sizes=_int_list(obj, "batch_sizes", where, minimum=1),
+        context_lens=_int_list(obj, "context_lens", where, minimum=0),
+        max_k=_int(obj, "max_k", where, minimum=0),
+        target_new_tokens=_int_list(obj, "target_new_tokens", where, minimum=1),
+        draft_new_tokens=_int_list(obj, "draft_new_tokens", where, minimum=1),
+    )
+    for key in ("batch_sizes", "context_lens", "target_new_tokens", "draft_new_tokens"):
+        if not getattr(grid, key):
+            raise PerfModelError(f"{_at(where, key)}: must not be empty")
+    return grid
+
+
+def _timing(obj: dict, where: str) -> TimingRow:
+    feasible = _bool(obj, "feasible", where)
+    times = {key: _number(obj, key, where, nullable=True) for key in ("median_ms", "p10_ms", "p90_ms")}
+    for key, value in times.items():
+        if feasible and (value is None or value <= 0):
+            raise PerfModelError(f"{_at(where, key)}: a feasible row needs a positive time, found {value!r}")
+        if not feasible and value is not None:
+            raise PerfModelError(f"{_at(where, key)}: an infeasible (out of memory) row must have null times")
+    return TimingRow(
+        model=_str(obj, "model", where, ROLES),
+        batch_size=_int(obj, "batch_size", where, minimum=1),
+        new_tokens=_int(obj, "new_tokens", where, minimum=1),
+        context_len=_int(obj, "context_len", where, minimum=0),
+        reps=_int(obj, "reps", where, minimum=0),
+        feasible=feasible,
+        **times,
+    )
+
+
+def _overhead(obj: dict, where: str) -> OverheadRow:
+    return OverheadRow(
+        batch_size=_int(obj, "batch_size", where, minimum=1),
+        k=_int(obj, "k", where, minimum=0),
+        median_ms=_number(obj, "median_ms", where, minimum=0.0),
+        p10_ms=_number(obj, "p10_ms", where, minimum=0.0),
+        p90_ms=_number(obj, "p90_ms", where, minimum=0.0),
+        reps=_int(obj, "reps", where, minimum=1),
+    )
+
+
+def _acceptance(obj: dict, where: str) -> AcceptanceEntry:
+    per_position = _list(obj, "per_position", where)
+    if not per_position:
+        raise PerfModelError(f"{_at(where, 'per_position')}: needs at least one value")
+    for index, value in enumerate(per_position):
+        if not (_is_int(value) or isinstance(value, float)) or not 0.0 <= value <= 1.0:
+            raise PerfModelError(f"{_at(where, 'per_position')}[{index}]: expected a probability in [0, 1], found {value!r}")
+    trials = _int_list(obj, "trials", where, minimum=0, nullable=True)
+    if trials is not None and len(trials) != len(per_position):
+        raise PerfModelError(f"{_at(where, 'trials')}: has {len(trials)} values but per_position has {len(per_position)}")
+    return AcceptanceEntry(
+        mode=_str(obj, "mode", where, ACCEPTANCE_MODES),
+        temperature=_number(obj, "temperature", where, minimum=0.0, nullable=True),
+        top_k=_int(obj, "top_k", where, minimum=1, nullable=True),
+        top_p=_number(obj, "top_p", where, minimum=0.0, nullable=True),
+        source=_str(obj, "source", where, ACCEPTANCE_SOURCES),
+        per_position=tuple(float(value) for value in per_position),
+        trials=trials,
+        prompts=_str(obj, "prompts", where, nullable=True),
+        prompt_count=_int(obj, "prompt_count", where, minimum=0, nullable=True),
+    )
+
+
+def _rows(obj: dict, key: str, where: str, parse) -> tuple:
+    return tuple(parse(item, f"{_at(where, key)}[{index}]") for index, item in enumerate(_list(obj, key, where)))
+
+
+def profile_from_json(obj: dict, source: str = "profile") -> Profile:
+    """Build a Profile from its parsed JSON (schema already checked); `source` (the file) prefixes errors."""
+    top = f"{source}:"
+    models = _get(obj, "models", top)
+    profile = Profile(
+        created_utc=_str(obj, "created_utc", top),
+        device=_device(_get(obj, "device", top), f"{top} device"),
+        target=_model_info(_get(models, "target", f"{top} models"), f"{top} models.target"),
+        draft=_model_info(_get(models, "draft", f"{top} models"), f"{top} models.draft"),
+        grid=_grid(_get(obj, "grid", top), f"{top} grid"),
+        timings=_rows(obj, "timings", top, _timing),
+        overheads=_rows(obj, "overheads", top, _overhead),
+        acceptance=_rows(obj, "acceptance", top, _acceptance),
+    )
+    validate(profile, source)
+    return profile
+
+
+def validate(profile: Profile, where: str = "profile") -> None:
+    """Checks across fields that the per-field readers cannot make; raises PerfModelError."""
+    seen: set[tuple[str, int, int, int]] = set()
+    for index, row in enumerate(profile.timings):
+        key = (row.model, row.batch_size, row.new_tokens, row.context_len)
+        if key in seen:
+            raise PerfModelError(f"{where}: timings[{index}]: duplicate row for {row.model} "
+                                 f"b={row.batch_size} n={row.new_tokens} L={row.context_len}")
+        seen.add(key)
+    overhead_keys = [(row.batch_size, row.k) for row in profile.overheads]
+    if len(set(overhead_keys)) != len(overhead_keys):
+        raise PerfModelError(f"{where}: overheads: duplicate (batch_size, k) rows")
+    for role in ROLES:
+        info = profile.model(role)
+        if info.kv_heads > info.heads:
+            raise PerfModelError(f"{where}: models.{role}: kv_heads ({info.kv_heads}) > heads ({info.heads})")
+
+
+def load_profile(path: str | os.PathLike) -> Profile:
+    """Read and validate a `specbatch.profile/1` file."""
+    return profile_from_json(read_json(path, PROFILE_SCHEMA), str(path))
+
+
+def save_profile(path: str | os.PathLike, profile: Profile) -> None:
+    """Validate, then write atomically."""
+    validate(profile, str(path))
+    write_json_atomic(path, profile.to_json())

@@ -1,0 +1,240 @@
+"""The `specbatch.table/1` contract: the best speculation length k per batch size, per context bucket.
+
+This is what the runtime's `TableK` policy reads, so this module needs only the standard library
+(no scipy, no scikit-learn, no torch).
+
+    {"schema": "specbatch.table/1", "target", "draft", "device", "created_utc", "max_k",
+     "acceptance": {...the acceptance the table was computed with...},
+     "buckets": [{"context_len", "entries": [{"batch_size", "k", "predicted_tokens_per_s",
+                  "predicted_speedup", "runner_up_k", "margin"}, ...]}, ...]}
+
+Lookup rules (`Table.lookup`):
+- bucket: the one whose context_len is nearest to the given mean context length, in tokens (KV
+  cost is linear in L, so absolute distance is the physically even-handed one); a tie goes to the
+  shorter bucket; no context length given means the first (shortest) bucket;
+- batch size: its own entry; beyond the table, the last entry;
+- a batch size beyond the table, or a context length outside [first, last] bucket, still gets an
+  answer (the edge) and a `TableRangeWarning`, once per table object and per kind (batch, context).
+"""
+from __future__ import annotations
+
+import csv
+import io
+import math
+import os
+import warnings
+from dataclasses import dataclass, field
+
+from .errors import PerfModelError
+from .jsonio import read_json, rounded, write_json_atomic
+
+TABLE_SCHEMA = "specbatch.table/1"
+
+
+class TableRangeWarning(UserWarning):
+    """A lookup outside the batch sizes or context lengths the table was computed for."""
+
+
+@dataclass(frozen=True)
+class TableEntry:
+    batch_size: int
+    k: int
+    predicted_tokens_per_s: float
+    predicted_speedup: float  # over k = 0
+    runner_up_k: int | None
+    margin: float | None  # relative goodput lead over the runner-up
+
+
+@dataclass(frozen=True)
+class Bucket:
+    context_len: int
+    entries: tuple[TableEntry, ...]  # batch sizes 1..N, contiguous
+
+    @property
+    def max_batch(self) -> int:
+        return self.entries[-1].batch_size
+
+
+@dataclass(frozen=True)
+class Table:
+    target: str
+    draft: str
+    device: str
+    created_utc: str
+    max_k: int
+    acceptance: dict
+    buckets: tuple[Bucket, ...]  # ascending context_len
+    # kinds of out-of-range lookups already warned about; mutable on purpose, outside equality
+    _warned: set = field(default_factory=set, compare=False, repr=False)
+
+    def _warn_once(self, kind: str, message: str) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            warnings.warn(message, TableRangeWarning, stacklevel=3)  # point at lookup's caller
+
+    def bucket_for(self, context_len: int | None) -> Bucket:
+        """The bucket nearest to `context_len` in tokens (ties: the shorter); None: the first."""
+        if context_len is None:
+            return self.buckets[0]
+        return min(self.buckets, key=lambda bucket: abs(bucket.context_len - context_len))
+
+    def lookup(self, batch_size: int, context_len: int | None = None) -> int:
+        """The k to use for `batch_size` sequences whose mean context length is `context_len`."""
+        if batch_size < 1:
+            raise PerfModelError(f"table lookup: batch size must be >= 1, found {batch_size}")
+        first, last = self.buckets[0].context_len, self.buckets[-1].context_len
+        if context_len is not None and not first <= context_len <= last:
+            self._warn_once("context", f"table: context length {context_len} is outside the buckets "
+                                       f"[{first}, {last}]; using the nearest edge bucket")
+        bucket = self.bucket_for(context_len)
+        if batch_size > bucket.max_batch:
+            self._warn_once("batch", f"table: batch size {batch_size} is beyond the table's {bucket.max_batch}; "
+                                     f"using the entry for {bucket.max_batch}")
+            return bucket.entries[-1].k
+        return bucket.entries[batch_size - 1].k
+
+    def to_json(self) -> dict:
+        return {
+            "schema": TABLE_SCHEMA, "target": self.target, "draft": self.draft, "device": self.device,
+            "created_utc": self.created_utc, "max_k": self.max_k, "acceptance": self.acceptance,
+            "buckets": [{"context_len": bucket.context_len, "entries": [_entry_json(e) for e in bucket.entries]}
+                        for bucket in self.buckets],
+        }
+
+
+def _entry_json(entry: TableEntry) -> dict:
+    return {"batch_size": entry.batch_size, "k": entry.k,
+            "predicted_tokens_per_s": rounded(entry.predicted_tokens_per_s),
+            "predicted_speedup": rounded(entry.predicted_speedup),
+            "runner_up_k": entry.runner_up_k, "margin": rounded(entry.margin)}
+
+
+# ---------------------------------------------------------------- reading
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+def _entry(obj, where: str, max_k: int) -> TableEntry:
+    if not isinstance(obj, dict):
+        raise PerfModelError(f"{where}: expected an object")
+    for key in ("batch_size", "k", "predicted_tokens_per_s", "predicted_speedup"):
+        if key not in obj:
+            raise PerfModelError(f"{where}: missing {key!r}")
+    k, runner_up, margin = obj["k"], obj.get("runner_up_k"), obj.get("margin")
+    if not _is_int(obj["batch_size"]):
+        raise PerfModelError(f"{where}.batch_size: expected an integer, found {obj['batch_size']!r}")
+    if not _is_int(k) or not 0 <= k <= max_k:
+        raise PerfModelError(f"{where}.k: expected an integer in [0, max_k={max_k}], found {k!r}")
+    for key in ("predicted_tokens_per_s", "predicted_speedup"):
+        if not _is_number(obj[key]) or obj[key] <= 0:
+            raise PerfModelError(f"{where}.{key}: expected a positive number, found {obj[key]!r}")
+    if runner_up is not None and (not _is_int(runner_up) or runner_up < 0):
+        raise PerfModelError(f"{where}.runner_up_k: expected an integer >= 0 or null, found {runner_up!r}")
+    if margin is not None and (not _is_number(margin) or margin < 0):
+        raise PerfModelError(f"{where}.margin: expected a number >= 0 or null, found {margin!r}")
+    return TableEntry(obj["batch_size"], k, float(obj["predicted_tokens_per_s"]), float(obj["predicted_speedup"]),
+                      runner_up, None if margin is None else float(margin))
+
+
+def _bucket(obj, where: str, max_k: int) -> Bucket:
+    if not isinstance(obj, dict) or not _is_int(obj.get("context_len")) or obj["context_len"] < 0:
+        raise PerfModelError(f"{where}: expected an object with an integer context_len >= 0")
+    rows = obj.get("entries")
+    if not isinstance(rows, list) or not rows:
+        raise PerfModelError(f"{where}.entries: expected a non-empty list")
+    entries = tuple(_entry(row, f"{where}.entries[{i}]", max_k) for i, row in enumerate(rows))
+    for expected, entry in enumerate(entries, start=1):
+        if entry.batch_size != expected:
+            raise PerfModelError(f"{where}.entries: batch sizes must be 1, 2, 3, ... in order without gaps; "
+                                 f"entry {expected} has batch_size {entry.batch_size}")
+    return Bucket(obj["context_len"], entries)
+
+
+def table_from_json(obj: dict, source: str = "table") -> Table:
+    """Validate a parsed table (schema already checked); `source` (the file) prefixes errors."""
+    for key in ("target", "draft", "device", "created_utc"):
+        if not isinstance(obj.get(key), str):
+            raise PerfModelError(f"{source}: {key}: expected a string, found {obj.get(key)!r}")
+    max_k = obj.get("max_k")
+    if not _is_int(max_k) or max_k < 0:
+        raise PerfModelError(f"{source}: max_k: expected an integer >= 0, found {max_k!r}")
+    acceptance = obj.get("acceptance")
+    if not isinstance(acceptance, dict):
+        raise PerfModelError(f"{source}: acceptance: expected an object, found {acceptance!r}")
+    rows = obj.get("buckets")
+    if not isinstance(rows, list) or not rows:
+        raise PerfModelError(f"{source}: buckets: expected a non-empty list")
+    buckets = tuple(_bucket(row, f"{source}: buckets[{i}]", max_k) for i, row in enumerate(rows))
+    lengths = [bucket.context_len for bucket in buckets]
+    if lengths != sorted(set(lengths)):
+        raise PerfModelError(f"{source}: buckets: context_len must be strictly increasing, found {lengths}")
+    return Table(obj["target"], obj["draft"], obj["device"], obj["created_utc"], max_k, acceptance, buckets)
+
+
+def load_table(path: str | os.PathLike) -> Table:
+    return table_from_json(read_json(path, TABLE_SCHEMA), str(path))
+
+
+def save_table(path: str | os.PathLike, table: Table) -> None:
+    obj = table.to_json()
+    table_from_json(obj, str(path))  # never write a file our own reader would refuse
+    write_json_atomic(path, obj)
+
+
+# ---------------------------------------------------------------- exports
+
+def k_runs(entries: tuple[TableEntry, ...]) -> list[tuple[int, int, int]]:
+    """Contiguous runs of equal k: [(start_batch, end_batch, k), ...], ends inclusive."""
+    runs: list[list[int]] = []
+    for entry in entries:
+        if runs and runs[-1][2] == entry.k:
+            runs[-1][1] = entry.batch_size
+        else:
+            runs.append([entry.batch_size, entry.batch_size, entry.k])
+    return [tuple(run) for run in runs]
+
+
+def _single_bucket(table: Table, context_len: int | None, fmt: str) -> Bucket:
+    """vLLM and TensorRT-LLM schedules know batch sizes only: export one bucket."""
+    if context_len is None:
+        if len(table.buckets) > 1:
+            lengths = ", ".join(str(bucket.context_len) for bucket in table.buckets)
+            raise PerfModelError(f"--format {fmt}: the table has context buckets {lengths}; "
+                                 "an engine schedule takes one: build the table with a single --context-lens value")
+        return table.buckets[0]
+    return table.bucket_for(context_len)
+
+
+def to_vllm(table: Table, context_len: int | None = None) -> dict:
+    """{"num_speculative_tokens_per_batch_size": [[start_bs, end_bs, k], ...]}: contiguous,
+    inclusive ranges covering 1..N."""
+    bucket = _single_bucket(table, context_len, "vllm")
+    return {"num_speculative_tokens_per_batch_size": [list(run) for run in k_runs(bucket.entries)]}
+
+
+def to_trtllm(table: Table, context_len: int | None = None) -> dict:
+    """{"draft_len_schedule": {batch_size: k}} with change points only: TensorRT-LLM uses the
+    entry with the largest key <= the batch size, so the first batch size of every run of equal
+    k says everything (and key 1 is always present)."""
+    bucket = _single_bucket(table, context_len, "trtllm")
+    return {"draft_len_schedule": {str(start): k for start, _, k in k_runs(bucket.entries)}}
+
+
+CSV_COLUMNS = ("batch_size", "k", "predicted_tokens_per_s", "predicted_speedup", "context_len")
+
+
+def to_csv(table: Table) -> str:
+    """One row per (bucket, batch size); plain numbers, no units in cells (the header names them)."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(CSV_COLUMNS)
+    for bucket in table.buckets:
+        for entry in bucket.entries:
+            writer.writerow([entry.batch_size, entry.k, f"{entry.predicted_tokens_per_s:.6g}",
+                             f"{entry.predicted_speedup:.6g}", bucket.context_len])
+    return out.getvalue()

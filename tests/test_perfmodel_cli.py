@@ -1,0 +1,194 @@
+"""`specbatch fit | table | query | plot` end to end on synthetic profiles, and every bad input."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+import cli
+from perfmodel.model import load_model
+from perfmodel.table import load_table
+from perfmodel_fixtures import build_profile, roofline_latency, write_profile
+
+runner = CliRunner()
+SMALL = dict(batch_sizes=(1, 2, 4, 8, 16), context_lens=(128, 512, 2048), max_k=4)
+
+
+def invoke(*args: str):
+    return runner.invoke(cli.app, [str(a) for a in args])
+
+
+def assert_one_line_error(result, *fragments: str) -> None:
+    assert result.exit_code == 2, (result.exit_code, result.output)
+    message = result.stderr.strip()
+    assert message.startswith("error: ") and "\n" not in message, message
+    assert "Traceback" not in result.output and result.stdout == ""
+    for fragment in fragments:
+        assert fragment in message, message
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """A profile with acceptance, one without, and the model fitted from each (fitted once)."""
+    root = tmp_path_factory.mktemp("perfmodel_cli")
+    paths = {"profile": write_profile(root / "profile.json", build_profile(roofline_latency(), acceptance=[0.8, 0.75], **SMALL)),
+             "bare_profile": write_profile(root / "bare.json", build_profile(roofline_latency(), acceptance=None, **SMALL))}
+    for name, profile in (("model", "profile"), ("bare_model", "bare_profile")):
+        paths[name] = root / f"{name}.json"
+        result = invoke("fit", paths[profile], "-o", paths[name])
+        assert result.exit_code == 0, result.output
+    paths["root"] = root
+    return paths
+
+
+def test_fit_json_prints_one_object(files, tmp_path):
+    out = tmp_path / "model.json"
+    result = invoke("fit", files["profile"], "-o", out, "--holdout", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)  # the whole of stdout is one JSON object
+    target = report["roles"]["target"]
+    assert target["kind"] in ("roofline", "roofline+monotone")
+    assert set(target["roofline"]) == {"overhead_ms", "bandwidth_GBps", "flops_TFLOPs", "overlap_exponent", "ridge_tokens"}
+    assert target["validation"]["holdout"]["held_out_batch_sizes"] == [2, 8]
+    assert target["validation"]["holdout"]["mape_pct"] < 5.0
+    assert load_model(out).roles["draft"].holdout is not None
+
+
+def test_fit_human_report(files, tmp_path):
+    result = invoke("fit", files["profile"], "-o", tmp_path / "m.json", "--holdout")
+    assert result.exit_code == 0, result.output
+    for text in ("bandwidth_GBps", "flops_TFLOPs", "overhead_ms", "held-out MAPE", "worst held-out points"):
+        assert text in result.stdout
+
+
+def test_model_file_round_trips_predictions(files):
+    model = load_model(files["model"])
+    again = files["root"] / "again.json"
+    from perfmodel.model import save_model
+
+    save_model(again, model)
+    reloaded = load_model(again)
+    for role in ("target", "draft"):
+        assert reloaded.latency_ms(role, 3, 2, 700) == pytest.approx(model.latency_ms(role, 3, 2, 700), rel=1e-6)
+
+
+def test_table_json_and_exports(files, tmp_path):
+    out = tmp_path / "table.json"
+    result = invoke("table", files["model"], "-o", out, "--max-batch", "16")
+    assert result.exit_code == 0, result.output
+    table = load_table(out)
+    assert [e.batch_size for e in table.buckets[0].entries] == list(range(1, 17))
+    assert table.buckets[0].context_len == 512  # the middle of the profiled 128, 512, 2048
+    assert "k*" in result.stdout and "speedup vs k=0" in result.stdout
+    ks = [e.k for e in table.buckets[0].entries]
+
+    result = invoke("table", files["model"], "-o", tmp_path / "t.csv", "--max-batch", "16", "--format", "csv")
+    lines = (tmp_path / "t.csv").read_text().splitlines()
+    assert lines[0] == "batch_size,k,predicted_tokens_per_s,predicted_speedup,context_len" and len(lines) == 17
+    assert [int(line.split(",")[1]) for line in lines[1:]] == ks
+
+    invoke("table", files["model"], "-o", tmp_path / "v.json", "--max-batch", "16", "--format", "vllm")
+    ranges = json.loads((tmp_path / "v.json").read_text())["num_speculative_tokens_per_batch_size"]
+    assert [k for start, end, k in ranges for _ in range(start, end + 1)] == ks
+
+    invoke("table", files["model"], "-o", tmp_path / "r.json", "--max-batch", "16", "--format", "trtllm")
+    schedule = {int(b): k for b, k in json.loads((tmp_path / "r.json").read_text())["draft_len_schedule"].items()}
+    assert [schedule[max(key for key in schedule if key <= b)] for b in range(1, 17)] == ks
+
+
+def test_table_with_context_buckets_and_what_if_acceptance(files, tmp_path):
+    out = tmp_path / "table.json"
+    result = invoke("table", files["bare_model"], "-o", out, "--max-batch", "8", "--context-lens", "128,4096",
+                    "--acceptance", "0.9,0.8")
+    assert result.exit_code == 0, result.output
+    table = load_table(out)
+    assert [b.context_len for b in table.buckets] == [128, 4096]
+    assert table.acceptance["source"] == "user" and table.acceptance["per_position"] == [0.9, 0.8]
+    assert "outside the profiled" in result.stdout  # 4096 > 2048 is extrapolated, and the report says so
+
+
+def test_query_json(files):
+    result = invoke("query", files["model"], "--batch-size", "4", "--context-len", "512", "--json")
+    assert result.exit_code == 0, result.output
+    answer = json.loads(result.stdout)
+    assert set(answer) == {"batch_size", "context_len", "best_k", "candidates"}
+    assert [c["k"] for c in answer["candidates"]] == list(range(5))
+    assert set(answer["candidates"][0]) == {"k", "step_ms", "tokens_per_step", "tokens_per_s"}
+    best = max(answer["candidates"], key=lambda c: c["tokens_per_s"])
+    assert answer["best_k"] == best["k"]
+    assert answer["candidates"][0]["tokens_per_step"] == 1.0
+
+
+def test_query_a_table_gives_the_tables_choice(files, tmp_path):
+    out = tmp_path / "table.json"
+    invoke("table", files["model"], "-o", out, "--max-batch", "8")
+    result = invoke("query", "--table", out, "--batch-size", "3", "--json")
+    assert result.exit_code == 0, result.output
+    answer = json.loads(result.stdout)
+    assert answer["best_k"] == load_table(out).lookup(3)
+    [candidate] = answer["candidates"]
+    direct = json.loads(invoke("query", files["model"], "--batch-size", "3", "--json").stdout)
+    same = direct["candidates"][candidate["k"]]
+    assert candidate["tokens_per_s"] == pytest.approx(same["tokens_per_s"], rel=1e-5)
+    assert candidate["step_ms"] == pytest.approx(same["step_ms"], rel=1e-5)
+
+
+def test_plot_writes_an_image(files, tmp_path):
+    out = tmp_path / "fig.png"
+    result = invoke("plot", files["model"], "-o", out, "--max-batch", "16")
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------- bad input: exit code 2, one line
+
+def test_wrong_schema_profile(files, tmp_path):
+    assert_one_line_error(invoke("fit", files["model"], "-o", tmp_path / "m.json"),
+                          "schema 'specbatch.model/1', expected 'specbatch.profile/1'")
+
+
+def test_wrong_schema_model(files, tmp_path):
+    assert_one_line_error(invoke("table", files["profile"], "-o", tmp_path / "t.json"),
+                          "schema 'specbatch.profile/1', expected 'specbatch.model/1'")
+    assert_one_line_error(invoke("query", "--table", files["model"], "--batch-size", "1"),
+                          "expected 'specbatch.table/1'")
+
+
+def test_no_acceptance_and_no_option(files, tmp_path):
+    assert_one_line_error(invoke("table", files["bare_model"], "-o", tmp_path / "t.json"),
+                          "no acceptance measurements", "--acceptance")
+    assert_one_line_error(invoke("query", files["bare_model"], "--batch-size", "2"), "--acceptance")
+
+
+@pytest.mark.parametrize("value", ["1.5", "0", "0.9,-0.1"])
+def test_acceptance_outside_open_unit_interval(files, tmp_path, value):
+    assert_one_line_error(invoke("table", files["model"], "-o", tmp_path / "t.json", "--acceptance", value),
+                          "--acceptance", "outside (0, 1]")
+
+
+def test_too_few_points_for_a_role(tmp_path):
+    profile = write_profile(tmp_path / "p.json", build_profile(roofline_latency(), batch_sizes=(1, 2), context_lens=(128,),
+                                                               max_k=4, acceptance=[0.8]))
+    assert_one_line_error(invoke("fit", profile, "-o", tmp_path / "m.json"), "draft", "at least 8", "has 4")
+
+
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_non_positive_batch_size(files, value):
+    assert_one_line_error(invoke("query", files["model"], "--batch-size", value), "--batch-size must be >= 1")
+
+
+def test_query_needs_exactly_one_source(files):
+    assert_one_line_error(invoke("query", "--batch-size", "2"), "either a model file or --table")
+    assert_one_line_error(invoke("query", files["model"], "--table", files["model"], "--batch-size", "2"),
+                          "either a model file or --table")
+
+
+def test_other_bad_options(files, tmp_path):
+    assert_one_line_error(invoke("table", files["model"], "-o", tmp_path / "t", "--format", "xml"), "--format")
+    assert_one_line_error(invoke("table", files["model"], "-o", tmp_path / "t", "--max-batch", "0"), "--max-batch")
+    assert_one_line_error(invoke("table", files["model"], "-o", tmp_path / "t", "--context-lens", "512,x"),
+                          "--context-lens")
+    assert_one_line_error(invoke("table", files["model"], "-o", tmp_path / "t.json", "--context-lens", "128,512",
+                                 "--format", "vllm"), "--format vllm", "single --context-lens")
+    assert_one_line_error(invoke("fit", tmp_path / "missing.json", "-o", tmp_path / "m.json"), "no such file")

@@ -1,0 +1,114 @@
+"""Step time, goodput and the best k, on latency functions whose answer is known."""
+from __future__ import annotations
+
+import pytest
+
+from perfmodel.acceptance import expected_tokens
+from perfmodel.errors import PerfModelError
+from perfmodel.goodput import OverheadModel, best_k_per_batch, evaluate, step_passes, step_time_ms
+from perfmodel_fixtures import roofline_latency
+
+NO_OVERHEAD = OverheadModel(())
+
+
+def memory_bound(role: str, b: int, n: int, L: int) -> float:
+    """Pass time independent of the tokens fed: verifying k+1 tokens costs what 1 does."""
+    return 10.0 if role == "target" else 0.5
+
+
+def compute_bound(role: str, b: int, n: int, L: int) -> float:
+    """Pass time proportional to tokens fed: every verified token costs full price."""
+    return (1.0 if role == "target" else 0.1) * b * n
+
+
+def test_memory_bound_prefers_a_large_k():
+    # G(k) = E(k) / (10 + 0.5 k) with alpha 0.8 peaks at k = 8 (E(8)/14 = 0.3092 > E(9)/14.5 = 0.3078)
+    choice = evaluate(memory_bound, NO_OVERHEAD, [0.8], batch_size=4, context_len=512, max_k=10)
+    assert choice.best_k == 8
+    assert choice.speedup == pytest.approx(expected_tokens([0.8], 8) / 14.0 * 10.0)
+
+
+def test_compute_bound_prefers_no_speculation():
+    for b in (1, 8, 64):
+        choice = evaluate(compute_bound, NO_OVERHEAD, [0.9], batch_size=b, context_len=512, max_k=8)
+        assert choice.best_k == 0
+        assert choice.speedup == 1.0
+        assert choice.runner_up_k == 1
+
+
+def test_step_time_mirrors_the_schedule_by_hand():
+    def latency(role, b, n, L):
+        return {("draft", 1): 1.0, ("draft", 2): 1.5, ("target", 3): 7.0}[(role, n)] * b
+
+    overhead = OverheadModel(((2, 2, 0.25),))
+    # alpha 0.5, k = 2: a row accepts both with 0.25; some row of 2 did with 1 - 0.75^2 = 0.4375
+    p2 = 0.4375
+    expected = p2 * 3.0 + (1 - p2) * 2.0 + 1 * 2.0 + 14.0 + 0.25
+    assert step_time_ms(latency, overhead, 2, 2, 100, [0.5]) == pytest.approx(expected)
+
+
+def test_step_passes_follow_the_runtime_schedule():
+    assert step_passes(8, 0, [0.7]) == step_passes(8, 0, [])  # k = 0 needs no acceptance
+    [only] = step_passes(8, 0, [0.7])
+    assert (only.role, only.new_tokens, only.weight) == ("target", 1, 1.0)
+    passes = step_passes(3, 4, [0.5])
+    draft = [p for p in passes if p.role == "draft"]
+    target = [p for p in passes if p.role == "target"]
+    assert sum(p.weight for p in draft) == pytest.approx(4)  # k draft passes per step
+    assert [(p.new_tokens, p.weight) for p in target] == [(5, 1.0)]  # one verify pass of k+1 tokens
+    p2 = 1 - (1 - 0.5 ** 4) ** 3
+    assert [(p.new_tokens, p.weight) for p in draft] == [(2, pytest.approx(p2)), (1, pytest.approx(1 - p2)), (1, 3.0)]
+    # all accepted -> the first draft pass always catches up 2 tokens; never -> always 1
+    assert [(p.role, p.new_tokens, p.weight) for p in step_passes(2, 1, [1.0])] == [("draft", 2, 1.0), ("target", 2, 1.0)]
+    assert [(p.role, p.new_tokens, p.weight) for p in step_passes(2, 1, [0.0])] == [("draft", 1, 1.0), ("target", 2, 1.0)]
+
+
+def test_goodput_is_batch_tokens_over_step_time():
+    choice = evaluate(memory_bound, OverheadModel(((1, 0, 1.0), (1, 3, 1.0))), [0.6], 3, 0, 3)
+    for c in choice.candidates:
+        assert c.tokens_per_step == pytest.approx(expected_tokens([0.6], c.k))
+        assert c.tokens_per_s == pytest.approx(3 * c.tokens_per_step / c.step_ms * 1e3)
+    assert choice.candidates[0].step_ms == pytest.approx(11.0)  # one target pass + 1 ms overhead
+
+
+def test_runner_up_and_margin():
+    choice = evaluate(memory_bound, NO_OVERHEAD, [0.8], 1, 0, 10)
+    # G(k) = E(k) / (10 + 0.5 k): G(8) = 0.30921 > G(7) = 0.30822 > G(9) = 0.30778
+    assert (choice.best_k, choice.runner_up_k) == (8, 7)
+    g8, g7 = (expected_tokens([0.8], k) / (10 + 0.5 * k) for k in (8, 7))
+    assert choice.margin == pytest.approx((g8 - g7) / g8)
+    assert evaluate(memory_bound, NO_OVERHEAD, [0.8], 1, 0, 0).runner_up_k is None
+
+
+def test_overhead_interpolates_and_extrapolates_linearly_never_below_zero():
+    overhead = OverheadModel(((1, 0, 1.0), (9, 0, 3.0), (1, 4, 2.0), (9, 4, 6.0)))
+    assert overhead.overhead_ms(5, 0) == pytest.approx(2.0)
+    assert overhead.overhead_ms(5, 2) == pytest.approx(3.0)  # midway between 2.0 (k=0) and 4.0 (k=4)
+    assert overhead.overhead_ms(17, 0) == pytest.approx(5.0)  # extrapolated along b
+    assert overhead.overhead_ms(9, 8) == pytest.approx(9.0)  # extrapolated along k
+    falling = OverheadModel(((1, 0, 1.0), (2, 0, 0.5)))
+    assert falling.overhead_ms(10, 0) == 0.0
+    assert OverheadModel(()).overhead_ms(4, 2) == 0.0 and not OverheadModel(()).measured
+
+
+def test_best_k_per_batch_on_a_roofline_falls_with_batch_size_at_short_context():
+    """The seed paper's shape: large k at batch 1, less as verification stops being free."""
+    choices = best_k_per_batch(roofline_latency(), NO_OVERHEAD, [0.8], 128, 128, 8)
+    ks = [c.best_k for c in choices]
+    assert [c.batch_size for c in choices] == list(range(1, 129))
+    assert all(a >= b for a, b in zip(ks, ks[1:]))
+    assert ks[0] >= 3 and ks[-1] <= 1
+
+
+def test_long_context_keeps_speculation_alive():
+    """KV reads grow with b*L, so the pass stays memory-bound and speculation keeps paying."""
+    short = evaluate(roofline_latency(), NO_OVERHEAD, [0.8], 64, 128, 8)
+    long = evaluate(roofline_latency(), NO_OVERHEAD, [0.8], 64, 4096, 8)
+    assert long.best_k > short.best_k
+
+
+def test_bad_batch_sizes():
+    with pytest.raises(PerfModelError, match="batch size must be >= 1"):
+        evaluate(memory_bound, NO_OVERHEAD, [0.8], 0, 0, 4)
+    with pytest.raises(PerfModelError, match="--max-batch must be >= 1"):
+        best_k_per_batch(memory_bound, NO_OVERHEAD, [0.8], 0, 0, 4)

@@ -1,0 +1,75 @@
+"""The specbatch.profile/1 reader: a valid file round-trips; a bad one is named field by field."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from perfmodel.errors import PerfModelError
+from perfmodel.profile import load_profile, save_profile
+from perfmodel_fixtures import build_profile, roofline_latency
+
+VALID = build_profile(roofline_latency(), batch_sizes=(1, 4), context_lens=(128,), max_k=2,
+                      acceptance=[0.8, 0.7], infeasible=lambda role, b, n, L: role == "target" and b == 4 and n == 3)
+
+
+def write(tmp_path, obj) -> str:
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(obj))
+    return str(path)
+
+
+def test_round_trip(tmp_path):
+    profile = load_profile(write(tmp_path, VALID))
+    assert profile.grid.max_k == 2 and profile.target.layers == 32
+    assert len(profile.timings_of("target")) == 5 and len(profile.timings_of("target", feasible_only=False)) == 6
+    assert profile.acceptance[0].per_position == (0.8, 0.7)
+    out = tmp_path / "again.json"
+    save_profile(out, profile)
+    assert load_profile(out) == profile
+    assert json.loads(out.read_text())["schema"] == "specbatch.profile/1"
+
+
+def broken(edit) -> dict:
+    obj = copy.deepcopy(VALID)
+    edit(obj)
+    return obj
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda o: o.update(schema="specbatch.profile/2"), "schema 'specbatch.profile/2', expected 'specbatch.profile/1'"),
+    (lambda o: o.pop("schema"), "no schema field, expected 'specbatch.profile/1'"),
+    (lambda o: o["device"].pop("dtype"), r"device.dtype: missing"),
+    (lambda o: o["device"].update(kind="tpu"), r"device.kind: 'tpu' is not one of cpu, cuda"),
+    (lambda o: o["models"]["draft"].update(layers="12"), r"models.draft.layers: expected an integer, found '12'"),
+    (lambda o: o["grid"].update(batch_sizes=[]), r"grid.batch_sizes: must not be empty"),
+    (lambda o: o["timings"][1].update(median_ms=None), r"timings\[1\].median_ms: a feasible row needs a positive time"),
+    (lambda o: o["timings"][1].update(model="verifier"), r"timings\[1\].model: 'verifier' is not one of target, draft"),
+    (lambda o: o["timings"].append(dict(o["timings"][0])), r"duplicate row for target b=1 n=1 L=128"),
+    (lambda o: o["acceptance"][0].update(per_position=[0.8, 1.5]), r"per_position\[1\]: expected a probability in \[0, 1\]"),
+    (lambda o: o["acceptance"][0].update(trials=[10]), r"trials: has 1 values but per_position has 2"),
+    (lambda o: o["overheads"][0].update(median_ms=-1), r"overheads\[0\].median_ms: must be >= 0.0"),
+])
+def test_bad_profiles_name_the_file_and_field(tmp_path, edit, message):
+    path = write(tmp_path, broken(edit))
+    with pytest.raises(PerfModelError, match=message) as error:
+        load_profile(path)
+    assert str(error.value).startswith(path) and "\n" not in str(error.value)
+
+
+def test_infeasible_rows_must_have_null_times(tmp_path):
+    def edit(obj):
+        row = next(r for r in obj["timings"] if not r["feasible"])
+        row["median_ms"] = 3.0
+    with pytest.raises(PerfModelError, match="an infeasible .* row must have null times"):
+        load_profile(write(tmp_path, broken(edit)))
+
+
+def test_not_json_and_missing_file(tmp_path):
+    path = tmp_path / "profile.json"
+    path.write_text("{not json")
+    with pytest.raises(PerfModelError, match="profile.json: not valid JSON"):
+        load_profile(path)
+    with pytest.raises(PerfModelError, match="nothere.json: no such file"):
+        load_profile(tmp_path / "nothere.json")
