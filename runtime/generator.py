@@ -46,6 +46,8 @@ class GenerationStats:
     other_s: float = 0.0  # everything else in the steps: sampling, acceptance, bookkeeping
     total_s: float = 0.0
     synthetic_acceptance: float | None = None
+    step_s: list[float] = field(default_factory=list)  # wall time of each step, all passes and overhead
+    step_tokens: list[int] = field(default_factory=list)  # tokens each step added (within max_new_tokens)
     draft_passes: list[tuple[int, int]] = field(default_factory=list)  # (batch size, new tokens) per pass
     target_passes: list[tuple[int, int]] = field(default_factory=list)
 
@@ -61,6 +63,12 @@ class GenerationStats:
     @property
     def tokens_per_s(self) -> float:
         return self.generated_tokens / self.total_s if self.total_s else 0.0
+
+    def steady_tokens_per_s(self, batch_size: int) -> float | None:
+        """Goodput over the steps that ran with the full batch: what G(b, k) models (no prefill, no tail)."""
+        full = [i for i, b in enumerate(self.batch_size_per_step) if b == batch_size]
+        seconds = sum(self.step_s[i] for i in full)
+        return sum(self.step_tokens[i] for i in full) / seconds if full and seconds > 0 else None
 
     def to_dict(self) -> dict:
         return {
@@ -176,10 +184,12 @@ class SpeculativeGenerator:
             stats.k_per_step.append(k)
             stats.batch_size_per_step.append(batch)
             counts_list = counts.tolist()
+            stats.step_tokens.append(sum(min(c, max_new_tokens - g) for c, g in zip(counts_list, generated)))
             for i, c in enumerate(counts_list):
                 generated[i] += c
             done = self._finished_rows(new, counts, generated, max_new_tokens)
-            stats.other_s += timer.now() - step_start
+            stats.step_s.append(timer.now() - step_start)
+            stats.other_s += stats.step_s[-1]
         stats.generated_tokens = sum(len(o) for o in outputs)
         stats.other_s -= stats.draft_s + stats.verify_s
         stats.total_s = time.perf_counter() - started

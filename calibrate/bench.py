@@ -1,0 +1,804 @@
+"""`specbatch bench`: check a table (and the performance model behind it) against real generation.
+
+For every batch size b the harness generates from the same b prompts with plain decoding (k = 0),
+every fixed k, the table policy and, optionally, Hugging Face `generate` as a peer, and measures
+generated tokens per second of wall time (prefill, every forward pass and all bookkeeping included).
+
+How the measurement is kept honest:
+  * Interleaved rounds. Each round runs every policy once; the order rotates by one between rounds
+    (A B C, B C A, C A B, ...), so slow drift of a shared machine (thermal state, a background job)
+    spreads over all policies instead of picking the winner. One warm-up round per batch size runs
+    first and is discarded: each (policy, b) has its own tensor shapes, whose first use pays
+    allocator (and, on CUDA, kernel-selection) costs that steady-state serving does not.
+  * Constant batch size. EOS is ignored (the generator gets `eos_token_ids=()`) and every row asks
+    for the same `max_new_tokens`, so no row leaves the batch early because its text ended. Rows
+    still advance at different speeds under speculation (they accept different numbers of tokens),
+    so the batch thins out in the last few steps; `full_batch_step_fraction` reports how much of a
+    run really ran at b, and the table's k is read from the full-batch steps only.
+  * Common random numbers. Within a round all policies use the same seed (sampling and synthetic
+    acceptance draw from it); rounds use different seeds so the spread covers that randomness.
+
+`synthetic_acceptance` (for shape presets with random weights) accepts each draft token independently
+with probability α instead of comparing with the target; every forward pass still runs. Results made
+that way are labelled SYNTHETIC wherever they are written.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import platform
+import tempfile
+import time
+import warnings
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from runtime.generator import SpeculativeGenerator
+from runtime.model import CausalLM
+from runtime.policy import FixedK
+from runtime.sampling import Sampling
+
+BENCH_SCHEMA = "specbatch.bench/1"
+TABLE_POLICY = "table"
+HF_GREEDY = "hf-greedy"
+HF_ASSISTED = "hf-assisted"
+CSV_COLUMNS = ("batch_size", "policy", "k", "median_tokens_per_s", "p10_tokens_per_s", "p90_tokens_per_s",
+               "rounds", "acceptance", "median_steady_tokens_per_s", "predicted_tokens_per_s",
+               "synthetic_acceptance")
+
+
+class BenchError(ValueError):
+    """A bench configuration that cannot run; the message is one line naming the option."""
+
+
+# ---------------------------------------------------------------------------------------------- config
+@dataclass(frozen=True)
+class BenchConfig:
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)  # the Su et al. grid
+    ks: tuple[int, ...] = tuple(range(9))  # fixed k to compare; k = 0 (plain decoding) is always run
+    max_new_tokens: int = 64  # per row; the same for every row so the batch stays full
+    rounds: int = 5  # timed rounds per batch size: enough for a median and a p10-p90 band
+    warmup_rounds: int = 1  # discarded rounds per batch size (first use of every shape)
+    sampling: Sampling = Sampling()
+    synthetic_acceptance: float | None = None  # α in (0, 1]: benchmark-only fake verification
+    seed: int = 0
+    table_path: Path | None = None  # specbatch.table/1: adds the "table" policy
+    model_path: Path | None = None  # specbatch.model/1: adds predicted tokens/s
+    peers: bool = False  # also time Hugging Face generate (plain, and assisted at b = 1)
+
+    def __post_init__(self):
+        check_config(self)
+
+    @property
+    def fixed_ks(self) -> tuple[int, ...]:
+        """The fixed k values run, ascending, k = 0 included."""
+        return tuple(sorted(set(self.ks) | {0}))
+
+
+def check_config(config: BenchConfig) -> None:
+    """Refuse settings the harness cannot measure meaningfully; one-line messages naming the option."""
+    if not config.batch_sizes:
+        raise BenchError("--batch-sizes: give at least one batch size")
+    if any(b <= 0 for b in config.batch_sizes):
+        raise BenchError(f"--batch-sizes: every batch size must be positive, got {list(config.batch_sizes)}")
+    if not config.ks:
+        raise BenchError("--ks: give at least one k (e.g. 0,1,2,4)")
+    if any(k < 0 for k in config.ks):
+        raise BenchError(f"--ks: every k must be >= 0, got {list(config.ks)}")
+    if config.max_new_tokens <= 0:
+        raise BenchError(f"--max-new-tokens must be positive, got {config.max_new_tokens}")
+    if config.rounds <= 0:
+        raise BenchError(f"--rounds must be positive, got {config.rounds}")
+    if config.warmup_rounds < 0:
+        raise BenchError(f"warm-up rounds must be >= 0, got {config.warmup_rounds}")
+    alpha = config.synthetic_acceptance
+    if alpha is not None and not 0.0 < alpha <= 1.0:
+        raise BenchError(f"--synthetic-acceptance must be in (0, 1], got {alpha}")
+    if alpha is not None and config.peers:
+        raise BenchError("--peers cannot be combined with --synthetic-acceptance: transformers verifies for real, "
+                         "so the ratio would compare a fake acceptance with a real one")
+
+
+def parse_sampling(text: str) -> Sampling:
+    """'greedy' | 'T=0.8' | 'T=0.8,top_k=50,top_p=0.9' (the form Sampling.describe() prints).
+
+    >>> parse_sampling("T=0.8,top_p=0.9")
+    Sampling(temperature=0.8, top_k=0, top_p=0.9)
+    """
+    if text.strip() == "greedy":
+        return Sampling()
+    fields: dict[str, float] = {}
+    names = {"T": "temperature", "top_k": "top_k", "top_p": "top_p"}
+    for part in text.split(","):
+        key, _, value = part.strip().partition("=")
+        if key not in names or not value:
+            raise BenchError(f"--sampling {text!r}: expected greedy or T=<temperature>[,top_k=<int>][,top_p=<p>]")
+        try:
+            fields[names[key]] = int(value) if key == "top_k" else float(value)
+        except ValueError:
+            raise BenchError(f"--sampling {text!r}: {key}={value!r} is not a number") from None
+    if not 0.0 < fields.get("temperature", 0.0) < math.inf:
+        raise BenchError(f"--sampling {text!r}: give T > 0 (or 'greedy')")
+    try:
+        return Sampling(**fields)
+    except ValueError as error:
+        raise BenchError(f"--sampling {text!r}: {error}") from None
+
+
+def synthetic_label(alpha: float | None) -> str | None:
+    """The label every output carries when acceptance was faked."""
+    return None if alpha is None else f"SYNTHETIC acceptance α={alpha:g} (each draft token accepted with " \
+                                      f"probability α; every forward pass ran)"
+
+
+@dataclass
+class BenchModels:
+    """The pair under test, with where it came from (recorded in bench.json)."""
+
+    target: CausalLM
+    draft: CausalLM | None
+    target_source: str  # directory, preset name or config.json path
+    draft_source: str | None
+    target_dir: Path | None = None  # Hugging Face directories: --peers loads them with transformers
+    draft_dir: Path | None = None
+    random_weights: bool = False  # shape presets / bare configs
+
+
+# ---------------------------------------------------------------------------------------------- results
+@dataclass
+class RunRecord:
+    """One timed generation, in the order it ran."""
+
+    batch_size: int
+    round: int  # warm-up rounds are negative: -warmup_rounds .. -1
+    policy: str
+    generated_tokens: int
+    seconds: float
+    steps: int = 0
+    full_batch_steps: int = 0  # steps that ran with all batch_size rows
+    accepted_per_position: list[int] = field(default_factory=list)
+    trials_per_position: list[int] = field(default_factory=list)
+    k_counts_full_batch: dict[int, int] = field(default_factory=dict)  # k -> steps, full-batch steps only
+    # tokens / seconds over the steps that ran with the full batch (no prefill, no thinning tail):
+    # the steady state the performance model's G(b, k) describes; None for peers
+    steady_tokens_per_s: float | None = None
+
+    @property
+    def warmup(self) -> bool:
+        return self.round < 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class PolicyResult:
+    policy: str  # "k=3", "table", "hf-greedy", "hf-assisted"
+    k: int | None  # fixed k; the table's most frequent k at full batch; None for peers
+    tokens_per_s: list[float]  # one per timed round, in round order
+    median_tokens_per_s: float
+    p10_tokens_per_s: float
+    p90_tokens_per_s: float
+    min_tokens_per_s: float
+    max_tokens_per_s: float
+    acceptance: float | None  # accepted / proposed draft tokens, pooled over positions and rounds
+    acceptance_per_position: list[float]  # P(draft token i accepted | tokens 1..i-1 were)
+    trials_per_position: list[int]  # how many draft tokens i were proposed: each rate's sample size
+    full_batch_step_fraction: float | None  # None for peers: generate() does not report its steps
+    median_steady_tokens_per_s: float | None = None  # full-batch steps only: compare with predictions
+    predicted_tokens_per_s: float | None = None
+
+    @property
+    def rounds(self) -> int:
+        return len(self.tokens_per_s)
+
+
+@dataclass
+class PeerRatio:
+    ours: str
+    theirs: str
+    ratio: float  # ours / theirs, medians of the same rounds
+
+
+@dataclass
+class BatchResult:
+    batch_size: int
+    context_len: int  # mean context over a run (prompt + half the new tokens): where predictions are taken
+    policies: list[PolicyResult]
+    best_k: int  # the best fixed k in hindsight (highest median tokens/s)
+    best_tokens_per_s: float
+    table_k: int | None
+    table_regret: float | None  # 1 - table / best fixed k; negative when the table beat every fixed k
+    table_speedup: float | None  # table / k = 0
+    peer_ratios: list[PeerRatio] = field(default_factory=list)
+
+    def policy(self, name: str) -> PolicyResult | None:
+        return next((p for p in self.policies if p.policy == name), None)
+
+
+@dataclass
+class BenchResult:
+    config: BenchConfig
+    device: dict[str, Any]
+    models: dict[str, Any]
+    prompts: dict[str, Any]
+    batches: list[BatchResult]
+    runs: list[RunRecord]  # every generation, warm-ups included, in execution order
+    notes: list[str]
+
+    @property
+    def synthetic(self) -> str | None:
+        return synthetic_label(self.config.synthetic_acceptance)
+
+
+# ---------------------------------------------------------------------------------------------- pure helpers
+def fixed_policy_name(k: int) -> str:
+    return f"k={k}"
+
+
+def rotated(items: Sequence[str], shift: int) -> list[str]:
+    """`items` rotated left by `shift`: round r runs policies in order rotated(policies, r).
+
+    >>> rotated(["a", "b", "c"], 1)
+    ['b', 'c', 'a']
+    """
+    if not items:
+        return []
+    shift %= len(items)
+    return list(items[shift:]) + list(items[:shift])
+
+
+def cycled_prompts(prompts: Sequence[list[int]], batch_size: int) -> list[list[int]]:
+    """The first `batch_size` prompts, cycling through the list when it is shorter (deterministic)."""
+    if not prompts:
+        raise BenchError("no prompts to benchmark with")
+    return [list(prompts[i % len(prompts)]) for i in range(batch_size)]
+
+
+# Prompt length for models without a tokenizer (presets): about the held-out demo prompts' median
+# (70 bytes, one token per byte with the demo pair's byte-level tokenizer).
+RANDOM_PROMPT_TOKENS = 64
+
+
+def random_prompts(count: int, length_tokens: int, vocab_size: int, seed: int) -> list[list[int]]:
+    """Random token ids, for models without a tokenizer (presets): the text is irrelevant to timing."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (count, length_tokens), generator=gen).tolist()
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    """Median, p10, p90 (linear interpolation), min and max of a non-empty list."""
+    array = np.asarray(values, dtype=float)
+    return {"median": float(np.median(array)), "p10": float(np.percentile(array, 10)),
+            "p90": float(np.percentile(array, 90)), "min": float(array.min()), "max": float(array.max())}
+
+
+def mean_context_len(prompts: Sequence[list[int]], max_new_tokens: int) -> int:
+    """The average context over a run: prompt tokens plus half the generated ones."""
+    return round(sum(len(p) for p in prompts) / len(prompts) + max_new_tokens / 2)
+
+
+def pooled_acceptance(records: Sequence[RunRecord]) -> tuple[float | None, list[float], list[int]]:
+    """(accepted / proposed over all positions, per-position conditional rates, trials per position)."""
+    width = max((len(r.trials_per_position) for r in records), default=0)
+    accepted, trials = [0] * width, [0] * width
+    for record in records:
+        for i, (a, t) in enumerate(zip(record.accepted_per_position, record.trials_per_position)):
+            accepted[i] += a
+            trials[i] += t
+    proposed = sum(trials)
+    per_position = [a / t if t else 0.0 for a, t in zip(accepted, trials)]
+    return (sum(accepted) / proposed if proposed else None), per_position, trials
+
+
+def most_frequent_k(records: Sequence[RunRecord]) -> int | None:
+    """The k the table chose most often at full batch size (ties: the smaller k)."""
+    counts: Counter[int] = Counter()
+    for record in records:
+        counts.update(record.k_counts_full_batch)
+    if not counts:
+        return None
+    return min(counts, key=lambda k: (-counts[k], k))
+
+
+def summarize_policy(policy: str, k: int | None, records: Sequence[RunRecord]) -> PolicyResult:
+    """Aggregate the timed rounds of one policy at one batch size."""
+    rates = [r.tokens_per_s for r in sorted(records, key=lambda r: r.round)]
+    stats = spread(rates)
+    acceptance, per_position, trials = pooled_acceptance(records)
+    steps = sum(r.steps for r in records)
+    full_fraction = sum(r.full_batch_steps for r in records) / steps if steps else None
+    steady = [r.steady_tokens_per_s for r in records if r.steady_tokens_per_s is not None]
+    return PolicyResult(
+        median_steady_tokens_per_s=float(np.median(steady)) if steady else None,
+        policy=policy, k=k, tokens_per_s=rates, median_tokens_per_s=stats["median"],
+        p10_tokens_per_s=stats["p10"], p90_tokens_per_s=stats["p90"], min_tokens_per_s=stats["min"],
+        max_tokens_per_s=stats["max"], acceptance=acceptance, acceptance_per_position=per_position,
+        trials_per_position=trials, full_batch_step_fraction=full_fraction,
+    )
+
+
+def peer_ratios(batch: BatchResult, ours: str) -> list[PeerRatio]:
+    """Ours / theirs: plain vs plain (runtime efficiency), then our speculation vs each peer."""
+    pairs = [(fixed_policy_name(0), HF_GREEDY), (ours, HF_GREEDY), (ours, HF_ASSISTED)]
+    ratios, seen = [], set()
+    for mine, theirs in pairs:
+        a, b = batch.policy(mine), batch.policy(theirs)
+        if a is None or b is None or (mine, theirs) in seen or b.median_tokens_per_s <= 0:
+            continue
+        seen.add((mine, theirs))
+        ratios.append(PeerRatio(ours=mine, theirs=theirs, ratio=a.median_tokens_per_s / b.median_tokens_per_s))
+    return ratios
+
+
+def summarize_batch(batch_size: int, context_len: int, policies: list[PolicyResult], fixed_ks: Sequence[int],
+                    has_peers: bool) -> BatchResult:
+    """Best fixed k in hindsight, and the table's k, regret and speedup over k = 0."""
+    by_name = {p.policy: p for p in policies}
+    fixed = [by_name[fixed_policy_name(k)] for k in fixed_ks]
+    best = max(fixed, key=lambda p: (p.median_tokens_per_s, -p.k))  # ties go to the smaller k
+    plain = by_name[fixed_policy_name(0)]
+    table = by_name.get(TABLE_POLICY)
+    batch = BatchResult(
+        batch_size=batch_size, context_len=context_len, policies=policies, best_k=best.k,
+        best_tokens_per_s=best.median_tokens_per_s, table_k=table.k if table else None,
+        table_regret=1.0 - table.median_tokens_per_s / best.median_tokens_per_s if table else None,
+        table_speedup=table.median_tokens_per_s / plain.median_tokens_per_s if table else None,
+    )
+    if has_peers:
+        batch.peer_ratios = peer_ratios(batch, TABLE_POLICY if table else fixed_policy_name(best.k))
+    return batch
+
+
+# ---------------------------------------------------------------------------------------------- timing
+def _now(device: torch.device) -> float:
+    """Wall clock; on CUDA, after the queued kernels have run, so they are counted where they ran."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def time_ours(generator: SpeculativeGenerator, prompts: list[list[int]], policy, config: BenchConfig,
+              seed: int) -> dict[str, Any]:
+    """One generation with our runtime; the same outer wall clock as the peers."""
+    start = _now(generator.device)
+    result = generator.generate(prompts, config.max_new_tokens, policy, config.sampling, seed,
+                                config.synthetic_acceptance)
+    seconds = _now(generator.device) - start
+    stats, b = result.stats, len(prompts)
+    full = [k for k, size in zip(stats.k_per_step, stats.batch_size_per_step) if size == b]
+    return dict(generated_tokens=stats.generated_tokens, seconds=seconds, steps=stats.steps,
+                full_batch_steps=len(full), accepted_per_position=list(stats.accepted_per_position),
+                trials_per_position=list(stats.trials_per_position), k_counts_full_batch=dict(Counter(full)),
+                steady_tokens_per_s=stats.steady_tokens_per_s(b))
+
+
+# ---------------------------------------------------------------------------------------------- peers
+@dataclass
+class PeerModels:
+    """Hugging Face copies of the pair, for --peers."""
+
+    target: Any  # transformers PreTrainedModel
+    draft: Any | None
+    pad_token_id: int
+    transformers_version: str
+
+
+def load_peers(models: BenchModels, device: torch.device) -> tuple[PeerModels | None, str | None]:
+    """The pair loaded with transformers, or (None, a one-line note saying why peers are skipped)."""
+    if models.target_dir is None or (models.draft is not None and models.draft_dir is None):
+        return None, "--peers skipped: it needs model directories (shape presets have no Hugging Face weights)"
+    try:
+        import transformers
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        return None, "--peers skipped: transformers is not installed (pip install transformers)"
+    # generate() warns about every flag it ignores and loading draws its own progress bar: either
+    # would break the CLI's progress bar and output
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+
+    dtype = models.target.lm_head.weight.dtype  # the same as ours: float32 on CPU unless told otherwise
+
+    def load(directory: Path):
+        model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype)
+        return model.to(device).eval()
+
+    target = load(models.target_dir)
+    draft = load(models.draft_dir) if models.draft is not None else None
+    config = target.config
+    pad = config.pad_token_id if config.pad_token_id is not None else 0  # masked out: any id will do
+    return PeerModels(target=target, draft=draft, pad_token_id=int(pad),
+                      transformers_version=transformers.__version__), None
+
+
+def left_padded(prompts: list[list[int]], pad_token_id: int, device: torch.device):
+    """(input_ids, attention_mask), both (b, longest prompt), padding on the left as generate() expects."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for r, prompt in enumerate(prompts):
+        ids[r, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+        mask[r, width - len(prompt):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _hf_sampling(sampling: Sampling) -> dict[str, Any]:
+    """Our sampling settings in generate()'s words (explicit, so a checkpoint's defaults cannot differ)."""
+    if sampling.greedy:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": sampling.temperature, "top_k": sampling.top_k,
+            "top_p": sampling.top_p}
+
+
+@torch.inference_mode()
+def time_peer(peers: PeerModels, name: str, prompts: list[list[int]], config: BenchConfig,
+              seed: int, device: torch.device) -> dict[str, Any]:
+    """One Hugging Face generate() call: plain (batched, left padding) or assisted (b = 1).
+
+    min_new_tokens = max_new_tokens suppresses EOS, so every row produces exactly max_new_tokens, as ours do.
+    """
+    ids, mask = left_padded(prompts, peers.pad_token_id, device)
+    options = dict(max_new_tokens=config.max_new_tokens, min_new_tokens=config.max_new_tokens,
+                   pad_token_id=peers.pad_token_id, **_hf_sampling(config.sampling))
+    if name == HF_ASSISTED:
+        options["assistant_model"] = peers.draft
+    torch.manual_seed(seed)
+    start = _now(device)
+    output = peers.target.generate(input_ids=ids, attention_mask=mask, **options)  # (b, width + new)
+    seconds = _now(device) - start
+    return dict(generated_tokens=int(output.shape[0] * (output.shape[1] - ids.shape[1])), seconds=seconds)
+
+
+# ---------------------------------------------------------------------------------------------- prediction
+@dataclass(frozen=True)
+class Predictor:
+    """The performance model's goodput G(b, k, L) (perfmodel, from a specbatch.model/1 file)."""
+
+    fitted: Any  # perfmodel.model.FittedModel
+    acceptance: Any  # perfmodel.acceptance.AcceptanceModel
+    acceptance_note: str  # which acceptance the predictions use, for bench.json
+
+    def tokens_per_s(self, batch_size: int, k: int, context_len: int) -> float:
+        from perfmodel.model import query
+
+        return float(query(self.fitted, self.acceptance, batch_size, context_len, k).candidates[k].tokens_per_s)
+
+
+def load_predictor(model_path: str | os.PathLike, sampling: Sampling, synthetic_acceptance: float | None) -> Predictor:
+    """Read the model file and pick the acceptance that matches how the bench generates.
+
+    Synthetic runs accept with probability α at every position, so α is what the prediction must
+    use. Real runs use the profile's measurement for the same decoding mode (greedy, or sampling at
+    the same temperature) when the profile has one, else its first entry (and say so).
+    """
+    from perfmodel.acceptance import acceptance_from_user
+    from perfmodel.model import choose_acceptance, load_model
+
+    fitted = load_model(model_path)
+    if synthetic_acceptance is not None:
+        return Predictor(fitted, acceptance_from_user([synthetic_acceptance], "--synthetic-acceptance"),
+                         f"synthetic α={synthetic_acceptance:g} at every position")
+    mode = "greedy" if sampling.greedy else "sampling"
+    for entry in fitted.acceptance:
+        if entry.mode == mode and (sampling.greedy or entry.temperature == sampling.temperature):
+            return Predictor(fitted, entry, f"the profile's {sampling.describe()} measurement")
+    chosen = choose_acceptance(fitted, None, str(model_path))
+    return Predictor(fitted, chosen, f"the profile's first acceptance entry ({chosen.mode}); none matches "
+                                     f"{sampling.describe()}")
+
+
+# ---------------------------------------------------------------------------------------------- the harness
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as file:
+            for line in file:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def device_info(model: CausalLM) -> dict[str, Any]:
+    weight = model.lm_head.weight
+    name = torch.cuda.get_device_name(weight.device) if weight.device.type == "cuda" else _cpu_name()
+    return {"kind": weight.device.type, "name": name, "dtype": str(weight.dtype).removeprefix("torch."),
+            "torch_version": torch.__version__, "cpu_threads": torch.get_num_threads()}
+
+
+def _model_info(model: CausalLM | None, source: str | None, random_weights: bool) -> dict[str, Any] | None:
+    if model is None:
+        return None
+    config = model.config
+    return {"source": source, "model_type": config.model_type, "random_weights": random_weights,
+            "parameters": config.parameter_count(), "layers": config.num_layers, "hidden_size": config.hidden_size,
+            "vocab_size": config.vocab_size}
+
+
+def check_context(models: BenchModels, prompts: Sequence[list[int]], config: BenchConfig, max_k: int) -> None:
+    """Every run must fit the models' context: the longest prompt + max_new_tokens + the KV-cache margin
+    of max_k speculative positions (the largest k of --ks and of the table)."""
+    limit = models.target.config.max_position_embeddings
+    if models.draft is not None:
+        limit = min(limit, models.draft.config.max_position_embeddings)
+    longest = max(len(p) for p in cycled_prompts(prompts, max(config.batch_sizes)))
+    if longest + config.max_new_tokens + max_k > limit:
+        raise BenchError(
+            f"longest prompt ({longest} tokens) + --max-new-tokens ({config.max_new_tokens}) + largest k ({max_k}, "
+            f"the KV-cache margin) exceeds the models' context of {limit} positions; lower --max-new-tokens or k"
+        )
+
+
+def run_bench(config: BenchConfig, models: BenchModels, prompts: Sequence[list[int]],
+              on_run: Callable[[RunRecord, int, int], None] | None = None) -> BenchResult:
+    """Measure every policy at every batch size in interleaved rounds; see the module docstring.
+
+    `prompts` are token ids; batch size b uses the first b of them (cycling). EOS is ignored and every
+    row generates exactly `max_new_tokens`, so the batch stays at b until rows that sped ahead under
+    speculation finish (`full_batch_step_fraction` says how long). `on_run(record, done, total)` is
+    called after every generation (the CLI's progress bar).
+    """
+    from runtime.policy import TableK
+
+    notes: list[str] = []
+    fixed_ks = config.fixed_ks
+    if models.draft is None and max(fixed_ks) > 0:
+        raise BenchError("k > 0 needs a draft model (--draft)")
+    table = TableK(config.table_path) if config.table_path is not None else None
+    if table is not None and models.draft is None:
+        raise BenchError("--table needs a draft model (--draft)")
+    check_context(models, prompts, config, max(max(fixed_ks), table.max_k if table else 0))
+    predictor = None
+    if config.model_path is not None:  # read before measuring: a bad file should fail in a second, not an hour
+        predictor = load_predictor(config.model_path, config.sampling, config.synthetic_acceptance)
+        notes.append(f"predictions use {predictor.acceptance_note}")
+
+    policies: dict[str, Any] = {fixed_policy_name(k): FixedK(k) for k in fixed_ks}
+    if table is not None:
+        policies[TABLE_POLICY] = table
+    device = models.target.lm_head.weight.device
+    peers = None
+    if config.peers:
+        peers, note = load_peers(models, device)
+        if note:
+            notes.append(note)
+    # EOS ignored on purpose: the batch must stay at b until max_new_tokens (module docstring)
+    generator = SpeculativeGenerator(models.target, models.draft, eos_token_ids=())
+
+    def contenders(b: int) -> list[str]:
+        names = list(policies)
+        if peers is not None:
+            names.append(HF_GREEDY)
+            if b == 1 and peers.draft is not None:  # transformers refuses assisted generation above b = 1
+                names.append(HF_ASSISTED)
+        return names
+
+    total = sum(len(contenders(b)) * (config.warmup_rounds + config.rounds) for b in config.batch_sizes)
+    runs: list[RunRecord] = []
+    # warnings raised while measuring (e.g. a batch size beyond the table) become notes in the result
+    # instead of lines in the middle of the progress bar
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for b in config.batch_sizes:
+            batch_prompts = cycled_prompts(prompts, b)
+            names = contenders(b)
+            for round_index in range(-config.warmup_rounds, config.rounds):
+                seed = config.seed + round_index + config.warmup_rounds  # the same for every policy in a round
+                for name in rotated(names, round_index):
+                    if name in policies:
+                        measured = time_ours(generator, batch_prompts, policies[name], config, seed)
+                    else:
+                        measured = time_peer(peers, name, batch_prompts, config, seed, device)
+                    runs.append(RunRecord(batch_size=b, round=round_index, policy=name, **measured))
+                    if on_run is not None:
+                        on_run(runs[-1], len(runs), total)
+    notes += list(dict.fromkeys(f"warning: {w.message}" for w in caught))
+
+    batches = [_batch_result(b, contenders(b), runs, config, cycled_prompts(prompts, b))
+               for b in config.batch_sizes]
+    if predictor is not None:
+        _add_predictions(batches, predictor)
+    prompt_lens = [len(p) for p in prompts]
+    return BenchResult(
+        config=config, device=device_info(models.target),
+        models={"target": _model_info(models.target, models.target_source, models.random_weights),
+                "draft": _model_info(models.draft, models.draft_source, models.random_weights),
+                "peers": {"transformers_version": peers.transformers_version} if peers else None},
+        prompts={"count": len(prompts), "min_tokens": min(prompt_lens), "max_tokens": max(prompt_lens)},
+        batches=batches, runs=runs, notes=notes,
+    )
+
+
+def _batch_result(b: int, names: list[str], runs: list[RunRecord], config: BenchConfig,
+                  batch_prompts: list[list[int]]) -> BatchResult:
+    timed = [r for r in runs if r.batch_size == b and not r.warmup]
+    results = []
+    for name in names:
+        records = [r for r in timed if r.policy == name]
+        if name == TABLE_POLICY:
+            k = most_frequent_k(records)
+        elif name.startswith("k="):
+            k = int(name[2:])
+        else:
+            k = None
+        results.append(summarize_policy(name, k, records))
+    return summarize_batch(b, mean_context_len(batch_prompts, config.max_new_tokens), results, config.fixed_ks,
+                           has_peers=any(r.policy in (HF_GREEDY, HF_ASSISTED) for r in timed))
+
+
+def _add_predictions(batches: list[BatchResult], predictor: Predictor) -> None:
+    """Predicted goodput for every fixed k and for the table's (most frequent) k, at the run's mean context."""
+    for batch in batches:
+        for policy in batch.policies:
+            if policy.k is not None:
+                policy.predicted_tokens_per_s = predictor.tokens_per_s(batch.batch_size, policy.k, batch.context_len)
+
+
+# ---------------------------------------------------------------------------------------------- outputs
+def bench_json(result: BenchResult) -> dict[str, Any]:
+    """The `specbatch.bench/1` document."""
+    config = result.config
+    config_json = {
+        "batch_sizes": list(config.batch_sizes), "ks": list(config.fixed_ks), "max_new_tokens": config.max_new_tokens,
+        "rounds": config.rounds, "warmup_rounds": config.warmup_rounds, "sampling": config.sampling.describe(),
+        "synthetic_acceptance": config.synthetic_acceptance, "seed": config.seed,
+        "table": str(config.table_path) if config.table_path else None,
+        "model": str(config.model_path) if config.model_path else None, "peers": config.peers,
+        "eos": "ignored: every row generates max_new_tokens",
+        "tokens_per_s": "generated tokens / wall seconds of one generate() call, prefill and overhead included",
+    }
+    batches = []
+    for batch in result.batches:
+        entry = asdict(batch)
+        for policy, source in zip(entry["policies"], batch.policies):
+            policy["rounds"] = source.rounds
+        batches.append(entry)
+    runs = [{"order": i, "batch_size": r.batch_size, "round": r.round, "warmup": r.warmup, "policy": r.policy,
+             "generated_tokens": r.generated_tokens, "seconds": r.seconds, "tokens_per_s": r.tokens_per_s}
+            for i, r in enumerate(result.runs)]
+    return {"schema": BENCH_SCHEMA, "synthetic": result.synthetic, "config": config_json, "device": result.device,
+            "models": result.models, "prompts": result.prompts, "batch_sizes": batches, "runs": runs,
+            "notes": result.notes}
+
+
+def bench_csv(result: BenchResult) -> str:
+    """One row per batch size x policy; numbers only (empty cell = not applicable)."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(CSV_COLUMNS)
+    alpha = result.config.synthetic_acceptance
+    for batch in result.batches:
+        for p in batch.policies:
+            writer.writerow([batch.batch_size, p.policy, _cell(p.k), _cell(p.median_tokens_per_s),
+                             _cell(p.p10_tokens_per_s), _cell(p.p90_tokens_per_s), p.rounds, _cell(p.acceptance),
+                             _cell(p.median_steady_tokens_per_s), _cell(p.predicted_tokens_per_s), _cell(alpha)])
+    return buffer.getvalue()
+
+
+def _cell(value) -> str:
+    if value is None:
+        return ""
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """`path` holds either the old file or the complete new one (temporary file + os.replace)."""
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "wb") as file:
+            file.write(data)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def write_outputs(result: BenchResult, out_dir: str | os.PathLike) -> list[Path]:
+    """bench.json, bench.csv and the PNG plots into `out_dir`; returns the paths written.
+
+    Without matplotlib the plots are skipped and a note saying so is added to the result (and so to
+    bench.json) before anything is written.
+    """
+    try:
+        import matplotlib  # noqa: F401 - only to learn whether plots are possible
+        plots = (("goodput_vs_k.png", plot_goodput_vs_k), ("speedup_vs_batch.png", plot_speedup_vs_batch))
+    except ImportError:
+        plots = ()
+        result.notes.append("plots skipped: matplotlib is not installed (pip install matplotlib)")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / "bench.json", out / "bench.csv"]
+    write_atomic(written[0], (json.dumps(bench_json(result), indent=1, allow_nan=False) + "\n").encode())
+    write_atomic(written[1], bench_csv(result).encode())
+    for name, plot in plots:
+        write_atomic(out / name, plot(result))
+        written.append(out / name)
+    return written
+
+
+def _figure_png(figure) -> bytes:
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=120, bbox_inches="tight")
+    return buffer.getvalue()
+
+
+def _title(result: BenchResult, text: str) -> str:
+    label = result.synthetic
+    return f"{text}\n{label}" if label else text
+
+
+def plot_goodput_vs_k(result: BenchResult) -> bytes:
+    """Measured tokens/s vs fixed k (median, p10-p90 bars) per batch size; prediction and table overlaid."""
+    from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
+
+    batches = result.batches
+    columns = min(3, len(batches))
+    rows = -(-len(batches) // columns)
+    figure = Figure(figsize=(4.2 * columns, 3.2 * rows), layout="constrained")
+    axes = figure.subplots(rows, columns, squeeze=False).ravel()
+    for ax, batch in zip(axes, batches):
+        fixed = [p for p in batch.policies if p.policy.startswith("k=")]
+        ks = [p.k for p in fixed]
+        medians = np.array([p.median_tokens_per_s for p in fixed])
+        low = medians - np.array([p.p10_tokens_per_s for p in fixed])
+        high = np.array([p.p90_tokens_per_s for p in fixed]) - medians
+        ax.errorbar(ks, medians, yerr=[low, high], marker="o", capsize=3, label="measured (p10-p90)")
+        predicted = [(p.k, p.predicted_tokens_per_s) for p in fixed if p.predicted_tokens_per_s is not None]
+        if predicted:
+            ax.plot(*zip(*predicted), linestyle="--", marker="x", label="predicted")
+        table = batch.policy(TABLE_POLICY)
+        if table is not None and table.k is not None:
+            ax.scatter([table.k], [table.median_tokens_per_s], marker="*", s=160, color="C3", zorder=3,
+                       label=f"table (k={table.k})")
+        ax.set_title(f"batch size {batch.batch_size}")
+        ax.set_xlabel("k (draft tokens per step)")
+        ax.set_ylabel("tokens/s")
+        ax.set_xticks(ks)
+        ax.grid(alpha=0.3)
+    for ax in axes[len(batches):]:
+        ax.set_visible(False)
+    axes[0].legend(fontsize=8)
+    figure.suptitle(_title(result, "goodput vs k"))
+    return _figure_png(figure)
+
+
+def plot_speedup_vs_batch(result: BenchResult) -> bytes:
+    """Speedup over k = 0 vs batch size, one line per fixed k and a bold one for the table."""
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(6.4, 4.2), layout="constrained")
+    ax = figure.subplots()
+    sizes = [batch.batch_size for batch in result.batches]
+
+    def speedups(name: str) -> list[float]:
+        values = []
+        for batch in result.batches:
+            policy, plain = batch.policy(name), batch.policy(fixed_policy_name(0))
+            values.append(policy.median_tokens_per_s / plain.median_tokens_per_s if policy else float("nan"))
+        return values
+
+    for k in result.config.fixed_ks:
+        if k > 0:
+            ax.plot(sizes, speedups(fixed_policy_name(k)), marker=".", linewidth=1, alpha=0.7, label=f"k={k}")
+    if result.config.table_path is not None:
+        ax.plot(sizes, speedups(TABLE_POLICY), marker="*", markersize=10, linewidth=2.5, color="black",
+                label="table")
+    ax.axhline(1.0, color="grey", linestyle=":", linewidth=1)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [str(b) for b in sizes])
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("speedup over k = 0 (median tokens/s)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, ncol=2)
+    ax.set_title(_title(result, "speedup over plain decoding"))
+    return _figure_png(figure)
