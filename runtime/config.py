@@ -38,6 +38,7 @@ class ModelConfig:
     o_bias: bool = False  # Llama's attention_bias puts a bias on o_proj too
     mlp_bias: bool = False
     sliding_window: int | None = None  # Mistral: each query sees at most this many keys
+    sliding_layers: tuple[bool, ...] = ()  # which layers use the window (Qwen2: from max_window_layers on)
     # OPT
     do_layer_norm_before: bool = True  # False: post-LN blocks (opt-350m)
     word_embed_proj_dim: int | None = None  # opt-350m embeds in 512 and projects to 1024
@@ -136,6 +137,15 @@ def config_from_dict(raw: dict, source: str = "config.json") -> ModelConfig:
         window = raw.get("sliding_window")
         if model_type == "qwen2" and not raw.get("use_sliding_window", False):
             window = None
+        sliding_layers: tuple[bool, ...] = ()
+        if window:
+            if raw.get("layer_types"):
+                sliding_layers = tuple(kind == "sliding_attention" for kind in raw["layer_types"])
+            else:
+                first = raw.get("max_window_layers", 0) if model_type == "qwen2" else 0
+                sliding_layers = tuple(i >= first for i in range(layers))
+            if not any(sliding_layers):
+                window, sliding_layers = None, ()
         attention_bias = bool(raw.get("attention_bias", False))
         return ModelConfig(
             vocab_size=vocab, hidden_size=d, num_layers=layers, num_heads=heads,
@@ -146,7 +156,8 @@ def config_from_dict(raw: dict, source: str = "config.json") -> ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             rope_theta=theta, rope_scaling=scaling,
             qkv_bias=model_type == "qwen2" or attention_bias, o_bias=attention_bias,
-            mlp_bias=bool(raw.get("mlp_bias", False)), sliding_window=window, **common,
+            mlp_bias=bool(raw.get("mlp_bias", False)), sliding_window=window,
+            sliding_layers=sliding_layers, **common,
         )
     if model_type == "gpt2":
         vocab, d, layers, heads, max_pos = _require(raw, source, "vocab_size", "n_embd", "n_layer", "n_head", "n_positions")

@@ -189,13 +189,13 @@ class CausalLM(nn.Module):
             key_len = int(start.max()) + n
             if key_len > cache.max_len:
                 raise ValueError(f"KV cache overflow: {key_len} positions needed, {cache.max_len} allocated")
-        mask = None
+        mask = window_mask = None
         if cache is not None or (window and n > window):
             keys = torch.arange(key_len, device=tokens.device)
             allowed = keys <= positions[..., None]  # (b, n, key_len)
+            mask = window_mask = allowed[:, None]  # (b, 1, n, key_len)
             if window:
-                allowed &= keys > positions[..., None] - window
-            mask = allowed[:, None]  # (b, 1, n, key_len)
+                window_mask = (allowed & (keys > positions[..., None] - window))[:, None]
         x = self.embed(tokens)
         if self.project_in is not None:
             x = self.project_in(x)
@@ -207,8 +207,10 @@ class CausalLM(nn.Module):
         if self.config.family == "llama":
             cos, sin = self._rope(positions, x.dtype)
             rope = (cos, sin)
+        sliding = self.config.sliding_layers
         for index, layer in enumerate(self.layers):
-            x = layer(x, rope, cache, index, mask, positions)
+            layer_mask = window_mask if sliding and sliding[index] else mask
+            x = layer(x, rope, cache, index, layer_mask, positions)
         if self.final_norm is not None:
             x = self.final_norm(x)
         if self.project_out is not None:
