@@ -42,7 +42,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     errors: list[type[BaseException]] = [UsageError, FileNotFoundError, json.JSONDecodeError]
     for module, name in (("runtime.config", "ConfigError"), ("runtime.checkpoint", "CheckpointError"),
                          ("runtime.generator", "GenerationError"), ("perfmodel.errors", "PerfModelError"),
-                         ("calibrate.errors", "CalibrationError")):
+                         ("calibrate.errors", "CalibrationError"), ("calibrate.bench", "BenchError")):
         loaded = sys.modules.get(module)
         if loaded is not None and hasattr(loaded, name):
             errors.append(getattr(loaded, name))
@@ -225,6 +225,648 @@ def render_generation(outputs: list[dict], stats, policy_name: str, sampling_nam
         for i, (a, t) in enumerate(zip(stats.accepted_per_position, stats.trials_per_position), start=1):
             acceptance.add_row(str(i), str(a), str(t), f"{a / t:.3f}" if t else "-")
         console.print(acceptance)
+
+
+# ---------------------------------------------------------------------------------------------- calibrate
+# Light modules (plain dicts and dataclasses, no torch): they give --help its preset names and defaults.
+from calibrate import grid as _grid, presets as _presets  # noqa: E402
+
+
+def _ints(values) -> str:
+    return ",".join(map(str, values))
+
+
+_CALIBRATE_MODEL_HELP = ("Model directory (real weights), config.json or shape preset (random weights: "
+                         f"{', '.join(_presets.PRESET_NAMES)})")
+
+
+@app.command("calibrate")
+@one_line_errors
+def calibrate_command(
+    target: Annotated[Optional[str], typer.Option("--target", help=f"{_CALIBRATE_MODEL_HELP}. Default: bundled demo target.")] = None,
+    draft: Annotated[Optional[str], typer.Option("--draft", help="Same forms as --target. Default: bundled demo draft.")] = None,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = None,
+    batch_sizes: Annotated[Optional[str], typer.Option("--batch-sizes", help=f"Batch sizes to time (default {_ints(_grid.DEFAULT_BATCH_SIZES)}; --quick {_ints(_grid.QUICK_BATCH_SIZES)}).")] = None,
+    max_k: Annotated[int, typer.Option("--max-k", help="Longest speculation: target passes of 1..max_k+1 tokens are timed.")] = _grid.DEFAULT_MAX_K,
+    context_lens: Annotated[Optional[str], typer.Option("--context-lens", help=f"Cached tokens per row (default {_ints(_grid.DEFAULT_CONTEXT_LENS)}; --quick {_ints(_grid.QUICK_CONTEXT_LENS)}).")] = None,
+    prompts: Annotated[Optional[Path], typer.Option("--prompts", help="Prompts for acceptance, one JSON string per line (default: bundled held-out prompts).")] = None,
+    acceptance: Annotated[Optional[str], typer.Option("--acceptance", help="Give acceptance instead of measuring it: 0.8, or per position 0.9,0.85,0.8 (required with random weights).")] = None,
+    sampling: Annotated[Optional[list[str]], typer.Option("--sampling", help="Also measure acceptance for T=0.8[,top_k=50][,top_p=0.95] (repeatable); greedy is always measured.")] = None,
+    out: Annotated[Path, typer.Option("--out", help="Profile to write (its timing rows also go to the .csv beside it).")] = Path("profile.json"),
+    resume: Annotated[bool, typer.Option("--resume", help="Keep the points already in --out and measure only the rest.")] = False,
+    quick: Annotated[bool, typer.Option("--quick", help="Coarser grid, fewer repetitions and prompts: a first look in seconds.")] = False,
+    json_output: JsonOpt = False,
+):
+    """Time the pair's forward passes over (batch size, new tokens, context) and measure acceptance: a profile."""
+    from calibrate.run import CalibrationRequest
+
+    request = CalibrationRequest(
+        target=target or str(DEMO_TARGET), draft=draft or str(DEMO_DRAFT), out=out, device=device, dtype=dtype,
+        batch_sizes=tuple(parse_int_list("--batch-sizes", batch_sizes) or ()) or None,
+        context_lens=tuple(parse_int_list("--context-lens", context_lens) or ()) or None,
+        max_k=max_k, prompts=prompts or DEMO_PROMPTS, acceptance=acceptance, samplings=tuple(sampling or ()),
+        resume=resume, quick=quick,
+    )
+    summary = _calibrate_with_progress(request, show=not json_output)
+    if json_output:
+        typer.echo(json.dumps(summary.to_json()))
+        return
+    render_calibration(summary)
+
+
+def _calibrate_with_progress(request, show: bool):
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from calibrate.run import calibrate
+
+    if not show:
+        return calibrate(request)
+    columns = (TextColumn("[bold]calibrate"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.description}"))
+    with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("checking inputs, loading models", total=None)
+
+        def on_progress(event):
+            progress.update(task, completed=event.done, total=event.total, description=event.label)
+
+        try:
+            return calibrate(request, on_progress)
+        except KeyboardInterrupt:
+            progress.stop()
+            typer.echo(f"interrupted: every point measured so far is in {request.out}; "
+                       f"rerun with --resume to measure the rest", err=True)
+            raise typer.Exit(130)
+
+
+def render_calibration(summary) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = Console()
+    console.print(f"[bold]{escape(summary.target)}[/] + [bold]{escape(summary.draft)}[/] on "
+                  f"{escape(summary.device)} ({summary.dtype})")
+    passes = Table(title="one forward pass, median ms")
+    for column in ("model", "batch size", "new tokens", "context", "ms"):
+        passes.add_column(column, justify="right")
+    for row in summary.passes:
+        ms = "out of memory" if row.median_ms is None else f"{row.median_ms:.3g}"
+        passes.add_row(row.model, str(row.batch_size), str(row.new_tokens), str(row.context_len), ms)
+    console.print(passes)
+    for entry in summary.acceptance:
+        alphas = ", ".join(f"{alpha:.3f}" for alpha in entry.per_position)
+        console.print(f"acceptance per draft position ({entry.setting}, {entry.source}): {alphas}")
+    counts = f"{summary.points_measured} points measured in {summary.elapsed_s:.1f} s"
+    if summary.points_resumed:
+        counts += f", {summary.points_resumed} kept from the previous run"
+    if summary.points_infeasible:
+        counts += f", {summary.points_infeasible} out of memory"
+    console.print(counts)
+    console.print(f"wrote {summary.profile_path} and {summary.csv_path}", markup=False, highlight=False)
+
+
+# ---------------------------------------------------------------------------------------------- bench
+_BENCH_MODEL_HELP = "Model directory, shape preset (random weights) or config.json path"
+
+
+def parse_ks(text: str) -> list[int]:
+    """'0,1,2,4' -> [0, 1, 2, 4]: non-negative integers, at least one."""
+    values = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if not part.isdigit():
+            raise UsageError(f"--ks: {part!r} is not an integer >= 0 (expected e.g. 0,1,2,4)")
+        values.append(int(part))
+    if not values:
+        raise UsageError("--ks: give at least one k (e.g. 0,1,2,4)")
+    return values
+
+
+@app.command()
+@one_line_errors
+def bench(
+    target: Annotated[Optional[str], typer.Option("--target", help=f"{_BENCH_MODEL_HELP} (default: bundled demo target).")] = None,
+    draft: Annotated[Optional[str], typer.Option("--draft", help=f"{_BENCH_MODEL_HELP} (default: bundled demo draft).")] = None,
+    table: Annotated[Optional[Path], typer.Option("--table", help="specbatch.table/1 file: adds the table policy.")] = None,
+    model: Annotated[Optional[Path], typer.Option("--model", help="specbatch.model/1 file: adds predicted tokens/s.")] = None,
+    batch_sizes: Annotated[str, typer.Option("--batch-sizes")] = "1,2,4,8,16,32",
+    ks: Annotated[str, typer.Option("--ks", help="Fixed k to compare; k = 0 is always run.")] = "0,1,2,3,4,5,6,7,8",
+    prompts: Annotated[Optional[Path], typer.Option("--prompts", help="One JSON string (or plain line) per line (default: bundled held-out prompts).")] = None,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Per row; EOS is ignored.")] = 64,
+    rounds: Annotated[int, typer.Option("--rounds", help="Timed interleaved rounds per batch size.")] = 5,
+    sampling: Annotated[str, typer.Option("--sampling", help="greedy | T=0.8[,top_k=50][,top_p=0.9]")] = "greedy",
+    synthetic_acceptance: Annotated[Optional[float], typer.Option("--synthetic-acceptance", help="Accept each draft token with probability α in (0, 1] instead of verifying (SYNTHETIC; for presets).")] = None,
+    peers: Annotated[bool, typer.Option("--peers", help="Also time transformers generate (plain, and assisted at batch size 1).")] = False,
+    out: Annotated[Path, typer.Option("--out", help="Output folder for bench.json, bench.csv and plots.")] = Path("specbatch-bench"),
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = None,
+    json_output: JsonOpt = False,
+):
+    """Measure k = 0, every fixed k and the table at every batch size, interleaved; regret and speedup."""
+    from calibrate.bench import BenchError
+
+    try:
+        _bench(target, draft, table, model, batch_sizes, ks, prompts, max_new_tokens, rounds, sampling,
+               synthetic_acceptance, peers, out, seed, device, dtype, json_output)
+    except BenchError as error:
+        raise UsageError(str(error)) from None
+
+
+def _bench(target, draft, table, model, batch_sizes, ks, prompts, max_new_tokens, rounds, sampling,
+           synthetic_acceptance, peers, out, seed, device, dtype, json_output) -> None:
+    from calibrate.bench import BenchConfig, parse_sampling
+
+    # every option is checked before a model is loaded
+    config = BenchConfig(
+        batch_sizes=tuple(parse_int_list("--batch-sizes", batch_sizes) or ()), ks=tuple(parse_ks(ks)),
+        max_new_tokens=max_new_tokens, rounds=rounds, sampling=parse_sampling(sampling),
+        synthetic_acceptance=synthetic_acceptance, seed=seed, table_path=table, model_path=model, peers=peers,
+    )
+    for option, path in (("--table", table), ("--model", model), ("--prompts", prompts)):
+        if path is not None and not path.is_file():
+            raise UsageError(f"{option} {path}: no such file")
+
+    from calibrate.environment import resolve_device
+    from calibrate.models import check_pair, load_pair as load_specs, resolve_model
+    from calibrate.bench import RANDOM_PROMPT_TOKENS, BenchModels, random_prompts, run_bench, write_outputs
+    from runtime.checkpoint import parse_dtype
+
+    target_spec = resolve_model(target or str(DEMO_TARGET), "target")
+    draft_spec = resolve_model(draft or str(DEMO_DRAFT), "draft")
+    check_pair(target_spec, draft_spec)
+    random_weights = target_spec.random_weights or draft_spec.random_weights
+    if random_weights and synthetic_acceptance is None:
+        raise UsageError("random weights (a preset or config.json) never agree with a target: pass "
+                         "--synthetic-acceptance α to benchmark the shape")
+    device = resolve_device(device)
+    pair = load_specs(target_spec, draft_spec, device, parse_dtype(dtype, device))
+    needed = max(config.batch_sizes)  # batch size b uses the first b prompts
+    if pair.tokenizer is not None:
+        texts = read_prompts_file(prompts or DEMO_PROMPTS)[:needed]
+        token_prompts = [pair.tokenizer.encode(text) for text in texts]
+    elif prompts is not None:
+        raise UsageError(f"--prompts: {target_spec.source} has no tokenizer.json to encode text; leave --prompts "
+                         "out to benchmark with random token prompts")
+    else:
+        token_prompts = random_prompts(needed, RANDOM_PROMPT_TOKENS, target_spec.config.vocab_size, seed)
+    models = BenchModels(target=pair.target, draft=pair.draft, target_source=target_spec.source,
+                         draft_source=draft_spec.source, target_dir=target_spec.directory,
+                         draft_dir=draft_spec.directory, random_weights=random_weights)
+
+    result = run_bench(config, models, token_prompts) if json_output else \
+        _bench_with_progress(config, models, token_prompts)
+    if pair.tokenizer is None:
+        result.notes.insert(0, f"prompts: {needed} random sequences of {RANDOM_PROMPT_TOKENS} tokens (no tokenizer)")
+    written = write_outputs(result, out)
+    if json_output:
+        from calibrate.bench import bench_json
+
+        typer.echo(json.dumps({**bench_json(result), "outputs": [str(path) for path in written]}))
+        return
+    render_bench(result, written)
+
+
+def _bench_with_progress(config, models, token_prompts):
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from calibrate.bench import run_bench
+
+    columns = (TextColumn("[bold]bench"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+               TimeRemainingColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("", total=None)
+
+        def on_run(record, done, total):
+            phase = "warm-up" if record.warmup else f"round {record.round + 1}/{config.rounds}"
+            progress.update(task, completed=done, total=total,
+                            description=f"b={record.batch_size} {phase} {record.policy}: {record.tokens_per_s:.0f} tok/s")
+
+        return run_bench(config, models, token_prompts, on_run=on_run)
+
+
+def _rate(tokens_per_s: float | None) -> str:
+    """Tokens/s for a narrow column: no decimals once the integer part says enough."""
+    if tokens_per_s is None:
+        return "-"
+    return f"{tokens_per_s:.0f}" if tokens_per_s >= 100 else f"{tokens_per_s:.1f}"
+
+
+def _relative(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:+.1f}%"
+
+
+def render_bench(result, written: list[Path]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from calibrate.bench import TABLE_POLICY, fixed_policy_name
+
+    console = Console()
+    config = result.config
+    has_table, has_model = config.table_path is not None, config.model_path is not None
+    # the label and the settings are lines of their own: a table title or caption wraps to the table's width
+    if result.synthetic:
+        console.print(result.synthetic, style="bold red", markup=False, highlight=False)
+    console.print(f"bench: {result.models['target']['source']} + {result.models['draft']['source']} on "
+                  f"{result.device['kind']} ({result.device['name']}), {config.sampling.describe()}, "
+                  f"{config.max_new_tokens} new tokens per row; tokens/s: median (p10-p90) of {config.rounds} "
+                  f"interleaved rounds; regret = 1 - table / best fixed k", markup=False, highlight=False)
+    summary = Table()
+    peer_columns = list(dict.fromkeys(f"{r.ours} / {r.theirs}" for batch in result.batches for r in batch.peer_ratios))
+    headers = ["b", "k=0 tok/s", "best k: tok/s"]
+    if has_table:
+        headers += ["table k: tok/s", "regret", "speedup"]
+    if has_model:
+        headers += ["predicted vs steady (table k)" if has_table else "predicted vs steady (best k)", "error"]
+    for header in headers + peer_columns:
+        summary.add_column(header, justify="right")
+    for batch in result.batches:
+        plain = batch.policy(fixed_policy_name(0))
+        shown = batch.policy(fixed_policy_name(batch.best_k))
+        row = [str(batch.batch_size), _rate(plain.median_tokens_per_s), f"{batch.best_k}: {_rate(shown.median_tokens_per_s)}"]
+        if has_table:
+            shown = batch.policy(TABLE_POLICY)
+            row += [f"{shown.k}: {_rate(shown.median_tokens_per_s)} ({_rate(shown.p10_tokens_per_s)}-"
+                    f"{_rate(shown.p90_tokens_per_s)})", f"{100 * batch.table_regret:.1f}%", f"{batch.table_speedup:.2f}x"]
+        if has_model:
+            predicted, steady = shown.predicted_tokens_per_s, shown.median_steady_tokens_per_s
+            row += [f"{_rate(predicted)} vs {_rate(steady)}",
+                    _relative(None if predicted is None or not steady else predicted / steady - 1)]
+        ratios = {f"{r.ours} / {r.theirs}": r.ratio for r in batch.peer_ratios}
+        row += [f"{ratios[c]:.2f}x" if c in ratios else "-" for c in peer_columns]
+        summary.add_row(*row)
+    console.print(summary)
+    if has_model:
+        errors = Table(title="prediction error: predicted / measured - 1 (median steady-state tokens/s: full-batch steps)")
+        names = [p.policy for p in result.batches[0].policies if p.predicted_tokens_per_s is not None]
+        for header in ["b", *names]:
+            errors.add_column(header, justify="right")
+        for batch in result.batches:
+            cells = []
+            for name in names:
+                policy = batch.policy(name)
+                predicted = policy.predicted_tokens_per_s if policy else None
+                steady = policy.median_steady_tokens_per_s if policy else None
+                cells.append(_relative(None if predicted is None or not steady else predicted / steady - 1))
+            errors.add_row(str(batch.batch_size), *cells)
+        console.print(errors)
+    for note in result.notes:
+        console.print(f"note: {note}", markup=False, highlight=False)
+    console.print(f"wrote {', '.join(str(path) for path in written)}", markup=False, highlight=False)
+
+
+# ---------------------------------------------------------------- performance model: fit, table, query, plot
+
+AcceptanceOpt = Annotated[Optional[str], typer.Option(
+    "--acceptance", help="What-if acceptance: one alpha (0.8) or per position (0.9,0.85,0.8); "
+                         "default: the profile's measurement.")]
+MaxKOpt = Annotated[Optional[int], typer.Option("--max-k", help="Largest k considered (default: the profile's max_k).")]
+MaxBatchOpt = Annotated[int, typer.Option("--max-batch", help="Tabulate batch sizes 1..this.")]
+TABLE_FORMATS = ("json", "csv", "vllm", "trtllm")
+
+
+def _check_counts(max_batch: int | None = None, max_k: int | None = None, batch_size: int | None = None,
+                  context_len: int | None = None) -> None:
+    if max_batch is not None and max_batch < 1:
+        raise UsageError(f"--max-batch must be >= 1, got {max_batch}")
+    if max_k is not None and max_k < 0:
+        raise UsageError(f"--max-k must be >= 0, got {max_k}")
+    if batch_size is not None and batch_size < 1:
+        raise UsageError(f"--batch-size must be >= 1, got {batch_size}")
+    if context_len is not None and context_len < 0:
+        raise UsageError(f"--context-len must be >= 0, got {context_len}")
+
+
+def _acceptance_override(text: str | None):
+    if text is None:
+        return None
+    from perfmodel.acceptance import parse_acceptance_option
+
+    return parse_acceptance_option(text, "--acceptance")
+
+
+@app.command()
+@one_line_errors
+def fit(
+    profile: Annotated[Path, typer.Argument(help="specbatch.profile/1 file written by `specbatch calibrate`.")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Where to write the specbatch.model/1 file.")],
+    holdout: Annotated[bool, typer.Option(
+        "--holdout", help="Also fit without every other interior batch size and context length and report the "
+                          "error on those.")] = False,
+    json_output: JsonOpt = False,
+):
+    """Fit each role's pass latency T(b, n, L) from a profile; report parameters and errors."""
+    from perfmodel.model import fit_profile, model_to_json, save_model
+    from perfmodel.profile import load_profile
+
+    fitted = fit_profile(load_profile(profile), holdout=holdout)
+    save_model(output, fitted)
+    if json_output:
+        roles = {role: {key: value for key, value in obj.items() if key != "points"}
+                 for role, obj in model_to_json(fitted)["roles"].items()}
+        typer.echo(json.dumps({"model": str(output), "roles": roles}))
+        return
+    render_fit(fitted, output)
+
+
+def render_fit(fitted, output: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(f"[bold]{fitted.device.name}[/] ({fitted.device.kind}, {fitted.device.dtype}): "
+                  f"target {fitted.target_info.source}, draft {fitted.draft_info.source}")
+    for role, fit in fitted.roles.items():
+        model, shape = fit.model, fit.model.shape
+        params = Table(title=f"{role}: {fit.kind} ({len(fit.points)} points)", show_header=False)
+        params.add_row("overhead_ms", f"{model.roofline.overhead_ms:.4g}")
+        params.add_row("bandwidth_GBps", f"{model.roofline.bandwidth_GBps:.4g}")
+        params.add_row("flops_TFLOPs", f"{model.roofline.flops_TFLOPs:.4g}")
+        params.add_row("overlap_exponent", f"{model.roofline.overlap_exponent:.3g}")
+        params.add_row("ridge_tokens (b*n)", f"{model.roofline.ridge_tokens(shape):.4g}")
+        params.add_row("memory-bound share of points", f"{fit.memory_bound_share:.0%}")
+        for kind, value in fit.cv_mape_pct.items():
+            params.add_row(f"cross-validated MAPE, {kind}", f"{value:.2f}%")
+        params.add_row("in-sample MAPE (chosen)", f"{fit.in_sample_mape_pct:.2f}%")
+        if fit.holdout is not None:
+            h = fit.holdout
+            left_out = f"b in {list(h.held_out_batch_sizes)}, L in {list(h.held_out_context_lens)}"
+            params.add_row("held-out MAPE", f"{h.mape_pct:.2f}% (max {h.max_error_pct:.1f}%; {h.test_points} points "
+                                            f"with {left_out}; {h.kind} chosen on the rest)")
+        if fit.infeasible_rows:
+            params.add_row("out-of-memory rows (not fitted)", str(fit.infeasible_rows))
+        console.print(params)
+        worst = fit.holdout.worst if fit.holdout is not None else fit.worst
+        points = Table(title=f"{role}: worst {'held-out' if fit.holdout is not None else 'in-sample'} points")
+        for column in ("b", "n", "L", "measured ms", "predicted ms", "error"):
+            points.add_column(column, justify="right")
+        for p in worst:
+            points.add_row(str(p.batch_size), str(p.new_tokens), str(p.context_len), f"{p.measured_ms:.4g}",
+                           f"{p.predicted_ms:.4g}", f"{p.error_pct:+.1f}%")
+        console.print(points)
+        for note in fit.notes:
+            console.print(f"[yellow]note:[/] {role}: {note}")
+    if not fitted.overhead.measured:
+        console.print("[yellow]note:[/] the profile has no step-overhead rows: overhead taken as 0 ms")
+    if not fitted.acceptance:
+        console.print("[yellow]note:[/] the profile has no acceptance: `table` and `query` will need --acceptance")
+    console.print(f"wrote {output}")
+
+
+@app.command()
+@one_line_errors
+def table(
+    model: Annotated[Path, typer.Argument(help="specbatch.model/1 file written by `specbatch fit`.")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Where to write the table (or its export).")],
+    max_batch: MaxBatchOpt = 64,
+    context_lens: Annotated[Optional[str], typer.Option(
+        "--context-lens", help="One table bucket per context length, e.g. 512,2048,8192 "
+                               "(default: one bucket at the profile's middle context length).")] = None,
+    acceptance: AcceptanceOpt = None,
+    max_k: MaxKOpt = None,
+    fmt: Annotated[str, typer.Option("--format", help="json (specbatch.table/1) | csv | vllm | trtllm.")] = "json",
+):
+    """Best speculation length k for every batch size 1..max-batch, with its predicted gain."""
+    _check_counts(max_batch=max_batch, max_k=max_k)
+    if fmt not in TABLE_FORMATS:
+        raise UsageError(f"--format: {fmt!r} is not one of {', '.join(TABLE_FORMATS)}")
+    lengths = parse_int_list("--context-lens", context_lens)
+    from perfmodel import table as tables
+    from perfmodel.jsonio import write_json_atomic, write_text_atomic
+    from perfmodel.model import choose_acceptance, compute_table, load_model
+
+    fitted = load_model(model)
+    chosen = choose_acceptance(fitted, _acceptance_override(acceptance), str(model))
+    result = compute_table(fitted, chosen, max_batch, lengths, max_k)
+    if fmt == "json":
+        tables.save_table(output, result)
+    elif fmt == "csv":
+        write_text_atomic(output, tables.to_csv(result))
+    else:
+        export = tables.to_vllm if fmt == "vllm" else tables.to_trtllm
+        write_json_atomic(output, export(result))
+    notes = fitted.extrapolation_notes(max_batch, [b.context_len for b in result.buckets], result.max_k)
+    render_table(result, notes, output)
+
+
+def render_table(result, notes: list[str], output: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from perfmodel.table import k_runs
+
+    console = Console()
+    acc = result.acceptance
+    console.print(f"acceptance ({acc['source']}): per position {acc['per_position']}, "
+                  f"constant-alpha fit {acc['constant_alpha']:.3f} (rmse {acc['constant_alpha_rmse']:.3f})")
+    for bucket in result.buckets:
+        view = Table(title=f"best k per batch size, context {bucket.context_len} (runs of equal k collapsed)")
+        for column in ("batch size", "k*", "tokens/s", "speedup vs k=0", "runner-up k", "smallest margin"):
+            view.add_column(column, justify="right")
+        for start, end, k in k_runs(bucket.entries):
+            run = bucket.entries[start - 1:end]
+            margins = [e.margin for e in run if e.margin is not None]
+            runner_ups = sorted({e.runner_up_k for e in run if e.runner_up_k is not None})
+            view.add_row(str(start) if start == end else f"{start}-{end}", str(k),
+                         _span(run[0].predicted_tokens_per_s, run[-1].predicted_tokens_per_s, "{:.0f}"),
+                         _span(run[0].predicted_speedup, run[-1].predicted_speedup, "{:.2f}x"),
+                         ",".join(map(str, runner_ups)) or "-", f"{min(margins):.1%}" if margins else "-")
+        console.print(view)
+    for note in notes:
+        console.print(f"[yellow]note:[/] {note}")
+    console.print(f"wrote {output}")
+
+
+def _span(first: float, last: float, fmt: str) -> str:
+    return fmt.format(first) if fmt.format(first) == fmt.format(last) else f"{fmt.format(first)}-{fmt.format(last)}"
+
+
+@app.command()
+@one_line_errors
+def query(
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Sequences in the batch.")],
+    model: Annotated[Optional[Path], typer.Argument(help="specbatch.model/1 file (or use --table).")] = None,
+    table_path: Annotated[Optional[Path], typer.Option("--table", help="specbatch.table/1 file instead of a model.")] = None,
+    context_len: Annotated[Optional[int], typer.Option(
+        "--context-len", help="Mean context length (default: the profile's middle one / the table's first bucket).")] = None,
+    acceptance: AcceptanceOpt = None,
+    max_k: MaxKOpt = None,
+    json_output: JsonOpt = False,
+):
+    """Step time, tokens per step and goodput of every k at one batch size, and the best k."""
+    _check_counts(batch_size=batch_size, context_len=context_len, max_k=max_k)
+    if (model is None) == (table_path is None):
+        raise UsageError("give either a model file or --table, not both or neither")
+    if table_path is not None and (acceptance is not None or max_k is not None):
+        raise UsageError("--acceptance and --max-k need a model file: a table was computed with fixed values")
+    if model is not None:
+        from perfmodel.model import choose_acceptance, load_model
+        from perfmodel.model import query as query_model
+
+        fitted = load_model(model)
+        chosen = choose_acceptance(fitted, _acceptance_override(acceptance), str(model))
+        context = fitted.default_context_len() if context_len is None else context_len
+        choice = query_model(fitted, chosen, batch_size, context, fitted.grid.max_k if max_k is None else max_k)
+        answer = {"batch_size": batch_size, "context_len": context, "best_k": choice.best_k,
+                  "candidates": [{"k": c.k, "step_ms": c.step_ms, "tokens_per_step": c.tokens_per_step,
+                                  "tokens_per_s": c.tokens_per_s} for c in choice.candidates]}
+        notes = fitted.extrapolation_notes(batch_size, [context], len(choice.candidates) - 1)
+    else:
+        answer, notes = _query_table(table_path, batch_size, context_len), []
+    if json_output:
+        typer.echo(json.dumps(answer))
+        return
+    render_query(answer, notes)
+
+
+def _query_table(path: Path, batch_size: int, context_len: int | None) -> dict:
+    """With only a table, the candidate is the table's own choice; its step time follows from
+    G = b * E(k) / S when the table records per-position acceptance."""
+    from perfmodel.acceptance import expected_tokens
+    from perfmodel.table import load_table
+
+    loaded = load_table(path)
+    k = loaded.lookup(batch_size, context_len)
+    bucket = loaded.bucket_for(context_len)
+    candidate = {"k": k, "step_ms": None, "tokens_per_step": None, "tokens_per_s": None}
+    per_position = loaded.acceptance.get("per_position")
+    if per_position:
+        candidate["tokens_per_step"] = expected_tokens(per_position, k)
+    if batch_size <= bucket.max_batch:  # beyond the table, its numbers belong to another batch size
+        goodput = bucket.entries[batch_size - 1].predicted_tokens_per_s
+        candidate["tokens_per_s"] = goodput
+        if candidate["tokens_per_step"] is not None:
+            candidate["step_ms"] = batch_size * candidate["tokens_per_step"] / goodput * 1e3
+    return {"batch_size": batch_size, "context_len": bucket.context_len, "best_k": k, "candidates": [candidate]}
+
+
+def render_query(answer: dict, notes: list[str]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    view = Table(title=f"batch size {answer['batch_size']}, context {answer['context_len']}: best k = {answer['best_k']}")
+    for column in ("k", "step ms", "tokens per step (per sequence)", "tokens/s (batch)"):
+        view.add_column(column, justify="right")
+    for c in answer["candidates"]:
+        cells = [f"{c[key]:.4g}" if c[key] is not None else "-" for key in ("step_ms", "tokens_per_step", "tokens_per_s")]
+        style = "bold green" if c["k"] == answer["best_k"] else None
+        view.add_row(str(c["k"]), *cells, style=style)
+    console = Console()
+    console.print(view)
+    for note in notes:
+        console.print(f"[yellow]note:[/] {note}")
+
+
+@app.command()
+@one_line_errors
+def plot(
+    model: Annotated[Path, typer.Argument(help="specbatch.model/1 file written by `specbatch fit`.")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Image file to write (png, pdf, svg).")],
+    max_batch: MaxBatchOpt = 64,
+    context_len: Annotated[Optional[int], typer.Option("--context-len", help="Context length of the heatmap.")] = None,
+    acceptance: AcceptanceOpt = None,
+    max_k: MaxKOpt = None,
+):
+    """Goodput heatmap over (b, k) with the k*(b) curve, and fitted vs measured latency per role."""
+    _check_counts(max_batch=max_batch, max_k=max_k, context_len=context_len)
+    from perfmodel.model import choose_acceptance, load_model
+    from perfmodel.plot import plot_model
+
+    fitted = load_model(model)
+    chosen = choose_acceptance(fitted, _acceptance_override(acceptance), str(model))
+    plot_model(fitted, chosen, output, max_batch, context_len, max_k)
+    typer.echo(f"wrote {output}")
+
+
+# ---------------------------------------------------------------------------------------------- demo
+@app.command()
+@one_line_errors
+def demo(
+    out: Annotated[Path, typer.Option("--out", help="Folder for everything the demo writes.")] = Path("specbatch-demo"),
+    batch_sizes: Annotated[str, typer.Option("--batch-sizes", help="Batch sizes at which the table is raced against plain decoding.")] = "1,8",
+    prompts_shown: Annotated[int, typer.Option("--prompts-shown", help="Held-out prompts generated and printed.")] = 3,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 48,
+    rounds: Annotated[int, typer.Option("--rounds", help="Interleaved timed rounds per batch size.")] = 3,
+    max_batch: Annotated[int, typer.Option("--max-batch", help="Largest batch size in the table.")] = 32,
+    device: DeviceOpt = None,
+):
+    """The whole loop on the bundled demo pair: quick calibration, fit, table, generation, measured speedup."""
+    race_sizes = parse_int_list("--batch-sizes", batch_sizes)
+    if prompts_shown <= 0 or max_new_tokens <= 0 or rounds <= 0 or max_batch <= 0:
+        raise UsageError("--prompts-shown, --max-new-tokens, --rounds and --max-batch must be positive")
+    from rich.console import Console
+
+    console = Console()
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {name: out / name for name in ("profile.json", "model.json", "table.json", "table.csv",
+                                           "vllm.json", "trtllm.json", "generations.jsonl")}
+
+    console.rule("[bold]1/5 calibrate (quick): time the demo pair's passes on this machine, measure acceptance")
+    from calibrate.run import CalibrationRequest
+
+    request = CalibrationRequest(target=str(DEMO_TARGET), draft=str(DEMO_DRAFT), out=paths["profile.json"],
+                                 device=device, prompts=DEMO_PROMPTS, quick=True)
+    render_calibration(_calibrate_with_progress(request, show=True))
+
+    console.rule("[bold]2/5 fit the latency and acceptance model")
+    from perfmodel.model import choose_acceptance, compute_table, fit_profile, save_model
+    from perfmodel.profile import load_profile
+
+    fitted = fit_profile(load_profile(paths["profile.json"]))
+    save_model(paths["model.json"], fitted)
+    render_fit(fitted, paths["model.json"])
+
+    console.rule("[bold]3/5 the table: best k for every batch size")
+    from perfmodel import table as tables
+    from perfmodel.jsonio import write_json_atomic, write_text_atomic
+
+    table_result = compute_table(fitted, choose_acceptance(fitted, None, str(paths["model.json"])), max_batch)
+    tables.save_table(paths["table.json"], table_result)
+    write_text_atomic(paths["table.csv"], tables.to_csv(table_result))
+    write_json_atomic(paths["vllm.json"], tables.to_vllm(table_result))
+    write_json_atomic(paths["trtllm.json"], tables.to_trtllm(table_result))
+    render_table(table_result, fitted.extrapolation_notes(max_batch, [b.context_len for b in table_result.buckets],
+                                                          table_result.max_k), paths["table.json"])
+
+    console.rule("[bold]4/5 generate held-out prompts with the table")
+    from runtime.generator import SpeculativeGenerator
+    from runtime.policy import TableK
+
+    target_model, draft_model = load_pair(None, None, device, None)
+    texts = read_prompts_file(DEMO_PROMPTS)[:prompts_shown]
+    generator = SpeculativeGenerator(target_model.model, draft_model.model, target_model.eos_token_ids)
+    encoded = [target_model.tokenizer.encode(t) for t in texts]
+    policy = TableK(paths["table.json"])
+    result = generator.generate(encoded, max_new_tokens, policy)
+    outputs = [{"prompt": t, "text": target_model.tokenizer.decode(ids), "token_ids": ids}
+               for t, ids in zip(texts, result.token_ids)]
+    write_text_atomic(paths["generations.jsonl"], "".join(json.dumps(o) + "\n" for o in outputs))
+    render_generation(outputs, result.stats, policy.describe(), "greedy")
+
+    console.rule(f"[bold]5/5 race the table against plain decoding (k = 0) at batch sizes {race_sizes}")
+    from calibrate.bench import BenchConfig, BenchModels, run_bench, write_outputs
+
+    config = BenchConfig(batch_sizes=tuple(race_sizes), ks=(0,), max_new_tokens=max_new_tokens, rounds=rounds,
+                         table_path=paths["table.json"], model_path=paths["model.json"])
+    models = BenchModels(target=target_model.model, draft=draft_model.model, target_source=str(DEMO_TARGET),
+                         draft_source=str(DEMO_DRAFT), target_dir=DEMO_TARGET, draft_dir=DEMO_DRAFT,
+                         random_weights=False)
+    prompts = [target_model.tokenizer.encode(t) for t in read_prompts_file(DEMO_PROMPTS)[:max(race_sizes)]]
+    race = _bench_with_progress(config, models, prompts)
+    written = write_outputs(race, out / "bench")
+    for batch in race.batches:
+        plain, tabled = batch.policy("k=0"), batch.policy("table")
+        console.print(f"batch size {batch.batch_size}: table k={tabled.k} {tabled.median_tokens_per_s:.0f} tok/s vs "
+                      f"plain {plain.median_tokens_per_s:.0f} tok/s -> [bold]{batch.table_speedup:.2f}x[/] "
+                      f"(median of {rounds} interleaved rounds)")
+    console.print(f"everything is in {out.resolve()} (bench files: {', '.join(p.name for p in written)})",
+                  markup=False, highlight=False)
 
 
 if __name__ == "__main__":

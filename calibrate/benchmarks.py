@@ -1,0 +1,124 @@
+"""The two things timed on the device: one forward pass, and one generation step's overhead.
+
+A forward pass is timed on the runtime's own model and KV cache, exactly as the generator calls it:
+`model(tokens (b, n), cache)` with every row's cache filled to length L. The cache is "filled" by
+setting its lengths (attention cost depends on how many keys there are, not on their values), and
+reset to L before each repetition because a pass advances it by n.
+
+The overhead of a step is everything the generator does outside forward passes (sampling, the
+acceptance test, cache rollback, bookkeeping). It is measured by running real generation with a
+fixed k and reading the generator's own `other_s`, so it is the runtime's overhead by construction.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Callable
+
+import torch
+
+from perfmodel.profile import Grid, TimingRow
+from runtime.generator import SpeculativeGenerator
+from runtime.model import CausalLM, KVCache
+from runtime.policy import FixedK
+from runtime.sampling import Sampling
+
+from .environment import synchronizer
+from .grid import TimingPoint
+from .store import timing_row
+from .timing import Clock, Measurement, RepetitionRule, is_out_of_memory, repeat, timed_ms
+
+OVERHEAD_PROMPT_TOKENS = 8  # short: the overhead barely depends on the context, and each sample's prefill is waste
+
+
+def random_tokens(vocab_size: int, batch_size: int, new_tokens: int, device: str, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(vocab_size, (batch_size, new_tokens), generator=generator).to(device)  # (b, n)
+
+
+def forward_sampler(model: CausalLM, cache: KVCache, tokens: torch.Tensor, context_len: int,
+                    synchronize: Callable[[], None] | None, clock: Clock = time.perf_counter) -> Callable[[], float]:
+    """A function that times one pass of `tokens` (b, n) on top of `context_len` cached tokens, in ms."""
+
+    @torch.inference_mode()
+    def sample_ms() -> float:
+        cache.lengths.fill_(context_len)  # outside the timed region: the runtime's lengths are already set
+        return timed_ms(lambda: model(tokens, cache), clock, synchronize)
+
+    return sample_ms
+
+
+class ForwardTimer:
+    """Times forward passes at grid points, keeping one KV cache while consecutive points share
+    (model, b, L): allocating a cache per point would cost more than many of the passes."""
+
+    def __init__(self, models: dict[str, CausalLM], grid: Grid, device: str, rule: RepetitionRule,
+                 clock: Clock = time.perf_counter):
+        self.models, self.grid, self.device, self.rule, self.clock = models, grid, device, rule, clock
+        self.key, self.cache = None, None
+
+    def _cache_for(self, point: TimingPoint) -> KVCache:
+        key = (point.model, point.batch_size, point.context_len)
+        if key != self.key:
+            self.forget()  # free the previous cache before allocating the next
+            new_tokens = self.grid.target_new_tokens if point.model == "target" else self.grid.draft_new_tokens
+            self.cache = self.models[point.model].new_cache(point.batch_size, point.context_len + max(new_tokens))
+            self.key = key
+        return self.cache
+
+    def measure(self, point: TimingPoint) -> Measurement:
+        model = self.models[point.model]
+        cache = self._cache_for(point)
+        tokens = random_tokens(model.config.vocab_size, point.batch_size, point.new_tokens, self.device,
+                               seed=point.batch_size * 1000 + point.new_tokens)
+        sampler = forward_sampler(model, cache, tokens, point.context_len, synchronizer(self.device), self.clock)
+        return repeat(sampler, self.rule, self.clock)
+
+    def forget(self) -> None:
+        self.key, self.cache = None, None
+
+
+def release_memory(device: str) -> None:
+    """After an out-of-memory error: hand the allocator's cached blocks back so later points can fit."""
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def time_point(timer: ForwardTimer, point: TimingPoint) -> TimingRow:
+    """The point's timing row; a point that runs out of memory is recorded as infeasible."""
+    try:
+        return timing_row(point, timer.measure(point))
+    except Exception as error:  # noqa: BLE001 - only out-of-memory is recorded, the rest re-raised
+        if not is_out_of_memory(error):
+            raise
+    timer.forget()  # outside the except block: the traceback would keep the failed pass's tensors alive
+    release_memory(timer.device)
+    return timing_row(point, None)
+
+
+def expected_tokens_per_step(acceptance: float, k: int) -> float:
+    """E(k) with a constant per-token acceptance: 1 + a + a^2 + ... + a^k."""
+    return sum(acceptance ** i for i in range(k + 1))
+
+
+def overhead_sampler(target: CausalLM, draft: CausalLM, batch_size: int, k: int, acceptance: float,
+                     steps_per_sample: int, seed: int = 0) -> Callable[[], float]:
+    """A function that generates with FixedK(k) on `batch_size` random prompts and returns the
+    generator's time outside forward passes per step, in ms.
+
+    Draft tokens are accepted with probability `acceptance` (the generator's synthetic acceptance):
+    with random weights the models would never agree, and how many tokens rows accept decides how
+    often the 2-token catch-up runs and how ragged the rows get, both part of the overhead. EOS is
+    disabled so every row runs the same number of tokens; the batch shrinks only in the last steps.
+    """
+    generator = SpeculativeGenerator(target, draft, eos_token_ids=())
+    prompts = random_tokens(target.config.vocab_size, batch_size, OVERHEAD_PROMPT_TOKENS, "cpu", seed).tolist()
+    new_tokens = 1 + round(steps_per_sample * expected_tokens_per_step(acceptance, k))  # +1: prefill's token
+    calls = itertools.count()
+
+    def sample_ms() -> float:
+        stats = generator.generate(prompts, new_tokens, FixedK(k), Sampling(), seed=seed + next(calls),
+                                   synthetic_acceptance=acceptance).stats
+        return stats.other_s / stats.steps * 1000.0
+
+    return sample_ms

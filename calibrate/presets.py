@@ -1,0 +1,81 @@
+"""Shape presets: published Hugging Face `config.json` contents, for timing before the weights exist.
+
+A preset gives a shape, not weights: calibrating one builds random weights (forward-pass time does
+not depend on the values) and needs `--acceptance`, because random weights say nothing about how
+often a real draft agrees with a real target. Names are exact keys; nothing is fuzzy-matched.
+Only the fields the runtime reads are kept; each entry names the repository it was copied from.
+"""
+from __future__ import annotations
+
+from runtime.config import ModelConfig, config_from_dict
+
+from .errors import CalibrationError
+
+_OPT = dict(model_type="opt", vocab_size=50272, max_position_embeddings=2048, activation_function="relu",
+            do_layer_norm_before=True, enable_bias=True, tie_word_embeddings=True,
+            bos_token_id=2, eos_token_id=2, pad_token_id=1)
+_LLAMA3_ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=8192)
+_GPT2 = dict(model_type="gpt2", vocab_size=50257, n_positions=1024, activation_function="gelu_new",
+             layer_norm_epsilon=1e-5, bos_token_id=50256, eos_token_id=50256)
+
+PRESETS: dict[str, dict] = {
+    # facebook/opt-*
+    "opt-125m": dict(_OPT, hidden_size=768, num_hidden_layers=12, num_attention_heads=12, ffn_dim=3072,
+                     word_embed_proj_dim=768),
+    "opt-350m": dict(_OPT, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, ffn_dim=4096,
+                     word_embed_proj_dim=512, do_layer_norm_before=False),  # post-LN, 512-wide embeddings
+    "opt-1.3b": dict(_OPT, hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, ffn_dim=8192,
+                     word_embed_proj_dim=2048),
+    "opt-6.7b": dict(_OPT, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, ffn_dim=16384,
+                     word_embed_proj_dim=4096),
+    # JackFram/llama-68m and JackFram/llama-160m: the drafts of SpecInfer
+    "llama-68m": dict(model_type="llama", vocab_size=32000, hidden_size=768, num_hidden_layers=2,
+                      num_attention_heads=12, num_key_value_heads=12, intermediate_size=3072,
+                      max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                      bos_token_id=0, eos_token_id=2, pad_token_id=1),
+    "llama-160m": dict(model_type="llama", vocab_size=32000, hidden_size=768, num_hidden_layers=12,
+                       num_attention_heads=12, num_key_value_heads=12, intermediate_size=3072,
+                       max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                       bos_token_id=0, eos_token_id=2, pad_token_id=1),
+    # meta-llama/Llama-2-7b-hf
+    "llama-2-7b": dict(model_type="llama", vocab_size=32000, hidden_size=4096, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=32, intermediate_size=11008,
+                       max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                       bos_token_id=1, eos_token_id=2),
+    # meta-llama/Llama-3.2-1B
+    "llama-3.2-1b": dict(model_type="llama", vocab_size=128256, hidden_size=2048, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, intermediate_size=8192,
+                         max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                         rope_theta=500000.0, rope_scaling=dict(_LLAMA3_ROPE, factor=32.0),
+                         bos_token_id=128000, eos_token_id=128001),
+    # meta-llama/Llama-3.1-8B
+    "llama-3.1-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=14336,
+                         max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                         rope_theta=500000.0, rope_scaling=dict(_LLAMA3_ROPE, factor=8.0),
+                         bos_token_id=128000, eos_token_id=128001),
+    # Qwen/Qwen2.5-0.5B and Qwen/Qwen2.5-7B (base models)
+    "qwen2.5-0.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864,
+                         max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                         rope_theta=1000000.0, use_sliding_window=False,
+                         bos_token_id=151643, eos_token_id=151643),
+    "qwen2.5-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, intermediate_size=18944,
+                       max_position_embeddings=131072, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                       rope_theta=1000000.0, use_sliding_window=False,
+                       bos_token_id=151643, eos_token_id=151643),
+    # openai-community/gpt2 and gpt2-large
+    "gpt2": dict(_GPT2, n_embd=768, n_layer=12, n_head=12),
+    "gpt2-large": dict(_GPT2, n_embd=1280, n_layer=36, n_head=20),
+}
+
+PRESET_NAMES: tuple[str, ...] = tuple(PRESETS)
+
+
+def preset_config(name: str) -> ModelConfig:
+    """The ModelConfig of a preset; the error for an unknown name lists every valid one."""
+    if name not in PRESETS:
+        raise CalibrationError(f"unknown preset {name!r}; presets: {', '.join(PRESET_NAMES)}")
+    return config_from_dict(PRESETS[name], source=f"preset {name}")

@@ -1,0 +1,115 @@
+"""The profile on disk: written after every grid point, resumed from after an interruption.
+
+The JSON is `perfmodel.profile`'s contract (validated and written atomically by `save_profile`);
+the timing rows are also written as a tidy CSV beside it (`profile.csv` for `profile.json`), one row
+per (model, batch_size, new_tokens, context_len), times in milliseconds. Both files are rewritten
+whole after each point: a crash or Ctrl-C leaves the last complete version, never a torn one.
+"""
+from __future__ import annotations
+
+import csv
+import io
+from dataclasses import asdict, replace
+from datetime import datetime, timezone
+from pathlib import Path
+
+from perfmodel.errors import PerfModelError
+from perfmodel.jsonio import rounded, write_text_atomic
+from perfmodel.profile import (AcceptanceEntry, DeviceInfo, Grid, ModelInfo, OverheadRow, Profile, TimingRow,
+                               load_profile, save_profile)
+
+from .errors import CalibrationError
+from .grid import OverheadPoint, TimingPoint
+from .timing import Measurement
+
+CSV_COLUMNS = ("model", "batch_size", "new_tokens", "context_len", "feasible", "median_ms", "p10_ms", "p90_ms", "reps")
+
+
+def csv_path_for(json_path: Path) -> Path:
+    return json_path.with_suffix(".csv")
+
+
+def new_profile(device: DeviceInfo, target: ModelInfo, draft: ModelInfo, grid: Grid) -> Profile:
+    created = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return Profile(created_utc=created, device=device, target=target, draft=draft, grid=grid,
+                   timings=(), overheads=(), acceptance=())
+
+
+# ---------------------------------------------------------------- rows
+def timing_row(point: TimingPoint, measurement: Measurement | None) -> TimingRow:
+    """A measured row, or an infeasible one (out of memory) when `measurement` is None."""
+    if measurement is None:
+        return TimingRow(point.model, point.batch_size, point.new_tokens, point.context_len,
+                         median_ms=None, p10_ms=None, p90_ms=None, reps=0, feasible=False)
+    return TimingRow(point.model, point.batch_size, point.new_tokens, point.context_len,
+                     median_ms=rounded(measurement.median_ms, 6), p10_ms=rounded(measurement.p10_ms, 6),
+                     p90_ms=rounded(measurement.p90_ms, 6), reps=measurement.reps, feasible=True)
+
+
+def overhead_row(point: OverheadPoint, measurement: Measurement) -> OverheadRow:
+    return OverheadRow(point.batch_size, point.k, median_ms=rounded(measurement.median_ms, 6),
+                       p10_ms=rounded(measurement.p10_ms, 6), p90_ms=rounded(measurement.p90_ms, 6),
+                       reps=measurement.reps)
+
+
+def measured_timing_points(profile: Profile) -> set[TimingPoint]:
+    return {TimingPoint(r.model, r.batch_size, r.new_tokens, r.context_len) for r in profile.timings}
+
+
+def measured_overhead_points(profile: Profile) -> set[OverheadPoint]:
+    return {OverheadPoint(r.batch_size, r.k) for r in profile.overheads}
+
+
+def with_row(profile: Profile, row: TimingRow | OverheadRow | AcceptanceEntry) -> Profile:
+    if isinstance(row, TimingRow):
+        return replace(profile, timings=profile.timings + (row,))
+    if isinstance(row, OverheadRow):
+        return replace(profile, overheads=profile.overheads + (row,))
+    return replace(profile, acceptance=profile.acceptance + (row,))
+
+
+# ---------------------------------------------------------------- resume
+def _differences(old, new, names) -> list[str]:
+    return [f"{name} {getattr(old, name)!r} there, {getattr(new, name)!r} now"
+            for name in names if getattr(old, name) != getattr(new, name)]
+
+
+def check_resumable(old: Profile, path: Path, device: DeviceInfo, target: ModelInfo, draft: ModelInfo) -> None:
+    """Refuse to extend a profile of another pair, device or dtype; the message says what differs."""
+    device_fields = ["kind", "name", "dtype"] + (["cpu_threads"] if device.kind == "cpu" else [])
+    problems = _differences(old.device, device, device_fields)
+    if problems:
+        raise CalibrationError(f"--resume: {path} was measured on a different device ({'; '.join(problems)})")
+    # parameters, weight_bytes and kv_bytes_per_token follow from these (and the dtype, compared above)
+    model_fields = ["source", "model_type", "random_weights", "layers", "hidden_size", "heads", "kv_heads",
+                    "head_dim", "intermediate_size", "vocab_size", "max_position_embeddings"]
+    for role, old_info, new_info in (("target", old.target, target), ("draft", old.draft, draft)):
+        problems = _differences(old_info, new_info, model_fields)
+        if problems:
+            raise CalibrationError(f"--resume: {path} is for a different {role} ({'; '.join(problems)})")
+
+
+def load_for_resume(path: Path) -> Profile:
+    try:
+        return load_profile(path)
+    except PerfModelError as error:
+        raise CalibrationError(f"--resume: {error}") from None
+
+
+# ---------------------------------------------------------------- writing
+def timings_csv(profile: Profile) -> str:
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=CSV_COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    for row in profile.timings:
+        values = asdict(row)
+        writer.writerow({column: "" if values[column] is None else values[column] for column in CSV_COLUMNS})
+    return buffer.getvalue()
+
+
+def write_profile(path: Path, profile: Profile) -> None:
+    """The JSON first (it is what --resume reads), then the CSV derived from it."""
+    if not path.parent.is_dir():
+        raise CalibrationError(f"--out {path}: directory {path.parent} does not exist")
+    save_profile(path, profile)
+    write_text_atomic(csv_path_for(path), timings_csv(profile))

@@ -1,0 +1,240 @@
+"""End to end on a tiny real pair: the profile and its CSV, interrupt and resume, and every bad input
+through the CLI (one line, exit code 2, no traceback). Runs use --quick and a grid of a few points."""
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import cli
+from calibrate.errors import CalibrationError
+from calibrate.grid import TimingPoint
+from calibrate.run import CalibrationRequest, calibrate
+from calibrate.store import new_profile, timing_row, with_row, write_profile
+from perfmodel.profile import load_profile
+from runtime.checkpoint import build_model
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = ["def add(a, b):\n", "class Stack:\n    def push(self, item):\n", "import os\n", "x = [i * i for i in",
+           "def main():\n    \"\"\"Entry point.\"\"\"\n", "for key, value in items.items():\n"]
+
+
+def _export_function():
+    """The demo pair's own exporter (Hugging Face layout + byte-level tokenizer.json)."""
+    spec = importlib.util.spec_from_file_location("train_demo_pair", ROOT / "data" / "train_demo_pair.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.export, module.TARGET
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A tiny byte-level Llama pair on disk (real weights, tokenizer), and a prompts file."""
+    export, demo = _export_function()
+    root = tmp_path_factory.mktemp("pair")
+    target = replace(demo, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                     intermediate_size=64, max_position_embeddings=160)
+    draft = replace(target, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=32)
+    export(build_model(target, seed=1), target, root / "target")
+    export(build_model(draft, seed=2), draft, root / "draft")
+    (root / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    return root
+
+
+def request(pair: Path, out: Path, **overrides) -> CalibrationRequest:
+    fields = dict(target=str(pair / "target"), draft=str(pair / "draft"), out=out, device="cpu",
+                  batch_sizes=(1, 2), context_lens=(16,), max_k=2, prompts=pair / "prompts.jsonl", quick=True)
+    fields.update(overrides)
+    return CalibrationRequest(**fields)
+
+
+@pytest.fixture(scope="module")
+def measured(pair, tmp_path_factory):
+    """One complete calibration with greedy and one sampling setting."""
+    out = tmp_path_factory.mktemp("measured") / "profile.json"
+    summary = calibrate(request(pair, out, samplings=("T=1.0",)))
+    return out, summary
+
+
+# ---------------------------------------------------------------- the profile
+def test_profile_has_every_point_and_round_trips(measured):
+    out, summary = measured
+    profile = load_profile(out)  # perfmodel's strict reader: schema, types, duplicates
+    assert profile.to_json() == json.loads(out.read_text())
+    assert len(profile.timings) == 2 * 1 * (3 + 2) and all(row.feasible for row in profile.timings)
+    assert {(r.batch_size, r.k) for r in profile.overheads} == {(b, k) for b in (1, 2) for k in range(3)}
+    assert all(row.reps >= 3 and row.p10_ms <= row.median_ms <= row.p90_ms for row in profile.timings)
+    assert (profile.grid.target_new_tokens, profile.grid.draft_new_tokens) == ((1, 2, 3), (1, 2))
+    assert [(e.mode, e.source, e.prompt_count) for e in profile.acceptance] == \
+        [("greedy", "measured", 6), ("sampling", "measured", 6)]
+    assert all(len(e.per_position) == 2 and 0 <= min(e.per_position) for e in profile.acceptance)
+    assert profile.target.layers == 2 and profile.draft.layers == 1 and not profile.target.random_weights
+    assert profile.device.kind == "cpu" and profile.device.dtype == "float32"
+    assert summary.points_measured == 2 + 10 + 6 and summary.points_resumed == 0
+
+
+def test_csv_holds_the_timing_rows(measured):
+    out, _ = measured
+    with open(out.with_suffix(".csv"), newline="") as file:
+        rows = list(csv.DictReader(file))
+    profile = load_profile(out)
+    assert len(rows) == len(profile.timings)
+    for row, timing in zip(rows, profile.timings):
+        assert (row["model"], int(row["batch_size"]), int(row["new_tokens"]), int(row["context_len"])) == \
+            (timing.model, timing.batch_size, timing.new_tokens, timing.context_len)
+        assert float(row["median_ms"]) == timing.median_ms and int(row["reps"]) == timing.reps
+
+
+def test_summary_reports_both_roles_at_the_smallest_and_largest_batch(measured):
+    _, summary = measured
+    assert {(p.model, p.batch_size, p.new_tokens) for p in summary.passes} == \
+        {(m, b, n) for m, n in (("target", 1), ("target", 3), ("draft", 1)) for b in (1, 2)}
+    assert [a.setting for a in summary.acceptance] == ["greedy", "T=1"]
+    assert json.loads(json.dumps(summary.to_json()))["profile_path"].endswith("profile.json")
+
+
+def test_an_infeasible_point_is_a_valid_row(tmp_path, measured):
+    profile = load_profile(measured[0])
+    row = timing_row(TimingPoint("target", 64, 3, 16), None)
+    path = tmp_path / "profile.json"
+    write_profile(path, with_row(profile, row))
+    assert load_profile(path).timings[-1] == row and not row.feasible and row.median_ms is None
+
+
+# ---------------------------------------------------------------- interrupt and resume
+class StopAfter:
+    """A progress callback that interrupts the run (as Ctrl-C would) once `n` points are saved."""
+
+    def __init__(self, n: int):
+        self.n, self.labels = n, []
+
+    def __call__(self, event):
+        self.labels.append(event.label)
+        if event.done == self.n:
+            raise KeyboardInterrupt
+
+
+def test_an_interrupted_run_resumes_with_only_the_rest(pair, tmp_path):
+    out = tmp_path / "profile.json"
+    with pytest.raises(KeyboardInterrupt):
+        calibrate(request(pair, out), on_progress=StopAfter(5))
+    partial = load_profile(out)
+    assert len(partial.acceptance) + len(partial.timings) + len(partial.overheads) == 5  # nothing lost
+
+    resumed = StopAfter(n=-1)
+    summary = calibrate(request(pair, out, resume=True), on_progress=resumed)
+    complete = load_profile(out)
+    total = 1 + 10 + 6
+    assert len(resumed.labels) == total - 5 and summary.points_resumed == 5
+    assert complete.timings[:4] == partial.timings  # measured once, kept as they were
+    assert len(complete.timings) == 10 and len(complete.overheads) == 6 and len(complete.acceptance) == 1
+    labels = [f"{r.model} b={r.batch_size} n={r.new_tokens} L={r.context_len}" for r in partial.timings]
+    assert not set(labels) & set(resumed.labels)
+
+
+def test_resume_refuses_a_profile_of_another_pair_or_dtype(pair, measured, tmp_path):
+    out = tmp_path / "profile.json"
+    shutil.copy(measured[0], out)
+    with pytest.raises(CalibrationError, match=r"different draft \(source .*; layers 1 there, 2 now"):
+        calibrate(request(pair, out, draft=str(pair / "target"), resume=True))
+    with pytest.raises(CalibrationError, match="different device .*dtype 'float32' there, 'bfloat16' now"):
+        calibrate(request(pair, out, dtype="bfloat16", resume=True))
+
+
+def test_random_weights_take_the_given_acceptance(pair, tmp_path):
+    config = tmp_path / "config.json"
+    shutil.copy(pair / "target" / "config.json", config)
+    out = tmp_path / "profile.json"
+    calibrate(request(pair, out, target=str(config), draft=str(config), acceptance="0.9,0.8", batch_sizes=(1,),
+                      max_k=3))
+    profile = load_profile(out)
+    assert profile.target.random_weights and profile.draft.random_weights
+    [entry] = profile.acceptance
+    assert (entry.source, entry.per_position, entry.trials) == ("user", (0.9, 0.8, 0.8), None)
+
+
+def test_new_profile_for_an_empty_grid_point_list_is_writable(tmp_path, measured):
+    old = load_profile(measured[0])
+    fresh = new_profile(old.device, old.target, old.draft, old.grid)
+    write_profile(tmp_path / "p.json", fresh)
+    assert load_profile(tmp_path / "p.json").timings == ()
+
+
+# ---------------------------------------------------------------- the CLI
+runner = CliRunner()
+
+
+def invoke(*args: str):
+    return runner.invoke(cli.app, ["calibrate", *args])
+
+
+def test_cli_json_prints_one_object(pair, tmp_path):
+    out = tmp_path / "p.json"
+    result = invoke("--target", str(pair / "target"), "--draft", str(pair / "draft"), "--prompts",
+                    str(pair / "prompts.jsonl"), "--batch-sizes", "1", "--context-lens", "8", "--max-k", "1",
+                    "--quick", "--json", "--out", str(out), "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["profile_path"] == str(out) and summary["points_measured"] == 1 + 4 + 2
+
+
+@pytest.fixture
+def bad_input_files(pair, measured, tmp_path):
+    incomplete = tmp_path / "incomplete.json"
+    incomplete.write_text(json.dumps({"model_type": "llama", "vocab_size": 259, "hidden_size": 32}))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    other_device = tmp_path / "other-device.json"
+    profile = json.loads(measured[0].read_text())
+    profile["device"]["name"] = "Some Other CPU"
+    other_device.write_text(json.dumps(profile))
+    other_pair = tmp_path / "other-pair.json"
+    shutil.copy(measured[0], other_pair)
+    return {"pair": pair, "incomplete": incomplete, "empty": empty, "other_device": other_device,
+            "other_pair": other_pair}
+
+
+BAD_INPUTS = [
+    ("unknown preset", ["--target", "llama-7b", "--acceptance", "0.8"], "not a preset (presets: opt-125m"),
+    ("config without fields", ["--target", "{incomplete}", "--acceptance", "0.8"],
+     "missing field(s) num_hidden_layers, num_attention_heads, intermediate_size, max_position_embeddings"),
+    ("zero batch size", ["--batch-sizes", "1,0"], "--batch-sizes: '0' is not a positive integer"),
+    ("text batch size", ["--batch-sizes", "1,two"], "--batch-sizes: 'two' is not a positive integer"),
+    ("negative context", ["--context-lens", "-8"], "--context-lens: '-8' is not a positive integer"),
+    ("context beyond positions", ["--target", "gpt2", "--draft", "gpt2", "--acceptance", "0.8",
+                                  "--context-lens", "1020", "--max-k", "8"],
+     "1029 positions exceeds the target's maximum of 1024"),
+    ("resume other pair", ["--draft", "{pair}/target", "--resume", "--out", "{other_pair}"],
+     "is for a different draft (source"),
+    ("resume other device", ["--resume", "--out", "{other_device}"],
+     "was measured on a different device (name 'Some Other CPU' there"),
+    ("empty prompts", ["--prompts", "{empty}"], "the file holds no prompts"),
+    ("preset without acceptance", ["--target", "opt-125m", "--draft", "opt-125m"],
+     "--target opt-125m and --draft opt-125m: random weights"),
+    ("bad sampling", ["--sampling", "T=hot"], "--sampling 'T=hot'"),
+    ("bad acceptance", ["--acceptance", "1.5"], "--acceptance: acceptance 1.5 is outside (0, 1]"),
+    ("bad device", ["--device", "tpu"], "--device: 'tpu' is not one of cpu, cuda"),
+    ("different vocabularies", ["--target", "gpt2", "--draft", "llama-68m", "--acceptance", "0.8"],
+     "vocabulary (32000 tokens) differs from the target's (50257 tokens)"),
+    ("too large for memory", ["--target", "llama-2-7b", "--draft", "llama-68m", "--acceptance", "0.8",
+                              "--batch-sizes", "100000", "--context-lens", "2000"], "does not fit on cpu"),
+]
+
+
+@pytest.mark.parametrize("name, args, message", BAD_INPUTS, ids=[case[0] for case in BAD_INPUTS])
+def test_bad_input_is_one_line_with_exit_code_2(bad_input_files, tmp_path, name, args, message):
+    files = bad_input_files
+    defaults = ["--target", str(files["pair"] / "target"), "--draft", str(files["pair"] / "draft"),
+                "--prompts", str(files["pair"] / "prompts.jsonl"), "--out", str(tmp_path / "p.json"),
+                "--device", "cpu", "--batch-sizes", "1", "--context-lens", "8", "--max-k", "1", "--quick"]
+    result = invoke(*defaults, *[arg.format(**files) for arg in args])  # later options override earlier ones
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2, result.output
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    assert message in lines[0]
