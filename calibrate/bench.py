@@ -29,7 +29,6 @@ import io
 import json
 import math
 import os
-import platform
 import tempfile
 import time
 import warnings
@@ -45,6 +44,8 @@ from runtime.generator import SpeculativeGenerator
 from runtime.model import CausalLM
 from runtime.policy import FixedK
 from runtime.sampling import Sampling
+
+from .environment import device_name
 
 BENCH_SCHEMA = "specbatch.bench/1"
 TABLE_POLICY = "table"
@@ -498,21 +499,9 @@ def load_predictor(model_path: str | os.PathLike, sampling: Sampling, synthetic_
 
 
 # ---------------------------------------------------------------------------------------------- the harness
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as file:
-            for line in file:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "cpu"
-
-
 def device_info(model: CausalLM) -> dict[str, Any]:
     weight = model.lm_head.weight
-    name = torch.cuda.get_device_name(weight.device) if weight.device.type == "cuda" else _cpu_name()
-    return {"kind": weight.device.type, "name": name, "dtype": str(weight.dtype).removeprefix("torch."),
+    return {"kind": weight.device.type, "name": device_name(str(weight.device)), "dtype": str(weight.dtype).removeprefix("torch."),
             "torch_version": torch.__version__, "cpu_threads": torch.get_num_threads()}
 
 
