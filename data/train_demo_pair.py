@@ -1,7 +1,7 @@
 """Train the bundled demo pair: a byte-level Llama-family target and a distilled draft, on the
 Python standard library's own sources.
 
-    python data/train_demo_pair.py                  # full run (~50 min on 2 CPU cores), resumable
+    python data/train_demo_pair.py                  # full run (~45 min on 2 idle CPU cores), resumable
     python data/train_demo_pair.py --resume         # continue an interrupted run from runs/demo/
     python data/train_demo_pair.py --smoke          # 20 steps each on a tiny corpus, for tests
 
@@ -254,8 +254,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--stdlib", type=Path, default=Path(sysconfig.get_paths()["stdlib"]))
     parser.add_argument("--out", type=Path, default=ROOT / "data")
     parser.add_argument("--run-dir", type=Path, default=ROOT / "runs" / "demo")
-    parser.add_argument("--target-steps", type=int, default=1800)
-    parser.add_argument("--draft-steps", type=int, default=1500)
+    parser.add_argument("--target-steps", type=int, default=2200)
+    parser.add_argument("--draft-steps", type=int, default=800)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=CONTEXT_LEN)
     parser.add_argument("--lr", type=float, default=2e-3)
