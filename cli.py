@@ -405,9 +405,10 @@ def _bench(target, draft, table, model, batch_sizes, ks, prompts, max_new_tokens
                          "--synthetic-acceptance α to benchmark the shape")
     device = resolve_device(device)
     pair = load_specs(target_spec, draft_spec, device, parse_dtype(dtype, device))
-    needed = max(config.batch_sizes)  # batch size b uses the first b prompts
+    # each round of batch size b takes the next b prompts (cycling), so small batches see many prompts
+    needed = max(config.batch_sizes) * (config.rounds + config.warmup_rounds)
     if pair.tokenizer is not None:
-        texts = read_prompts_file(prompts or DEMO_PROMPTS)[:needed]
+        texts = read_prompts_file(prompts or DEMO_PROMPTS)[:needed]  # fewer are cycled
         token_prompts = [pair.tokenizer.encode(text) for text in texts]
     elif prompts is not None:
         raise UsageError(f"--prompts: {target_spec.source} has no tokenizer.json to encode text; leave --prompts "
@@ -465,7 +466,7 @@ def render_bench(result, written: list[Path]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from calibrate.bench import TABLE_POLICY, fixed_policy_name
+    from calibrate.bench import TABLE_POLICY, compared_rate, fixed_policy_name
 
     console = Console()
     config = result.config
@@ -475,8 +476,10 @@ def render_bench(result, written: list[Path]) -> None:
         console.print(result.synthetic, style="bold red", markup=False, highlight=False)
     console.print(f"bench: {result.models['target']['source']} + {result.models['draft']['source']} on "
                   f"{result.device['kind']} ({result.device['name']}), {config.sampling.describe()}, "
-                  f"{config.max_new_tokens} new tokens per row; tokens/s: median (p10-p90) of {config.rounds} "
-                  f"interleaved rounds; regret = 1 - table / best fixed k", markup=False, highlight=False)
+                  f"{config.max_new_tokens} new tokens per row; tokens/s: steady-state goodput (steps with the full batch: "
+                  f"all passes and overhead, no prefill), median of {config.rounds} interleaved rounds, each on the "
+                  f"next prompts; wall tokens/s in bench.csv; regret = 1 - table / best fixed k",
+                  markup=False, highlight=False)
     summary = Table()
     peer_columns = list(dict.fromkeys(f"{r.ours} / {r.theirs}" for batch in result.batches for r in batch.peer_ratios))
     headers = ["b", "k=0 tok/s", "best k: tok/s"]
@@ -489,11 +492,12 @@ def render_bench(result, written: list[Path]) -> None:
     for batch in result.batches:
         plain = batch.policy(fixed_policy_name(0))
         shown = batch.policy(fixed_policy_name(batch.best_k))
-        row = [str(batch.batch_size), _rate(plain.median_tokens_per_s), f"{batch.best_k}: {_rate(shown.median_tokens_per_s)}"]
+        row = [str(batch.batch_size), _rate(compared_rate(plain)), f"{batch.best_k}: {_rate(compared_rate(shown))}"]
         if has_table:
             shown = batch.policy(TABLE_POLICY)
-            row += [f"{shown.k}: {_rate(shown.median_tokens_per_s)} ({_rate(shown.p10_tokens_per_s)}-"
-                    f"{_rate(shown.p90_tokens_per_s)})", f"{100 * batch.table_regret:.1f}%", f"{batch.table_speedup:.2f}x"]
+            wall_speedup = shown.median_tokens_per_s / plain.median_tokens_per_s
+            row += [f"{shown.k}: {_rate(compared_rate(shown))}", f"{100 * batch.table_regret:.1f}%",
+                    f"{batch.table_speedup:.2f}x (wall {wall_speedup:.2f}x)"]
         if has_model:
             predicted, steady = shown.predicted_tokens_per_s, shown.median_steady_tokens_per_s
             row += [f"{_rate(predicted)} vs {_rate(steady)}",
@@ -850,21 +854,21 @@ def demo(
     render_generation(outputs, result.stats, policy.describe(), "greedy")
 
     console.rule(f"[bold]5/5 race the table against plain decoding (k = 0) at batch sizes {race_sizes}")
-    from calibrate.bench import BenchConfig, BenchModels, run_bench, write_outputs
+    from calibrate.bench import BenchConfig, BenchModels, compared_rate, write_outputs
 
     config = BenchConfig(batch_sizes=tuple(race_sizes), ks=(0,), max_new_tokens=max_new_tokens, rounds=rounds,
                          table_path=paths["table.json"], model_path=paths["model.json"])
     models = BenchModels(target=target_model.model, draft=draft_model.model, target_source=str(DEMO_TARGET),
                          draft_source=str(DEMO_DRAFT), target_dir=DEMO_TARGET, draft_dir=DEMO_DRAFT,
                          random_weights=False)
-    prompts = [target_model.tokenizer.encode(t) for t in read_prompts_file(DEMO_PROMPTS)[:max(race_sizes)]]
+    prompts = [target_model.tokenizer.encode(t) for t in read_prompts_file(DEMO_PROMPTS)]
     race = _bench_with_progress(config, models, prompts)
     written = write_outputs(race, out / "bench")
     for batch in race.batches:
         plain, tabled = batch.policy("k=0"), batch.policy("table")
-        console.print(f"batch size {batch.batch_size}: table k={tabled.k} {tabled.median_tokens_per_s:.0f} tok/s vs "
-                      f"plain {plain.median_tokens_per_s:.0f} tok/s -> [bold]{batch.table_speedup:.2f}x[/] "
-                      f"(median of {rounds} interleaved rounds)")
+        console.print(f"batch size {batch.batch_size}: table k={tabled.k} {compared_rate(tabled):.0f} tok/s vs "
+                      f"plain {compared_rate(plain):.0f} tok/s -> [bold]{batch.table_speedup:.2f}x[/] "
+                      f"(steady-state goodput, median of {rounds} interleaved rounds)")
     console.print(f"everything is in {out.resolve()} (bench files: {', '.join(p.name for p in written)})",
                   markup=False, highlight=False)
 

@@ -258,11 +258,12 @@ def rotated(items: Sequence[str], shift: int) -> list[str]:
     return list(items[shift:]) + list(items[:shift])
 
 
-def cycled_prompts(prompts: Sequence[list[int]], batch_size: int) -> list[list[int]]:
-    """The first `batch_size` prompts, cycling through the list when it is shorter (deterministic)."""
+def cycled_prompts(prompts: Sequence[list[int]], batch_size: int, offset: int = 0) -> list[list[int]]:
+    """`batch_size` prompts from `offset` on, cycling through the list (deterministic). Each round
+    takes the next slice, so a small batch size is measured on many prompts, not on one."""
     if not prompts:
         raise BenchError("no prompts to benchmark with")
-    return [list(prompts[i % len(prompts)]) for i in range(batch_size)]
+    return [list(prompts[(offset + i) % len(prompts)]) for i in range(batch_size)]
 
 
 # Prompt length for models without a tokenizer (presets): about the held-out demo prompts' median
@@ -341,19 +342,30 @@ def peer_ratios(batch: BatchResult, ours: str) -> list[PeerRatio]:
     return ratios
 
 
+def compared_rate(policy: PolicyResult) -> float:
+    """The figure policies are ranked by: steady-state goodput when measured, else wall tokens/s."""
+    steady = policy.median_steady_tokens_per_s
+    return steady if steady is not None else policy.median_tokens_per_s
+
+
 def summarize_batch(batch_size: int, context_len: int, policies: list[PolicyResult], fixed_ks: Sequence[int],
                     has_peers: bool) -> BatchResult:
-    """Best fixed k in hindsight, and the table's k, regret and speedup over k = 0."""
+    """Best fixed k in hindsight, and the table's k, regret and speedup over k = 0.
+
+    Compared on steady-state goodput (the full-batch steps: every draft and verify pass and the step
+    overhead, without the prefill, which is the same for every k, and without the thinning tail of a
+    fixed batch, which a continuously refilled server does not have); on wall-clock tokens/s where a
+    run has no steady state to report."""
     by_name = {p.policy: p for p in policies}
     fixed = [by_name[fixed_policy_name(k)] for k in fixed_ks]
-    best = max(fixed, key=lambda p: (p.median_tokens_per_s, -p.k))  # ties go to the smaller k
+    best = max(fixed, key=lambda p: (compared_rate(p), -p.k))  # ties go to the smaller k
     plain = by_name[fixed_policy_name(0)]
     table = by_name.get(TABLE_POLICY)
     batch = BatchResult(
         batch_size=batch_size, context_len=context_len, policies=policies, best_k=best.k,
-        best_tokens_per_s=best.median_tokens_per_s, table_k=table.k if table else None,
-        table_regret=1.0 - table.median_tokens_per_s / best.median_tokens_per_s if table else None,
-        table_speedup=table.median_tokens_per_s / plain.median_tokens_per_s if table else None,
+        best_tokens_per_s=compared_rate(best), table_k=table.k if table else None,
+        table_regret=1.0 - compared_rate(table) / compared_rate(best) if table else None,
+        table_speedup=compared_rate(table) / compared_rate(plain) if table else None,
     )
     if has_peers:
         batch.peer_ratios = peer_ratios(batch, TABLE_POLICY if table else fixed_policy_name(best.k))
@@ -579,10 +591,10 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: Sequence[list[i
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("default")
         for b in config.batch_sizes:
-            batch_prompts = cycled_prompts(prompts, b)
             names = contenders(b)
             for round_index in range(-config.warmup_rounds, config.rounds):
                 seed = config.seed + round_index + config.warmup_rounds  # the same for every policy in a round
+                batch_prompts = cycled_prompts(prompts, b, offset=(round_index + config.warmup_rounds) * b)
                 for name in rotated(names, round_index):
                     if name in policies:
                         measured = time_ours(generator, batch_prompts, policies[name], config, seed)
@@ -593,7 +605,8 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: Sequence[list[i
                         on_run(runs[-1], len(runs), total)
     notes += list(dict.fromkeys(f"warning: {w.message}" for w in caught))
 
-    batches = [_batch_result(b, contenders(b), runs, config, cycled_prompts(prompts, b))
+    batches = [_batch_result(b, contenders(b), runs, config,
+                             cycled_prompts(prompts, b * (config.rounds + config.warmup_rounds)))
                for b in config.batch_sizes]
     if predictor is not None:
         _add_predictions(batches, predictor)
