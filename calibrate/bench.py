@@ -284,9 +284,12 @@ def spread(values: Sequence[float]) -> dict[str, float]:
             "p90": float(np.percentile(array, 90)), "min": float(array.min()), "max": float(array.max())}
 
 
-def mean_context_len(prompts: Sequence[list[int]], max_new_tokens: int) -> int:
-    """The average context over a run: prompt tokens plus half the generated ones."""
-    return round(sum(len(p) for p in prompts) / len(prompts) + max_new_tokens / 2)
+def attended_context_len(round_prompts: Sequence[Sequence[list[int]]], max_new_tokens: int) -> int:
+    """The context every row's attention pays for, averaged over a run and over rounds: the runtime's
+    attention spans the longest row of the batch (shorter rows are masked, not skipped), so it is the
+    longest prompt of each round plus half the generated tokens."""
+    longest = [max(len(p) for p in prompts) for prompts in round_prompts]
+    return round(sum(longest) / len(longest) + max_new_tokens / 2)
 
 
 def pooled_acceptance(records: Sequence[RunRecord]) -> tuple[float | None, list[float], list[int]]:
@@ -606,7 +609,8 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: Sequence[list[i
     notes += list(dict.fromkeys(f"warning: {w.message}" for w in caught))
 
     batches = [_batch_result(b, contenders(b), runs, config,
-                             cycled_prompts(prompts, b * (config.rounds + config.warmup_rounds)))
+                             [cycled_prompts(prompts, b, offset=(r + config.warmup_rounds) * b)
+                              for r in range(config.rounds)])
                for b in config.batch_sizes]
     if predictor is not None:
         _add_predictions(batches, predictor)
@@ -622,7 +626,7 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: Sequence[list[i
 
 
 def _batch_result(b: int, names: list[str], runs: list[RunRecord], config: BenchConfig,
-                  batch_prompts: list[list[int]]) -> BatchResult:
+                  round_prompts: list[list[list[int]]]) -> BatchResult:
     timed = [r for r in runs if r.batch_size == b and not r.warmup]
     results = []
     for name in names:
@@ -634,7 +638,7 @@ def _batch_result(b: int, names: list[str], runs: list[RunRecord], config: Bench
         else:
             k = None
         results.append(summarize_policy(name, k, records))
-    return summarize_batch(b, mean_context_len(batch_prompts, config.max_new_tokens), results, config.fixed_ks,
+    return summarize_batch(b, attended_context_len(round_prompts, config.max_new_tokens), results, config.fixed_ks,
                            has_peers=any(r.policy in (HF_GREEDY, HF_ASSISTED) for r in timed))
 
 

@@ -170,7 +170,8 @@ class SpeculativeGenerator:
                 generated = [generated[i] for i in keep]
             step_start = timer.now()
             batch = len(rows)
-            k = policy(batch, int(committed.float().mean())) if self.draft is not None else 0
+            # the context a step pays for: attention spans the longest row (shorter rows are masked)
+            k = policy(batch, int(committed.max())) if self.draft is not None else 0
             if k > max_k:
                 raise GenerationError(f"policy asked for k={k}, above the k={max_k} the KV cache was sized for")
             new, counts = self._step(k, tokens, committed, target_cache, draft_cache, sampling, rng,

@@ -110,8 +110,8 @@ def test_k_follows_batch_size(draft_kind, greedy_target, greedy_draft_sometimes,
     assert [b for b, _ in policy.calls] == stats.batch_size_per_step
     assert stats.k_per_step == [policy.mapping[b] for b in stats.batch_size_per_step]
     assert len(set(stats.k_per_step)) >= 3 and stats.k_per_step[0] == 0
-    # the policy sees the mean committed length (prompt + generated) of the active rows
-    assert policy.calls[0][1] == int(sum(len(p) + 1 for p in prompts8) / len(prompts8))
+    # the policy sees the context attention spans: the longest active row (prompt + generated)
+    assert policy.calls[0][1] == max(len(p) + 1 for p in prompts8)
     # the first draft pass after j steps with k = 0 catches up j + 1 tokens per row
     zero_steps = next(i for i, k in enumerate(stats.k_per_step) if k > 0)
     assert stats.draft_passes[0] == (stats.batch_size_per_step[zero_steps], zero_steps + 1)
