@@ -23,7 +23,7 @@ DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 DEFAULT_CONTEXT_LENS = (128, 512)
 DEFAULT_MAX_K = 8  # the range of Su et al. (k = 0..8)
 # --quick: a coarser grid for a first look or a smoke test (about 15 s on the demo pair).
-QUICK_BATCH_SIZES = (1, 4, 16)
+QUICK_BATCH_SIZES = (1, 2, 4, 8, 16)  # five sizes: enough draft rows (5 x 2 widths) for `fit`
 QUICK_CONTEXT_LENS = (256,)
 
 
