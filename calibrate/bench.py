@@ -196,6 +196,8 @@ class PolicyResult:
     trials_per_position: list[int]  # how many draft tokens i were proposed: each rate's sample size
     full_batch_step_fraction: float | None  # None for peers: generate() does not report its steps
     median_steady_tokens_per_s: float | None = None  # full-batch steps only: compare with predictions
+    p10_steady_tokens_per_s: float | None = None
+    p90_steady_tokens_per_s: float | None = None
     predicted_tokens_per_s: float | None = None
 
     @property
@@ -323,8 +325,10 @@ def summarize_policy(policy: str, k: int | None, records: Sequence[RunRecord]) -
     steps = sum(r.steps for r in records)
     full_fraction = sum(r.full_batch_steps for r in records) / steps if steps else None
     steady = [r.steady_tokens_per_s for r in records if r.steady_tokens_per_s is not None]
+    steady_stats = spread(steady) if steady else {"median": None, "p10": None, "p90": None}
     return PolicyResult(
-        median_steady_tokens_per_s=float(np.median(steady)) if steady else None,
+        median_steady_tokens_per_s=steady_stats["median"], p10_steady_tokens_per_s=steady_stats["p10"],
+        p90_steady_tokens_per_s=steady_stats["p90"],
         policy=policy, k=k, tokens_per_s=rates, median_tokens_per_s=stats["median"],
         p10_tokens_per_s=stats["p10"], p90_tokens_per_s=stats["p90"], min_tokens_per_s=stats["min"],
         max_tokens_per_s=stats["max"], acceptance=acceptance, acceptance_per_position=per_position,
@@ -743,8 +747,16 @@ def _title(result: BenchResult, text: str) -> str:
     return f"{text}\n{label}" if label else text
 
 
+def _band(policy: PolicyResult) -> tuple[float, float]:
+    """p10 and p90 of the figure `compared_rate` reports."""
+    if policy.median_steady_tokens_per_s is not None:
+        return policy.p10_steady_tokens_per_s, policy.p90_steady_tokens_per_s
+    return policy.p10_tokens_per_s, policy.p90_tokens_per_s
+
+
 def plot_goodput_vs_k(result: BenchResult) -> bytes:
-    """Measured tokens/s vs fixed k (median, p10-p90 bars) per batch size; prediction and table overlaid."""
+    """Measured steady-state tokens/s vs fixed k (median, p10-p90 bars) per batch size; prediction and
+    table overlaid."""
     from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
 
     batches = result.batches
@@ -755,20 +767,21 @@ def plot_goodput_vs_k(result: BenchResult) -> bytes:
     for ax, batch in zip(axes, batches):
         fixed = [p for p in batch.policies if p.policy.startswith("k=")]
         ks = [p.k for p in fixed]
-        medians = np.array([p.median_tokens_per_s for p in fixed])
-        low = medians - np.array([p.p10_tokens_per_s for p in fixed])
-        high = np.array([p.p90_tokens_per_s for p in fixed]) - medians
+        # the figure policies are ranked by (steady state when measured), with its own p10-p90 band
+        medians = np.array([compared_rate(p) for p in fixed])
+        low = medians - np.array([_band(p)[0] for p in fixed])
+        high = np.array([_band(p)[1] for p in fixed]) - medians
         ax.errorbar(ks, medians, yerr=[low, high], marker="o", capsize=3, label="measured (p10-p90)")
         predicted = [(p.k, p.predicted_tokens_per_s) for p in fixed if p.predicted_tokens_per_s is not None]
         if predicted:
             ax.plot(*zip(*predicted), linestyle="--", marker="x", label="predicted")
         table = batch.policy(TABLE_POLICY)
         if table is not None and table.k is not None:
-            ax.scatter([table.k], [table.median_tokens_per_s], marker="*", s=160, color="C3", zorder=3,
+            ax.scatter([table.k], [compared_rate(table)], marker="*", s=160, color="C3", zorder=3,
                        label=f"table (k={table.k})")
         ax.set_title(f"batch size {batch.batch_size}")
         ax.set_xlabel("k (draft tokens per step)")
-        ax.set_ylabel("tokens/s")
+        ax.set_ylabel("steady-state tokens/s")
         ax.set_xticks(ks)
         ax.grid(alpha=0.3)
     for ax in axes[len(batches):]:
@@ -790,7 +803,7 @@ def plot_speedup_vs_batch(result: BenchResult) -> bytes:
         values = []
         for batch in result.batches:
             policy, plain = batch.policy(name), batch.policy(fixed_policy_name(0))
-            values.append(policy.median_tokens_per_s / plain.median_tokens_per_s if policy else float("nan"))
+            values.append(compared_rate(policy) / compared_rate(plain) if policy else float("nan"))
         return values
 
     for k in result.config.fixed_ks:
@@ -803,7 +816,7 @@ def plot_speedup_vs_batch(result: BenchResult) -> bytes:
     ax.set_xscale("log", base=2)
     ax.set_xticks(sizes, [str(b) for b in sizes])
     ax.set_xlabel("batch size")
-    ax.set_ylabel("speedup over k = 0 (median tokens/s)")
+    ax.set_ylabel("speedup over k = 0 (steady-state tokens/s)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
     ax.set_title(_title(result, "speedup over plain decoding"))
