@@ -253,7 +253,7 @@ def calibrate_command(
     prompts: Annotated[Optional[Path], typer.Option("--prompts", help="Prompts for acceptance, one JSON string per line (default: bundled held-out prompts).")] = None,
     acceptance: Annotated[Optional[str], typer.Option("--acceptance", help="Give acceptance instead of measuring it: 0.8, or per position 0.9,0.85,0.8 (required with random weights).")] = None,
     sampling: Annotated[Optional[list[str]], typer.Option("--sampling", help="Also measure acceptance for T=0.8[,top_k=50][,top_p=0.95] (repeatable); greedy is always measured.")] = None,
-    out: Annotated[Path, typer.Option("--out", help="Profile to write (its timing rows also go to the .csv beside it).")] = Path("profile.json"),
+    out: Annotated[Path, typer.Option("-o", "--out", help="Profile to write (its timing rows also go to the .csv beside it).")] = Path("profile.json"),
     resume: Annotated[bool, typer.Option("--resume", help="Keep the points already in --out and measure only the rest.")] = False,
     quick: Annotated[bool, typer.Option("--quick", help="Coarser grid, fewer repetitions and prompts: a first look in seconds.")] = False,
     json_output: JsonOpt = False,
