@@ -146,6 +146,41 @@ def conditional_acceptance(agreement_rows: Sequence[Sequence[float]], max_k: int
     return [float(a) for a in alphas], [float(r) for r in reached]
 
 
+def tokens_per_step(agreement_rows: Sequence[Sequence[float]], max_k: int) -> list[float]:
+    """E(k) for k = 0..max_k as the runtime meets it: each step starts right where the previous one
+    ended (after the target's own token), not at an arbitrary position.
+
+    That matters: a step starts right after a disagreement, where the next token tends to be hard
+    too, so alphas averaged over every start position over-count. For each k this follows the
+    probability of a step starting at each position t (greedy: 0/1; sampling: m_j are acceptance
+    probabilities), counting only steps whose k draft positions lie inside the continuation.
+
+    >>> tokens_per_step([[1, 1, 0, 1]], 2)  # k=1: steps at 0 (2 tokens), 2 (1), 3 (2); k=2: at 0 (3)
+    [1.0, 1.6666666666666667, 3.0]
+    """
+    result = [1.0]
+    for k in range(1, max_k + 1):
+        tokens = steps = 0.0
+        for row in agreement_rows:
+            m = np.asarray(row, dtype=np.float64)
+            start_mass = np.zeros(len(m) + k + 2)  # probability that a step starts at position t
+            start_mass[0] = 1.0
+            for t in range(len(m) - k + 1):
+                reach = start_mass[t]
+                if reach == 0.0:
+                    continue
+                steps += reach
+                for i in range(k):  # draft token i+1 rejected: i accepted, one from the target
+                    rejected = reach * (1.0 - m[t + i])
+                    start_mass[t + i + 1] += rejected
+                    tokens += rejected * (i + 1)
+                    reach *= m[t + i]
+                start_mass[t + k + 1] += reach  # all k accepted, plus the bonus token
+                tokens += reach * (k + 1)
+        result.append(float(tokens / steps) if steps > 0 else float("nan"))
+    return result
+
+
 # ---------------------------------------------------------------- running the models
 def target_continuations(target: CausalLM, prompts: list[list[int]], new_tokens: int, sampling: Sampling,
                          eos_token_ids: tuple[int, ...], seed: int) -> list[list[int]]:
@@ -198,6 +233,10 @@ def measure_acceptance(target: CausalLM, draft: CausalLM, prompts: list[list[int
     continuations = target_continuations(target, prompts, new_tokens, sampling, eos_token_ids, seed)
     rows = agreement_rows(target, draft, prompts, continuations, sampling)
     per_position, reached = conditional_acceptance(rows, max_k)
+    per_step = tokens_per_step(rows, max_k)
+    if any(np.isnan(per_step)):  # continuations shorter than max_k: no step-aligned figure for long k
+        per_step = None
     return AcceptanceEntry(**entry_fields(sampling), source="measured", per_position=tuple(per_position),
+                           tokens_per_step=None if per_step is None else tuple(per_step),
                            trials=tuple(int(round(r)) for r in reached), prompts=prompts_source,
                            prompt_count=len(prompts))

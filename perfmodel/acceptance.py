@@ -118,11 +118,17 @@ class AcceptanceModel:
     temperature: float | None
     per_position: tuple[float, ...]
     constant: ConstantAlphaFit
+    # measured E(k), k = 0..max_k, under the runtime's step dynamics; preferred over the product
+    # formula, which assumes a step may start anywhere (it over-counts: steps start right after a
+    # disagreement, where the next token is harder)
+    tokens_per_step: tuple[float, ...] | None = None
 
     def alphas(self, k: int) -> tuple[float, ...]:
         return extend_alphas(self.per_position, k)
 
     def expected_tokens(self, k: int) -> float:
+        if self.tokens_per_step is not None and k < len(self.tokens_per_step):
+            return self.tokens_per_step[k]
         return expected_tokens(self.per_position, k)
 
     def to_json(self) -> dict:
@@ -135,6 +141,7 @@ class AcceptanceModel:
             "constant_alpha": rounded(self.constant.alpha),
             "constant_alpha_rmse": rounded(self.constant.rmse),
             "constant_alpha_r_squared": rounded(self.constant.r_squared),
+            "tokens_per_step": None if self.tokens_per_step is None else [rounded(t) for t in self.tokens_per_step],
         }
 
     @classmethod
@@ -144,7 +151,9 @@ class AcceptanceModel:
             model = cls(source=str(obj["source"]), mode=obj["mode"], temperature=obj["temperature"],
                         per_position=per_position,
                         constant=ConstantAlphaFit(float(obj["constant_alpha"]), float(obj["constant_alpha_rmse"]),
-                                                  obj["constant_alpha_r_squared"]))
+                                                  obj["constant_alpha_r_squared"]),
+                        tokens_per_step=None if obj.get("tokens_per_step") is None
+                        else tuple(float(t) for t in obj["tokens_per_step"]))
         except (KeyError, TypeError, ValueError) as error:
             raise PerfModelError(f"{where}: acceptance: malformed ({error!r})") from None
         if not per_position or not all(0.0 <= alpha <= 1.0 for alpha in per_position):
@@ -154,7 +163,8 @@ class AcceptanceModel:
 
 def acceptance_from_profile(entry: AcceptanceEntry) -> AcceptanceModel:
     return AcceptanceModel(source="profile", mode=entry.mode, temperature=entry.temperature,
-                           per_position=entry.per_position, constant=fit_constant_alpha(entry.per_position))
+                           per_position=entry.per_position, constant=fit_constant_alpha(entry.per_position),
+                           tokens_per_step=entry.tokens_per_step)
 
 
 def acceptance_from_user(values: Sequence[float], option: str = "--acceptance") -> AcceptanceModel:

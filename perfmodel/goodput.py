@@ -129,14 +129,18 @@ class Choice:
 
 
 def evaluate(latency_ms: LatencyFn, overhead: OverheadModel, alphas: Sequence[float], batch_size: int,
-             context_len: int, max_k: int) -> Choice:
-    """Goodput of every k in 0..max_k at one batch size; the best k wins, ties to the smaller k."""
+             context_len: int, max_k: int, tokens_per_step: Sequence[float] | None = None) -> Choice:
+    """Goodput of every k in 0..max_k at one batch size; the best k wins, ties to the smaller k.
+
+    `tokens_per_step[k]`, when given (measured E(k) under the runtime's step dynamics), replaces the
+    product formula E(k) = 1 + sum_i prod_{j<=i} alpha_j for the k it covers."""
     if batch_size < 1:
         raise PerfModelError(f"batch size must be >= 1, found {batch_size}")
     candidates = []
     for k in range(max_k + 1):
         step_ms = step_time_ms(latency_ms, overhead, batch_size, k, context_len, alphas)
-        tokens = expected_tokens(alphas, k)
+        measured = tokens_per_step is not None and k < len(tokens_per_step)
+        tokens = tokens_per_step[k] if measured else expected_tokens(alphas, k)
         candidates.append(Candidate(k, step_ms, tokens, batch_size * tokens / step_ms * 1e3))
     goodput = np.array([c.tokens_per_s for c in candidates])
     order = np.argsort(-goodput, kind="stable")  # stable: equal goodput keeps the smaller k first
@@ -152,8 +156,10 @@ def evaluate(latency_ms: LatencyFn, overhead: OverheadModel, alphas: Sequence[fl
 
 
 def best_k_per_batch(latency_ms: LatencyFn, overhead: OverheadModel, alphas: Sequence[float], max_batch: int,
-                     context_len: int, max_k: int) -> tuple[Choice, ...]:
+                     context_len: int, max_k: int, tokens_per_step: Sequence[float] | None = None
+                     ) -> tuple[Choice, ...]:
     """The best k for every batch size 1..max_batch at one context length."""
     if max_batch < 1:
         raise PerfModelError(f"--max-batch must be >= 1, found {max_batch}")
-    return tuple(evaluate(latency_ms, overhead, alphas, b, context_len, max_k) for b in range(1, max_batch + 1))
+    return tuple(evaluate(latency_ms, overhead, alphas, b, context_len, max_k, tokens_per_step)
+                 for b in range(1, max_batch + 1))

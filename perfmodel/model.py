@@ -153,7 +153,8 @@ def choose_acceptance(fitted: FittedModel, override: Sequence[float] | None, sou
 def query(fitted: FittedModel, acceptance: AcceptanceModel, batch_size: int, context_len: int, max_k: int) -> Choice:
     """Every k's step time, tokens per step and goodput at one batch size, and the best k."""
     alphas = acceptance.alphas(max(max_k, 1))
-    return evaluate(fitted.latency_ms, fitted.overhead, alphas, batch_size, context_len, max_k)
+    return evaluate(fitted.latency_ms, fitted.overhead, alphas, batch_size, context_len, max_k,
+                    acceptance.tokens_per_step)
 
 
 def compute_table(fitted: FittedModel, acceptance: AcceptanceModel, max_batch: int,
@@ -164,7 +165,8 @@ def compute_table(fitted: FittedModel, acceptance: AcceptanceModel, max_batch: i
     alphas = acceptance.alphas(max(max_k, 1))
     buckets = []
     for context_len in lengths:
-        choices = best_k_per_batch(fitted.latency_ms, fitted.overhead, alphas, max_batch, context_len, max_k)
+        choices = best_k_per_batch(fitted.latency_ms, fitted.overhead, alphas, max_batch, context_len, max_k,
+                                   acceptance.tokens_per_step)
         entries = tuple(TableEntry(c.batch_size, c.best_k, c.tokens_per_s, c.speedup, c.runner_up_k, c.margin)
                         for c in choices)
         buckets.append(Bucket(context_len, entries))

@@ -100,6 +100,9 @@ class AcceptanceEntry:
     trials: tuple[int, ...] | None  # how many times position i was reached while measuring
     prompts: str | None
     prompt_count: int | None
+    # E(k) for k = 0..len(per_position) as the runtime meets it (each step starts where the last one
+    # ended, right after a disagreement); None for user values. Optional: older profiles lack it.
+    tokens_per_step: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,7 @@ def _acceptance_json(entry: AcceptanceEntry) -> dict:
     obj = asdict(entry)
     obj["per_position"] = list(entry.per_position)
     obj["trials"] = None if entry.trials is None else list(entry.trials)
+    obj["tokens_per_step"] = None if entry.tokens_per_step is None else list(entry.tokens_per_step)
     return obj
 
 
@@ -300,7 +304,17 @@ def _acceptance(obj: dict, where: str) -> AcceptanceEntry:
     trials = _int_list(obj, "trials", where, minimum=0, nullable=True)
     if trials is not None and len(trials) != len(per_position):
         raise PerfModelError(f"{_at(where, 'trials')}: has {len(trials)} values but per_position has {len(per_position)}")
+    tokens_per_step = obj.get("tokens_per_step")
+    if tokens_per_step is not None:
+        where_tokens = _at(where, "tokens_per_step")
+        if not isinstance(tokens_per_step, list) or len(tokens_per_step) != len(per_position) + 1:
+            raise PerfModelError(f"{where_tokens}: expected a list of {len(per_position) + 1} values (k = 0..max_k)")
+        for k, value in enumerate(tokens_per_step):
+            if not (_is_int(value) or isinstance(value, float)) or not 1.0 <= value <= k + 1 + 1e-9:
+                raise PerfModelError(f"{where_tokens}[{k}]: expected tokens per step in [1, {k + 1}], found {value!r}")
+        tokens_per_step = tuple(float(value) for value in tokens_per_step)
     return AcceptanceEntry(
+        tokens_per_step=tokens_per_step,
         mode=_str(obj, "mode", where, ACCEPTANCE_MODES),
         temperature=_number(obj, "temperature", where, minimum=0.0, nullable=True),
         top_k=_int(obj, "top_k", where, minimum=1, nullable=True),

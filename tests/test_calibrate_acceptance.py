@@ -7,10 +7,13 @@ import pytest
 import torch
 
 from calibrate.acceptance import (conditional_acceptance, measure_acceptance, parse_acceptance, parse_sampling,
-                                  read_prompts)
+                                  read_prompts, tokens_per_step)
 from calibrate.errors import CalibrationError
 from runtime.checkpoint import build_model
 from runtime.config import ModelConfig
+from perfmodel.acceptance import expected_tokens
+from runtime.generator import SpeculativeGenerator
+from runtime.policy import FixedK
 from runtime.sampling import Sampling
 
 V = 8  # vocabulary of the constructed pairs
@@ -138,3 +141,40 @@ def test_prompts_file(tmp_path):
     path.write_text('{"prompt": "x"}\n')
     with pytest.raises(CalibrationError, match="prompts.jsonl:1: a JSON line must be a string"):
         read_prompts(path)
+
+
+# ---------------------------------------------------------------- tokens per step, step-aligned
+def test_tokens_per_step_on_a_hand_computed_sequence():
+    # m = 1 1 0 1. k = 1: steps start at 0 (accept, +1 bonus: 2 tokens), 2 (reject: 1), 3 (accept: 2) -> 5/3.
+    # k = 2: a step at 0 accepts both (3 tokens); the next would start at 3, whose window leaves the row.
+    assert tokens_per_step([[1, 1, 0, 1]], 2) == pytest.approx([1.0, 5 / 3, 3.0])
+
+
+def test_tokens_per_step_differs_from_the_all_starts_formula_when_failures_cluster():
+    # runs of 3 agreements then one disagreement: a step starting at a run's head accepts 3 at k = 3,
+    # the runtime always starts there, while the all-starts alphas also average in starts mid-run
+    row = [1, 1, 1, 0] * 8
+    per_step = tokens_per_step([row], 3)
+    assert per_step[3] == pytest.approx(4.0)  # every step: 3 accepted + the target's token
+    alphas, _ = conditional_acceptance([row], 3)
+    assert expected_tokens(alphas, 3) < per_step[3]  # here the formula under-counts; clustering decides
+
+
+def test_tokens_per_step_matches_the_formula_for_independent_acceptance():
+    # with the same probability everywhere both views agree: E(k) = 1 + b + ... + b^k
+    per_step = tokens_per_step([[0.6] * 50], 4)
+    assert per_step == pytest.approx([sum(0.6 ** i for i in range(k + 1)) for k in range(5)])
+
+
+def test_tokens_per_step_equals_the_runtimes_own_count():
+    """The estimator against the runtime: a pair with a known agreement pattern, generated with FixedK(k)
+    from the same prompt; the runtime's tokens per step over the steps inside the continuation."""
+    target = zero_layer_model(successor_head())
+    draft = zero_layer_model(successor_head({0: 5, 3: 6}))  # disagrees after tokens 0 and 3
+    prompts = [[1]]
+    entry = measure_acceptance(target, draft, prompts, Sampling(), max_k=4, new_tokens=64)
+    generator = SpeculativeGenerator(target, draft)
+    for k in range(1, 5):
+        stats = generator.generate(prompts, 64, FixedK(k)).stats
+        runtime = sum(stats.step_tokens[:-2]) / len(stats.step_tokens[:-2])  # drop the truncated last steps
+        assert entry.tokens_per_step[k] == pytest.approx(runtime, rel=0.05)

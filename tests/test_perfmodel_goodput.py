@@ -71,6 +71,14 @@ def test_goodput_is_batch_tokens_over_step_time():
     assert choice.candidates[0].step_ms == pytest.approx(11.0)  # one target pass + 1 ms overhead
 
 
+def test_measured_tokens_per_step_replace_the_formula():
+    formula = evaluate(memory_bound, NO_OVERHEAD, [0.8], 1, 0, 4)
+    measured = evaluate(memory_bound, NO_OVERHEAD, [0.8], 1, 0, 4, tokens_per_step=[1.0, 1.5, 1.7, 1.8, 1.85])
+    assert [c.tokens_per_step for c in measured.candidates] == [1.0, 1.5, 1.7, 1.8, 1.85]
+    assert [c.step_ms for c in measured.candidates] == [c.step_ms for c in formula.candidates]
+    assert measured.best_k < formula.best_k  # flatter E(k): a shorter k is best
+
+
 def test_runner_up_and_margin():
     choice = evaluate(memory_bound, NO_OVERHEAD, [0.8], 1, 0, 10)
     # G(k) = E(k) / (10 + 0.5 k): G(8) = 0.30921 > G(7) = 0.30822 > G(9) = 0.30778

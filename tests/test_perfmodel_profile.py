@@ -31,6 +31,20 @@ def test_round_trip(tmp_path):
     assert json.loads(out.read_text())["schema"] == "specbatch.profile/1"
 
 
+def test_measured_tokens_per_step_round_trip_and_drive_the_model(tmp_path):
+    from perfmodel.acceptance import acceptance_from_profile
+
+    obj = copy.deepcopy(VALID)
+    obj["acceptance"][0]["tokens_per_step"] = [1.0, 1.6, 2.0]
+    profile = load_profile(write(tmp_path, obj))
+    assert profile.acceptance[0].tokens_per_step == (1.0, 1.6, 2.0)
+    save_profile(tmp_path / "again.json", profile)
+    assert load_profile(tmp_path / "again.json") == profile
+    model = acceptance_from_profile(profile.acceptance[0])
+    # measured E(k) wins over the product formula (which would give 1.8 and 2.36 here)
+    assert [model.expected_tokens(k) for k in range(3)] == [1.0, 1.6, 2.0]
+
+
 def broken(edit) -> dict:
     obj = copy.deepcopy(VALID)
     edit(obj)
@@ -50,6 +64,8 @@ def broken(edit) -> dict:
     (lambda o: o["acceptance"][0].update(per_position=[0.8, 1.5]), r"per_position\[1\]: expected a probability in \[0, 1\]"),
     (lambda o: o["acceptance"][0].update(trials=[10]), r"trials: has 1 values but per_position has 2"),
     (lambda o: o["overheads"][0].update(median_ms=-1), r"overheads\[0\].median_ms: must be >= 0.0"),
+    (lambda o: o["acceptance"][0].update(tokens_per_step=[1.0, 1.8]), r"tokens_per_step: expected a list of 3 values"),
+    (lambda o: o["acceptance"][0].update(tokens_per_step=[1.0, 2.5, 2.0]), r"tokens_per_step\[1\]: expected tokens per step in \[1, 2\]"),
 ])
 def test_bad_profiles_name_the_file_and_field(tmp_path, edit, message):
     path = write(tmp_path, broken(edit))
