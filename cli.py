@@ -95,22 +95,11 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def read_prompts_file(path: Path) -> list[str]:
-    """One prompt per line: a JSON string, or the plain line itself."""
-    if not path.is_file():
-        raise UsageError(f"{path}: no such prompts file")
-    prompts = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if not line.strip():
-            continue
-        try:
-            value = json.loads(line)
-        except json.JSONDecodeError:
-            value = line
-        prompts.append(value if isinstance(value, str) else line)
-    if not prompts:
-        raise UsageError(f"{path}: the prompts file is empty")
-    return prompts
+def read_prompts_file(path: Path, option: str = "--prompts-file") -> list[str]:
+    """One prompt per line: a JSON string, or the plain line itself (calibrate's reader, shared)."""
+    from calibrate.acceptance import read_prompts
+
+    return read_prompts(path, option)
 
 
 def load_pair(target: str | None, draft: str | None, device: str | None, dtype: str | None, need_draft: bool = True):
@@ -408,7 +397,7 @@ def _bench(target, draft, table, model, batch_sizes, ks, prompts, max_new_tokens
     # each round of batch size b takes the next b prompts (cycling), so small batches see many prompts
     needed = max(config.batch_sizes) * (config.rounds + config.warmup_rounds)
     if pair.tokenizer is not None:
-        texts = read_prompts_file(prompts or DEMO_PROMPTS)[:needed]  # fewer are cycled
+        texts = read_prompts_file(prompts or DEMO_PROMPTS, "--prompts")[:needed]  # fewer are cycled
         token_prompts = [pair.tokenizer.encode(text) for text in texts]
     elif prompts is not None:
         raise UsageError(f"--prompts: {target_spec.source} has no tokenizer.json to encode text; leave --prompts "

@@ -93,12 +93,13 @@ def user_entry(sampling: Sampling, per_position: tuple[float, ...]) -> Acceptanc
 
 
 # ---------------------------------------------------------------- prompts
-def read_prompts(path: Path) -> list[str]:
-    """One prompt per line: a JSON string, or the plain line itself (as `generate` and `bench` read them)."""
+def read_prompts(path: Path, option: str = "--prompts") -> list[str]:
+    """One prompt per line: a JSON string, or the plain line itself; every command reads prompts here.
+    Errors name `option` and the file."""
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as error:
-        raise CalibrationError(f"--prompts {path}: not readable ({error})") from None
+        raise CalibrationError(f"{option} {path}: not readable ({error})") from None
     prompts = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
@@ -108,10 +109,10 @@ def read_prompts(path: Path) -> list[str]:
         except json.JSONDecodeError:
             prompt = line
         if not isinstance(prompt, str):
-            raise CalibrationError(f"--prompts {path}:{number}: a JSON line must be a string")
+            raise CalibrationError(f"{option} {path}:{number}: a JSON line must be a string")
         prompts.append(prompt)
     if not prompts:
-        raise CalibrationError(f"--prompts {path}: the file holds no prompts")
+        raise CalibrationError(f"{option} {path}: the file holds no prompts")
     return prompts
 
 
