@@ -33,7 +33,7 @@ def goodput_grid(fitted: FittedModel, acceptance: AcceptanceModel, max_batch: in
                  max_k: int) -> tuple[np.ndarray, np.ndarray]:
     """(relative goodput of shape (max_k + 1, max_batch), best k per batch size of shape (max_batch,))."""
     choices = best_k_per_batch(fitted.latency_ms, fitted.overhead, acceptance.alphas(max(max_k, 1)),
-                               max_batch, context_len, max_k)
+                               max_batch, context_len, max_k, acceptance.tokens_per_step)
     goodput = np.array([[c.tokens_per_s for c in choice.candidates] for choice in choices]).T  # (k, b)
     return goodput / goodput.max(axis=0, keepdims=True), np.array([choice.best_k for choice in choices])
 

@@ -141,6 +141,22 @@ def test_plot_writes_an_image(files, tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_curve_is_the_tables_choice_with_measured_tokens_per_step(files):
+    """The heatmap's k*(b) is the table's, also when the acceptance carries measured E(k)."""
+    import dataclasses
+
+    from perfmodel.model import choose_acceptance, compute_table
+    from perfmodel.plot import goodput_grid
+
+    fitted = load_model(files["model"])
+    base = choose_acceptance(fitted, None)
+    flat = dataclasses.replace(base, tokens_per_step=(1.0, 1.5, 1.6, 1.65, 1.66, 1.67, 1.68, 1.69, 1.7)[:fitted.grid.max_k + 1])
+    for acceptance in (base, flat):
+        table = compute_table(fitted, acceptance, 16, [128])
+        _, best = goodput_grid(fitted, acceptance, 16, 128, table.max_k)
+        assert list(best) == [entry.k for entry in table.buckets[0].entries]
+
+
 # ---------------------------------------------------------------- bad input: exit code 2, one line
 
 def test_wrong_schema_profile(files, tmp_path):
