@@ -86,6 +86,7 @@ TargetOpt = Annotated[Optional[str], typer.Option("--target", help="Target model
 DraftOpt = Annotated[Optional[str], typer.Option("--draft", help="Draft model directory (default: bundled demo draft).")]
 DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="cpu or cuda (default: cuda if available).")]
 DtypeOpt = Annotated[Optional[str], typer.Option("--dtype", help="float32 | bfloat16 | float16 (default: float32 on CPU, bfloat16 on CUDA).")]
+ModelFileArg = Annotated[Path, typer.Argument(help="specbatch.model/1 file written by `specbatch fit`.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout and nothing else.")]
 
 
@@ -615,7 +616,7 @@ def render_fit(fitted, output: Path) -> None:
 @app.command()
 @one_line_errors
 def table(
-    model: Annotated[Path, typer.Argument(help="specbatch.model/1 file written by `specbatch fit`.")],
+    model: ModelFileArg,
     output: Annotated[Path, typer.Option("-o", "--output", help="Where to write the table (or its export).")],
     max_batch: MaxBatchOpt = 64,
     context_lens: Annotated[Optional[str], typer.Option(
@@ -759,7 +760,7 @@ def render_query(answer: dict, notes: list[str]) -> None:
 @app.command()
 @one_line_errors
 def plot(
-    model: Annotated[Path, typer.Argument(help="specbatch.model/1 file written by `specbatch fit`.")],
+    model: ModelFileArg,
     output: Annotated[Path, typer.Option("-o", "--output", help="Image file to write (png, pdf, svg).")],
     max_batch: MaxBatchOpt = 64,
     context_len: Annotated[Optional[int], typer.Option("--context-len", help="Context length of the heatmap.")] = None,

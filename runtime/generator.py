@@ -152,7 +152,7 @@ class SpeculativeGenerator:
         generated = [1] * b
         outputs: list[list[int] | None] = [None] * b
         stats.first_tokens = b
-        done = self._finished_rows(first[:, None], torch.ones(b, dtype=torch.long), generated, max_new_tokens)
+        done = self._finished_rows(first[:, None], torch.ones(b, dtype=torch.long), [1] * b, generated, max_new_tokens)
         while True:
             if done:
                 keep = [i for i in range(len(rows)) if i not in done]
@@ -188,7 +188,7 @@ class SpeculativeGenerator:
             stats.step_tokens.append(sum(min(c, max_new_tokens - g) for c, g in zip(counts_list, generated)))
             for i, c in enumerate(counts_list):
                 generated[i] += c
-            done = self._finished_rows(new, counts, generated, max_new_tokens)
+            done = self._finished_rows(new, counts, counts_list, generated, max_new_tokens)
             stats.step_s.append(timer.now() - step_start)
             stats.other_s += stats.step_s[-1]
         stats.generated_tokens = sum(len(o) for o in outputs)
@@ -268,9 +268,9 @@ class SpeculativeGenerator:
                 f"context of {limit} positions; lower --max-new-tokens or k"
             )
 
-    def _finished_rows(self, new, counts, generated, max_new_tokens) -> dict[int, int]:
-        """Rows that hit EOS or max_new_tokens in this step -> how many generated tokens they keep."""
-        counts_list = counts.tolist()
+    def _finished_rows(self, new, counts, counts_list, generated, max_new_tokens) -> dict[int, int]:
+        """Rows that hit EOS or max_new_tokens in this step -> how many generated tokens they keep.
+        `counts_list` is `counts` already on the host (the step needed it anyway)."""
         eos_hits = None
         if self.eos_token_ids:
             is_eos = torch.isin(new, torch.tensor(self.eos_token_ids, device=new.device))
