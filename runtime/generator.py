@@ -23,8 +23,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .model import CausalLM
+from perfmodel.tree import chain
+
+from .model import CausalLM, TreeAttention
 from .sampling import Sampling, probabilities, sample
+from .tree_decoding import compact, draft_tree, ngram_tree, plan_for, verify_and_accept
 
 
 class GenerationError(ValueError):
@@ -50,6 +53,7 @@ class GenerationStats:
     step_tokens: list[int] = field(default_factory=list)  # tokens each step added (within max_new_tokens)
     draft_passes: list[tuple[int, int]] = field(default_factory=list)  # (batch size, new tokens) per pass
     target_passes: list[tuple[int, int]] = field(default_factory=list)
+    nodes_per_step: list[int] = field(default_factory=list)  # draft tokens verified per row (k for a chain)
 
     @property
     def acceptance_per_position(self) -> list[float]:
@@ -99,14 +103,31 @@ class _Timer:
         return time.perf_counter()
 
 
+class _PassRecorder:
+    """Times draft passes of a tree step into the stats (the tree code calls it once per pass)."""
+
+    def __init__(self, timer: _Timer, stats: GenerationStats):
+        self.now, self.stats = timer.now, stats
+
+    def __call__(self, batch: int, new_tokens: int, seconds: float) -> None:
+        self.stats.draft_s += seconds
+        self.stats.draft_passes.append((batch, new_tokens))
+
+
 class SpeculativeGenerator:
-    def __init__(self, target: CausalLM, draft: CausalLM | None = None, eos_token_ids=()):
-        if draft is not None and draft.config.vocab_size != target.config.vocab_size:
-            raise GenerationError(
-                f"draft vocabulary ({draft.config.vocab_size} tokens) differs from the target's "
-                f"({target.config.vocab_size} tokens): the tokenizers must agree"
-            )
-        self.target, self.draft = target, draft
+    def __init__(self, target: CausalLM, draft=None, eos_token_ids=(), stage2=None):
+        """`draft`: a CausalLM, an n-gram model (runtime.ngram.NGramModel) used alone, or None.
+        `stage2`: an n-gram model that speeds up a CausalLM draft's tree drafting (lossless for it)."""
+        vocab = target.config.vocab_size
+        for role, model in (("draft", draft), ("second-stage n-gram", stage2)):
+            size = None if model is None else getattr(model, "vocab_size", None) or model.config.vocab_size
+            if size is not None and size != vocab:
+                raise GenerationError(f"{role} vocabulary ({size} tokens) differs from the target's "
+                                      f"({vocab} tokens): the tokenizers must agree")
+        if stage2 is not None and not isinstance(draft, CausalLM):
+            raise GenerationError("a second stage needs a draft model to speed up (--draft)")
+        self.target, self.draft, self.stage2 = target, draft, stage2
+        self.draft_is_model = isinstance(draft, CausalLM)
         self.eos_token_ids = tuple(eos_token_ids)
         self.device = target.lm_head.weight.device
 
@@ -133,7 +154,7 @@ class SpeculativeGenerator:
             tokens[r, :len(prompt)] = torch.tensor(prompt, dtype=torch.long)
         committed = torch.tensor(prompt_lens, dtype=torch.long, device=self.device)
         target_cache = self.target.new_cache(b, buffer_len)
-        draft_cache = self.draft.new_cache(b, buffer_len) if self.draft is not None else None
+        draft_cache = self.draft.new_cache(b, buffer_len) if self.draft_is_model else None
 
         # prefill: right-padded prompts; each row's length is then set to its own prompt length
         t0 = timer.now()
@@ -171,11 +192,20 @@ class SpeculativeGenerator:
             step_start = timer.now()
             batch = len(rows)
             # the context a step pays for: attention spans the longest row (shorter rows are masked)
-            k = policy(batch, int(committed.max())) if self.draft is not None else 0
-            if k > max_k:
-                raise GenerationError(f"policy asked for k={k}, above the k={max_k} the KV cache was sized for")
-            new, counts = self._step(k, tokens, committed, target_cache, draft_cache, sampling, rng,
-                                     synthetic_acceptance, stats, timer)
+            tree, staged = self._strategy(policy(batch, int(committed.max())) if self.draft is not None else 0)
+            k = 0 if tree is None else tree.depth
+            if tree is not None and tree.num_nodes > max_k:
+                raise GenerationError(f"policy asked for {tree.num_nodes} draft tokens per step, above the "
+                                      f"{max_k} the KV cache was sized for")
+            if tree is not None and (staged or not tree.is_chain or not self.draft_is_model):
+                if synthetic_acceptance is not None:
+                    raise GenerationError("synthetic acceptance applies to chains of the draft model only")
+                new, counts = self._tree_step(tree, staged, tokens, committed, target_cache, draft_cache,
+                                              sampling, rng, stats, timer)
+            else:
+                new, counts = self._step(k, tokens, committed, target_cache, draft_cache, sampling, rng,
+                                         synthetic_acceptance, stats, timer)
+            stats.nodes_per_step.append(0 if tree is None else tree.num_nodes)
             # write the step's tokens after each row's committed prefix (beyond `counts` is scratch)
             positions = committed[:, None] + torch.arange(new.shape[1], device=self.device)
             tokens.scatter_(1, positions, new)
@@ -197,6 +227,41 @@ class SpeculativeGenerator:
         return GenerationResult(token_ids=outputs, stats=stats)
 
     # ------------------------------------------------------------------ one step
+    def _strategy(self, choice):
+        """A policy's answer (an int k or a perfmodel.tree.Strategy) -> (tree or None, staged)."""
+        if isinstance(choice, int):
+            return (chain(choice) if choice > 0 else None), False
+        if choice.stage2 and self.stage2 is None:
+            raise GenerationError(f"strategy {choice.describe()} needs the second stage: pass --stage2 FILE")
+        return choice.tree, bool(choice.stage2)
+
+    def _tree_step(self, tree, staged, tokens, committed, target_cache, draft_cache, sampling, rng, stats, timer):
+        """A tree step (runtime.tree_decoding): draft, one target pass over every node, keep one path."""
+        plan = plan_for(tree, self.device)
+        recorder = _PassRecorder(timer, stats)
+        if self.draft_is_model:
+            drafted = draft_tree(plan, self.draft, draft_cache, tokens, committed, sampling, rng,
+                                 stage2=self.stage2 if staged else None, on_pass=recorder)
+        else:
+            drafted = ngram_tree(plan, self.draft, tokens, committed, sampling, rng, on_pass=recorder)
+        t0 = timer.now()
+        target_logits = self.target(drafted.tokens, target_cache, TreeAttention(plan.depths, plan.target_mask))
+        stats.verify_s += timer.now() - t0
+        b = tokens.shape[0]
+        stats.target_passes.append((b, tree.num_nodes + 1))
+        path, accepted, bonus = verify_and_accept(plan, drafted, target_logits, sampling, rng)
+        keep = torch.arange(tree.depth, device=self.device) < accepted[:, None]
+        compact(target_cache, committed, path - 1, keep)  # node j of the tree sat at slot committed - 1 + j
+        if draft_cache is not None:
+            slot = plan.inner_index[path] - 1  # leaves were never fed to the draft
+            fed = keep & (slot >= 0)
+            compact(draft_cache, committed, slot, fed)
+            draft_cache.lengths = committed + fed.sum(1)
+        _count_acceptance(stats, accepted, tree.depth)
+        new = torch.cat([drafted.tokens.gather(1, path), bonus[:, None]], dim=1)
+        new.scatter_(1, accepted[:, None], bonus[:, None])
+        return new, accepted + 1
+
     def _step(self, k, tokens, committed, target_cache, draft_cache, sampling, rng, synthetic, stats, timer):
         """Run one step; returns the new tokens (b, k+1) and how many of them each row keeps (b,)."""
         b = tokens.shape[0]
@@ -258,14 +323,15 @@ class SpeculativeGenerator:
         if max_k < 0:
             raise GenerationError(f"k must be >= 0, got {max_k}")
         limit = min(self.target.config.max_position_embeddings,
-                    self.draft.config.max_position_embeddings if self.draft is not None else 10**9)
+                    self.draft.config.max_position_embeddings if self.draft_is_model else 10**9)
         longest = max(len(p) for p in prompts)
         if longest >= limit:
             raise GenerationError(f"a prompt has {longest} tokens; the model's context is {limit} positions")
         if longest + max_new_tokens + max_k > limit:
             raise GenerationError(
-                f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) + k ({max_k}) exceeds the model's "
-                f"context of {limit} positions; lower --max-new-tokens or k"
+                f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) + draft tokens per step ({max_k}: "
+                f"{policy.describe()}) exceeds the model's context of {limit} positions; lower --max-new-tokens, "
+                f"k or the tree's size"
             )
 
     def _finished_rows(self, new, counts, counts_list, generated, max_new_tokens) -> dict[int, int]:

@@ -100,7 +100,7 @@ class Block(nn.Module):
             h = F.relu(h)
         return self.down(h)
 
-    def attention(self, x, rope, cache: KVCache | None, layer: int, mask, positions) -> torch.Tensor:
+    def attention(self, x, rope, cache: KVCache | None, layer: int, mask, slots) -> torch.Tensor:
         b, n, _ = x.shape
         cfg = self.config
         q, k, v = self.qkv(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
@@ -118,8 +118,8 @@ class Block(nn.Module):
             )
         else:
             rows = torch.arange(b, device=x.device)[:, None]
-            cache.keys[layer][rows, :, positions] = k.to(cache.keys.dtype)
-            cache.values[layer][rows, :, positions] = v.to(cache.values.dtype)
+            cache.keys[layer][rows, :, slots] = k.to(cache.keys.dtype)
+            cache.values[layer][rows, :, slots] = v.to(cache.values.dtype)
             key_len = mask.shape[-1]
             out = F.scaled_dot_product_attention(
                 q, cache.keys[layer, :, :, :key_len], cache.values[layer, :, :, :key_len], attn_mask=mask,
@@ -127,12 +127,45 @@ class Block(nn.Module):
             )
         return self.o(out.transpose(1, 2).reshape(b, n, self.q_size))
 
-    def forward(self, x, rope, cache, layer, mask, positions):
+    def forward(self, x, rope, cache, layer, mask, slots):
         if self.config.family == "opt" and not self.config.do_layer_norm_before:  # post-LN (opt-350m)
-            x = self.attn_norm(x + self.attention(x, rope, cache, layer, mask, positions))
+            x = self.attn_norm(x + self.attention(x, rope, cache, layer, mask, slots))
             return self.mlp_norm(x + self.mlp(x))
-        x = x + self.attention(self.attn_norm(x), rope, cache, layer, mask, positions)
+        x = x + self.attention(self.attn_norm(x), rope, cache, layer, mask, slots)
         return x + self.mlp(self.mlp_norm(x))
+
+
+class TreeAttention:
+    """Tokens that form a tree (or a chain followed by a tree) on top of each row's cached prefix.
+
+    The cache of every row holds `base[r]` committed tokens and then `m` in-flight slots of the same
+    tree for every row (fed by earlier passes of this step); this pass appends `n` more. `offsets`
+    (m + n,) are the in-flight slots' positions relative to `base` (a node's depth, for a tree), and
+    `mask` (n, m + n) says which in-flight slots each new token may attend to (its ancestors and
+    itself). Every new token also sees the whole committed prefix. Positions feed RoPE or learned
+    position embeddings; slots are where keys and values are stored: they differ inside a tree.
+    """
+
+    def __init__(self, offsets: torch.Tensor, mask: torch.Tensor):
+        if mask.dim() != 2 or offsets.shape != (mask.shape[1],):
+            raise ValueError(f"tree attention: mask {tuple(mask.shape)} does not match offsets {tuple(offsets.shape)}")
+        self.offsets, self.mask = offsets, mask
+
+    def masks(self, cache: KVCache, n: int, key_len: int, window: int | None):
+        in_flight = self.mask.shape[1]
+        base = cache.lengths - (in_flight - n)  # (b,)
+        positions = base[:, None] + self.offsets[in_flight - n:]  # (b, n)
+        keys = torch.arange(key_len, device=base.device)
+        relative = keys - base[:, None]  # (b, key_len): slot index inside the in-flight region
+        inside = (relative >= 0) & (relative < in_flight)
+        tree_part = self.mask[:, relative.clamp(0, in_flight - 1)].permute(1, 0, 2)  # (b, n, key_len)
+        allowed = (relative < 0)[:, None, :] | (inside[:, None, :] & tree_part)
+        window_mask = None
+        if window:
+            key_positions = torch.where(inside, base[:, None] + self.offsets[relative.clamp(0, in_flight - 1)], keys)
+            window_mask = (allowed & (key_positions[:, None, :] > positions[..., None] - window))[:, None]
+        mask = allowed[:, None]
+        return mask, (window_mask if window else mask), positions
 
 
 class CausalLM(nn.Module):
@@ -176,21 +209,24 @@ class CausalLM(nn.Module):
         cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
         return (cos[:, None], cos[:, :, None]), (sin[:, None], sin[:, :, None])
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None,
+                tree: TreeAttention | None = None) -> torch.Tensor:
         b, n = tokens.shape  # tokens: (b, n)
         steps = torch.arange(n, device=tokens.device)
         window = self.config.sliding_window
         if cache is None:
-            positions = steps.expand(b, n)
+            slots = positions = steps.expand(b, n)
             key_len = n
         else:
             start = cache.lengths  # (b,)
-            positions = start[:, None] + steps  # (b, n)
+            slots = positions = start[:, None] + steps  # (b, n)
             key_len = int(start.max()) + n
             if key_len > cache.max_len:
                 raise ValueError(f"KV cache overflow: {key_len} positions needed, {cache.max_len} allocated")
         mask = window_mask = None
-        if cache is not None or (window and n > window):
+        if tree is not None:
+            mask, window_mask, positions = tree.masks(cache, n, key_len, window)
+        elif cache is not None or (window and n > window):
             keys = torch.arange(key_len, device=tokens.device)
             allowed = keys <= positions[..., None]  # (b, n, key_len)
             mask = window_mask = allowed[:, None]  # (b, 1, n, key_len)
@@ -210,7 +246,7 @@ class CausalLM(nn.Module):
         sliding = self.config.sliding_layers
         for index, layer in enumerate(self.layers):
             layer_mask = window_mask if sliding and sliding[index] else mask
-            x = layer(x, rope, cache, index, layer_mask, positions)
+            x = layer(x, rope, cache, index, layer_mask, slots)
         if self.final_norm is not None:
             x = self.final_norm(x)
         if self.project_out is not None:

@@ -1,0 +1,357 @@
+"""Tree steps: draft a tree of continuations, verify every node in one target pass, keep one path.
+
+The tree's shape is data (`perfmodel.tree.Tree`: rank paths; node 0 is the root, the row's last
+committed token; nodes 1..N in breadth-first order). A node's children are its parent's top-c draft
+tokens (greedy) or c tokens sampled from the draft without replacement (sampling).
+
+Drafting (`draft_tree`). The draft must score every inner node (a node with children); leaves cost
+nothing. Its cache holds each row's committed tokens (`base` = committed), then one slot per non-root
+inner node in breadth-first order, written by passes with a tree attention mask. The work is done in
+rounds; each round is one draft pass:
+  * without a second stage: round 1 is the catch-up pass ending with the root (its last logits give
+    the root's children), then one round per depth over that depth's inner nodes: one pass per level;
+  * with a second stage (an n-gram model that guesses the draft's tokens): round 1 feeds the catch-up
+    tokens AND every inner node, with the n-gram's guess where the true token is not known yet; a node's
+    logits are valid when its token and its ancestors' tokens were the draft's own. Later rounds re-guess
+    and re-feed the breadth-first suffix from the first node still invalid in some row. Each round makes
+    at least one more node valid, and the tokens that come out are exactly the draft's own: the second
+    stage changes the cost of drafting, never its result.
+
+Verifying (`verify_and_accept`). One target pass over root + N nodes per row (tree mask on top of each
+row's own cache length). Greedy: follow the child equal to the target's argmax while there is one, then
+add the target's argmax there. Sampling: at each node, recursive rejection sampling over its children
+in the order they were sampled (accept x with prob min(1, p(x)/q(x)); on rejection p <- norm(max(0, p - q))
+and x leaves q), then sample the last residual: exactly the target's distribution.
+
+Compaction (`compact`). The accepted path's keys and values move to the row's next contiguous slots;
+everything else is dropped by the length reset the generator does anyway.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from perfmodel.tree import Tree, tree_buffers
+
+from .model import CausalLM, KVCache, TreeAttention
+from .sampling import Sampling, probabilities
+
+
+@dataclass(frozen=True)
+class TreePlan:
+    """A tree's index tensors on one device, built once per (tree, device)."""
+
+    tree: Tree
+    target_mask: torch.Tensor  # (N+1, N+1) ancestor-or-self
+    depths: torch.Tensor  # (N+1,)
+    children: torch.Tensor  # (N+1, max_children) node ids by rank, -1 padded
+    inner: tuple[int, ...]  # non-root inner nodes, breadth-first: the draft's in-flight slots
+    inner_index: torch.Tensor  # (N+1,) 1 + slot of an inner node, 0 for the root, -1 for leaves
+    inner_mask: torch.Tensor  # (I, I) ancestor-or-self among non-root inner nodes
+    inner_offsets: torch.Tensor  # (I,) depth - 1: position relative to the draft's base
+    level_ends: tuple[int, ...]  # end slot of each depth's inner nodes (depth 1, 2, ...)
+    by_depth: tuple[tuple[int, ...], ...]  # all nodes of depth 1, 2, ...
+    parent_of: torch.Tensor  # (N+1,) parent node (root: 0)
+    rank_of: torch.Tensor  # (N+1,)
+
+
+@lru_cache(maxsize=64)
+def plan_for(tree: Tree, device: torch.device) -> TreePlan:
+    buffers = tree_buffers(tree)
+    size = tree.num_nodes + 1
+    children = torch.full((size, tree.max_children), -1, dtype=torch.long)
+    for node, kids in enumerate(tree.children):
+        children[node, :len(kids)] = torch.tensor(kids, dtype=torch.long)
+    inner = tuple(node for node in tree.inner_nodes if node != 0)
+    inner_index = torch.full((size,), -1, dtype=torch.long)
+    inner_index[0] = 0
+    for slot, node in enumerate(inner):
+        inner_index[node] = slot + 1
+    full_mask = torch.from_numpy(buffers.attention_mask)
+    inner_t = torch.tensor(inner, dtype=torch.long)
+    depths = torch.tensor(tree.depths, dtype=torch.long)
+    level_ends = tuple(sum(1 for node in inner if tree.depths[node] <= d) for d in range(1, tree.depth + 1))
+    by_depth = tuple(tuple(n for n in range(1, size) if tree.depths[n] == d) for d in range(1, tree.depth + 1))
+    parents = torch.tensor([max(p, 0) for p in tree.parents], dtype=torch.long)
+    to = dict(device=device)
+    return TreePlan(
+        tree=tree, target_mask=full_mask.to(**to), depths=depths.to(**to), children=children.to(**to),
+        inner=inner, inner_index=inner_index.to(**to),
+        inner_mask=full_mask[inner_t][:, inner_t].to(**to) if inner else torch.zeros(0, 0, dtype=torch.bool, **to),
+        inner_offsets=(depths[inner_t] - 1).to(**to) if inner else torch.zeros(0, dtype=torch.long, **to),
+        level_ends=level_ends, by_depth=by_depth, parent_of=parents.to(**to), rank_of=torch.tensor([0] + [p[-1] for p in tree.paths]).to(**to),
+    )
+
+
+@dataclass
+class DraftedTree:
+    tokens: torch.Tensor  # (b, N+1): root and every node's token
+    unusable: torch.Tensor  # (b, N+1): children sampled past the end of the draft's support
+    draft_probs: torch.Tensor | None  # (b, I+1, vocab) the draft's q at the root and each inner node
+    rounds: int  # draft passes (or n-gram queries, for an n-gram draft)
+
+
+def pick_children(scores: torch.Tensor, count: int, sampling: Sampling, rng):
+    """The `count` children of each scored node: top tokens (greedy) or a sample without replacement
+    (Gumbel top-k: the same law as drawing one by one and removing each draw). `scores` are logits
+    (greedy) or probabilities (sampling). Returns (tokens, unusable): a sampled child is unusable when
+    the distribution had fewer than `count` tokens with probability > 0."""
+    if sampling.greedy:
+        return scores.topk(count, dim=-1).indices, None
+    u = torch.rand(scores.shape, generator=rng, device=scores.device).clamp_(1e-20, 1.0)
+    keys = scores.log() - (-u.log()).log()
+    values, picks = keys.topk(count, dim=-1)
+    return picks, values == float("-inf")
+
+
+class _TreeState:
+    """What the draft knows about one tree while drafting it."""
+
+    def __init__(self, plan: TreePlan, root_tokens: torch.Tensor, sampling: Sampling, vocab: int):
+        b, size = root_tokens.shape[0], plan.tree.num_nodes + 1
+        device = root_tokens.device
+        self.plan, self.sampling = plan, sampling
+        self.tokens = torch.zeros(b, size, dtype=torch.long, device=device)
+        self.tokens[:, 0] = root_tokens
+        self.known = torch.zeros(b, size, dtype=torch.bool, device=device)
+        self.known[:, 0] = True
+        self.valid = torch.zeros(b, len(plan.inner) + 1, dtype=torch.bool, device=device)  # 0: root
+        self.unusable = torch.zeros(b, size, dtype=torch.bool, device=device)
+        self.probs = None if sampling.greedy else torch.zeros(b, len(plan.inner) + 1, vocab, device=device)
+
+    def expand(self, nodes: list[int], scores: torch.Tensor, newly: torch.Tensor, rng, is_probs: bool = False):
+        """Nodes whose draft distribution just became known in rows `newly` (b, len(nodes)): store q
+        and fix their children's tokens there. `scores` (b, len(nodes), vocab) are logits, or
+        probabilities when `is_probs` (an n-gram draft)."""
+        plan = self.plan
+        slots = plan.inner_index[nodes]
+        if self.sampling.greedy:
+            picks, unusable = pick_children(scores, plan.tree.max_children, self.sampling, rng)
+        else:
+            q = scores if is_probs else probabilities(scores, self.sampling)
+            self.probs[:, slots] = torch.where(newly[..., None], q, self.probs[:, slots])
+            picks, unusable = pick_children(q, plan.tree.max_children, self.sampling, rng)
+        kids = plan.children[nodes]  # (n, c)
+        has = kids >= 0
+        child_ids = kids[has]  # (m,)
+        owner = has.nonzero()[:, 0]  # which of `nodes` each child hangs from
+        rank = has.nonzero()[:, 1]
+        update = newly[:, owner]  # (b, m)
+        self.tokens[:, child_ids] = torch.where(update, picks[:, owner, rank], self.tokens[:, child_ids])
+        self.known[:, child_ids] |= update
+        if unusable is not None:
+            self.unusable[:, child_ids] = torch.where(update, unusable[:, owner, rank], self.unusable[:, child_ids])
+
+
+def _context(plan: TreePlan, state: _TreeState, before_root: torch.Tensor, nodes: list[int]) -> torch.Tensor:
+    """(b * len(nodes), 2): the two tokens before each node's next token (grandparent... parent = node)."""
+    node_t = torch.tensor(nodes, device=before_root.device)
+    parent = plan.parent_of[node_t]
+    last = state.tokens[:, node_t]
+    previous = torch.where(node_t > 0, state.tokens[:, parent], before_root[:, None])
+    return torch.stack([previous, last], dim=-1).reshape(-1, 2)
+
+
+def draft_tree(plan: TreePlan, draft: CausalLM, cache: KVCache, tokens: torch.Tensor, committed: torch.Tensor,
+               sampling: Sampling, rng, stage2=None, on_pass=None) -> DraftedTree:
+    """Draft one tree per row with a draft model; leaves the draft cache at `committed` plus the
+    inner nodes' slots (see the module docstring). `on_pass(batch, new_tokens, seconds)` records passes."""
+    b = tokens.shape[0]
+    device = tokens.device
+    rows = torch.arange(b, device=device)
+    state = _TreeState(plan, tokens[rows, committed - 1], sampling, draft.config.vocab_size)
+    before_root = torch.where(committed >= 2, tokens[rows, (committed - 2).clamp(min=0)], -1)
+    inner = list(plan.inner)
+    lag = committed - cache.lengths
+    width = int(lag.max())
+    cache.lengths = committed - width
+    catch_up = tokens.gather(1, (committed - width)[:, None] + torch.arange(width, device=device))
+    if stage2 is not None and inner:
+        _guess(plan, state, stage2, before_root, inner)
+        fed = state.tokens[:, inner].clone()
+        ahead = torch.arange(width, device=device)
+        offsets = torch.cat([ahead, width - 1 + plan.inner_offsets + 1])
+        mask = torch.zeros(width + len(inner), width + len(inner), dtype=torch.bool, device=device)
+        mask[:width, :width] = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+        mask[width:, :width] = True
+        mask[width:, width:] = plan.inner_mask
+        logits = _timed(draft, torch.cat([catch_up, fed], dim=1), cache, TreeAttention(offsets, mask), on_pass)
+        _absorb_root(plan, state, logits[:, width - 1], rng)
+        _absorb(plan, state, logits[:, width:], fed, 0, rng)
+    else:
+        logits = _timed(draft, catch_up, cache, None, on_pass)
+        _absorb_root(plan, state, logits[:, -1], rng)
+    rounds = 1
+    base = committed
+    while not bool(state.valid.all()):
+        start = int((~state.valid[:, 1:]).any(0).nonzero()[0])  # first slot invalid in some row
+        if stage2 is None:
+            end = next(e for e in plan.level_ends if e > start)
+        else:
+            _guess(plan, state, stage2, before_root, inner[start:])
+            end = len(inner)
+        cache.lengths = base + start
+        fed = state.tokens[:, inner[start:end]].clone()
+        attention = TreeAttention(plan.inner_offsets[:end], plan.inner_mask[start:end, :end])
+        logits = _timed(draft, fed, cache, attention, on_pass)
+        _absorb(plan, state, logits, fed, start, rng)
+        rounds += 1
+    cache.lengths = base + len(inner)
+    return DraftedTree(state.tokens, state.unusable, state.probs, rounds)
+
+
+def _timed(model, inputs, cache, attention, on_pass):
+    if on_pass is None:
+        return model(inputs, cache, attention)
+    started = on_pass.now()
+    out = model(inputs, cache, attention)
+    on_pass(inputs.shape[0], inputs.shape[1], on_pass.now() - started)
+    return out
+
+
+def _absorb_root(plan: TreePlan, state: _TreeState, root_logits: torch.Tensor, rng) -> None:
+    b = root_logits.shape[0]
+    state.valid[:, 0] = True
+    state.expand([0], root_logits[:, None], torch.ones(b, 1, dtype=torch.bool, device=root_logits.device), rng)
+
+
+def _absorb(plan: TreePlan, state: _TreeState, logits: torch.Tensor, fed: torch.Tensor, start: int, rng) -> None:
+    """After a pass over inner slots start..start+n-1: mark nodes whose fed token and ancestors were the
+    draft's own as valid, level by level, and fix their children."""
+    inner = plan.inner
+    end = start + fed.shape[1]
+    slot = start
+    while slot < end:
+        level_end = min(next(e for e in plan.level_ends if e > slot), end)
+        nodes = list(inner[slot:level_end])
+        parent_slots = plan.inner_index[plan.parent_of[nodes]]
+        good = state.valid[:, parent_slots] & state.known[:, nodes] & (fed[:, slot - start:level_end - start] == state.tokens[:, nodes])
+        own = plan.inner_index[nodes]
+        newly = good & ~state.valid[:, own]
+        state.valid[:, own] |= good
+        if bool(newly.any()):
+            state.expand(nodes, logits[:, slot - start:level_end - start], newly, rng)
+        slot = level_end
+
+
+def _guess(plan: TreePlan, state: _TreeState, stage2, before_root, nodes: list[int]) -> None:
+    """Fill the tokens of `nodes` (inner, breadth-first) that are not known yet with the n-gram's guess
+    of the draft's rank-r child, level by level (a guess depends on the guessed parent)."""
+    by_level: dict[int, list[int]] = {}
+    for node in nodes:
+        by_level.setdefault(plan.tree.depths[node], []).append(node)
+    count = plan.tree.max_children
+    for depth in sorted(by_level):
+        level = by_level[depth]
+        parents = plan.parent_of[level].tolist()
+        top = stage2.top_tokens(_context(plan, state, before_root, parents), count).view(-1, len(level), count)
+        ranks = plan.rank_of[level]
+        guess = top[:, torch.arange(len(level)), ranks]
+        state.tokens[:, level] = torch.where(state.known[:, level], state.tokens[:, level], guess)
+
+
+def ngram_tree(plan: TreePlan, ngram, tokens: torch.Tensor, committed: torch.Tensor, sampling: Sampling,
+               rng, on_pass=None) -> DraftedTree:
+    """Draft a tree with an n-gram model alone: one batched query per level of inner nodes."""
+    b = tokens.shape[0]
+    rows = torch.arange(b, device=tokens.device)
+    state = _TreeState(plan, tokens[rows, committed - 1], sampling, ngram.vocab_size)
+    before_root = torch.where(committed >= 2, tokens[rows, (committed - 2).clamp(min=0)], -1)
+    everyone = lambda n: torch.ones(b, n, dtype=torch.bool, device=tokens.device)  # noqa: E731
+    levels = [[0]] + [[n for n in plan.by_depth[d] if plan.tree.children[n]] for d in range(len(plan.by_depth))]
+    rounds = 0
+    for nodes in levels:
+        if not nodes:
+            break
+        started = on_pass.now() if on_pass else 0.0
+        context = _context(plan, state, before_root, nodes)
+        if sampling.greedy:
+            top = ngram.top_tokens(context, plan.tree.max_children).view(b, len(nodes), -1)
+            scores = torch.full((b, len(nodes), ngram.vocab_size), float("-inf"), device=tokens.device)
+            scores.scatter_(2, top, torch.arange(top.shape[-1], 0, -1, device=tokens.device, dtype=scores.dtype)
+                            .expand_as(top))  # rank order as scores: expand() takes the top ones
+            state.expand(nodes, scores, everyone(len(nodes)), rng)
+        else:
+            q = ngram.distributions(context).view(b, len(nodes), -1)
+            state.expand(nodes, q, everyone(len(nodes)), rng, is_probs=True)
+        if on_pass:
+            on_pass(b, len(nodes), on_pass.now() - started)
+        rounds += 1
+    return DraftedTree(state.tokens, state.unusable, state.probs, rounds)
+
+
+def verify_and_accept(plan: TreePlan, drafted: DraftedTree, target_logits: torch.Tensor, sampling: Sampling, rng):
+    """Accepted path (b, depth) of node ids, how many nodes each row accepted (b,), and the target's
+    token after them (b,). `target_logits` (b, N+1, vocab) come from one pass over the tree."""
+    b = target_logits.shape[0]
+    device = target_logits.device
+    rows = torch.arange(b, device=device)
+    depth = plan.tree.depth
+    path = torch.zeros(b, depth, dtype=torch.long, device=device)
+    accepted = torch.zeros(b, dtype=torch.long, device=device)
+    current = torch.zeros(b, dtype=torch.long, device=device)
+    alive = torch.ones(b, dtype=torch.bool, device=device)
+    if sampling.greedy:
+        choice = target_logits.argmax(-1)  # (b, N+1)
+        for level in range(depth):
+            kids = plan.children[current]  # (b, c)
+            match = (drafted.tokens.gather(1, kids.clamp(min=0)) == choice.gather(1, current[:, None])) & (kids >= 0)
+            moved = alive & match.any(1)
+            nxt = kids.gather(1, match.long().argmax(1, keepdim=True)).squeeze(1)
+            path[:, level] = torch.where(moved, nxt, 0)
+            accepted += moved.long()
+            current = torch.where(moved, nxt, current)
+            alive = moved
+            if not bool(alive.any()):
+                break
+        return path, accepted, choice.gather(1, current[:, None]).squeeze(1)
+    p_all = probabilities(target_logits, sampling)
+    bonus = torch.zeros(b, dtype=torch.long, device=device)
+    for level in range(depth + 1):
+        p = p_all[rows, current]
+        kids = plan.children[current] if level < depth else torch.full((b, 1), -1, dtype=torch.long, device=device)
+        q = drafted.draft_probs[rows, plan.inner_index[current].clamp(min=0)]
+        moved = torch.zeros(b, dtype=torch.bool, device=device)
+        nxt = current.clone()
+        for j in range(kids.shape[1]):
+            child = kids[:, j].clamp(min=0)
+            can = alive & ~moved & (kids[:, j] >= 0) & ~drafted.unusable.gather(1, child[:, None]).squeeze(1)
+            if not bool(can.any()):
+                break
+            x = drafted.tokens.gather(1, child[:, None])
+            px, qx = p.gather(1, x).squeeze(1), q.gather(1, x).squeeze(1)
+            ok = can & (torch.rand(b, generator=rng, device=device) * qx < px)
+            nxt = torch.where(ok, child, nxt)
+            moved |= ok
+            rejected = (can & ~ok)[:, None]
+            residual = (p - q).clamp(min=0.0)
+            mass = residual.sum(-1, keepdim=True)
+            p = torch.where(rejected, torch.where(mass > 0, residual / mass.clamp_min(1e-30), p), p)
+            q_left = q.scatter(1, x, 0.0)
+            q = torch.where(rejected, q_left / q_left.sum(-1, keepdim=True).clamp_min(1e-30), q)
+        stop = alive & ~moved
+        if bool(stop.any()):
+            bonus = torch.where(stop, torch.multinomial(p, 1, generator=rng).squeeze(1), bonus)
+        if level < depth:
+            path[:, level] = torch.where(moved, nxt, 0)
+        accepted += moved.long()
+        current = nxt
+        alive = moved
+        if not bool(alive.any()):
+            break
+    return path, accepted, bonus
+
+
+def compact(cache: KVCache, base: torch.Tensor, source_slots: torch.Tensor, keep: torch.Tensor) -> None:
+    """Move the kept entries of each row to contiguous slots: slot base + i takes base + source_slots[:, i]
+    where keep[:, i] (a prefix of each row). Sources never lie before their destinations."""
+    if source_slots.shape[1] == 0:
+        return
+    rows = torch.arange(cache.batch_size, device=base.device)[:, None]
+    steps = torch.arange(source_slots.shape[1], device=base.device)
+    destination = base[:, None] + steps
+    source = torch.where(keep, base[:, None] + source_slots, destination)
+    cache.keys[:, rows, :, destination] = cache.keys[:, rows, :, source]
+    cache.values[:, rows, :, destination] = cache.values[:, rows, :, source]
