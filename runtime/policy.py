@@ -1,7 +1,8 @@
 """Policies: how many tokens the draft proposes, asked again at every step.
 
-A policy is called with the current batch size and mean context length and returns `k >= 0`.
-`max_k` tells the generator how much KV-cache margin to allocate.
+A policy is called with the current batch size and the longest row's context and returns `k >= 0` or
+a `perfmodel.tree.Strategy` (a chain or a tree, with or without the n-gram second stage).
+`max_k` tells the generator how much KV-cache margin to allocate: the most draft tokens a step verifies.
 """
 from __future__ import annotations
 
@@ -43,3 +44,17 @@ class TableK:
 
     def describe(self) -> str:
         return f"table {self.path.name}"
+
+
+class FixedStrategy:
+    """The same strategy (a chain, a tree, with or without the second stage) at every step."""
+
+    def __init__(self, strategy):
+        self.strategy = strategy
+        self.max_k = strategy.tree.num_nodes if strategy.tree is not None else 0
+
+    def __call__(self, batch_size: int, context_len: int):
+        return self.strategy
+
+    def describe(self) -> str:
+        return self.strategy.describe()
