@@ -181,9 +181,9 @@ def tree_buffers(tree: Tree) -> TreeBuffers:
            [1, 1, 0, 1]])
     >>> b.position_offsets
     array([0, 1, 1, 2])
-    >>> b.retrieve_indices
-    array([[ 0,  1,  3],
-           [ 0,  2, -1]])
+    >>> b.retrieve_indices  # one row per leaf, leaves in node order
+    array([[ 0,  2, -1],
+           [ 0,  1,  3]])
     """
     size = tree.num_nodes + 1
     mask = np.zeros((size, size), dtype=bool)
@@ -255,3 +255,92 @@ def grow_tree(rank_acceptance: Sequence[Sequence[float]], num_nodes: int, max_de
             sibling = path[:-1] + (path[-1] + 1,)
             frontier[sibling] = reach[path[:-1]] * accept(len(path), path[-1] + 1)
     return make_tree(chosen, "grown tree")
+
+
+# ---------------------------------------------------------------- strategies
+STRATEGY_KINDS = ("none", "chain", "tree")
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """What one speculative step does: nothing (plain decoding), a chain of k draft tokens, or a tree;
+    with or without the n-gram second stage that speeds up the draft's own drafting (lossless for the
+    draft: the tokens it proposes are the same, only the number and width of its passes change).
+
+    >>> Strategy(parse_tree("0,1,0.0"), stage2=True).describe()
+    'tree 0,1,0.0 (3 nodes) +ngram'
+    >>> Strategy.from_k(4).describe(), Strategy.from_k(0).kind
+    ('chain k=4', 'none')
+    """
+
+    tree: Tree | None = None  # None: no speculation (k = 0)
+    stage2: bool = False  # draft accelerated by the n-gram second stage
+
+    def __post_init__(self):
+        if self.tree is not None and self.tree.num_nodes == 0:
+            object.__setattr__(self, "tree", None)  # chain(0) is no speculation
+        if self.tree is None and self.stage2:
+            raise PerfModelError("strategy: the n-gram second stage needs draft tokens (a chain or a tree)")
+
+    @classmethod
+    def from_k(cls, k: int, stage2: bool = False) -> "Strategy":
+        """A chain of k draft tokens; k = 0 is no speculation."""
+        if k < 0:
+            raise PerfModelError(f"strategy: k must be >= 0, found {k}")
+        return cls(chain(k) if k else None, stage2)
+
+    @property
+    def kind(self) -> str:
+        if self.tree is None:
+            return "none"
+        return "chain" if self.tree.is_chain else "tree"
+
+    @property
+    def k(self) -> int:
+        """Draft tokens on the longest path (the tree's depth; 0 for none): what a chain-only reader uses."""
+        return 0 if self.tree is None else self.tree.depth
+
+    def describe(self, max_spec_chars: int | None = None) -> str:
+        """'none', 'chain k=4', 'tree 0,1,0.0 (3 nodes)'; ' +ngram' when the second stage is on. The tree's
+        full spec (parse_tree reads it back) unless `max_spec_chars` cuts it, with '...'."""
+        if self.kind == "none":
+            return "none"
+        if self.kind == "chain":
+            text = f"chain k={self.k}"
+        else:
+            spec = self.tree.spec()
+            if max_spec_chars is not None and len(spec) > max_spec_chars:
+                spec = spec[:max_spec_chars].rsplit(",", 1)[0] + ",..."
+            text = f"tree {spec} ({self.tree.num_nodes} nodes)"
+        return text + (" +ngram" if self.stage2 else "")
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "k": self.k, "tree": None if self.tree is None else self.tree.to_json(),
+                "stage2": self.stage2}
+
+    @classmethod
+    def from_json(cls, obj, where: str = "strategy") -> "Strategy":
+        """Read `to_json`'s object; kind and k must agree with the tree. Errors name `where`."""
+        if not isinstance(obj, dict):
+            raise PerfModelError(f"{where}: expected an object with kind, k, tree, stage2, found {obj!r}")
+        for key in ("kind", "k", "tree", "stage2"):
+            if key not in obj:
+                raise PerfModelError(f"{where}.{key}: missing")
+        kind, k, paths, stage2 = obj["kind"], obj["k"], obj["tree"], obj["stage2"]
+        if kind not in STRATEGY_KINDS:
+            raise PerfModelError(f"{where}.kind: {kind!r} is not one of {', '.join(STRATEGY_KINDS)}")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise PerfModelError(f"{where}.k: expected an integer >= 0, found {k!r}")
+        if not isinstance(stage2, bool):
+            raise PerfModelError(f"{where}.stage2: expected true or false, found {stage2!r}")
+        if paths is not None and not isinstance(paths, list):
+            raise PerfModelError(f"{where}.tree: expected a list of rank lists or null, found {paths!r}")
+        tree = None if paths is None else make_tree(paths, f"{where}.tree")
+        if tree is None and stage2:
+            raise PerfModelError(f"{where}.stage2: true needs a tree (no speculation has no drafting to speed up)")
+        strategy = cls(tree, stage2)
+        if strategy.kind != kind:
+            raise PerfModelError(f"{where}.kind: {kind!r} does not match its tree, which is a {strategy.kind}")
+        if strategy.k != k:
+            raise PerfModelError(f"{where}.k: {k} does not match its tree's depth {strategy.k}")
+        return strategy
