@@ -122,6 +122,9 @@ class AcceptanceModel:
     # formula, which assumes a step may start anywhere (it over-counts: steps start right after a
     # disagreement, where the next token is harder)
     tokens_per_step: tuple[float, ...] | None = None
+    # per depth d and rank r, P(the target's token at depth d is the draft's rank-r child | path to d-1
+    # accepted): what a tree's expected tokens need (perfmodel.tree.expected_tree_tokens); None: chains only
+    rank_acceptance: tuple[tuple[float, ...], ...] | None = None
 
     def alphas(self, k: int) -> tuple[float, ...]:
         return extend_alphas(self.per_position, k)
@@ -142,6 +145,8 @@ class AcceptanceModel:
             "constant_alpha_rmse": rounded(self.constant.rmse),
             "constant_alpha_r_squared": rounded(self.constant.r_squared),
             "tokens_per_step": None if self.tokens_per_step is None else [rounded(t) for t in self.tokens_per_step],
+            "rank_acceptance": None if self.rank_acceptance is None
+            else [[rounded(p) for p in row] for row in self.rank_acceptance],
         }
 
     @classmethod
@@ -153,18 +158,24 @@ class AcceptanceModel:
                         constant=ConstantAlphaFit(float(obj["constant_alpha"]), float(obj["constant_alpha_rmse"]),
                                                   obj["constant_alpha_r_squared"]),
                         tokens_per_step=None if obj.get("tokens_per_step") is None
-                        else tuple(float(t) for t in obj["tokens_per_step"]))
+                        else tuple(float(t) for t in obj["tokens_per_step"]),
+                        rank_acceptance=None if obj.get("rank_acceptance") is None
+                        else tuple(tuple(float(p) for p in row) for row in obj["rank_acceptance"]))
         except (KeyError, TypeError, ValueError) as error:
             raise PerfModelError(f"{where}: acceptance: malformed ({error!r})") from None
         if not per_position or not all(0.0 <= alpha <= 1.0 for alpha in per_position):
             raise PerfModelError(f"{where}: acceptance.per_position: expected probabilities in [0, 1]")
+        rank = model.rank_acceptance
+        if rank is not None and (not rank or not rank[0] or any(len(row) != len(rank[0]) for row in rank)
+                                 or not all(0.0 <= p <= 1.0 for row in rank for p in row)):
+            raise PerfModelError(f"{where}: acceptance.rank_acceptance: expected equal-length rows of probabilities")
         return model
 
 
 def acceptance_from_profile(entry: AcceptanceEntry) -> AcceptanceModel:
     return AcceptanceModel(source="profile", mode=entry.mode, temperature=entry.temperature,
                            per_position=entry.per_position, constant=fit_constant_alpha(entry.per_position),
-                           tokens_per_step=entry.tokens_per_step)
+                           tokens_per_step=entry.tokens_per_step, rank_acceptance=entry.rank_acceptance)
 
 
 def acceptance_from_user(values: Sequence[float], option: str = "--acceptance") -> AcceptanceModel:

@@ -5,6 +5,12 @@ timings over a grid of (batch size b, new tokens n, context length L), per-step 
 measured acceptance per draft position. `T(b, n, L)` is the time of ONE forward pass over b
 sequences each feeding n new tokens on top of L cached tokens.
 
+Optional parts for tree-structured drafts and the n-gram second stage (staged speculative decoding);
+profiles without them still load and mean "chains only":
+- `acceptance[i].rank_acceptance`: per depth and rank, P(the target's token is the draft's rank-r child);
+- `overheads[i].tree_nodes` / `.stage2`: overhead rows of tree steps (chain rows: null / false);
+- `stage2`: the n-gram model file, how often its guesses match the draft, and what a query costs.
+
 Reading is strict: a missing or mistyped field is a PerfModelError that names the file and the
 field (`profile.json: timings[3].median_ms: expected a number, found 'fast'`).
 """
@@ -79,7 +85,11 @@ class TimingRow:
 
 @dataclass(frozen=True)
 class OverheadRow:
-    """Time a speculative step spends outside forward passes (sampling, acceptance, bookkeeping)."""
+    """Time a speculative step spends outside forward passes (sampling, acceptance, bookkeeping).
+
+    Chain rows are keyed by (batch_size, k). Tree steps (and steps with the second stage) have more
+    bookkeeping: their rows also give `tree_nodes` (draft tokens in the tree; k is its depth) and/or
+    `stage2` (the n-gram's own query time is NOT in the row: it is modelled from `Stage2Info`)."""
 
     batch_size: int
     k: int
@@ -87,6 +97,8 @@ class OverheadRow:
     p10_ms: float
     p90_ms: float
     reps: int
+    tree_nodes: int | None = None  # None: a chain step of k draft tokens
+    stage2: bool = False  # measured with the n-gram second stage on
 
 
 @dataclass(frozen=True)
@@ -103,6 +115,32 @@ class AcceptanceEntry:
     # E(k) for k = 0..len(per_position) as the runtime meets it (each step starts where the last one
     # ended, right after a disagreement); None for user values. Optional: older profiles lack it.
     tokens_per_step: tuple[float, ...] | None = None
+    # Depth-major D x R table: P(the target's token at depth d is the draft's rank-r child | the path to
+    # depth d-1 was accepted), measured step-aligned (steps start right after a rejection). A row's
+    # ranks are exclusive events, so it sums to <= 1. Optional: only profiles measured for trees have it.
+    rank_acceptance: tuple[tuple[float, ...], ...] | None = None
+
+
+@dataclass(frozen=True)
+class Stage2Info:
+    """The n-gram second stage that guesses the draft's tokens so the draft drafts in fewer passes."""
+
+    file: str  # the n-gram model the measurements belong to
+    sha256: str  # of that file: tables that use stage 2 name this exact model
+    guess_accuracy: tuple[float, ...]  # per rank r: P(the n-gram's rank-r next token == the draft's rank-r token)
+    query_overhead_ms: float  # one batched query over n contexts costs
+    query_ms_per_context: float  # query_overhead_ms + n * query_ms_per_context
+
+    def accuracy(self, rank: int) -> float:
+        """Ranks beyond the measured ones are taken as never guessed right (the pessimistic edge)."""
+        return self.guess_accuracy[rank] if rank < len(self.guess_accuracy) else 0.0
+
+    def query_ms(self, contexts: int) -> float:
+        return self.query_overhead_ms + contexts * self.query_ms_per_context if contexts > 0 else 0.0
+
+    def to_json(self) -> dict:
+        return {"file": self.file, "sha256": self.sha256, "guess_accuracy": list(self.guess_accuracy),
+                "query_overhead_ms": self.query_overhead_ms, "query_ms_per_context": self.query_ms_per_context}
 
 
 @dataclass(frozen=True)
@@ -115,6 +153,7 @@ class Profile:
     timings: tuple[TimingRow, ...]
     overheads: tuple[OverheadRow, ...]
     acceptance: tuple[AcceptanceEntry, ...]
+    stage2: Stage2Info | None = None  # optional: profiles measured without an n-gram model lack it
 
     def model(self, role: str) -> ModelInfo:
         if role not in ROLES:
@@ -134,6 +173,7 @@ class Profile:
             "timings": [asdict(row) for row in self.timings],
             "overheads": [asdict(row) for row in self.overheads],
             "acceptance": [_acceptance_json(entry) for entry in self.acceptance],
+            "stage2": None if self.stage2 is None else self.stage2.to_json(),
         }
 
 
@@ -142,6 +182,7 @@ def _acceptance_json(entry: AcceptanceEntry) -> dict:
     obj["per_position"] = list(entry.per_position)
     obj["trials"] = None if entry.trials is None else list(entry.trials)
     obj["tokens_per_step"] = None if entry.tokens_per_step is None else list(entry.tokens_per_step)
+    obj["rank_acceptance"] = None if entry.rank_acceptance is None else [list(row) for row in entry.rank_acceptance]
     return obj
 
 
@@ -284,13 +325,67 @@ def _timing(obj: dict, where: str) -> TimingRow:
 
 
 def _overhead(obj: dict, where: str) -> OverheadRow:
-    return OverheadRow(
+    row = OverheadRow(
         batch_size=_int(obj, "batch_size", where, minimum=1),
         k=_int(obj, "k", where, minimum=0),
         median_ms=_number(obj, "median_ms", where, minimum=0.0),
         p10_ms=_number(obj, "p10_ms", where, minimum=0.0),
         p90_ms=_number(obj, "p90_ms", where, minimum=0.0),
         reps=_int(obj, "reps", where, minimum=1),
+        tree_nodes=_int(obj, "tree_nodes", where, minimum=1, nullable=True) if "tree_nodes" in obj else None,
+        stage2=_bool(obj, "stage2", where) if "stage2" in obj else False,
+    )
+    if row.tree_nodes is not None and row.k > row.tree_nodes:
+        raise PerfModelError(f"{_at(where, 'k')}: a tree of {row.tree_nodes} nodes cannot be {row.k} deep")
+    return row
+
+
+def _probability(value: Any) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and 0.0 <= value <= 1.0
+
+
+def _rank_acceptance(obj: dict, where: str) -> tuple[tuple[float, ...], ...] | None:
+    """Optional depth-major table; every row has the same number (>= 1) of ranks and sums to <= 1."""
+    table = obj.get("rank_acceptance")
+    if table is None:
+        return None
+    at = _at(where, "rank_acceptance")
+    if not isinstance(table, list) or not table:
+        raise PerfModelError(f"{at}: expected a non-empty list of rows (one per depth), found {table!r}")
+    rows = []
+    for depth, row in enumerate(table):
+        if not isinstance(row, list) or not row:
+            raise PerfModelError(f"{at}[{depth}]: expected a non-empty list of probabilities (one per rank)")
+        if len(row) != len(table[0]):
+            raise PerfModelError(f"{at}[{depth}]: has {len(row)} ranks but row 0 has {len(table[0])}")
+        for rank, value in enumerate(row):
+            if not _probability(value):
+                raise PerfModelError(f"{at}[{depth}][{rank}]: expected a probability in [0, 1], found {value!r}")
+        if sum(row) > 1.0 + 1e-6:
+            raise PerfModelError(f"{at}[{depth}]: ranks sum to {sum(row):.6g} > 1 "
+                                 "(the target's token is at most one of the draft's children)")
+        rows.append(tuple(float(value) for value in row))
+    return tuple(rows)
+
+
+def stage2_from_json(obj: dict, where: str) -> Stage2Info:
+    """Read a `stage2` object; errors name the field (`profile.json: stage2.sha256: ...`)."""
+    sha256 = _str(obj, "sha256", where)
+    if len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256.lower()):
+        raise PerfModelError(f"{_at(where, 'sha256')}: expected 64 hexadecimal digits, found {sha256!r}")
+    accuracy = _list(obj, "guess_accuracy", where)
+    if not accuracy:
+        raise PerfModelError(f"{_at(where, 'guess_accuracy')}: needs at least one value (rank 0)")
+    for rank, value in enumerate(accuracy):
+        if not _probability(value):
+            raise PerfModelError(f"{_at(where, 'guess_accuracy')}[{rank}]: expected a probability in [0, 1], "
+                                 f"found {value!r}")
+    return Stage2Info(
+        file=_str(obj, "file", where),
+        sha256=sha256.lower(),
+        guess_accuracy=tuple(float(value) for value in accuracy),
+        query_overhead_ms=_number(obj, "query_overhead_ms", where, minimum=0.0),
+        query_ms_per_context=_number(obj, "query_ms_per_context", where, minimum=0.0),
     )
 
 
@@ -315,6 +410,7 @@ def _acceptance(obj: dict, where: str) -> AcceptanceEntry:
         tokens_per_step = tuple(float(value) for value in tokens_per_step)
     return AcceptanceEntry(
         tokens_per_step=tokens_per_step,
+        rank_acceptance=_rank_acceptance(obj, where),
         mode=_str(obj, "mode", where, ACCEPTANCE_MODES),
         temperature=_number(obj, "temperature", where, minimum=0.0, nullable=True),
         top_k=_int(obj, "top_k", where, minimum=1, nullable=True),
@@ -344,6 +440,7 @@ def profile_from_json(obj: dict, source: str = "profile") -> Profile:
         timings=_rows(obj, "timings", top, _timing),
         overheads=_rows(obj, "overheads", top, _overhead),
         acceptance=_rows(obj, "acceptance", top, _acceptance),
+        stage2=None if obj.get("stage2") is None else stage2_from_json(obj["stage2"], f"{top} stage2"),
     )
     validate(profile, source)
     return profile
@@ -358,9 +455,9 @@ def validate(profile: Profile, where: str = "profile") -> None:
             raise PerfModelError(f"{where}: timings[{index}]: duplicate row for {row.model} "
                                  f"b={row.batch_size} n={row.new_tokens} L={row.context_len}")
         seen.add(key)
-    overhead_keys = [(row.batch_size, row.k) for row in profile.overheads]
+    overhead_keys = [(row.batch_size, row.k, row.tree_nodes, row.stage2) for row in profile.overheads]
     if len(set(overhead_keys)) != len(overhead_keys):
-        raise PerfModelError(f"{where}: overheads: duplicate (batch_size, k) rows")
+        raise PerfModelError(f"{where}: overheads: duplicate (batch_size, k, tree_nodes, stage2) rows")
     for role in ROLES:
         info = profile.model(role)
         if info.kv_heads > info.heads:

@@ -45,6 +45,71 @@ def test_measured_tokens_per_step_round_trip_and_drive_the_model(tmp_path):
     assert [model.expected_tokens(k) for k in range(3)] == [1.0, 1.6, 2.0]
 
 
+SHA = "0123456789abcdef" * 4
+
+
+def with_tree_fields(obj: dict) -> dict:
+    """VALID plus every optional field of trees and the second stage."""
+    obj = copy.deepcopy(obj)
+    obj["acceptance"][0]["rank_acceptance"] = [[0.6, 0.2, 0.1], [0.5, 0.2, 0.0]]
+    obj["stage2"] = {"file": "ngram.bin", "sha256": SHA, "guess_accuracy": [0.7, 0.4],
+                     "query_overhead_ms": 0.05, "query_ms_per_context": 0.001}
+    obj["overheads"].append({"batch_size": 1, "k": 2, "median_ms": 0.3, "p10_ms": 0.2, "p90_ms": 0.4, "reps": 5,
+                             "tree_nodes": 6, "stage2": False})
+    obj["overheads"].append({"batch_size": 1, "k": 2, "median_ms": 0.35, "p10_ms": 0.2, "p90_ms": 0.4, "reps": 5,
+                             "tree_nodes": 6, "stage2": True})
+    return obj
+
+
+def test_tree_and_second_stage_fields_round_trip(tmp_path):
+    profile = load_profile(write(tmp_path, with_tree_fields(VALID)))
+    assert profile.acceptance[0].rank_acceptance == ((0.6, 0.2, 0.1), (0.5, 0.2, 0.0))
+    assert profile.stage2.guess_accuracy == (0.7, 0.4) and profile.stage2.sha256 == SHA
+    assert profile.stage2.query_ms(10) == pytest.approx(0.06) and profile.stage2.query_ms(0) == 0.0
+    assert profile.stage2.accuracy(1) == 0.4 and profile.stage2.accuracy(5) == 0.0  # unmeasured ranks: never right
+    tree_rows = [(row.tree_nodes, row.stage2) for row in profile.overheads if row.tree_nodes is not None]
+    assert tree_rows == [(6, False), (6, True)]
+    save_profile(tmp_path / "again.json", profile)
+    assert load_profile(tmp_path / "again.json") == profile
+
+
+def test_profiles_without_the_new_fields_mean_chains_only(tmp_path):
+    profile = load_profile(write(tmp_path, VALID))
+    assert profile.stage2 is None and profile.acceptance[0].rank_acceptance is None
+    assert all(row.tree_nodes is None and not row.stage2 for row in profile.overheads)
+    obj = copy.deepcopy(VALID)  # explicit nulls read the same as missing keys
+    obj["stage2"] = None
+    obj["acceptance"][0]["rank_acceptance"] = None
+    for row in obj["overheads"]:
+        row.update(tree_nodes=None, stage2=False)
+    assert load_profile(write(tmp_path, obj)) == profile
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda o: o["acceptance"][0].update(rank_acceptance=[]), r"acceptance\[0\].rank_acceptance: expected a non-empty list of rows"),
+    (lambda o: o["acceptance"][0].update(rank_acceptance=[[0.5], []]), r"rank_acceptance\[1\]: expected a non-empty list of probabilities"),
+    (lambda o: o["acceptance"][0].update(rank_acceptance=[[0.5, 0.1], [0.5]]), r"rank_acceptance\[1\]: has 1 ranks but row 0 has 2"),
+    (lambda o: o["acceptance"][0].update(rank_acceptance=[[0.5, 1.2]]), r"rank_acceptance\[0\]\[1\]: expected a probability in \[0, 1\]"),
+    (lambda o: o["acceptance"][0].update(rank_acceptance=[[0.5, 0.2], [0.7, 0.4]]), r"rank_acceptance\[1\]: ranks sum to 1.1 > 1"),
+    (lambda o: o["stage2"].pop("file"), r"stage2.file: missing"),
+    (lambda o: o["stage2"].update(sha256="abc"), r"stage2.sha256: expected 64 hexadecimal digits"),
+    (lambda o: o["stage2"].update(guess_accuracy=[]), r"stage2.guess_accuracy: needs at least one value"),
+    (lambda o: o["stage2"].update(guess_accuracy=[0.5, -0.1]), r"stage2.guess_accuracy\[1\]: expected a probability"),
+    (lambda o: o["stage2"].update(query_ms_per_context=-1), r"stage2.query_ms_per_context: must be >= 0.0"),
+    (lambda o: o["overheads"][-1].update(tree_nodes=0), r"overheads\[\d+\].tree_nodes: must be >= 1"),
+    (lambda o: o["overheads"][-1].update(tree_nodes=1), r"overheads\[\d+\].k: a tree of 1 nodes cannot be 2 deep"),
+    (lambda o: o["overheads"][-1].update(stage2=1), r"overheads\[\d+\].stage2: expected true or false"),
+    (lambda o: o["overheads"].append(dict(o["overheads"][-1])), r"duplicate \(batch_size, k, tree_nodes, stage2\) rows"),
+])
+def test_bad_tree_fields_name_the_file_and_field(tmp_path, edit, message):
+    obj = with_tree_fields(VALID)
+    edit(obj)
+    path = write(tmp_path, obj)
+    with pytest.raises(PerfModelError, match=message) as error:
+        load_profile(path)
+    assert str(error.value).startswith(path) and "\n" not in str(error.value)
+
+
 def broken(edit) -> dict:
     obj = copy.deepcopy(VALID)
     edit(obj)
