@@ -111,6 +111,7 @@ class NGramModel:
         self.tokenizer_sha256 = tokenizer_sha256
         self.note = dict(note or {})  # free-text metadata: corpus, discounts, cutoff
         self._devices: dict[torch.device, dict[str, torch.Tensor]] = {}
+        self._host = None  # top tokens as Python tuples, built on first use by top_tokens_host
 
     # ------------------------------------------------------------------------------------ fitting
     @classmethod
@@ -302,6 +303,19 @@ class NGramModel:
         at, found = self._find_trigram_context(t, u, v)
         fallback = torch.where(v >= 0, len(t["trigram_context"]) + v, len(t["trigram_context"]) + self.vocab_size)
         return t["top"][torch.where(found, at, fallback), :count]
+
+    def top_tokens_host(self, u: int, v: int) -> tuple[int, ...]:
+        """The most probable next tokens after (u, v) as Python ints (u = -1: bigram level), for
+        guessing inside a decoding step without a device round trip per tree level."""
+        if self._host is None:
+            V, top = self.vocab_size, self._on(torch.device("cpu"))["top"].tolist()
+            keys = self.arrays["trigram_context"].tolist()
+            self._host = ({key: tuple(row) for key, row in zip(keys, top)},
+                          [tuple(row) for row in top[len(keys):len(keys) + V]], tuple(top[-1]))
+        trigram, bigram, unigram = self._host
+        if v < 0:
+            return unigram
+        return trigram.get(u * self.vocab_size + v, bigram[v]) if u >= 0 else bigram[v]
 
     def probability(self, u: int, v: int, w: int) -> float:
         """p(w | u, v) in float64 from scalar look-ups: an implementation independent of `distributions`."""

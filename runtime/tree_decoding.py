@@ -55,6 +55,8 @@ class TreePlan:
     by_depth: tuple[tuple[int, ...], ...]  # all nodes of depth 1, 2, ...
     parent_of: torch.Tensor  # (N+1,) parent node (root: 0)
     rank_of: torch.Tensor  # (N+1,)
+    ancestor_at_depth: torch.Tensor  # (N+1, depth): a node's ancestor at depth 1..depth (itself at its own), 0 past it
+    parent_list: tuple[int, ...]  # the same parents as Python ints, for host-side guessing
 
 
 @lru_cache(maxsize=64)
@@ -75,6 +77,12 @@ def plan_for(tree: Tree, device: torch.device) -> TreePlan:
     level_ends = tuple(sum(1 for node in inner if tree.depths[node] <= d) for d in range(1, tree.depth + 1))
     by_depth = tuple(tuple(n for n in range(1, size) if tree.depths[n] == d) for d in range(1, tree.depth + 1))
     parents = torch.tensor([max(p, 0) for p in tree.parents], dtype=torch.long)
+    ancestors = torch.zeros(size, max(tree.depth, 1), dtype=torch.long)
+    for node in range(1, size):
+        walk = node
+        while walk > 0:
+            ancestors[node, tree.depths[walk] - 1] = walk
+            walk = tree.parents[walk]
     to = dict(device=device)
     return TreePlan(
         tree=tree, target_mask=full_mask.to(**to), depths=depths.to(**to), children=children.to(**to),
@@ -82,6 +90,7 @@ def plan_for(tree: Tree, device: torch.device) -> TreePlan:
         inner_mask=full_mask[inner_t][:, inner_t].to(**to) if inner else torch.zeros(0, 0, dtype=torch.bool, **to),
         inner_offsets=(depths[inner_t] - 1).to(**to) if inner else torch.zeros(0, dtype=torch.long, **to),
         level_ends=level_ends, by_depth=by_depth, parent_of=parents.to(**to), rank_of=torch.tensor([0] + [p[-1] for p in tree.paths]).to(**to),
+        ancestor_at_depth=ancestors.to(**to), parent_list=tuple(max(p, 0) for p in tree.parents),
     )
 
 
@@ -121,23 +130,26 @@ class _TreeState:
         self.unusable = torch.zeros(b, size, dtype=torch.bool, device=device)
         self.probs = None if sampling.greedy else torch.zeros(b, len(plan.inner) + 1, vocab, device=device)
 
-    def expand(self, nodes: list[int], scores: torch.Tensor, newly: torch.Tensor, rng, is_probs: bool = False):
-        """Nodes whose draft distribution just became known in rows `newly` (b, len(nodes)): store q
-        and fix their children's tokens there. `scores` (b, len(nodes), vocab) are logits, or
-        probabilities when `is_probs` (an n-gram draft)."""
-        plan = self.plan
-        slots = plan.inner_index[nodes]
+    def picks(self, nodes: list[int], scores: torch.Tensor, rng, is_probs: bool = False):
+        """Candidate children of `nodes` from their scores (b, len(nodes), vocab): logits, or
+        probabilities when `is_probs` (an n-gram draft). Returns (q or None, tokens, unusable)."""
         if self.sampling.greedy:
-            picks, unusable = pick_children(scores, plan.tree.max_children, self.sampling, rng)
-        else:
-            q = scores if is_probs else probabilities(scores, self.sampling)
+            return None, *pick_children(scores, self.plan.tree.max_children, self.sampling, rng)
+        q = scores if is_probs else probabilities(scores, self.sampling)
+        return (q, *pick_children(q, self.plan.tree.max_children, self.sampling, rng))
+
+    def expand(self, nodes: list[int], picked, newly: torch.Tensor):
+        """Nodes whose draft distribution just became known in rows `newly` (b, len(nodes)): store q and
+        fix their children's tokens there, from `picked` (the output of `picks`)."""
+        q, picks, unusable = picked
+        plan = self.plan
+        if q is not None:
+            slots = plan.inner_index[nodes]
             self.probs[:, slots] = torch.where(newly[..., None], q, self.probs[:, slots])
-            picks, unusable = pick_children(q, plan.tree.max_children, self.sampling, rng)
         kids = plan.children[nodes]  # (n, c)
-        has = kids >= 0
-        child_ids = kids[has]  # (m,)
-        owner = has.nonzero()[:, 0]  # which of `nodes` each child hangs from
-        rank = has.nonzero()[:, 1]
+        has = (kids >= 0).nonzero()
+        owner, rank = has[:, 0], has[:, 1]  # which of `nodes` each child hangs from, and its rank
+        child_ids = kids[owner, rank]
         update = newly[:, owner]  # (b, m)
         self.tokens[:, child_ids] = torch.where(update, picks[:, owner, rank], self.tokens[:, child_ids])
         self.known[:, child_ids] |= update
@@ -214,42 +226,48 @@ def _timed(model, inputs, cache, attention, on_pass):
 def _absorb_root(plan: TreePlan, state: _TreeState, root_logits: torch.Tensor, rng) -> None:
     b = root_logits.shape[0]
     state.valid[:, 0] = True
-    state.expand([0], root_logits[:, None], torch.ones(b, 1, dtype=torch.bool, device=root_logits.device), rng)
+    picked = state.picks([0], root_logits[:, None], rng)
+    state.expand([0], picked, torch.ones(b, 1, dtype=torch.bool, device=root_logits.device))
 
 
 def _absorb(plan: TreePlan, state: _TreeState, logits: torch.Tensor, fed: torch.Tensor, start: int, rng) -> None:
-    """After a pass over inner slots start..start+n-1: mark nodes whose fed token and ancestors were the
-    draft's own as valid, level by level, and fix their children."""
-    inner = plan.inner
+    """After a pass over inner slots start..start+n-1: a fed node is valid when its token and every fed
+    ancestor's token were the draft's own (the ancestors before `start` are valid in every row); newly
+    valid nodes fix their children. All levels at once: the draft's candidate children of every fed node
+    are drawn first, then the validity of each node is an AND over its ancestors (one mask product)."""
     end = start + fed.shape[1]
-    slot = start
-    while slot < end:
-        level_end = min(next(e for e in plan.level_ends if e > slot), end)
-        nodes = list(inner[slot:level_end])
-        parent_slots = plan.inner_index[plan.parent_of[nodes]]
-        good = state.valid[:, parent_slots] & state.known[:, nodes] & (fed[:, slot - start:level_end - start] == state.tokens[:, nodes])
-        own = plan.inner_index[nodes]
-        newly = good & ~state.valid[:, own]
-        state.valid[:, own] |= good
-        if bool(newly.any()):
-            state.expand(nodes, logits[:, slot - start:level_end - start], newly, rng)
-        slot = level_end
+    nodes = list(plan.inner[start:end])
+    picked = state.picks(nodes, logits, rng)
+    parents = plan.parent_of[nodes]
+    parent_slot = plan.inner_index[parents] - 1  # -1: the root
+    fed_parent = parent_slot >= start
+    position = (parent_slot - start).clamp(min=0)
+    candidate = picked[1][:, position, plan.rank_of[nodes]]  # (b, n): the child the parent's logits give
+    known = state.known[:, nodes]
+    truth = torch.where(known | ~fed_parent, state.tokens[:, nodes], candidate)
+    wrong = (fed != truth) | (~known & ~fed_parent)
+    ancestry = plan.inner_mask[start:end, start:end]  # (n, n) ancestor-or-self among the fed nodes
+    valid = (wrong.float() @ ancestry.T.float()) == 0
+    own = plan.inner_index[nodes]
+    newly = valid & ~state.valid[:, own]
+    state.valid[:, own] |= valid
+    if bool(newly.any()):
+        state.expand(nodes, picked, newly)
 
 
-def _guess(plan: TreePlan, state: _TreeState, stage2, before_root, nodes: list[int]) -> None:
-    """Fill the tokens of `nodes` (inner, breadth-first) that are not known yet with the n-gram's guess
-    of the draft's rank-r child, level by level (a guess depends on the guessed parent)."""
-    by_level: dict[int, list[int]] = {}
-    for node in nodes:
-        by_level.setdefault(plan.tree.depths[node], []).append(node)
-    count = plan.tree.max_children
-    for depth in sorted(by_level):
-        level = by_level[depth]
-        parents = plan.parent_of[level].tolist()
-        top = stage2.top_tokens(_context(plan, state, before_root, parents), count).view(-1, len(level), count)
-        ranks = plan.rank_of[level]
-        guess = top[:, torch.arange(len(level)), ranks]
-        state.tokens[:, level] = torch.where(state.known[:, level], state.tokens[:, level], guess)
+def _guess(plan: TreePlan, state: _TreeState, stage2, before_root: torch.Tensor, nodes: list[int]) -> None:
+    """Give `nodes` (inner, breadth-first) whose tokens are not known yet the second stage's guess of the
+    draft's rank-r child, from the two tokens before it on its path (guessed ones included). Done on the
+    host with Python ints: one device round trip per round instead of several small ops per level."""
+    tokens, known = state.tokens.tolist(), state.known.tolist()
+    before = before_root.tolist()
+    parent, rank = plan.parent_list, plan.tree.ranks
+    for row, (line, sure) in enumerate(zip(tokens, known)):
+        for node in nodes:
+            if not sure[node]:
+                up = parent[node]
+                line[node] = stage2.top_tokens_host(line[parent[up]] if up > 0 else before[row], line[up])[rank[node]]
+    state.tokens = torch.tensor(tokens, dtype=torch.long, device=state.tokens.device)
 
 
 def ngram_tree(plan: TreePlan, ngram, tokens: torch.Tensor, committed: torch.Tensor, sampling: Sampling,
@@ -272,10 +290,10 @@ def ngram_tree(plan: TreePlan, ngram, tokens: torch.Tensor, committed: torch.Ten
             scores = torch.full((b, len(nodes), ngram.vocab_size), float("-inf"), device=tokens.device)
             scores.scatter_(2, top, torch.arange(top.shape[-1], 0, -1, device=tokens.device, dtype=scores.dtype)
                             .expand_as(top))  # rank order as scores: expand() takes the top ones
-            state.expand(nodes, scores, everyone(len(nodes)), rng)
+            state.expand(nodes, state.picks(nodes, scores, rng), everyone(len(nodes)))
         else:
             q = ngram.distributions(context).view(b, len(nodes), -1)
-            state.expand(nodes, q, everyone(len(nodes)), rng, is_probs=True)
+            state.expand(nodes, state.picks(nodes, q, rng, is_probs=True), everyone(len(nodes)))
         if on_pass:
             on_pass(b, len(nodes), on_pass.now() - started)
         rounds += 1
@@ -294,19 +312,16 @@ def verify_and_accept(plan: TreePlan, drafted: DraftedTree, target_logits: torch
     current = torch.zeros(b, dtype=torch.long, device=device)
     alive = torch.ones(b, dtype=torch.bool, device=device)
     if sampling.greedy:
+        # a node can be accepted when its token is the target's argmax at its parent; the accepted path
+        # is the deepest node whose whole ancestry can (greedy siblings differ, so there is one path)
         choice = target_logits.argmax(-1)  # (b, N+1)
-        for level in range(depth):
-            kids = plan.children[current]  # (b, c)
-            match = (drafted.tokens.gather(1, kids.clamp(min=0)) == choice.gather(1, current[:, None])) & (kids >= 0)
-            moved = alive & match.any(1)
-            nxt = kids.gather(1, match.long().argmax(1, keepdim=True)).squeeze(1)
-            path[:, level] = torch.where(moved, nxt, 0)
-            accepted += moved.long()
-            current = torch.where(moved, nxt, current)
-            alive = moved
-            if not bool(alive.any()):
-                break
-        return path, accepted, choice.gather(1, current[:, None]).squeeze(1)
+        agrees = drafted.tokens == choice[:, plan.parent_of]
+        agrees[:, 0] = True
+        reachable = ((~agrees).float() @ plan.target_mask.T.float()) == 0  # (b, N+1)
+        deepest = torch.where(reachable, plan.depths, -1).argmax(1)
+        accepted = plan.depths[deepest]
+        path = plan.ancestor_at_depth[deepest]
+        return path, accepted, choice.gather(1, deepest[:, None]).squeeze(1)
     p_all = probabilities(target_logits, sampling)
     bonus = torch.zeros(b, dtype=torch.long, device=device)
     for level in range(depth + 1):
