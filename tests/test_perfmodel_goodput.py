@@ -120,3 +120,26 @@ def test_bad_batch_sizes():
         evaluate(memory_bound, NO_OVERHEAD, [0.8], 0, 0, 4)
     with pytest.raises(PerfModelError, match="--max-batch must be >= 1"):
         best_k_per_batch(memory_bound, NO_OVERHEAD, [0.8], 0, 0, 4)
+
+
+def test_tree_step_overhead_falls_back_from_same_flag_to_other_flag_to_chain_to_zero():
+    from perfmodel.tree import Strategy, chain, parse_tree
+
+    tree = parse_tree("0,1,0.0,0.1")  # 4 nodes, depth 2
+    chain_rows = ((1, 0, 1.0), (9, 0, 3.0), (1, 4, 2.0), (9, 4, 6.0))
+    plain = ((1, 2, False, 10.0), (1, 6, False, 14.0), (9, 2, False, 18.0), (9, 6, False, 22.0))
+    staged = ((1, 4, True, 30.0),)
+    both = OverheadModel(chain_rows, plain + staged)
+    assert both.step_overhead_ms(5, Strategy(tree)) == pytest.approx(16.0)  # mid of b (10..18 / 14..22), mid of nodes
+    assert both.step_overhead_ms(5, Strategy(tree, True)) == pytest.approx(30.0)  # one staged row: constant
+    assert both.step_overhead_ms(5, Strategy(chain(2))) == pytest.approx(3.0)  # plain chains keep the (b, k) rows
+    assert both.step_overhead_ms(5, Strategy(None)) == pytest.approx(2.0)
+    assert both.step_overhead_ms(5, Strategy(chain(4), True)) == pytest.approx(30.0)  # staged chains: tree rows
+    only_plain = OverheadModel(chain_rows, plain)
+    assert only_plain.step_overhead_ms(5, Strategy(tree, True)) == pytest.approx(16.0)  # the other flag's rows
+    assert only_plain.tree_source(True) == "tree, other stage-2 flag"
+    chain_only = OverheadModel(chain_rows)
+    assert chain_only.step_overhead_ms(5, Strategy(tree)) == pytest.approx(3.0)  # chain rows at k = depth 2
+    assert chain_only.tree_source(False) == "chain"
+    assert OverheadModel(()).step_overhead_ms(5, Strategy(tree, True)) == 0.0
+    assert OverheadModel(()).tree_source(True) == "none"

@@ -1,0 +1,253 @@
+"""The forward passes of one TREE step, as the runtime schedules them (runtime/tree_decoding.py).
+
+Chains without the second stage keep their own schedule (`goodput.step_passes`); a chain is also a
+tree, and `tree_step` gives it the same passes. Notation: b rows, a tree of N draft nodes, its inner
+nodes (nodes with children; the root, node 0, always is one), I = inner nodes other than the root,
+H = the deepest inner node's depth. Leaves are never fed to the draft: their tokens come from their
+parent's draft logits.
+
+Catch-up width w. A row's draft cache lags its committed tokens by 2 when the path it accepted ends at
+a leaf (the leaf, then the target's bonus token), else by 1; the pass is as wide as the widest row, so
+P(w = 2) = 1 - (1 - P_leafend)^b, with P_leafend = sum over leaves of P(leaf on the accepted path).
+
+Tree step WITHOUT the second stage (`tree_step`):
+  draft pass 0 over (b, w) tokens, ending with the root, whose logits give the depth-1 nodes;
+  for each depth d = 1..H one draft pass over (b, inner nodes at depth d);
+  one target pass over (b, N + 1) tokens (root + every node, tree attention mask); plus overhead.
+
+Tree step WITH the second stage (`staged_step`; also how a chain runs with it), in rounds:
+  round 1: the n-gram guesses every non-root inner node's token (its rank-r next token given the two
+    tokens before it on the path) and ONE draft pass feeds (b, w + I) tokens: the catch-up tokens
+    ending with the root, then the I inner nodes in breadth-first order (tree mask). A node's draft
+    logits are valid when its token and every ancestor's token were the draft's own (a guess is right
+    when it equals the draft's rank-r child of the node's parent);
+  round t >= 2: re-guess what is not valid yet and feed the breadth-first SUFFIX of inner nodes from
+    the first one invalid in ANY row: one draft pass over (b, that many) tokens;
+  stop when every inner node is valid in every row; then one target pass over (b, N + 1); overhead.
+  The n-gram is queried once per depth level of the nodes guessed in a round (a guess's context
+  holds its parent's guessed token, so levels go one after another), over b x (guessed nodes of that
+  level) contexts: query_overhead_ms + contexts * query_ms_per_context each. Guessed nodes are the
+  whole fed suffix (the runtime asks for every row, and keeps the tokens it already knows).
+
+Rounds, exactly (`staged_rounds`). Along a root-to-node path, a node that is guessed wrong costs one
+more round; in that round its token is certain (its parent is valid), and the nodes below it get
+fresh guesses, right with probability guess_accuracy[rank]. So a node is valid after round
+1 + W(v), W(v) = wrong guesses on its path, each node wrong independently with 1 - accuracy[rank].
+Rows are independent. The round-t pass starts at q_t = the first breadth-first index invalid in some
+row, and P(q_t >= j) = A_j(t - 2)^b, where A_j(m) = P(the first j inner nodes all have W <= m) in one
+row, computed by a product over the tree (`valid_within`). A Monte Carlo of the rounds themselves
+(`simulate_staged_rounds`) checks this in the tests.
+
+Assumptions beyond the goodput module's: acceptance and guesses independent across depths, ranks and
+rows; every pass sees the step's starting context length; the n-gram query time does not depend on
+the context length or on which tokens it is asked about.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Sequence
+
+import numpy as np
+
+from .errors import PerfModelError
+from .goodput import Pass
+from .tree import Tree
+
+
+@dataclass(frozen=True)
+class Query:
+    contexts: int  # contexts in one batched n-gram query: b x (guessed nodes of one depth level)
+    weight: float  # expected number of such queries per step
+
+
+@dataclass(frozen=True)
+class TreeStep:
+    """One step's passes (with expected counts), its n-gram queries and its expected draft passes."""
+
+    passes: tuple[Pass, ...]
+    queries: tuple[Query, ...]  # empty without the second stage
+
+    @property
+    def draft_passes(self) -> float:
+        """Expected draft passes per step (rounds, with the second stage)."""
+        return sum(p.weight for p in self.passes if p.role == "draft")
+
+
+def catch_up_probability(leaf_end_probability: float, batch_size: int) -> float:
+    """P(w = 2): some row of the batch accepted a path that ends at a leaf last step."""
+    return 1.0 - (1.0 - leaf_end_probability) ** batch_size
+
+
+def leaf_end_probability(tree: Tree, node_probabilities: Sequence[float]) -> float:
+    """P_leafend = sum over leaves of P(leaf on the accepted path); `node_probabilities` for nodes 1..N."""
+    return float(sum(node_probabilities[node - 1] for node in range(1, tree.num_nodes + 1) if not tree.children[node]))
+
+
+def _catch_up(batch_size: int, extra: int, p_leaf_end: float) -> list[Pass]:
+    """The first draft pass: w + extra tokens, w = 2 with P(w = 2), else 1."""
+    p2 = catch_up_probability(p_leaf_end, batch_size)
+    passes = [Pass("draft", 2 + extra, p2)] if p2 > 0 else []
+    if p2 < 1:
+        passes.append(Pass("draft", 1 + extra, 1.0 - p2))
+    return passes
+
+
+def _check(tree: Tree, batch_size: int) -> None:
+    if batch_size < 1 or tree.num_nodes < 1:
+        raise PerfModelError(f"tree step: need batch_size >= 1 and a tree with nodes, found {batch_size} "
+                             f"and {tree.num_nodes} nodes")
+
+
+def inner_per_depth(tree: Tree) -> tuple[int, ...]:
+    """Inner nodes at depths 1..H (the root, at depth 0, not counted)."""
+    depths = [tree.depths[node] for node in tree.inner_nodes[1:]]
+    return tuple(depths.count(d) for d in range(1, max(depths, default=0) + 1))
+
+
+def tree_step(tree: Tree, batch_size: int, p_leaf_end: float) -> TreeStep:
+    """Passes of a tree step without the second stage.
+
+    >>> t = Tree(((0,), (1,), (0, 0)))  # node 1 is inner; nodes 2, 3 are leaves
+    >>> [(p.role, p.new_tokens, p.weight) for p in tree_step(t, 1, 0.25).passes]
+    [('draft', 2, 0.25), ('draft', 1, 0.75), ('draft', 1, 1.0), ('target', 4, 1.0)]
+    """
+    _check(tree, batch_size)
+    levels = [Pass("draft", count, 1.0) for count in inner_per_depth(tree)]
+    return TreeStep(tuple(_catch_up(batch_size, 0, p_leaf_end) + levels
+                          + [Pass("target", tree.num_nodes + 1, 1.0)]), ())
+
+
+# ---------------------------------------------------------------- the second stage's rounds
+
+def _inner_accuracy(tree: Tree, guess_accuracy: Sequence[float]) -> tuple[tuple[int, ...], np.ndarray]:
+    """Non-root inner nodes (breadth-first) and the probability that each one's guess is right."""
+    inner = tree.inner_nodes[1:]
+    ranks = [tree.ranks[node] for node in inner]
+    return inner, np.array([guess_accuracy[r] if r < len(guess_accuracy) else 0.0 for r in ranks], dtype=float)
+
+
+@lru_cache(maxsize=256)
+def valid_within(tree: Tree, guess_accuracy: tuple[float, ...]) -> np.ndarray:
+    """A[j, m] = P(in one row, the first j non-root inner nodes (breadth-first) all have at most m
+    wrong guesses on their paths), j = 0..I, m = 0..H. Breadth-first prefixes are subtrees, so
+    A[j, m] = g_root(m) with g_v(m) = prod over v's children c in the prefix of
+    acc_c * g_c(m) + (1 - acc_c) * g_c(m - 1), and g(-1) = 0."""
+    inner, accuracy = _inner_accuracy(tree, guess_accuracy)
+    height = max((tree.depths[node] for node in inner), default=0)
+    table = np.ones((len(inner) + 1, height + 1))
+    slot = {node: i for i, node in enumerate(inner)}
+    for j in range(1, len(inner) + 1):
+        g = {}
+        for node in reversed((0,) + inner[:j]):  # children before parents
+            value = np.ones(height + 1)
+            for child in tree.children[node]:
+                if child in g:
+                    a = accuracy[slot[child]]
+                    shifted = np.concatenate([[0.0], g[child][:-1]])  # g_c(m - 1)
+                    value = value * (a * g[child] + (1.0 - a) * shifted)
+            g[node] = value
+        table[j] = g[0]
+    return table
+
+
+@dataclass(frozen=True)
+class StagedRounds:
+    """Expected draft work of the second stage's rounds t >= 2 at one batch size."""
+
+    expected_rounds: float  # including round 1
+    width_weight: tuple[float, ...]  # [s]: expected passes over s inner nodes in rounds >= 2, s = 0..I
+    start_weight: tuple[float, ...]  # [j]: expected rounds >= 2 whose suffix starts at inner index j
+
+
+def staged_rounds(tree: Tree, batch_size: int, guess_accuracy: Sequence[float]) -> StagedRounds:
+    """Exact expected rounds and suffix widths (see the module docstring).
+
+    >>> r = staged_rounds(Tree(((0,), (0, 0), (0, 0, 0))), 1, [0.0])  # every guess wrong
+    >>> r.expected_rounds, r.width_weight
+    (3.0, (0.0, 1.0, 1.0))
+    """
+    if batch_size < 1:
+        raise PerfModelError(f"staged rounds: batch size must be >= 1, found {batch_size}")
+    table = valid_within(tree, tuple(float(a) for a in guess_accuracy)) ** batch_size  # P(q >= j) per m
+    count, height = table.shape[0] - 1, table.shape[1] - 1
+    start = np.zeros(count + 1)
+    for m in range(height):  # round t = m + 2 starts at q with P(q >= j) = table[j, m]
+        start[:count] += np.maximum(0.0, table[:count, m] - table[1:, m])
+    width = start[::-1].copy()  # a suffix from index j is I - j wide
+    width[0] = 0.0
+    return StagedRounds(1.0 + float(start[:count].sum()), tuple(float(w) for w in width),
+                        tuple(float(s) for s in start))
+
+
+def _level_sizes(tree: Tree, nodes: Sequence[int]) -> list[int]:
+    depths = [tree.depths[node] for node in nodes]
+    return [depths.count(d) for d in sorted(set(depths))]
+
+
+def staged_step(tree: Tree, batch_size: int, p_leaf_end: float, guess_accuracy: Sequence[float]) -> TreeStep:
+    """Passes and n-gram queries of a tree step with the second stage.
+
+    >>> s = staged_step(Tree(((0,), (0, 0), (0, 0, 0))), 1, 0.0, [0.0])
+    >>> [(p.role, p.new_tokens, p.weight) for p in s.passes]
+    [('draft', 3, 1.0), ('draft', 2, 1.0), ('draft', 1, 1.0), ('target', 4, 1.0)]
+    >>> [(q.contexts, q.weight) for q in s.queries]  # one query per level: 2 in round 1, 2 in round 2, 1 in round 3
+    [(1, 5.0)]
+    """
+    _check(tree, batch_size)
+    inner = tree.inner_nodes[1:]
+    if not inner:  # nothing to guess: the runtime drafts as without the second stage
+        return tree_step(tree, batch_size, p_leaf_end)
+    rounds = staged_rounds(tree, batch_size, guess_accuracy)
+    later = [Pass("draft", s, w) for s, w in sorted(enumerate(rounds.width_weight), reverse=True) if s and w > 0]
+    queries: dict[int, float] = {}
+    for j, weight in [(0, 1.0)] + [(j, w) for j, w in enumerate(rounds.start_weight) if w > 0 and j < len(inner)]:
+        for size in _level_sizes(tree, inner[j:]):
+            queries[batch_size * size] = queries.get(batch_size * size, 0.0) + weight
+    passes = _catch_up(batch_size, len(inner), p_leaf_end) + later + [Pass("target", tree.num_nodes + 1, 1.0)]
+    return TreeStep(tuple(passes), tuple(Query(c, w) for c, w in sorted(queries.items(), reverse=True)))
+
+
+# ---------------------------------------------------------------- Monte Carlo check of the rounds
+
+@dataclass(frozen=True)
+class SimulatedRounds:
+    rounds: np.ndarray  # (draws,) rounds per step, round 1 included
+    widths: np.ndarray  # (draws, max rounds - 1) inner nodes fed in rounds 2, 3, ...; 0 after the last
+
+
+def simulate_staged_rounds(tree: Tree, batch_size: int, guess_accuracy: Sequence[float], draws: int = 4000,
+                           seed: int = 0) -> SimulatedRounds:
+    """Run the rounds themselves (guess, feed the suffix, mark valid, repeat), vectorized over draws
+    and rows: an independent check of `staged_rounds`, which uses the closed form instead."""
+    inner, accuracy = _inner_accuracy(tree, guess_accuracy)
+    rng = np.random.default_rng(seed)
+    slot = {node: i for i, node in enumerate(inner)}
+    parent = [slot.get(tree.parents[node], -1) for node in inner]  # -1: the root (valid after round 1)
+    shape = (draws, batch_size)
+    valid = np.zeros(shape + (len(inner),), dtype=bool)
+    known = np.zeros_like(valid)  # true token known: the parent's logits are valid
+    rounds = np.ones(draws, dtype=int)
+    widths = []
+    start = np.zeros(draws, dtype=int)  # suffix start of the current round, per draw
+    active = np.ones(draws, dtype=bool)
+    while active.any():
+        fed_ok = np.zeros_like(valid)
+        for i in range(len(inner)):
+            in_suffix = (i >= start)[:, None]
+            right = valid[..., i] | known[..., i] | (rng.random(shape) < accuracy[i])
+            above = np.ones(shape, dtype=bool) if parent[i] < 0 else np.where(
+                (parent[i] >= start)[:, None], fed_ok[..., parent[i]], valid[..., parent[i]])
+            fed_ok[..., i] = in_suffix & right & above & active[:, None]
+        valid |= fed_ok
+        for i in range(len(inner)):  # a valid parent's logits reveal its children's true tokens
+            if parent[i] >= 0:
+                known[..., i] |= valid[..., parent[i]]
+            else:
+                known[..., i] = True
+        invalid_anywhere = ~valid.all(axis=1)  # (draws, I)
+        active = invalid_anywhere.any(axis=1)
+        start = np.where(active, invalid_anywhere.argmax(axis=1), len(inner))
+        widths.append(np.where(active, len(inner) - start, 0))
+        rounds += active
+    return SimulatedRounds(rounds, np.stack(widths[:-1], axis=1) if len(widths) > 1 else np.zeros((draws, 0), int))
