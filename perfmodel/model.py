@@ -3,7 +3,14 @@
     fit_profile(profile, holdout)  -> FittedModel   (latency per role, overheads, acceptance)
     save_model / load_model                          (JSON; parameters in named units, no pickles)
     choose_acceptance(fitted, override)             -> AcceptanceModel
-    compute_table(fitted, acceptance, ...)          -> table.Table
+    compute_table(fitted, acceptance, ...)          -> table.Table   (best strategy per batch size)
+    query(fitted, acceptance, b, L, max_k)          -> goodput.Choice (chains: every k)
+    query_strategies(fitted, acceptance, b, L, ...) -> strategy.StrategyChoice (every candidate, ranked)
+    evaluate_strategy(fitted, strategy, b, L, ...)  -> strategy.StrategyCandidate (one what-if)
+
+The model carries what strategies need beyond chains, all optional so older model files still load:
+the acceptance's `rank_acceptance` (trees), the profile's `stage2` (the n-gram second stage) and the
+overhead rows of tree steps (`tree_overheads`).
 
 A model file carries the measured points it was fitted to, so `specbatch plot` can draw fitted
 against measured latency without the profile.
@@ -20,10 +27,12 @@ import numpy as np
 from . import latency as lat
 from .acceptance import AcceptanceModel, acceptance_from_profile, acceptance_from_user
 from .errors import PerfModelError
-from .goodput import Choice, OverheadModel, best_k_per_batch, evaluate
+from .goodput import Choice, OverheadModel, evaluate
 from .jsonio import read_json, rounded, write_json_atomic
-from .profile import ROLES, DeviceInfo, Grid, ModelInfo, Profile
+from .profile import ROLES, DeviceInfo, Grid, ModelInfo, Profile, Stage2Info
+from .strategy import MAX_TREE_NODES, StepModel, StrategyCandidate, StrategyChoice, candidate_strategies
 from .table import Bucket, Table, TableEntry
+from .tree import Strategy
 
 MODEL_SCHEMA = "specbatch.model/1"
 MIN_REGIME_POINTS = 4  # the roofline's parameter count: fewer points in a regime leave its rate loose
@@ -60,6 +69,7 @@ class FittedModel:
     roles: dict[str, RoleFit]  # "target", "draft"
     overhead: OverheadModel
     acceptance: tuple[AcceptanceModel, ...]  # from the profile; the first is the default
+    stage2: Stage2Info | None = None  # the n-gram second stage, when the profile measured one
 
     def latency_ms(self, role: str, batch_size: int, new_tokens: int, context_len: int) -> float:
         """Predicted time of one forward pass; matches goodput.LatencyFn."""
@@ -83,6 +93,31 @@ class FittedModel:
             notes.append(f"k above the profiled max_k={self.grid.max_k} is extrapolated")
         if not self.overhead.measured:
             notes.append("the profile has no step-overhead rows: overhead taken as 0 ms")
+        return notes
+
+    def strategy_notes(self, strategies: Sequence[Strategy]) -> list[str]:
+        """Where trees and the second stage ask the model beyond what the profile measured."""
+        notes = []
+        shaped = [s for s in strategies if s.tree is not None and (s.kind == "tree" or s.stage2)]
+        if not shaped:
+            return notes
+        widest_target = max(s.tree.num_nodes + 1 for s in shaped)
+        if widest_target > max(self.grid.target_new_tokens):
+            notes.append(f"tree steps verify up to {widest_target} tokens per row; the profile timed target passes "
+                         f"of at most {max(self.grid.target_new_tokens)}: extrapolated by the latency model")
+        staged = [s for s in shaped if s.stage2]
+        if staged:
+            widest_draft = max(2 + len(s.tree.inner_nodes) - 1 for s in staged)
+            if widest_draft > max(self.grid.draft_new_tokens):
+                notes.append(f"second-stage draft passes feed up to {widest_draft} tokens per row; the profile timed "
+                             f"draft passes of at most {max(self.grid.draft_new_tokens)}: extrapolated")
+        for stage2 in sorted({s.stage2 for s in shaped}):
+            source = self.overhead.tree_source(stage2)
+            label = "second-stage" if stage2 else "tree"
+            if source == "chain":
+                notes.append(f"no {label} step-overhead rows: the chain overhead at k = depth is used (a lower bound)")
+            elif source == "tree, other stage-2 flag":
+                notes.append(f"no {label} step-overhead rows: the tree rows measured with the other stage-2 flag are used")
         return notes
 
 
@@ -126,6 +161,16 @@ def fit_role(profile: Profile, role: str, holdout: bool) -> RoleFit:
     )
 
 
+def overhead_model(profile: Profile) -> OverheadModel:
+    """Chain rows by (b, k); tree rows, and chain rows measured with the second stage (a chain of k
+    is a tree of k nodes), by (b, nodes, stage2)."""
+    chain_rows = tuple((row.batch_size, row.k, row.median_ms) for row in profile.overheads
+                       if row.tree_nodes is None and not row.stage2)
+    tree_rows = tuple((row.batch_size, row.k if row.tree_nodes is None else row.tree_nodes, row.stage2, row.median_ms)
+                      for row in profile.overheads if row.tree_nodes is not None or row.stage2)
+    return OverheadModel(chain_rows, tree_rows)
+
+
 def fit_profile(profile: Profile, holdout: bool = False) -> FittedModel:
     """Fit both roles' latency, keep the overhead rows and the acceptance; `holdout` adds held-out errors."""
     return FittedModel(
@@ -133,8 +178,9 @@ def fit_profile(profile: Profile, holdout: bool = False) -> FittedModel:
         profile_created_utc=profile.created_utc,
         device=profile.device, target_info=profile.target, draft_info=profile.draft, grid=profile.grid,
         roles={role: fit_role(profile, role, holdout) for role in ROLES},
-        overhead=OverheadModel(tuple((row.batch_size, row.k, row.median_ms) for row in profile.overheads)),
+        overhead=overhead_model(profile),
         acceptance=tuple(acceptance_from_profile(entry) for entry in profile.acceptance),
+        stage2=profile.stage2,
     )
 
 
@@ -157,22 +203,65 @@ def query(fitted: FittedModel, acceptance: AcceptanceModel, batch_size: int, con
                     acceptance.tokens_per_step)
 
 
-def compute_table(fitted: FittedModel, acceptance: AcceptanceModel, max_batch: int,
-                  context_lens: Sequence[int] | None = None, max_k: int | None = None) -> Table:
-    """k*(b) for b = 1..max_batch in one bucket per context length (default: one, the profile's middle)."""
+def step_model(fitted: FittedModel, acceptance: AcceptanceModel, stage2: Stage2Info | None = None) -> StepModel:
+    """What strategies are evaluated with; `stage2` replaces the profile's second-stage measurements."""
+    return StepModel(fitted.latency_ms, fitted.overhead, acceptance, fitted.stage2 if stage2 is None else stage2)
+
+
+def strategy_family(fitted: FittedModel, acceptance: AcceptanceModel, max_k: int | None = None,
+                    strategies: str = "all", max_tree_nodes: int = MAX_TREE_NODES) -> tuple[Strategy, ...]:
+    """The candidates: none, chains k = 1..max_k and, as `strategies` allows ("chain" | "tree" | "all")
+    and the data permits, grown trees (need rank acceptance) and the second stage (needs the profile's
+    stage2). "all" on a profile without either is the chain family."""
     max_k = fitted.grid.max_k if max_k is None else max_k
+    return candidate_strategies(max_k, acceptance.rank_acceptance, fitted.stage2 is not None, strategies,
+                                max_tree_nodes)
+
+
+def query_strategies(fitted: FittedModel, acceptance: AcceptanceModel, batch_size: int, context_len: int,
+                     max_k: int | None = None, strategies: str = "all",
+                     max_tree_nodes: int = MAX_TREE_NODES) -> StrategyChoice:
+    """Every candidate strategy's step time, tokens per step and goodput at one batch size, ranked."""
+    family = strategy_family(fitted, acceptance, max_k, strategies, max_tree_nodes)
+    return step_model(fitted, acceptance).choose(family, batch_size, context_len)
+
+
+def evaluate_strategy(fitted: FittedModel, strategy: Strategy, batch_size: int, context_len: int,
+                      acceptance: AcceptanceModel | None = None, stage2: Stage2Info | None = None) -> StrategyCandidate:
+    """One strategy's prediction (the `--tree SPEC --stage2 FILE` what-if). `acceptance` defaults to the
+    profile's first entry; `stage2` to the profile's second-stage measurements."""
+    chosen = choose_acceptance(fitted, None) if acceptance is None else acceptance
+    return step_model(fitted, chosen, stage2).evaluate(strategy, batch_size, context_len)
+
+
+def compute_table(fitted: FittedModel, acceptance: AcceptanceModel, max_batch: int,
+                  context_lens: Sequence[int] | None = None, max_k: int | None = None, *,
+                  strategies: str = "all", max_tree_nodes: int = MAX_TREE_NODES) -> Table:
+    """The best strategy for b = 1..max_batch in one bucket per context length (default: one, the
+    profile's middle). `strategies` restricts the family ("chain" gives the chain-only table of old);
+    each entry's k is its strategy's k (a tree's depth). The table's max_k covers every entry's k."""
+    max_k = fitted.grid.max_k if max_k is None else max_k
+    if max_batch < 1:
+        raise PerfModelError(f"--max-batch must be >= 1, found {max_batch}")
     lengths = sorted(set(context_lens)) if context_lens else [fitted.default_context_len()]
-    alphas = acceptance.alphas(max(max_k, 1))
+    family = strategy_family(fitted, acceptance, max_k, strategies, max_tree_nodes)
+    model = step_model(fitted, acceptance)
     buckets = []
     for context_len in lengths:
-        choices = best_k_per_batch(fitted.latency_ms, fitted.overhead, alphas, max_batch, context_len, max_k,
-                                   acceptance.tokens_per_step)
-        entries = tuple(TableEntry(c.batch_size, c.best_k, c.tokens_per_s, c.speedup, c.runner_up_k, c.margin)
-                        for c in choices)
-        buckets.append(Bucket(context_len, entries))
+        entries = []
+        for b in range(1, max_batch + 1):
+            c = model.choose(family, b, context_len)
+            runner_up = c.runner_up
+            entries.append(TableEntry(b, c.best.k, c.best.tokens_per_s, c.speedup,
+                                      None if runner_up is None else runner_up.k, c.margin, c.best.strategy,
+                                      None if runner_up is None else runner_up.strategy))
+        buckets.append(Bucket(context_len, tuple(entries)))
+    uses_stage2 = any(e.strategy.stage2 for bucket in buckets for e in bucket.entries)
     return Table(target=fitted.target_info.source, draft=fitted.draft_info.source, device=fitted.device.name,
-                 created_utc=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), max_k=max_k,
-                 acceptance=acceptance.to_json(), buckets=tuple(buckets))
+                 created_utc=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                 max_k=max([max_k] + [e.k for bucket in buckets for e in bucket.entries]),
+                 acceptance=acceptance.to_json(), buckets=tuple(buckets),
+                 stage2={"file": fitted.stage2.file, "sha256": fitted.stage2.sha256} if uses_stage2 else None)
 
 
 # ---------------------------------------------------------------- JSON
@@ -227,7 +316,10 @@ def model_to_json(fitted: FittedModel) -> dict:
                              for key, value in asdict(fitted.grid).items()}},
         "roles": {role: _role_json(fit) for role, fit in fitted.roles.items()},
         "overheads": [{"batch_size": b, "k": k, "median_ms": rounded(ms)} for b, k, ms in fitted.overhead.rows],
+        "tree_overheads": [{"batch_size": b, "tree_nodes": nodes, "stage2": stage2, "median_ms": rounded(ms)}
+                           for b, nodes, stage2, ms in fitted.overhead.tree_rows],
         "acceptance": [model.to_json() for model in fitted.acceptance],
+        "stage2": None if fitted.stage2 is None else fitted.stage2.to_json(),
     }
 
 
@@ -269,7 +361,7 @@ def _role_from_json(role: str, obj: dict, where: str) -> RoleFit:
 
 def model_from_json(obj: dict, source: str = "model") -> FittedModel:
     """Rebuild a FittedModel; any structural problem is a one-line PerfModelError naming `source`."""
-    from .profile import profile_from_json  # reuse the profile's strict readers for the metadata
+    from .profile import profile_from_json, stage2_from_json  # the profile's strict readers
 
     meta = obj.get("profile")
     if not isinstance(meta, dict):
@@ -278,10 +370,15 @@ def model_from_json(obj: dict, source: str = "model") -> FittedModel:
     stub = profile_from_json({"created_utc": meta.get("created_utc"), "device": meta.get("device"),
                               "models": meta.get("models"), "grid": meta.get("grid"),
                               "timings": [], "overheads": [], "acceptance": []}, f"{source}: profile")
+    stage2 = None
+    if obj.get("stage2") is not None:
+        stage2 = stage2_from_json(obj["stage2"], f"{source}: stage2")
     try:
         roles = {role: _role_from_json(role, obj["roles"][role], source) for role in ROLES}
+        tree_rows = tuple((int(row["batch_size"]), int(row["tree_nodes"]), bool(row["stage2"]), float(row["median_ms"]))
+                          for row in obj.get("tree_overheads", []))
         overhead = OverheadModel(tuple((int(row["batch_size"]), int(row["k"]), float(row["median_ms"]))
-                                       for row in obj["overheads"]))
+                                       for row in obj["overheads"]), tree_rows)
         acceptance = tuple(AcceptanceModel.from_json(entry, source) for entry in obj["acceptance"])
         created = str(obj["created_utc"])
     except (KeyError, TypeError, ValueError, IndexError) as error:
@@ -289,7 +386,7 @@ def model_from_json(obj: dict, source: str = "model") -> FittedModel:
             raise
         raise PerfModelError(f"{source}: malformed model file ({type(error).__name__}: {error})") from None
     return FittedModel(created, stub.created_utc, stub.device, stub.target, stub.draft, stub.grid, roles,
-                       overhead, acceptance)
+                       overhead, acceptance, stage2)
 
 
 def save_model(path: str | os.PathLike, fitted: FittedModel) -> None:

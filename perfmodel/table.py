@@ -1,12 +1,21 @@
 """The `specbatch.table/1` contract: the best speculation length k per batch size, per context bucket.
 
-This is what the runtime's `TableK` policy reads, so this module needs only the standard library
-(no scipy, no scikit-learn, no torch).
+This is what the runtime's `TableK` policy reads, so this module needs only the standard library and
+`perfmodel.tree` (numpy; no scipy, no scikit-learn, no torch).
 
     {"schema": "specbatch.table/1", "target", "draft", "device", "created_utc", "max_k",
      "acceptance": {...the acceptance the table was computed with...},
+     "stage2": {"file", "sha256"},                      (optional: when an entry uses the second stage)
      "buckets": [{"context_len", "entries": [{"batch_size", "k", "predicted_tokens_per_s",
-                  "predicted_speedup", "runner_up_k", "margin"}, ...]}, ...]}
+                  "predicted_speedup", "runner_up_k", "margin",
+                  "strategy", "runner_up_strategy"}, ...]}, ...]}   (both optional)
+
+Strategies. An entry's optional `strategy` (`perfmodel.tree.Strategy.to_json()`: kind none | chain |
+tree, k, the tree's rank paths, stage2) is what to run; its `k` is always the strategy's k (a tree's
+depth), so a reader that knows only chains still works: it runs a chain of the tree's depth. Entries
+without `strategy` (older files) mean a chain of k, or no speculation for k = 0. `Table.lookup` gives
+k; `Table.strategy` gives the strategy. A table whose entries use the n-gram second stage names the
+n-gram file (and its sha256) it was computed for in `stage2`.
 
 Lookup rules (`Table.lookup`):
 - bucket: the one whose context_len is nearest to the given mean context length, in tokens (KV
@@ -27,6 +36,7 @@ from dataclasses import dataclass, field
 
 from .errors import PerfModelError
 from .jsonio import read_json, rounded, write_json_atomic
+from .tree import Strategy
 
 TABLE_SCHEMA = "specbatch.table/1"
 
@@ -38,11 +48,17 @@ class TableRangeWarning(UserWarning):
 @dataclass(frozen=True)
 class TableEntry:
     batch_size: int
-    k: int
+    k: int  # = strategy.k when a strategy is given
     predicted_tokens_per_s: float
     predicted_speedup: float  # over k = 0
     runner_up_k: int | None
     margin: float | None  # relative goodput lead over the runner-up
+    strategy: Strategy | None = None  # None (older tables): a chain of k, or none for k = 0
+    runner_up_strategy: Strategy | None = None
+
+    def chosen(self) -> Strategy:
+        """The strategy to run: the entry's own, else the chain of k its k means."""
+        return self.strategy if self.strategy is not None else Strategy.from_k(self.k)
 
 
 @dataclass(frozen=True)
@@ -64,13 +80,14 @@ class Table:
     max_k: int
     acceptance: dict
     buckets: tuple[Bucket, ...]  # ascending context_len
+    stage2: dict | None = None  # {"file", "sha256"} of the n-gram model, when an entry uses it
     # kinds of out-of-range lookups already warned about; mutable on purpose, outside equality
     _warned: set = field(default_factory=set, compare=False, repr=False)
 
     def _warn_once(self, kind: str, message: str) -> None:
         if kind not in self._warned:
             self._warned.add(kind)
-            warnings.warn(message, TableRangeWarning, stacklevel=3)  # point at lookup's caller
+            warnings.warn(message, TableRangeWarning, stacklevel=4)  # point at lookup's caller
 
     def bucket_for(self, context_len: int | None) -> Bucket:
         """The bucket nearest to `context_len` in tokens (ties: the shorter); None: the first."""
@@ -80,6 +97,13 @@ class Table:
 
     def lookup(self, batch_size: int, context_len: int | None = None) -> int:
         """The k to use for `batch_size` sequences whose mean context length is `context_len`."""
+        return self._entry(batch_size, context_len).k
+
+    def strategy(self, batch_size: int, context_len: int | None = None) -> Strategy:
+        """The strategy to use (same rules as `lookup`); older tables give chains of their k."""
+        return self._entry(batch_size, context_len).chosen()
+
+    def _entry(self, batch_size: int, context_len: int | None) -> TableEntry:
         if batch_size < 1:
             raise PerfModelError(f"table lookup: batch size must be >= 1, found {batch_size}")
         first, last = self.buckets[0].context_len, self.buckets[-1].context_len
@@ -90,23 +114,31 @@ class Table:
         if batch_size > bucket.max_batch:
             self._warn_once("batch", f"table: batch size {batch_size} is beyond the table's {bucket.max_batch}; "
                                      f"using the entry for {bucket.max_batch}")
-            return bucket.entries[-1].k
-        return bucket.entries[batch_size - 1].k
+            return bucket.entries[-1]
+        return bucket.entries[batch_size - 1]
 
     def to_json(self) -> dict:
-        return {
+        obj = {
             "schema": TABLE_SCHEMA, "target": self.target, "draft": self.draft, "device": self.device,
             "created_utc": self.created_utc, "max_k": self.max_k, "acceptance": self.acceptance,
             "buckets": [{"context_len": bucket.context_len, "entries": [_entry_json(e) for e in bucket.entries]}
                         for bucket in self.buckets],
         }
+        if self.stage2 is not None:
+            obj["stage2"] = self.stage2
+        return obj
 
 
 def _entry_json(entry: TableEntry) -> dict:
-    return {"batch_size": entry.batch_size, "k": entry.k,
-            "predicted_tokens_per_s": rounded(entry.predicted_tokens_per_s),
-            "predicted_speedup": rounded(entry.predicted_speedup),
-            "runner_up_k": entry.runner_up_k, "margin": rounded(entry.margin)}
+    obj = {"batch_size": entry.batch_size, "k": entry.k,
+           "predicted_tokens_per_s": rounded(entry.predicted_tokens_per_s),
+           "predicted_speedup": rounded(entry.predicted_speedup),
+           "runner_up_k": entry.runner_up_k, "margin": rounded(entry.margin)}
+    if entry.strategy is not None:
+        obj["strategy"] = entry.strategy.to_json()
+    if entry.runner_up_strategy is not None:
+        obj["runner_up_strategy"] = entry.runner_up_strategy.to_json()
+    return obj
 
 
 # ---------------------------------------------------------------- reading
@@ -137,8 +169,12 @@ def _entry(obj, where: str, max_k: int) -> TableEntry:
         raise PerfModelError(f"{where}.runner_up_k: expected an integer >= 0 or null, found {runner_up!r}")
     if margin is not None and (not _is_number(margin) or margin < 0):
         raise PerfModelError(f"{where}.margin: expected a number >= 0 or null, found {margin!r}")
+    strategy, runner_up_strategy = (None if obj.get(key) is None else Strategy.from_json(obj[key], f"{where}.{key}")
+                                    for key in ("strategy", "runner_up_strategy"))
+    if strategy is not None and strategy.k != k:
+        raise PerfModelError(f"{where}.k: {k} is not its strategy's k {strategy.k} ({strategy.describe(40)})")
     return TableEntry(obj["batch_size"], k, float(obj["predicted_tokens_per_s"]), float(obj["predicted_speedup"]),
-                      runner_up, None if margin is None else float(margin))
+                      runner_up, None if margin is None else float(margin), strategy, runner_up_strategy)
 
 
 def _bucket(obj, where: str, max_k: int) -> Bucket:
@@ -173,7 +209,16 @@ def table_from_json(obj: dict, source: str = "table") -> Table:
     lengths = [bucket.context_len for bucket in buckets]
     if lengths != sorted(set(lengths)):
         raise PerfModelError(f"{source}: buckets: context_len must be strictly increasing, found {lengths}")
-    return Table(obj["target"], obj["draft"], obj["device"], obj["created_utc"], max_k, acceptance, buckets)
+    stage2 = obj.get("stage2")
+    if stage2 is not None and (not isinstance(stage2, dict) or not all(isinstance(stage2.get(key), str)
+                                                                       for key in ("file", "sha256"))):
+        raise PerfModelError(f"{source}: stage2: expected an object with the n-gram's file and sha256 strings, "
+                             f"found {stage2!r}")
+    if stage2 is None and any(e.strategy is not None and e.strategy.stage2 for b in buckets for e in b.entries):
+        raise PerfModelError(f"{source}: stage2: missing, but entries use the n-gram second stage "
+                             "(the table must name the n-gram file they were computed for)")
+    return Table(obj["target"], obj["draft"], obj["device"], obj["created_utc"], max_k, acceptance, buckets,
+                 None if stage2 is None else {"file": stage2["file"], "sha256": stage2["sha256"]})
 
 
 def load_table(path: str | os.PathLike) -> Table:
@@ -212,7 +257,8 @@ def _single_bucket(table: Table, context_len: int | None, fmt: str) -> Bucket:
 
 def to_vllm(table: Table, context_len: int | None = None) -> dict:
     """{"num_speculative_tokens_per_batch_size": [[start_bs, end_bs, k], ...]}: contiguous,
-    inclusive ranges covering 1..N."""
+    inclusive ranges covering 1..N. Chains only: a tree entry exports its depth k, and the second
+    stage is not expressible (the engine would run a plain chain of that length)."""
     bucket = _single_bucket(table, context_len, "vllm")
     return {"num_speculative_tokens_per_batch_size": [list(run) for run in k_runs(bucket.entries)]}
 
@@ -220,21 +266,23 @@ def to_vllm(table: Table, context_len: int | None = None) -> dict:
 def to_trtllm(table: Table, context_len: int | None = None) -> dict:
     """{"draft_len_schedule": {batch_size: k}} with change points only: TensorRT-LLM uses the
     entry with the largest key <= the batch size, so the first batch size of every run of equal
-    k says everything (and key 1 is always present)."""
+    k says everything (and key 1 is always present). Chains only, as `to_vllm`."""
     bucket = _single_bucket(table, context_len, "trtllm")
     return {"draft_len_schedule": {str(start): k for start, _, k in k_runs(bucket.entries)}}
 
 
-CSV_COLUMNS = ("batch_size", "k", "predicted_tokens_per_s", "predicted_speedup", "context_len")
+CSV_COLUMNS = ("batch_size", "k", "predicted_tokens_per_s", "predicted_speedup", "context_len", "strategy")
 
 
 def to_csv(table: Table) -> str:
-    """One row per (bucket, batch size); plain numbers, no units in cells (the header names them)."""
+    """One row per (bucket, batch size); plain numbers, no units in cells (the header names them).
+    `strategy` is `Strategy.describe()`: 'none', 'chain k=3', 'tree 0,1,0.0 (3 nodes)' (the spec is
+    what `parse_tree` reads), with ' +ngram' for the second stage."""
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(CSV_COLUMNS)
     for bucket in table.buckets:
         for entry in bucket.entries:
             writer.writerow([entry.batch_size, entry.k, f"{entry.predicted_tokens_per_s:.6g}",
-                             f"{entry.predicted_speedup:.6g}", bucket.context_len])
+                             f"{entry.predicted_speedup:.6g}", bucket.context_len, entry.chosen().describe()])
     return out.getvalue()

@@ -85,7 +85,7 @@ def test_table_json_and_exports(files, tmp_path):
 
     result = invoke("table", files["model"], "-o", tmp_path / "t.csv", "--max-batch", "16", "--format", "csv")
     lines = (tmp_path / "t.csv").read_text().splitlines()
-    assert lines[0] == "batch_size,k,predicted_tokens_per_s,predicted_speedup,context_len" and len(lines) == 17
+    assert lines[0] == "batch_size,k,predicted_tokens_per_s,predicted_speedup,context_len,strategy" and len(lines) == 17
     assert [int(line.split(",")[1]) for line in lines[1:]] == ks
 
     invoke("table", files["model"], "-o", tmp_path / "v.json", "--max-batch", "16", "--format", "vllm")

@@ -10,7 +10,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_perfmodel_imports_no_torch():
     code = ("import perfmodel.latency, perfmodel.goodput, perfmodel.table, perfmodel.acceptance, "
-            "perfmodel.profile, perfmodel.model, perfmodel.plot, perfmodel.jsonio, perfmodel.errors, sys; "
+            "perfmodel.profile, perfmodel.model, perfmodel.plot, perfmodel.jsonio, perfmodel.errors, "
+            "perfmodel.tree, perfmodel.schedule, perfmodel.strategy, sys; "
             "assert 'torch' not in sys.modules, 'perfmodel imported torch'")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

@@ -32,12 +32,12 @@ def test_trtllm_export_golden_change_points_only():
 
 
 def test_csv_export_golden():
-    golden = (
-        "batch_size,k,predicted_tokens_per_s,predicted_speedup,context_len\n"
-        "1,3,100,1.5,128\n"
-        "2,1,200,1.5,128\n"
-        "1,2,100,1.5,2048\n"
-        "2,0,200,1.5,2048\n"
+    golden = (  # entries without a strategy (older tables) mean chains of k
+        "batch_size,k,predicted_tokens_per_s,predicted_speedup,context_len,strategy\n"
+        "1,3,100,1.5,128,chain k=3\n"
+        "2,1,200,1.5,128,chain k=1\n"
+        "1,2,100,1.5,2048,chain k=2\n"
+        "2,0,200,1.5,2048,none\n"
     )
     assert to_csv(make_table(ks=[3, 1], context_lens=(128, 2048))) == golden
 
@@ -135,3 +135,29 @@ def test_table_module_needs_no_scientific_stack():
     code = ("import sys, perfmodel.table; "
             "bad = [m for m in ('torch', 'scipy', 'sklearn') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_strategy_entries_round_trip_and_lookup(tmp_path):
+    from perfmodel.tree import Strategy, parse_tree
+
+    tree = Strategy(parse_tree("0,1,0.0"), stage2=True)
+    entries = (TableEntry(1, 2, 300.0, 2.0, 2, 0.1, tree, Strategy.from_k(2)),
+               TableEntry(2, 1, 400.0, 1.5, 0, 0.2, Strategy.from_k(1), Strategy(None)),
+               TableEntry(3, 0, 500.0, 1.0, 1, 0.3, Strategy(None), Strategy.from_k(1)))
+    table = Table("t", "d", "dev", "2026-11-30T01:00:00Z", 2, {"source": "user", "per_position": [0.8]},
+                  (Bucket(512, entries),), {"file": "ngram.bin", "sha256": "ab" * 32})
+    save_table(tmp_path / "table.json", table)
+    loaded = load_table(tmp_path / "table.json")
+    assert loaded == table
+    assert [loaded.strategy(b) for b in (1, 2, 3)] == [tree, Strategy.from_k(1), Strategy(None)]
+    assert [loaded.lookup(b) for b in (1, 2, 3)] == [2, 1, 0]
+    with pytest.warns(TableRangeWarning, match="batch size 9 is beyond the table's 3"):
+        assert loaded.strategy(9) == Strategy(None)
+    assert to_csv(loaded).splitlines()[1] == '1,2,300,2,512,"tree 0,1,0.0 (3 nodes) +ngram"'
+    assert to_trtllm(loaded) == {"draft_len_schedule": {"1": 2, "2": 1, "3": 0}}
+
+
+def test_stage2_field_must_name_file_and_sha256(tmp_path):
+    obj = make_table().to_json() | {"stage2": {"file": "ngram.bin"}}
+    with pytest.raises(PerfModelError, match="stage2: expected an object with the n-gram's file and sha256"):
+        load_table(write(tmp_path, obj))

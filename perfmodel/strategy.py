@@ -1,0 +1,191 @@
+"""Goodput of every step strategy, and the best one per batch size.
+
+A strategy (`perfmodel.tree.Strategy`) is no speculation, a chain of k draft tokens or a tree, each
+chain or tree with or without the n-gram second stage. For one batch size b and context length L:
+
+    G(b, strategy, L) = b * E(strategy) / S(b, strategy, L)
+
+E (tokens a row gains per step):
+- none: 1;
+- a chain of k (also one that a tree grower happened to return): the chain's E(k), from the measured
+  step-aligned E(k) when the profile has it, else from per-position acceptance (`AcceptanceModel`);
+  the second stage changes the cost of drafting, never the tokens, so E is the same with it;
+- a tree: `expected_tree_tokens(tree, rank_acceptance)` = 1 + sum of the nodes' probabilities of being
+  on the accepted path. A tree needs the profile's rank acceptance; chains never use it, so a chain and
+  a tree are compared on two measurements of the same pair (both step-aligned).
+
+S (expected step time): the forward passes the runtime makes (`goodput.step_passes` for plain chains,
+`schedule.tree_step` / `schedule.staged_step` for trees and staged steps), each weighted by its
+expected count, plus the n-gram queries, plus the step overhead (`OverheadModel.step_overhead_ms`).
+
+The candidates (`candidate_strategies`): none; chains k = 1..max_k; trees grown greedily from the
+rank acceptance (`grow_tree`, depth up to the rank table's) at TREE_SIZES nodes up to a limit; each
+chain and tree also with the second stage when the profile measured one. Ties go to the earlier
+candidate in that order (the simpler strategy).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from .acceptance import AcceptanceModel, accept_all_probability
+from .errors import PerfModelError
+from .goodput import LatencyFn, OverheadModel, step_passes
+from .profile import Stage2Info
+from .schedule import TreeStep, leaf_end_probability, staged_step, tree_step
+from .tree import Strategy, chain, expected_tree_tokens, grow_tree, node_probabilities
+
+TREE_SIZES = (4, 6, 8, 12, 16, 24, 32, 48, 64)  # nodes of the grown trees: roughly x1.5 apart
+MAX_TREE_NODES = 64  # default limit: a 64-node tree already verifies 65 tokens per row
+FAMILIES = ("chain", "tree", "all")  # chains only | chains and trees | and both with the second stage
+
+
+def candidate_strategies(max_k: int, rank_acceptance: Sequence[Sequence[float]] | None = None,
+                         stage2: bool = False, family: str = "all",
+                         max_tree_nodes: int = MAX_TREE_NODES) -> tuple[Strategy, ...]:
+    """The strategies a table chooses among, simplest first, without duplicates.
+
+    Trees only with `rank_acceptance`; the second stage only with `stage2` and family "all".
+
+    >>> [s.describe() for s in candidate_strategies(2, stage2=True)]
+    ['none', 'chain k=1', 'chain k=2', 'chain k=1 +ngram', 'chain k=2 +ngram']
+    """
+    if family not in FAMILIES:
+        raise PerfModelError(f"strategies: {family!r} is not one of {', '.join(FAMILIES)}")
+    if max_k < 0 or max_tree_nodes < 0:
+        raise PerfModelError(f"strategies: need max_k >= 0 and max_tree_nodes >= 0, found {max_k}, {max_tree_nodes}")
+    chains = [chain(k) for k in range(1, max_k + 1)]
+    trees = []
+    if family != "chain" and rank_acceptance:
+        trees = [grow_tree(rank_acceptance, n, max_depth=len(rank_acceptance)) for n in TREE_SIZES
+                 if n <= max_tree_nodes]
+    staged = family == "all" and stage2
+    ordered = ([Strategy(None)] + [Strategy(c) for c in chains] + [Strategy(c, True) for c in chains if staged]
+               + [Strategy(t) for t in trees] + [Strategy(t, True) for t in trees if staged])
+    return tuple(dict.fromkeys(ordered))
+
+
+@dataclass(frozen=True)
+class StrategyCandidate:
+    strategy: Strategy
+    step_ms: float  # expected: draft_ms + target_ms + ngram_ms + overhead_ms
+    tokens_per_step: float  # per sequence: E(strategy)
+    tokens_per_s: float  # whole batch: b * E / S
+    draft_ms: float
+    target_ms: float
+    ngram_ms: float  # second-stage queries; 0 without it
+    overhead_ms: float
+    draft_passes: float  # expected draft passes (rounds, with the second stage)
+
+    @property
+    def k(self) -> int:
+        return self.strategy.k
+
+
+@dataclass(frozen=True)
+class StrategyChoice:
+    batch_size: int
+    context_len: int
+    ranked: tuple[StrategyCandidate, ...]  # best first; equal goodput keeps the simpler strategy first
+    baseline_tokens_per_s: float  # no speculation
+
+    @property
+    def best(self) -> StrategyCandidate:
+        return self.ranked[0]
+
+    @property
+    def runner_up(self) -> StrategyCandidate | None:
+        return self.ranked[1] if len(self.ranked) > 1 else None
+
+    @property
+    def speedup(self) -> float:
+        """The best strategy's goodput over no speculation at the same batch size and context."""
+        return self.best.tokens_per_s / self.baseline_tokens_per_s
+
+    @property
+    def margin(self) -> float | None:
+        """(G(best) - G(runner-up)) / G(best): how decided the choice is."""
+        if self.runner_up is None:
+            return None
+        return (self.best.tokens_per_s - self.runner_up.tokens_per_s) / self.best.tokens_per_s
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """Everything a step's yield and time depend on: pass latency, overhead, acceptance, second stage."""
+
+    latency_ms: LatencyFn
+    overhead: OverheadModel
+    acceptance: AcceptanceModel
+    stage2: Stage2Info | None = None
+    # (role, b, n, L) -> ms, filled as strategies are evaluated: trees share most pass shapes
+    _latency_cache: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def _latency(self, role: str, batch_size: int, new_tokens: int, context_len: int) -> float:
+        key = (role, batch_size, new_tokens, context_len)
+        if key not in self._latency_cache:
+            self._latency_cache[key] = float(self.latency_ms(role, batch_size, new_tokens, context_len))
+        return self._latency_cache[key]
+
+    def _rank_acceptance(self, strategy: Strategy) -> Sequence[Sequence[float]]:
+        if self.acceptance.rank_acceptance is None:
+            raise PerfModelError(f"strategy {strategy.describe(40)}: a tree needs per-depth, per-rank acceptance "
+                                 "(rank_acceptance), which this acceptance lacks; measure it with calibrate or "
+                                 "use a chain")
+        return self.acceptance.rank_acceptance
+
+    def tokens_per_step(self, strategy: Strategy) -> float:
+        """E(strategy): see the module docstring."""
+        if strategy.kind == "tree":
+            return expected_tree_tokens(strategy.tree, self._rank_acceptance(strategy))
+        return self.acceptance.expected_tokens(strategy.k)
+
+    def leaf_end_probability(self, strategy: Strategy) -> float:
+        """P(a row's accepted path ends at a leaf): all k for chains, as `goodput.step_passes` has it."""
+        if strategy.kind == "chain":
+            return accept_all_probability(self.acceptance.per_position, strategy.k)
+        probabilities = node_probabilities(strategy.tree, self._rank_acceptance(strategy))
+        return leaf_end_probability(strategy.tree, probabilities)
+
+    def schedule(self, strategy: Strategy, batch_size: int) -> TreeStep:
+        """The passes (and n-gram queries) of one step of `strategy` over `batch_size` rows."""
+        if batch_size < 1:
+            raise PerfModelError(f"batch size must be >= 1, found {batch_size}")
+        if strategy.tree is None or (strategy.kind == "chain" and not strategy.stage2):
+            return TreeStep(step_passes(batch_size, strategy.k, self.acceptance.per_position), ())
+        p_leaf_end = self.leaf_end_probability(strategy)
+        if not strategy.stage2:
+            return tree_step(strategy.tree, batch_size, p_leaf_end)
+        if self.stage2 is None:
+            raise PerfModelError(f"strategy {strategy.describe(40)}: the second stage needs the profile's stage2 "
+                                 "measurements (n-gram guess accuracy and query cost), which this model lacks")
+        return staged_step(strategy.tree, batch_size, p_leaf_end, self.stage2.guess_accuracy)
+
+    def evaluate(self, strategy: Strategy, batch_size: int, context_len: int) -> StrategyCandidate:
+        step = self.schedule(strategy, batch_size)
+        times = [p.weight * self._latency(p.role, batch_size, p.new_tokens, context_len) for p in step.passes]
+        forward_ms = sum(times)  # summed in pass order, as goodput.step_time_ms does
+        ngram_ms = sum(q.weight * self.stage2.query_ms(q.contexts) for q in step.queries) if step.queries else 0.0
+        overhead_ms = self.overhead.step_overhead_ms(batch_size, strategy)
+        step_ms = forward_ms + ngram_ms + overhead_ms
+        tokens = self.tokens_per_step(strategy)
+        is_draft = [p.role == "draft" for p in step.passes]
+        return StrategyCandidate(
+            strategy=strategy, step_ms=step_ms, tokens_per_step=tokens,
+            tokens_per_s=batch_size * tokens / step_ms * 1e3,
+            draft_ms=sum(t for t, d in zip(times, is_draft) if d),
+            target_ms=sum(t for t, d in zip(times, is_draft) if not d),
+            ngram_ms=ngram_ms, overhead_ms=overhead_ms, draft_passes=step.draft_passes)
+
+    def choose(self, strategies: Sequence[Strategy], batch_size: int, context_len: int) -> StrategyChoice:
+        """Evaluate every strategy (no speculation is always added: it is the speedup's baseline) and
+        rank them by goodput."""
+        if batch_size < 1:
+            raise PerfModelError(f"batch size must be >= 1, found {batch_size}")
+        ordered = tuple(dict.fromkeys((Strategy(None),) + tuple(strategies)))
+        candidates = [self.evaluate(s, batch_size, context_len) for s in ordered]
+        order = np.argsort([-c.tokens_per_s for c in candidates], kind="stable")
+        return StrategyChoice(batch_size, context_len, tuple(candidates[i] for i in order), candidates[0].tokens_per_s)
+
