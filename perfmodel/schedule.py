@@ -148,6 +148,7 @@ def valid_within(tree: Tree, guess_accuracy: tuple[float, ...]) -> np.ndarray:
                     value = value * (a * g[child] + (1.0 - a) * shifted)
             g[node] = value
         table[j] = g[0]
+    table.flags.writeable = False  # cached and shared
     return table
 
 

@@ -310,7 +310,8 @@ class Strategy:
         else:
             spec = self.tree.spec()
             if max_spec_chars is not None and len(spec) > max_spec_chars:
-                spec = spec[:max_spec_chars].rsplit(",", 1)[0] + ",..."
+                cut = spec[:max_spec_chars + 1].rfind(",")  # keep whole paths only
+                spec = (spec[:cut] + ",...") if cut > 0 else "..."
             text = f"tree {spec} ({self.tree.num_nodes} nodes)"
         return text + (" +ngram" if self.stage2 else "")
 
