@@ -24,10 +24,10 @@ Tree step WITH the second stage (`staged_step`; also how a chain runs with it), 
   round t >= 2: re-guess what is not valid yet and feed the breadth-first SUFFIX of inner nodes from
     the first one invalid in ANY row: one draft pass over (b, that many) tokens;
   stop when every inner node is valid in every row; then one target pass over (b, N + 1); overhead.
-  The n-gram is queried once per depth level of the nodes guessed in a round (a guess's context
-  holds its parent's guessed token, so levels go one after another), over b x (guessed nodes of that
-  level) contexts: query_overhead_ms + contexts * query_ms_per_context each. Guessed nodes are the
-  whole fed suffix (the runtime asks for every row, and keeps the tokens it already knows).
+  Every round makes one n-gram query (one host round trip) that guesses, row by row, the fed nodes
+  whose true token is not known yet, i.e. whose parent's logits are not valid yet: it costs
+  query_overhead_ms + contexts * query_ms_per_context, contexts = the (row, node) guesses made.
+  Round 1 guesses all b x I; later rounds only the children of still-invalid nodes.
 
 Rounds, exactly (`staged_rounds`). Along a root-to-node path, a node that is guessed wrong costs one
 more round; in that round its token is certain (its parent is valid), and the nodes below it get
@@ -35,8 +35,11 @@ fresh guesses, right with probability guess_accuracy[rank]. So a node is valid a
 1 + W(v), W(v) = wrong guesses on its path, each node wrong independently with 1 - accuracy[rank].
 Rows are independent. The round-t pass starts at q_t = the first breadth-first index invalid in some
 row, and P(q_t >= j) = A_j(t - 2)^b, where A_j(m) = P(the first j inner nodes all have W <= m) in one
-row, computed by a product over the tree (`valid_within`). A Monte Carlo of the rounds themselves
-(`simulate_staged_rounds`) checks this in the tests.
+row, computed by a product over the tree (`valid_within`). The guesses: node v is guessed in round
+t >= 2 when its parent u (not the root) is invalid after round t - 1, i.e. W(u) >= t - 1; summed over
+rounds that is E[W(u)], so the expected contexts per step are b * (I + sum over inner v of E[W(parent)]),
+E[W(u)] = sum of (1 - accuracy) over u's path. A Monte Carlo of the rounds themselves
+(`simulate_staged_rounds`) checks all of this in the tests.
 
 Assumptions beyond the goodput module's: acceptance and guesses independent across depths, ranks and
 rows; every pass sees the step's starting context length; the n-gram query time does not depend on
@@ -56,17 +59,12 @@ from .tree import Tree
 
 
 @dataclass(frozen=True)
-class Query:
-    contexts: int  # contexts in one batched n-gram query: b x (guessed nodes of one depth level)
-    weight: float  # expected number of such queries per step
-
-
-@dataclass(frozen=True)
 class TreeStep:
-    """One step's passes (with expected counts), its n-gram queries and its expected draft passes."""
+    """One step's passes (with expected counts), its n-gram work and its expected draft passes."""
 
     passes: tuple[Pass, ...]
-    queries: tuple[Query, ...]  # empty without the second stage
+    ngram_queries: float = 0.0  # expected n-gram queries (one per round with the second stage)
+    ngram_contexts: float = 0.0  # expected (row, node) guesses, over all of them
 
     @property
     def draft_passes(self) -> float:
@@ -114,8 +112,7 @@ def tree_step(tree: Tree, batch_size: int, p_leaf_end: float) -> TreeStep:
     """
     _check(tree, batch_size)
     levels = [Pass("draft", count, 1.0) for count in inner_per_depth(tree)]
-    return TreeStep(tuple(_catch_up(batch_size, 0, p_leaf_end) + levels
-                          + [Pass("target", tree.num_nodes + 1, 1.0)]), ())
+    return TreeStep(tuple(_catch_up(batch_size, 0, p_leaf_end) + levels + [Pass("target", tree.num_nodes + 1, 1.0)]))
 
 
 # ---------------------------------------------------------------- the second stage's rounds
@@ -181,9 +178,18 @@ def staged_rounds(tree: Tree, batch_size: int, guess_accuracy: Sequence[float]) 
                         tuple(float(s) for s in start))
 
 
-def _level_sizes(tree: Tree, nodes: Sequence[int]) -> list[int]:
-    depths = [tree.depths[node] for node in nodes]
-    return [depths.count(d) for d in sorted(set(depths))]
+def expected_guesses(tree: Tree, guess_accuracy: Sequence[float]) -> float:
+    """Expected (node) guesses per row and step: I in round 1, plus E[W(parent)] for every inner node
+    whose parent is not the root (see the module docstring).
+
+    >>> expected_guesses(Tree(((0,), (0, 0), (0, 0, 0))), [0.0])  # round 1: 2; node 0.0 again once
+    3.0
+    """
+    inner, accuracy = _inner_accuracy(tree, guess_accuracy)
+    wrongs = {0: 0.0}  # E[W(node)]
+    for node, a in zip(inner, accuracy):
+        wrongs[node] = wrongs[tree.parents[node]] + 1.0 - a
+    return float(len(inner) + sum(wrongs[tree.parents[node]] for node in inner))
 
 
 def staged_step(tree: Tree, batch_size: int, p_leaf_end: float, guess_accuracy: Sequence[float]) -> TreeStep:
@@ -192,8 +198,8 @@ def staged_step(tree: Tree, batch_size: int, p_leaf_end: float, guess_accuracy: 
     >>> s = staged_step(Tree(((0,), (0, 0), (0, 0, 0))), 1, 0.0, [0.0])
     >>> [(p.role, p.new_tokens, p.weight) for p in s.passes]
     [('draft', 3, 1.0), ('draft', 2, 1.0), ('draft', 1, 1.0), ('target', 4, 1.0)]
-    >>> [(q.contexts, q.weight) for q in s.queries]  # one query per level: 2 in round 1, 2 in round 2, 1 in round 3
-    [(1, 5.0)]
+    >>> s.ngram_queries, s.ngram_contexts  # one query per round; guesses: 2, then 0.0 again, then none
+    (3.0, 3.0)
     """
     _check(tree, batch_size)
     inner = tree.inner_nodes[1:]
@@ -201,12 +207,9 @@ def staged_step(tree: Tree, batch_size: int, p_leaf_end: float, guess_accuracy: 
         return tree_step(tree, batch_size, p_leaf_end)
     rounds = staged_rounds(tree, batch_size, guess_accuracy)
     later = [Pass("draft", s, w) for s, w in sorted(enumerate(rounds.width_weight), reverse=True) if s and w > 0]
-    queries: dict[int, float] = {}
-    for j, weight in [(0, 1.0)] + [(j, w) for j, w in enumerate(rounds.start_weight) if w > 0 and j < len(inner)]:
-        for size in _level_sizes(tree, inner[j:]):
-            queries[batch_size * size] = queries.get(batch_size * size, 0.0) + weight
     passes = _catch_up(batch_size, len(inner), p_leaf_end) + later + [Pass("target", tree.num_nodes + 1, 1.0)]
-    return TreeStep(tuple(passes), tuple(Query(c, w) for c, w in sorted(queries.items(), reverse=True)))
+    return TreeStep(tuple(passes), ngram_queries=rounds.expected_rounds,
+                    ngram_contexts=batch_size * expected_guesses(tree, guess_accuracy))
 
 
 # ---------------------------------------------------------------- Monte Carlo check of the rounds
@@ -215,6 +218,7 @@ def staged_step(tree: Tree, batch_size: int, p_leaf_end: float, guess_accuracy: 
 class SimulatedRounds:
     rounds: np.ndarray  # (draws,) rounds per step, round 1 included
     widths: np.ndarray  # (draws, max rounds - 1) inner nodes fed in rounds 2, 3, ...; 0 after the last
+    guesses: np.ndarray  # (draws,) (row, node) guesses over all rounds: the n-gram's contexts
 
 
 def simulate_staged_rounds(tree: Tree, batch_size: int, guess_accuracy: Sequence[float], draws: int = 4000,
@@ -232,10 +236,12 @@ def simulate_staged_rounds(tree: Tree, batch_size: int, guess_accuracy: Sequence
     widths = []
     start = np.zeros(draws, dtype=int)  # suffix start of the current round, per draw
     active = np.ones(draws, dtype=bool)
+    guesses = np.zeros(draws, dtype=int)
     while active.any():
         fed_ok = np.zeros_like(valid)
         for i in range(len(inner)):
             in_suffix = (i >= start)[:, None]
+            guesses += (in_suffix & ~known[..., i] & active[:, None]).sum(axis=1)
             right = valid[..., i] | known[..., i] | (rng.random(shape) < accuracy[i])
             above = np.ones(shape, dtype=bool) if parent[i] < 0 else np.where(
                 (parent[i] >= start)[:, None], fed_ok[..., parent[i]], valid[..., parent[i]])
@@ -251,4 +257,5 @@ def simulate_staged_rounds(tree: Tree, batch_size: int, guess_accuracy: Sequence
         start = np.where(active, invalid_anywhere.argmax(axis=1), len(inner))
         widths.append(np.where(active, len(inner) - start, 0))
         rounds += active
-    return SimulatedRounds(rounds, np.stack(widths[:-1], axis=1) if len(widths) > 1 else np.zeros((draws, 0), int))
+    return SimulatedRounds(rounds, np.stack(widths[:-1], axis=1) if len(widths) > 1 else np.zeros((draws, 0), int),
+                           guesses)

@@ -16,7 +16,8 @@ E (tokens a row gains per step):
 
 S (expected step time): the forward passes the runtime makes (`goodput.step_passes` for plain chains,
 `schedule.tree_step` / `schedule.staged_step` for trees and staged steps), each weighted by its
-expected count, plus the n-gram queries, plus the step overhead (`OverheadModel.step_overhead_ms`).
+expected count, plus the n-gram queries (expected queries x query_overhead_ms + expected
+contexts x query_ms_per_context), plus the step overhead (`OverheadModel.step_overhead_ms`).
 
 The candidates (`candidate_strategies`): none; chains k = 1..max_k; trees grown greedily from the
 rank acceptance (`grow_tree`, depth up to the rank table's) at TREE_SIZES nodes up to a limit; each
@@ -154,7 +155,7 @@ class StepModel:
         if batch_size < 1:
             raise PerfModelError(f"batch size must be >= 1, found {batch_size}")
         if strategy.tree is None or (strategy.kind == "chain" and not strategy.stage2):
-            return TreeStep(step_passes(batch_size, strategy.k, self.acceptance.per_position), ())
+            return TreeStep(step_passes(batch_size, strategy.k, self.acceptance.per_position))
         p_leaf_end = self.leaf_end_probability(strategy)
         if not strategy.stage2:
             return tree_step(strategy.tree, batch_size, p_leaf_end)
@@ -167,7 +168,10 @@ class StepModel:
         step = self.schedule(strategy, batch_size)
         times = [p.weight * self._latency(p.role, batch_size, p.new_tokens, context_len) for p in step.passes]
         forward_ms = sum(times)  # summed in pass order, as goodput.step_time_ms does
-        ngram_ms = sum(q.weight * self.stage2.query_ms(q.contexts) for q in step.queries) if step.queries else 0.0
+        ngram_ms = 0.0
+        if step.ngram_queries:
+            ngram_ms = (step.ngram_queries * self.stage2.query_overhead_ms
+                        + step.ngram_contexts * self.stage2.query_ms_per_context)
         overhead_ms = self.overhead.step_overhead_ms(batch_size, strategy)
         step_ms = forward_ms + ngram_ms + overhead_ms
         tokens = self.tokens_per_step(strategy)

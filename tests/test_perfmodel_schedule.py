@@ -32,7 +32,7 @@ def test_tree_step_passes_by_hand():
     p2 = 1 - 0.58 ** 2
     step = tree_step(FAN, 2, 0.42)
     assert shapes(step) == [("draft", 2, p2), ("draft", 1, 1 - p2), ("draft", 2, 1.0), ("target", 6, 1.0)]
-    assert step.queries == () and step.draft_passes == pytest.approx(2.0)
+    assert (step.ngram_queries, step.ngram_contexts) == (0.0, 0.0) and step.draft_passes == pytest.approx(2.0)
     deep = parse_tree("0,1,0.0,0.1,0.0.0,0.0.1,0.0.0.0")  # inner nodes per depth: 1 (0), 1 (0.0), 1 (0.0.0)
     assert inner_per_depth(deep) == (1, 1, 1)
     assert [(p.role, p.new_tokens) for p in tree_step(deep, 3, 0.0).passes] == [
@@ -68,7 +68,7 @@ def test_perfect_guesses_take_exactly_one_round():
     assert rounds.expected_rounds == 1.0 and sum(rounds.width_weight) == 0.0
     step = staged_step(CHAIN3, 4, 0.0, [1.0])
     assert shapes(step) == [("draft", 3, 1.0), ("target", 4, 1.0)]  # w = 1, plus the 2 inner nodes
-    assert [(q.contexts, q.weight) for q in step.queries] == [(4, 2.0)]  # round 1: one query per level
+    assert (step.ngram_queries, step.ngram_contexts) == (1.0, 8.0)  # one query guessing 2 nodes in 4 rows
 
 
 def test_wrong_guesses_take_one_round_per_inner_node_more():
@@ -81,8 +81,9 @@ def test_wrong_guesses_take_one_round_per_inner_node_more():
     # a chain of 3, all wrong: round 2 re-feeds both inner nodes, round 3 the second one
     step = staged_step(CHAIN3, 2, 1.0, [0.0])
     assert shapes(step) == [("draft", 4, 1.0), ("draft", 2, 1.0), ("draft", 1, 1.0), ("target", 4, 1.0)]
-    # queries of b x 1 contexts: 2 levels in round 1, 2 in round 2, 1 in round 3
-    assert [(q.contexts, q.weight) for q in step.queries] == [(2, 5.0)]
+    # one query per round; guesses per row: both nodes in round 1, node 2 again in round 2 (its parent,
+    # node 1, was invalid), none in round 3 (node 2's token is known once node 1 is valid)
+    assert (step.ngram_queries, step.ngram_contexts) == (3.0, 2 * 3.0)
 
 
 def test_chain_rounds_by_hand():
@@ -111,6 +112,15 @@ def test_monte_carlo_matches_the_hand_computed_chain():
     assert set(simulate_staged_rounds(CHAIN3, 2, [0.0], draws=50).rounds) == {3}
 
 
+def test_guesses_by_hand():
+    """Node v is guessed again in every round its non-root parent u is still invalid: E[W(u)] times."""
+    p = 0.6
+    # chain of 3: node 1 in round 1; node 2 in round 1 and again E[W(node 1)] = 0.4 times
+    assert staged_step(CHAIN3, 5, 0.0, [p]).ngram_contexts == pytest.approx(5 * (2 + (1 - p)))
+    # FAN: both inner nodes have the root as parent: guessed once each
+    assert staged_step(FAN, 3, 0.0, [0.1, 0.1]).ngram_contexts == pytest.approx(3 * 2)
+
+
 @pytest.mark.parametrize("tree,accuracy,b", [
     (FAN, [0.7, 0.4], 1),
     (parse_tree("0,1,2,0.0,0.1,1.0,0.0.0,0.0.1,0.1.0,0.0.0.0"), [0.7, 0.4], 3),
@@ -123,6 +133,9 @@ def test_closed_form_matches_the_simulated_rounds(tree, accuracy, b):
     inner = len(tree.inner_nodes) - 1
     per_width = [(simulated.widths == s).sum() / 20000 for s in range(inner + 1)]
     assert per_width[1:] == pytest.approx(exact.width_weight[1:], abs=0.015)
+    step = staged_step(tree, b, 0.0, accuracy)
+    assert simulated.guesses.mean() == pytest.approx(step.ngram_contexts, rel=0.02)
+    assert step.ngram_queries == exact.expected_rounds
 
 
 def test_valid_within_is_a_probability_table():

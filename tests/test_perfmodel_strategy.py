@@ -58,11 +58,11 @@ def test_tree_step_time_and_goodput_by_hand():
 
 def test_staged_chain_step_time_by_hand():
     """A chain of 3 whose guesses are always wrong, one row: round 1 feeds w + 2, round 2 both inner
-    nodes again, round 3 the second; 5 queries of 1 context (2 levels + 2 levels + 1)."""
+    nodes again, round 3 the second; one query per round, guessing 2, 1 and 0 nodes."""
     candidate = step_model().evaluate(Strategy(chain(3), stage2=True), 1, 0)
     p2 = 0.5 ** 3  # all three accepted: the catch-up is 2 tokens
     assert candidate.draft_ms == pytest.approx(p2 * 3.0 + (1 - p2) * 2.5 + 2.0 + 1.5)
-    assert candidate.ngram_ms == pytest.approx(5 * (0.05 + 0.001))
+    assert candidate.ngram_ms == pytest.approx(3 * 0.05 + 3 * 0.001)
     assert candidate.draft_passes == pytest.approx(3.0)
     assert candidate.step_ms == pytest.approx(candidate.draft_ms + 10.4 + candidate.ngram_ms)
 
