@@ -42,7 +42,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     errors: list[type[BaseException]] = [UsageError, FileNotFoundError, json.JSONDecodeError]
     for module, name in (("runtime.config", "ConfigError"), ("runtime.checkpoint", "CheckpointError"),
                          ("runtime.generator", "GenerationError"), ("perfmodel.errors", "PerfModelError"),
-                         ("calibrate.errors", "CalibrationError"), ("calibrate.bench", "BenchError")):
+                         ("calibrate.errors", "CalibrationError"), ("calibrate.bench", "BenchError"),
+                         ("runtime.ngram", "NGramError")):
         loaded = sys.modules.get(module)
         if loaded is not None and hasattr(loaded, name):
             errors.append(getattr(loaded, name))
@@ -128,6 +129,70 @@ def load_pair(target: str | None, draft: str | None, device: str | None, dtype: 
     return target_model, draft_model
 
 
+TreeOpt = Annotated[Optional[str], typer.Option(
+    "--tree", help="Draft tree: rank paths like 0,1,0.0,0.1 (rank 0 = the draft's top token), chain:K, a JSON "
+                   "list of paths, or auto (the tree the performance model in --model picks per batch size).")]
+Stage2Opt = Annotated[Optional[Path], typer.Option(
+    "--stage2", help="n-gram file (specbatch.ngram/1) that speeds up the draft model's own drafting.")]
+
+
+def is_ngram_file(path: str | None) -> bool:
+    return path is not None and path.endswith(".safetensors") and Path(path).is_file()
+
+
+def load_ngram(path: Path | str, option: str, target_model):
+    """An n-gram file checked against the target's vocabulary and tokenizer (one-line errors)."""
+    from runtime.ngram import NGramModel, tokenizer_fingerprint
+
+    ngram = NGramModel.load(path)
+    tokenizer_file = Path(target_model.path) / "tokenizer.json"
+    fingerprint = tokenizer_fingerprint(tokenizer_file) if tokenizer_file.is_file() else None
+    ngram.check_compatible(target_model.config.vocab_size, fingerprint, f"{option} {path}")
+    return ngram
+
+
+def strategy_policy(tree: str, stage2: Path | None, model_file: Path | None, max_batch: int):
+    """The policy for --tree SPEC (the same tree every step) or --tree auto: the strategy the performance
+    model in `model_file` predicts best at each batch size up to `max_batch` (trees and chains, and with
+    the second stage when --stage2 is given), computed here as an in-memory table."""
+    from perfmodel.tree import Strategy, parse_tree
+    from runtime.policy import FixedStrategy, TableK
+
+    if tree != "auto":
+        return FixedStrategy(Strategy(parse_tree(tree), stage2=stage2 is not None))
+    if model_file is None:
+        raise UsageError("--tree auto needs --model FILE (a specbatch.model/1 file from `specbatch fit`)")
+    from perfmodel.model import choose_acceptance, compute_table, load_model
+
+    fitted = load_model(model_file)
+    if stage2 is not None and fitted.stage2 is None:
+        raise UsageError(f"--stage2 with --tree auto: {model_file} has no second-stage measurements; "
+                         "calibrate with --stage2 first")
+    table = compute_table(fitted, choose_acceptance(fitted, None, str(model_file)), max_batch,
+                          strategies="all" if stage2 is not None else "tree")
+    return TableK(table)
+
+
+def second_stage_for(policy, stage2: Path | None, target_model):
+    """The n-gram model a policy needs: --stage2, else the file a table names (checked by sha256)."""
+    table = getattr(policy, "table", None)
+    if stage2 is None and getattr(policy, "needs_stage2", False):
+        named = table.stage2["file"] if table is not None and table.stage2 else None
+        if named is None or not Path(named).is_file():
+            raise UsageError(f"{policy.describe()} uses the n-gram second stage; pass --stage2 FILE")
+        stage2 = Path(named)
+    if stage2 is None:
+        return None
+    if table is not None and table.stage2 and getattr(policy, "needs_stage2", False):
+        import hashlib
+
+        digest = hashlib.sha256(Path(stage2).read_bytes()).hexdigest()
+        if digest != table.stage2["sha256"]:
+            raise UsageError(f"--stage2 {stage2}: not the n-gram file the table was computed for "
+                             f"(sha256 {digest[:12]}, the table names {table.stage2['sha256'][:12]})")
+    return load_ngram(stage2, "--stage2", target_model)
+
+
 @app.command()
 @one_line_errors
 def generate(
@@ -137,6 +202,9 @@ def generate(
     draft: DraftOpt = None,
     k: Annotated[Optional[int], typer.Option("--k", help="Fixed speculation length (default 4 with a draft, 0 without).")] = None,
     table: Annotated[Optional[Path], typer.Option("--table", help="specbatch.table/1 file: k per batch size.")] = None,
+    tree: TreeOpt = None,
+    stage2: Stage2Opt = None,
+    model: Annotated[Optional[Path], typer.Option("--model", help="specbatch.model/1 file, for --tree auto.")] = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 64,
     temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy.")] = 0.0,
     top_k: Annotated[int, typer.Option("--top-k", help="0 = no top-k filter.")] = 0,
@@ -146,11 +214,13 @@ def generate(
     dtype: DtypeOpt = None,
     json_output: JsonOpt = False,
 ):
-    """Generate text with batched speculative decoding (all prompts in one batch)."""
+    """Generate text with batched speculative decoding (all prompts in one batch).
+
+    --draft may also be an n-gram file (.safetensors from data/train_ngram.py): the n-gram alone drafts."""
     if k is not None and k < 0:
         raise UsageError(f"--k must be >= 0, got {k}")
-    if k is not None and table is not None:
-        raise UsageError("--k and --table are mutually exclusive")
+    if sum(x is not None for x in (k, table, tree)) > 1:
+        raise UsageError("--k, --table and --tree are mutually exclusive")
     if not 0.0 < top_p <= 1.0:
         raise UsageError(f"--top-p must be in (0, 1], got {top_p}")
     if temperature < 0 or top_k < 0:
@@ -167,16 +237,28 @@ def generate(
     from runtime.policy import FixedK, TableK
     from runtime.sampling import Sampling
 
-    target_model, draft_model = load_pair(target, draft, device, dtype, need_draft=k != 0)
+    ngram_draft = is_ngram_file(draft)
+    target_model, draft_model = load_pair(target, None if ngram_draft else draft, device, dtype,
+                                          need_draft=k != 0 and not ngram_draft)
     if target_model.tokenizer is None:
         raise UsageError(f"{target_model.path}: no tokenizer.json, cannot encode text prompts")
-    policy = TableK(table) if table is not None else FixedK(k if k is not None else (4 if draft_model else 0))
-    if draft_model is None and policy.max_k > 0:
+    draft_runner = draft_model.model if draft_model else None
+    if ngram_draft:
+        if stage2 is not None:
+            raise UsageError("--stage2 speeds up a draft MODEL; with an n-gram --draft there is nothing to stage")
+        draft_runner = load_ngram(draft, "--draft", target_model)
+    if tree is not None:
+        policy = strategy_policy(tree, stage2, model, len(texts))
+    elif stage2 is not None and table is None:
+        raise UsageError("--stage2 needs --tree or --table (a chain is --tree chain:K)")
+    else:
+        policy = TableK(table) if table is not None else FixedK(k if k is not None else (4 if draft_runner else 0))
+    second_stage = second_stage_for(policy, stage2, target_model)
+    if draft_runner is None and policy.max_k > 0:
         raise UsageError("k > 0 needs a draft model (--draft)")
     sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
     encoded = [target_model.tokenizer.encode(t) for t in texts]
-    generator = SpeculativeGenerator(target_model.model, draft_model.model if draft_model else None,
-                                     target_model.eos_token_ids)
+    generator = SpeculativeGenerator(target_model.model, draft_runner, target_model.eos_token_ids, stage2=second_stage)
     result = generator.generate(encoded, max_new_tokens, policy, sampling, seed)
     decode = target_model.tokenizer.decode
     outputs = [{"prompt": t, "text": decode(ids), "token_ids": ids} for t, ids in zip(texts, result.token_ids)]

@@ -237,6 +237,9 @@ class SpeculativeGenerator:
 
     def _tree_step(self, tree, staged, tokens, committed, target_cache, draft_cache, sampling, rng, stats, timer):
         """A tree step (runtime.tree_decoding): draft, one target pass over every node, keep one path."""
+        if tree.max_children > self.target.config.vocab_size:
+            raise GenerationError(f"a tree node has {tree.max_children} children, more than the vocabulary's "
+                                  f"{self.target.config.vocab_size} tokens")
         plan = plan_for(tree, self.device)
         recorder = _PassRecorder(timer, stats)
         if self.draft_is_model:

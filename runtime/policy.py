@@ -30,20 +30,25 @@ class FixedK:
 
 
 class TableK:
-    """k from a `specbatch.table/1` file (perfmodel.table), looked up by batch size and context."""
+    """The strategy of a `specbatch.table/1` table (perfmodel.table), by batch size and context: a chain
+    of k, or a tree with or without the second stage when the table's entries carry a strategy.
+    `source` is a table file or an in-memory `perfmodel.table.Table` (e.g. computed for --tree auto)."""
 
-    def __init__(self, path: str | Path):
-        from perfmodel.table import load_table
+    def __init__(self, source):
+        from perfmodel.table import Table, load_table
 
-        self.path = Path(path)
-        self.table = load_table(self.path)
-        self.max_k = max(entry.k for bucket in self.table.buckets for entry in bucket.entries)
+        self.table = source if isinstance(source, Table) else load_table(Path(source))
+        self.name = "the performance model's choice" if isinstance(source, Table) else f"table {Path(source).name}"
+        strategies = [entry.chosen() for bucket in self.table.buckets for entry in bucket.entries]
+        self.max_k = max(s.tree.num_nodes if s.tree is not None else 0 for s in strategies)
+        self.needs_stage2 = any(s.stage2 for s in strategies)
 
-    def __call__(self, batch_size: int, context_len: int) -> int:
-        return self.table.lookup(batch_size, context_len)
+    def __call__(self, batch_size: int, context_len: int):
+        strategy = self.table.strategy(batch_size, context_len)
+        return strategy if strategy.kind == "tree" or strategy.stage2 else strategy.k
 
     def describe(self) -> str:
-        return f"table {self.path.name}"
+        return self.name
 
 
 class FixedStrategy:
@@ -57,4 +62,4 @@ class FixedStrategy:
         return self.strategy
 
     def describe(self) -> str:
-        return self.strategy.describe()
+        return self.strategy.describe(60)
