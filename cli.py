@@ -706,9 +706,14 @@ def table(
                                "(default: one bucket at the profile's middle context length).")] = None,
     acceptance: AcceptanceOpt = None,
     max_k: MaxKOpt = None,
+    strategies: Annotated[str, typer.Option(
+        "--strategies", help="chain (chains only) | tree (chains and trees) | all (and the n-gram second stage, "
+                             "when the profile measured one).")] = "all",
+    max_tree_nodes: Annotated[int, typer.Option("--max-tree-nodes", help="Largest tree considered.")] = 64,
     fmt: Annotated[str, typer.Option("--format", help="json (specbatch.table/1) | csv | vllm | trtllm.")] = "json",
 ):
-    """Best speculation length k for every batch size 1..max-batch, with its predicted gain."""
+    """Best strategy (none, a chain of k, a tree, with or without the second stage) for every batch size
+    1..max-batch, with its predicted gain. vllm/trtllm exports express chains only (a tree's depth as k)."""
     _check_counts(max_batch=max_batch, max_k=max_k)
     if fmt not in TABLE_FORMATS:
         raise UsageError(f"--format: {fmt!r} is not one of {', '.join(TABLE_FORMATS)}")
@@ -719,7 +724,10 @@ def table(
 
     fitted = load_model(model)
     chosen = choose_acceptance(fitted, _acceptance_override(acceptance), str(model))
-    result = compute_table(fitted, chosen, max_batch, lengths, max_k)
+    if max_tree_nodes < 1:
+        raise UsageError(f"--max-tree-nodes must be >= 1, got {max_tree_nodes}")
+    result = compute_table(fitted, chosen, max_batch, lengths, max_k, strategies=strategies,
+                           max_tree_nodes=max_tree_nodes)
     if fmt == "json":
         tables.save_table(output, result)
     elif fmt == "csv":
@@ -735,24 +743,29 @@ def render_table(result, notes: list[str], output: Path) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from perfmodel.table import k_runs
-
     console = Console()
     acc = result.acceptance
     console.print(f"acceptance ({acc['source']}): per position {acc['per_position']}, "
                   f"constant-alpha fit {acc['constant_alpha']:.3f} (rmse {acc['constant_alpha_rmse']:.3f})")
     for bucket in result.buckets:
-        view = Table(title=f"best k per batch size, context {bucket.context_len} (runs of equal k collapsed)")
-        for column in ("batch size", "k*", "tokens/s", "speedup vs k=0", "runner-up k", "smallest margin"):
+        view = Table(title=f"best strategy per batch size, context {bucket.context_len} (runs collapsed)")
+        for column in ("b", "strategy", "k*", "tokens/s", "speedup vs k=0", "runner-up", "min margin"):
             view.add_column(column, justify="right")
-        for start, end, k in k_runs(bucket.entries):
-            run = bucket.entries[start - 1:end]
+        runs: list[list] = []
+        for entry in bucket.entries:  # consecutive batch sizes with the same strategy form one row
+            if runs and runs[-1][-1].chosen() == entry.chosen():
+                runs[-1].append(entry)
+            else:
+                runs.append([entry])
+        for run in runs:
+            start, end, strategy = run[0].batch_size, run[-1].batch_size, run[0].chosen()
             margins = [e.margin for e in run if e.margin is not None]
-            runner_ups = sorted({e.runner_up_k for e in run if e.runner_up_k is not None})
-            view.add_row(str(start) if start == end else f"{start}-{end}", str(k),
+            runner_ups = list(dict.fromkeys(e.runner_up_strategy.describe(24) if e.runner_up_strategy is not None
+                                            else f"k={e.runner_up_k}" for e in run if e.runner_up_k is not None))
+            view.add_row(str(start) if start == end else f"{start}-{end}", strategy.describe(40), str(strategy.k),
                          _span(run[0].predicted_tokens_per_s, run[-1].predicted_tokens_per_s, "{:.0f}"),
                          _span(run[0].predicted_speedup, run[-1].predicted_speedup, "{:.2f}x"),
-                         ",".join(map(str, runner_ups)) or "-", f"{min(margins):.1%}" if margins else "-")
+                         "; ".join(runner_ups[:2]) or "-", f"{min(margins):.1%}" if margins else "-")
         console.print(view)
     for note in notes:
         console.print(f"[yellow]note:[/] {note}")
@@ -773,15 +786,24 @@ def query(
         "--context-len", help="Mean context length (default: the profile's middle one / the table's first bucket).")] = None,
     acceptance: AcceptanceOpt = None,
     max_k: MaxKOpt = None,
+    tree: TreeOpt = None,
+    stage2: Stage2Opt = None,
     json_output: JsonOpt = False,
 ):
-    """Step time, tokens per step and goodput of every k at one batch size, and the best k."""
+    """Step time, tokens per step and goodput of every k at one batch size, and the best k.
+
+    --tree auto ranks every strategy (chains, grown trees, and with the second stage when the model has
+    its measurements); --tree SPEC [--stage2 FILE] predicts that one tree (a what-if)."""
     _check_counts(batch_size=batch_size, context_len=context_len, max_k=max_k)
     if (model is None) == (table_path is None):
         raise UsageError("give either a model file or --table, not both or neither")
-    if table_path is not None and (acceptance is not None or max_k is not None):
-        raise UsageError("--acceptance and --max-k need a model file: a table was computed with fixed values")
-    if model is not None:
+    if table_path is not None and (acceptance is not None or max_k is not None or tree is not None):
+        raise UsageError("--acceptance, --max-k and --tree need a model file: a table was computed with fixed values")
+    if stage2 is not None and tree is None:
+        raise UsageError("--stage2 needs --tree (a chain is --tree chain:K)")
+    if model is not None and tree is not None:
+        answer, notes = _query_strategies(model, batch_size, context_len, acceptance, max_k, tree, stage2)
+    elif model is not None:
         from perfmodel.model import choose_acceptance, load_model
         from perfmodel.model import query as query_model
 
@@ -801,40 +823,84 @@ def query(
     render_query(answer, notes)
 
 
+def _query_strategies(model: Path, batch_size: int, context_len: int | None, acceptance: str | None,
+                      max_k: int | None, tree: str, stage2: Path | None) -> tuple[dict, list[str]]:
+    """--tree auto: every candidate strategy ranked; --tree SPEC: that strategy alone."""
+    import hashlib
+
+    from perfmodel.model import choose_acceptance, evaluate_strategy, load_model, query_strategies
+    from perfmodel.tree import Strategy, parse_tree
+
+    fitted = load_model(model)
+    chosen = choose_acceptance(fitted, _acceptance_override(acceptance), str(model))
+    context = fitted.default_context_len() if context_len is None else context_len
+    if stage2 is not None:
+        if fitted.stage2 is None:
+            raise UsageError(f"--stage2: {model} has no second-stage measurements; run calibrate with --stage2 {stage2}")
+        digest = hashlib.sha256(Path(stage2).read_bytes()).hexdigest()
+        if digest != fitted.stage2.sha256:
+            raise UsageError(f"--stage2 {stage2}: the model measured another n-gram file ({fitted.stage2.file}, "
+                             f"sha256 {fitted.stage2.sha256[:12]}); calibrate with this one first")
+    if tree == "auto":
+        family = "all" if stage2 is not None or fitted.stage2 is not None else "tree"
+        ranked = query_strategies(fitted, chosen, batch_size, context, max_k, family).ranked
+    else:
+        strategy = Strategy(parse_tree(tree), stage2=stage2 is not None)
+        ranked = [evaluate_strategy(fitted, Strategy(None), batch_size, context, chosen),
+                  evaluate_strategy(fitted, strategy, batch_size, context, chosen)]
+    candidates = [{"strategy": c.strategy.describe(), "k": c.strategy.k, "step_ms": c.step_ms,
+                   "tokens_per_step": c.tokens_per_step, "tokens_per_s": c.tokens_per_s,
+                   "draft_passes": c.draft_passes} for c in ranked]
+    best = max(ranked, key=lambda c: c.tokens_per_s)
+    answer = {"batch_size": batch_size, "context_len": context, "best_k": best.strategy.k,
+              "best_strategy": best.strategy.to_json(), "candidates": candidates}
+    return answer, list(fitted.strategy_notes([c.strategy for c in ranked]))
+
+
 def _query_table(path: Path, batch_size: int, context_len: int | None) -> dict:
-    """With only a table, the candidate is the table's own choice; its step time follows from
-    G = b * E(k) / S when the table records per-position acceptance."""
+    """With only a table, the candidate is the table's own choice, with the goodput it predicted; the
+    step time follows from G = b * E / S when E is known (chains: from the table's acceptance)."""
     from perfmodel.acceptance import expected_tokens
     from perfmodel.table import load_table
 
     loaded = load_table(path)
-    k = loaded.lookup(batch_size, context_len)
+    strategy = loaded.strategy(batch_size, context_len)
     bucket = loaded.bucket_for(context_len)
-    candidate = {"k": k, "step_ms": None, "tokens_per_step": None, "tokens_per_s": None}
+    candidate = {"strategy": strategy.describe(), "k": strategy.k, "step_ms": None, "tokens_per_step": None,
+                 "tokens_per_s": None}
     per_position = loaded.acceptance.get("per_position")
-    if per_position:
-        candidate["tokens_per_step"] = expected_tokens(per_position, k)
+    if per_position and strategy.kind != "tree":
+        candidate["tokens_per_step"] = expected_tokens(per_position, strategy.k)
     if batch_size <= bucket.max_batch:  # beyond the table, its numbers belong to another batch size
         goodput = bucket.entries[batch_size - 1].predicted_tokens_per_s
         candidate["tokens_per_s"] = goodput
         if candidate["tokens_per_step"] is not None:
             candidate["step_ms"] = batch_size * candidate["tokens_per_step"] / goodput * 1e3
-    return {"batch_size": batch_size, "context_len": bucket.context_len, "best_k": k, "candidates": [candidate]}
+    return {"batch_size": batch_size, "context_len": bucket.context_len, "best_k": strategy.k,
+            "best_strategy": strategy.to_json(), "candidates": [candidate]}
 
 
 def render_query(answer: dict, notes: list[str]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    view = Table(title=f"batch size {answer['batch_size']}, context {answer['context_len']}: best k = {answer['best_k']}")
-    for column in ("k", "step ms", "tokens per step (per sequence)", "tokens/s (batch)"):
+    with_strategies = "strategy" in answer["candidates"][0]
+    best = answer.get("best_strategy")
+    title = f"batch size {answer['batch_size']}, context {answer['context_len']}: best k = {answer['best_k']}"
+    if with_strategies:
+        ranked = sorted(answer["candidates"], key=lambda c: -(c["tokens_per_s"] or 0))
+        title = f"batch size {answer['batch_size']}, context {answer['context_len']}: best {ranked[0]['strategy']}"
+    view = Table(title=title)
+    first = "strategy" if with_strategies else "k"
+    for column in (first, "step ms", "tokens per step (per sequence)", "tokens/s (batch)"):
         view.add_column(column, justify="right")
-    for c in answer["candidates"]:
+    for i, c in enumerate(answer["candidates"]):
         cells = [f"{c[key]:.4g}" if c[key] is not None else "-" for key in ("step_ms", "tokens_per_step", "tokens_per_s")]
-        style = "bold green" if c["k"] == answer["best_k"] else None
-        view.add_row(str(c["k"]), *cells, style=style)
+        is_best = (c["strategy"] == ranked[0]["strategy"]) if with_strategies else c["k"] == answer["best_k"]
+        view.add_row(c["strategy"] if with_strategies else str(c["k"]), *cells, style="bold green" if is_best else None)
     console = Console()
     console.print(view)
+    del best
     for note in notes:
         console.print(f"[yellow]note:[/] {note}")
 
