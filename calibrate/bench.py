@@ -1,8 +1,19 @@
 """`specbatch bench`: check a table (and the performance model behind it) against real generation.
 
 For every batch size b the harness generates from the same b prompts with plain decoding (k = 0),
-every fixed k, the table policy and, optionally, Hugging Face `generate` as a peer, and measures
-generated tokens per second of wall time (prefill, every forward pass and all bookkeeping included).
+every fixed k, the table policy, fixed draft trees, the same chains and trees with the n-gram second
+stage and, optionally, Hugging Face `generate` as a peer, and measures generated tokens per second of
+wall time (prefill, every forward pass and all bookkeeping included).
+
+The contenders, by their stable names (bench.json, bench.csv):
+  * `k=K`: a chain of K draft tokens every step (`k=0` is plain decoding, always run);
+  * `table`: the strategy of the --table file at the current batch size;
+  * `tree:SPEC`: the same draft tree every step (`tree:chain:K` for a chain given as a tree; a long
+    spec is cut at whole paths and ends in ',...(N nodes)'); `--tree auto` becomes, before anything is
+    measured, the performance model's best tree at batch size 1 (a note says which);
+  * with an n-gram second stage: `k=K+ngram` for every K > 0 and `tree:SPEC+ngram` for every tree.
+Each batch size's `strategy_comparison` puts the best chain (the best fixed k, k = 0 included), the
+best tree and the best staged policy side by side, against plain decoding and the best chain.
 
 How the measurement is kept honest:
   * Interleaved rounds. Each round runs every policy once; the order rotates by one between rounds
@@ -40,9 +51,11 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from runtime.generator import SpeculativeGenerator
+from perfmodel.errors import PerfModelError
+from perfmodel.tree import Strategy, Tree, chain, parse_tree
+from runtime.generator import GenerationError, SpeculativeGenerator
 from runtime.model import CausalLM
-from runtime.policy import FixedK
+from runtime.policy import FixedK, FixedStrategy
 from runtime.sampling import Sampling
 
 from .environment import device_name
@@ -51,9 +64,15 @@ BENCH_SCHEMA = "specbatch.bench/1"
 TABLE_POLICY = "table"
 HF_GREEDY = "hf-greedy"
 HF_ASSISTED = "hf-assisted"
+TREE_AUTO = "auto"  # --tree auto: the performance model's best tree at batch size 1
+TREE_PREFIX = "tree:"
+STAGED_SUFFIX = "+ngram"  # the n-gram second stage speeds up the draft's own drafting
+TREE_NAME_SPEC_CHARS = 40  # longer tree specs are cut at whole paths in policy names
+COMPARISON_KEYS = ("best_chain", "best_tree", "best_staged")
+# old columns first, in their old order: readers by position keep working
 CSV_COLUMNS = ("batch_size", "policy", "k", "median_tokens_per_s", "p10_tokens_per_s", "p90_tokens_per_s",
                "rounds", "acceptance", "median_steady_tokens_per_s", "predicted_tokens_per_s",
-               "synthetic_acceptance")
+               "synthetic_acceptance", "strategy")
 
 
 class BenchError(ValueError):
@@ -72,8 +91,10 @@ class BenchConfig:
     synthetic_acceptance: float | None = None  # α in (0, 1]: benchmark-only fake verification
     seed: int = 0
     table_path: Path | None = None  # specbatch.table/1: adds the "table" policy
-    model_path: Path | None = None  # specbatch.model/1: adds predicted tokens/s
+    model_path: Path | None = None  # specbatch.model/1: adds predicted tokens/s (and resolves --tree auto)
     peers: bool = False  # also time Hugging Face generate (plain, and assisted at b = 1)
+    trees: tuple[str, ...] = ()  # parse_tree specs ("0,1,0.0", "chain:8") or "auto": adds tree:SPEC policies
+    stage2_path: Path | None = None  # specbatch.ngram/1 file (loaded into BenchModels.stage2): adds +ngram policies
 
     def __post_init__(self):
         check_config(self)
@@ -106,6 +127,23 @@ def check_config(config: BenchConfig) -> None:
     if alpha is not None and config.peers:
         raise BenchError("--peers cannot be combined with --synthetic-acceptance: transformers verifies for real, "
                          "so the ratio would compare a fake acceptance with a real one")
+    for spec in config.trees:
+        if spec.strip() != TREE_AUTO:
+            tree_from_spec(spec)
+    if alpha is not None and (config.trees or config.stage2_path is not None):
+        option = "--tree" if config.trees else "--stage2"
+        raise BenchError(f"{option} cannot be combined with --synthetic-acceptance: the runtime fakes acceptance "
+                         "for plain chains only")
+    if any(spec.strip() == TREE_AUTO for spec in config.trees) and config.model_path is None:
+        raise BenchError("--tree auto needs --model FILE (a specbatch.model/1 file from `specbatch fit`)")
+
+
+def tree_from_spec(spec: str) -> Tree:
+    """A --tree spec as `parse_tree` reads it; a bad one is a one-line BenchError naming the path."""
+    try:
+        return parse_tree(spec, "--tree")
+    except PerfModelError as error:
+        raise BenchError(str(error)) from None
 
 
 def parse_sampling(text: str) -> Sampling:
@@ -151,6 +189,7 @@ class BenchModels:
     target_dir: Path | None = None  # Hugging Face directories: --peers loads them with transformers
     draft_dir: Path | None = None
     random_weights: bool = False  # shape presets / bare configs
+    stage2: Any | None = None  # runtime.ngram.NGramModel for the +ngram policies (the CLI loads and checks it)
 
 
 # ---------------------------------------------------------------------------------------------- results
@@ -168,6 +207,7 @@ class RunRecord:
     accepted_per_position: list[int] = field(default_factory=list)
     trials_per_position: list[int] = field(default_factory=list)
     k_counts_full_batch: dict[int, int] = field(default_factory=dict)  # k -> steps, full-batch steps only
+    nodes_counts_full_batch: dict[int, int] = field(default_factory=dict)  # draft tokens per row -> steps, ditto
     # tokens / seconds over the steps that ran with the full batch (no prefill, no thinning tail):
     # the steady state the performance model's G(b, k) describes; None for peers
     steady_tokens_per_s: float | None = None
@@ -183,8 +223,8 @@ class RunRecord:
 
 @dataclass
 class PolicyResult:
-    policy: str  # "k=3", "table", "hf-greedy", "hf-assisted"
-    k: int | None  # fixed k; the table's most frequent k at full batch; None for peers
+    policy: str  # "k=3", "table", "tree:0,1,0.0", "k=3+ngram", "tree:0,1,0.0+ngram", "hf-greedy", "hf-assisted"
+    k: int | None  # fixed k or a tree's depth; the table's most frequent k at full batch; None for peers
     tokens_per_s: list[float]  # one per timed round, in round order
     median_tokens_per_s: float
     p10_tokens_per_s: float
@@ -199,6 +239,10 @@ class PolicyResult:
     p10_steady_tokens_per_s: float | None = None
     p90_steady_tokens_per_s: float | None = None
     predicted_tokens_per_s: float | None = None
+    # what ran (Strategy.describe(): "none", "chain k=3", "tree 0,1,0.0 (3 nodes) +ngram"); the table's
+    # strategy at this batch size and the run's mean context; None for peers
+    strategy: str | None = None
+    nodes: int | None = None  # draft tokens verified per row per step (most frequent at full batch); None for peers
 
     @property
     def rounds(self) -> int:
@@ -223,6 +267,9 @@ class BatchResult:
     table_regret: float | None  # 1 - table / best fixed k; negative when the table beat every fixed k
     table_speedup: float | None  # table / k = 0
     peer_ratios: list[PeerRatio] = field(default_factory=list)
+    # best_chain | best_tree | best_staged -> {policy, strategy, steady_tokens_per_s, vs_plain, vs_best_chain}
+    # or None when no such policy ran; see `strategy_comparison`
+    strategy_comparison: dict[str, dict[str, Any] | None] = field(default_factory=dict)
 
     def policy(self, name: str) -> PolicyResult | None:
         return next((p for p in self.policies if p.policy == name), None)
@@ -244,8 +291,84 @@ class BenchResult:
 
 
 # ---------------------------------------------------------------------------------------------- pure helpers
-def fixed_policy_name(k: int) -> str:
-    return f"k={k}"
+def fixed_policy_name(k: int, staged: bool = False) -> str:
+    return f"k={k}" + (STAGED_SUFFIX if staged else "")
+
+
+def tree_label(tree: Tree, max_spec_chars: int = TREE_NAME_SPEC_CHARS) -> str:
+    """`chain:K` for a chain, else the spec, cut at whole paths (as Strategy.describe cuts) when long.
+
+    >>> tree_label(parse_tree("0,1,0.0")), tree_label(chain(3))
+    ('0,1,0.0', 'chain:3')
+    >>> tree_label(parse_tree("0,1,2,0.0,0.1,1.0"), max_spec_chars=8)
+    '0,1,2,...(6 nodes)'
+    """
+    if tree.is_chain:
+        return f"chain:{tree.depth}"
+    spec = tree.spec()
+    if len(spec) <= max_spec_chars:
+        return spec
+    cut = spec[:max_spec_chars + 1].rfind(",")  # keep whole paths only
+    return (spec[:cut] + "," if cut > 0 else "") + f"...({tree.num_nodes} nodes)"
+
+
+def tree_policy_name(tree: Tree, staged: bool = False) -> str:
+    return TREE_PREFIX + tree_label(tree) + (STAGED_SUFFIX if staged else "")
+
+
+def policy_family(name: str) -> str:
+    """What a policy name stands for: chain (k=K), tree, staged (+ngram), table or peer.
+
+    >>> [policy_family(n) for n in ("k=0", "k=2+ngram", "tree:0,1", "tree:0,1+ngram", "table", "hf-greedy")]
+    ['chain', 'staged', 'tree', 'staged', 'table', 'peer']
+    """
+    if name.endswith(STAGED_SUFFIX):
+        return "staged"
+    if name.startswith(TREE_PREFIX):
+        return "tree"
+    if name.startswith("k=") and name[2:].isdigit():
+        return "chain"
+    return "table" if name == TABLE_POLICY else "peer"
+
+
+@dataclass(frozen=True)
+class BenchPolicy:
+    """One of our contenders: the runtime policy the generator asks, and the strategy it always gives
+    (None for the table, whose strategy depends on the batch size)."""
+
+    name: str
+    policy: Any  # runtime.policy.FixedK | FixedStrategy | TableK
+    strategy: Strategy | None
+
+
+def bench_policies(fixed_ks: Sequence[int], table=None, trees: Sequence[Tree] = (),
+                   stage2: bool = False) -> dict[str, BenchPolicy]:
+    """name -> contender, in run order: k=K (ascending), table, tree:SPEC, then with a second stage
+    k=K+ngram (K > 0) and tree:SPEC+ngram. Equal trees run once; names that a cut spec would make
+    equal get ' #2', ' #3' ... so every name is unique.
+
+    >>> list(bench_policies([0, 2], trees=[parse_tree("0,1")], stage2=True))
+    ['k=0', 'k=2', 'tree:0,1', 'k=2+ngram', 'tree:0,1+ngram']
+    """
+    policies = {fixed_policy_name(k): BenchPolicy(fixed_policy_name(k), FixedK(k), Strategy.from_k(k))
+                for k in fixed_ks}
+    if table is not None:
+        policies[TABLE_POLICY] = BenchPolicy(TABLE_POLICY, table, None)
+    unique_trees = list(dict.fromkeys(trees))
+    names: dict[Tree, str] = {}
+    for tree in unique_trees:
+        name = tree_policy_name(tree)
+        suffix = 2
+        while name in names.values() or name in policies:
+            name, suffix = f"{tree_policy_name(tree)} #{suffix}", suffix + 1
+        names[tree] = name
+    staged: list[tuple[str, Strategy]] = []
+    if stage2:
+        staged = [(fixed_policy_name(k, staged=True), Strategy(chain(k), stage2=True)) for k in fixed_ks if k > 0]
+        staged += [(names[tree] + STAGED_SUFFIX, Strategy(tree, stage2=True)) for tree in unique_trees]
+    for name, strategy in [(names[tree], Strategy(tree)) for tree in unique_trees] + staged:
+        policies[name] = BenchPolicy(name, FixedStrategy(strategy), strategy)
+    return policies
 
 
 def rotated(items: Sequence[str], shift: int) -> list[str]:
@@ -307,18 +430,32 @@ def pooled_acceptance(records: Sequence[RunRecord]) -> tuple[float | None, list[
     return (sum(accepted) / proposed if proposed else None), per_position, trials
 
 
+def _most_frequent(counts: Counter[int]) -> int | None:
+    """The most frequent value (ties: the smaller)."""
+    if not counts:
+        return None
+    return min(counts, key=lambda value: (-counts[value], value))
+
+
 def most_frequent_k(records: Sequence[RunRecord]) -> int | None:
     """The k the table chose most often at full batch size (ties: the smaller k)."""
     counts: Counter[int] = Counter()
     for record in records:
         counts.update(record.k_counts_full_batch)
-    if not counts:
-        return None
-    return min(counts, key=lambda k: (-counts[k], k))
+    return _most_frequent(counts)
 
 
-def summarize_policy(policy: str, k: int | None, records: Sequence[RunRecord]) -> PolicyResult:
-    """Aggregate the timed rounds of one policy at one batch size."""
+def most_frequent_nodes(records: Sequence[RunRecord]) -> int | None:
+    """Draft tokens verified per row in most full-batch steps (ties: the fewer)."""
+    counts: Counter[int] = Counter()
+    for record in records:
+        counts.update(record.nodes_counts_full_batch)
+    return _most_frequent(counts)
+
+
+def summarize_policy(policy: str, k: int | None, records: Sequence[RunRecord],
+                     strategy: str | None = None) -> PolicyResult:
+    """Aggregate the timed rounds of one policy at one batch size; `strategy` says what ran."""
     rates = [r.tokens_per_s for r in sorted(records, key=lambda r: r.round)]
     stats = spread(rates)
     acceptance, per_position, trials = pooled_acceptance(records)
@@ -332,7 +469,8 @@ def summarize_policy(policy: str, k: int | None, records: Sequence[RunRecord]) -
         policy=policy, k=k, tokens_per_s=rates, median_tokens_per_s=stats["median"],
         p10_tokens_per_s=stats["p10"], p90_tokens_per_s=stats["p90"], min_tokens_per_s=stats["min"],
         max_tokens_per_s=stats["max"], acceptance=acceptance, acceptance_per_position=per_position,
-        trials_per_position=trials, full_batch_step_fraction=full_fraction,
+        trials_per_position=trials, full_batch_step_fraction=full_fraction, strategy=strategy,
+        nodes=most_frequent_nodes(records),
     )
 
 
@@ -355,9 +493,35 @@ def compared_rate(policy: PolicyResult) -> float:
     return steady if steady is not None else policy.median_tokens_per_s
 
 
+def _ratio(numerator: float, denominator: float) -> float | None:
+    return numerator / denominator if denominator > 0 else None
+
+
+def strategy_comparison(policies: Sequence[PolicyResult], best_chain: PolicyResult,
+                        plain: PolicyResult) -> dict[str, dict[str, Any] | None]:
+    """The best chain (the best fixed k, k = 0 included), the best tree and the best staged policy
+    (k=K+ngram or tree:SPEC+ngram) side by side, each ranked by `compared_rate` (ties: the one run
+    first), with its ratio to plain decoding (k = 0) and to the best chain; None where none ran."""
+    plain_rate, chain_rate = compared_rate(plain), compared_rate(best_chain)
+
+    def entry(policy: PolicyResult | None) -> dict[str, Any] | None:
+        if policy is None:
+            return None
+        rate = compared_rate(policy)
+        return {"policy": policy.policy, "strategy": policy.strategy, "steady_tokens_per_s": rate,
+                "vs_plain": _ratio(rate, plain_rate), "vs_best_chain": _ratio(rate, chain_rate)}
+
+    def best(family: str) -> PolicyResult | None:
+        members = [p for p in policies if policy_family(p.policy) == family]
+        return max(members, key=compared_rate) if members else None  # max keeps the first of equals
+
+    return dict(zip(COMPARISON_KEYS, (entry(best_chain), entry(best("tree")), entry(best("staged")))))
+
+
 def summarize_batch(batch_size: int, context_len: int, policies: list[PolicyResult], fixed_ks: Sequence[int],
                     has_peers: bool) -> BatchResult:
-    """Best fixed k in hindsight, and the table's k, regret and speedup over k = 0.
+    """Best fixed k in hindsight, the table's k, regret and speedup over k = 0, and the side-by-side
+    comparison of the best chain, tree and staged policy (`strategy_comparison`).
 
     Compared on steady-state goodput (the full-batch steps: every draft and verify pass and the step
     overhead, without the prefill, which is the same for every k, and without the thinning tail of a
@@ -373,6 +537,7 @@ def summarize_batch(batch_size: int, context_len: int, policies: list[PolicyResu
         best_tokens_per_s=compared_rate(best), table_k=table.k if table else None,
         table_regret=1.0 - compared_rate(table) / compared_rate(best) if table else None,
         table_speedup=compared_rate(table) / compared_rate(plain) if table else None,
+        strategy_comparison=strategy_comparison(policies, best, plain),
     )
     if has_peers:
         batch.peer_ratios = peer_ratios(batch, TABLE_POLICY if table else fixed_policy_name(best.k))
@@ -396,10 +561,11 @@ def time_ours(generator: SpeculativeGenerator, prompts: list[list[int]], policy,
     seconds = _now(generator.device) - start
     stats, b = result.stats, len(prompts)
     full = [k for k, size in zip(stats.k_per_step, stats.batch_size_per_step) if size == b]
+    nodes = [n for n, size in zip(stats.nodes_per_step, stats.batch_size_per_step) if size == b]
     return dict(generated_tokens=stats.generated_tokens, seconds=seconds, steps=stats.steps,
                 full_batch_steps=len(full), accepted_per_position=list(stats.accepted_per_position),
                 trials_per_position=list(stats.trials_per_position), k_counts_full_batch=dict(Counter(full)),
-                steady_tokens_per_s=stats.steady_tokens_per_s(b))
+                nodes_counts_full_batch=dict(Counter(nodes)), steady_tokens_per_s=stats.steady_tokens_per_s(b))
 
 
 # ---------------------------------------------------------------------------------------------- peers
@@ -493,6 +659,13 @@ class Predictor:
 
         return float(query(self.fitted, self.acceptance, batch_size, context_len, k).candidates[k].tokens_per_s)
 
+    def strategy_tokens_per_s(self, batch_size: int, strategy: Strategy, context_len: int) -> float:
+        """A tree's or a staged step's goodput; PerfModelError when the model lacks rank acceptance
+        (trees) or second-stage measurements (+ngram)."""
+        from perfmodel.model import evaluate_strategy
+
+        return float(evaluate_strategy(self.fitted, strategy, batch_size, context_len, self.acceptance).tokens_per_s)
+
 
 def load_predictor(model_path: str | os.PathLike, sampling: Sampling, synthetic_acceptance: float | None) -> Predictor:
     """Read the model file and pick the acceptance that matches how the bench generates.
@@ -535,16 +708,60 @@ def _model_info(model: CausalLM | None, source: str | None, random_weights: bool
 
 def check_context(models: BenchModels, prompts: Sequence[list[int]], config: BenchConfig, max_k: int) -> None:
     """Every run must fit the models' context: the longest prompt + max_new_tokens + the KV-cache margin
-    of max_k speculative positions (the largest k of --ks and of the table)."""
+    of max_k speculative positions (the most draft tokens a step verifies: the largest k of --ks and of
+    the table, or the largest tree's node count)."""
     limit = models.target.config.max_position_embeddings
     if models.draft is not None:
         limit = min(limit, models.draft.config.max_position_embeddings)
     longest = max(len(p) for p in cycled_prompts(prompts, max(config.batch_sizes)))
     if longest + config.max_new_tokens + max_k > limit:
         raise BenchError(
-            f"longest prompt ({longest} tokens) + --max-new-tokens ({config.max_new_tokens}) + largest k ({max_k}, "
-            f"the KV-cache margin) exceeds the models' context of {limit} positions; lower --max-new-tokens or k"
+            f"longest prompt ({longest} tokens) + --max-new-tokens ({config.max_new_tokens}) + largest k or tree "
+            f"({max_k} draft tokens, the KV-cache margin) exceeds the models' context of {limit} positions; lower "
+            f"--max-new-tokens, k or the tree's size"
         )
+
+
+def timed_round_prompts(prompts: Sequence[list[int]], batch_size: int, config: BenchConfig) -> list[list[list[int]]]:
+    """The prompts of every timed round at one batch size (each round takes the next batch_size)."""
+    return [cycled_prompts(prompts, batch_size, offset=(r + config.warmup_rounds) * batch_size)
+            for r in range(config.rounds)]
+
+
+def resolve_auto_tree(predictor: Predictor, model_path, context_len: int, staged: bool) -> tuple[Tree, str]:
+    """--tree auto: the performance model's best tree at batch size 1 and the bench's context, among
+    grown trees ("tree" family) or, when a second stage is benchmarked and the model measured one,
+    among trees with and without it ("all"). Returns the tree and why it was chosen, for the note."""
+    from perfmodel.model import query_strategies
+
+    if predictor.acceptance.rank_acceptance is None:
+        raise BenchError(f"--tree auto: {model_path} has no rank acceptance (per depth and rank) in "
+                         f"{predictor.acceptance_note}; calibrate again to measure it, or give a tree spec")
+    family = "all" if staged and predictor.fitted.stage2 is not None else "tree"
+    try:
+        choice = query_strategies(predictor.fitted, predictor.acceptance, 1, context_len, strategies=family)
+    except PerfModelError as error:
+        raise BenchError(f"--tree auto: {error}") from None
+    best = next((c for c in choice.ranked if c.strategy.kind == "tree"), None)
+    if best is None:
+        raise BenchError(f"--tree auto: {model_path} proposes no tree (its rank acceptance grows only chains); "
+                         "give a tree spec")
+    tree = best.strategy.tree
+    why = (f"the performance model's best tree at batch size 1 and context {context_len} among its {family!r} "
+           f"candidates ({best.strategy.describe(40)}: {best.tokens_per_s:.4g} tokens/s predicted); its "
+           f"{tree.num_nodes} nodes: {tree.spec()}")
+    return tree, why
+
+
+def check_table(table, models: BenchModels, config: BenchConfig) -> None:
+    """A table whose entries use trees or the second stage needs what they need."""
+    strategies = {entry.chosen() for bucket in table.table.buckets for entry in bucket.entries}
+    shaped = [s for s in strategies if s.kind == "tree" or s.stage2]
+    if shaped and config.synthetic_acceptance is not None:
+        raise BenchError(f"--table {config.table_path}: it uses {shaped[0].describe(40)}; --synthetic-acceptance "
+                         "fakes acceptance for plain chains only")
+    if table.needs_stage2 and models.stage2 is None:
+        raise BenchError(f"--table {config.table_path}: its entries use the n-gram second stage; pass --stage2 FILE")
 
 
 def run_bench(config: BenchConfig, models: BenchModels, prompts: Sequence[list[int]],
@@ -554,7 +771,8 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: Sequence[list[i
     `prompts` are token ids; batch size b uses the first b of them (cycling). EOS is ignored and every
     row generates exactly `max_new_tokens`, so the batch stays at b until rows that sped ahead under
     speculation finish (`full_batch_step_fraction` says how long). `on_run(record, done, total)` is
-    called after every generation (the CLI's progress bar).
+    called after every generation (the CLI's progress bar). Everything that can be refused (a missing
+    draft or n-gram model, a bad model file, --tree auto's resolution) is refused before measuring.
     """
     from runtime.policy import TableK
 
@@ -562,18 +780,44 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: Sequence[list[i
     fixed_ks = config.fixed_ks
     if models.draft is None and max(fixed_ks) > 0:
         raise BenchError("k > 0 needs a draft model (--draft)")
+    if models.draft is None and config.trees:
+        raise BenchError("--tree needs a draft model (--draft)")
+    if config.stage2_path is not None and models.stage2 is None:
+        raise BenchError(f"--stage2 {config.stage2_path}: the n-gram model was not loaded (BenchModels.stage2)")
+    if models.stage2 is not None:
+        if models.draft is None:
+            raise BenchError("--stage2 speeds up a draft model's drafting: it needs a draft model (--draft)")
+        if config.synthetic_acceptance is not None:
+            raise BenchError("--stage2 cannot be combined with --synthetic-acceptance: the runtime fakes "
+                             "acceptance for plain chains only")
     table = TableK(config.table_path) if config.table_path is not None else None
     if table is not None and models.draft is None:
         raise BenchError("--table needs a draft model (--draft)")
-    check_context(models, prompts, config, max(max(fixed_ks), table.max_k if table else 0))
+    if table is not None:
+        check_table(table, models, config)
     predictor = None
     if config.model_path is not None:  # read before measuring: a bad file should fail in a second, not an hour
         predictor = load_predictor(config.model_path, config.sampling, config.synthetic_acceptance)
         notes.append(f"predictions use {predictor.acceptance_note}")
+    trees, auto = [], None  # auto: (the tree --tree auto became, why)
+    for spec in config.trees:
+        if spec.strip() == TREE_AUTO:
+            context_len = attended_context_len(timed_round_prompts(prompts, 1, config), config.max_new_tokens)
+            auto = resolve_auto_tree(predictor, config.model_path, context_len, models.stage2 is not None)
+            trees.append(auto[0])
+        else:
+            trees.append(tree_from_spec(spec))
+    vocab = models.target.config.vocab_size
+    for tree in trees:
+        if tree.max_children > vocab:
+            raise BenchError(f"--tree {tree_label(tree)}: a node has {tree.max_children} children, more than the "
+                             f"vocabulary's {vocab} tokens")
 
-    policies: dict[str, Any] = {fixed_policy_name(k): FixedK(k) for k in fixed_ks}
-    if table is not None:
-        policies[TABLE_POLICY] = table
+    policies = bench_policies(fixed_ks, table, trees, stage2=models.stage2 is not None)
+    if auto is not None:
+        name = next(p.name for p in policies.values() if p.strategy == Strategy(auto[0]))
+        notes.append(f"--tree auto became {name}, {auto[1]}")
+    check_context(models, prompts, config, max(p.policy.max_k for p in policies.values()))
     device = models.target.lm_head.weight.device
     peers = None
     if config.peers:
@@ -581,7 +825,10 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: Sequence[list[i
         if note:
             notes.append(note)
     # EOS ignored on purpose: the batch must stay at b until max_new_tokens (module docstring)
-    generator = SpeculativeGenerator(models.target, models.draft, eos_token_ids=())
+    try:
+        generator = SpeculativeGenerator(models.target, models.draft, eos_token_ids=(), stage2=models.stage2)
+    except GenerationError as error:
+        raise BenchError(f"--stage2: {error}") from None
 
     def contenders(b: int) -> list[str]:
         names = list(policies)
@@ -604,7 +851,7 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: Sequence[list[i
                 batch_prompts = cycled_prompts(prompts, b, offset=(round_index + config.warmup_rounds) * b)
                 for name in rotated(names, round_index):
                     if name in policies:
-                        measured = time_ours(generator, batch_prompts, policies[name], config, seed)
+                        measured = time_ours(generator, batch_prompts, policies[name].policy, config, seed)
                     else:
                         measured = time_peer(peers, name, batch_prompts, config, seed, device)
                     runs.append(RunRecord(batch_size=b, round=round_index, policy=name, **measured))
@@ -612,46 +859,78 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: Sequence[list[i
                         on_run(runs[-1], len(runs), total)
     notes += list(dict.fromkeys(f"warning: {w.message}" for w in caught))
 
-    batches = [_batch_result(b, contenders(b), runs, config,
-                             [cycled_prompts(prompts, b, offset=(r + config.warmup_rounds) * b)
-                              for r in range(config.rounds)])
+    batches = [_batch_result(b, contenders(b), runs, config, timed_round_prompts(prompts, b, config), policies)
                for b in config.batch_sizes]
     if predictor is not None:
-        _add_predictions(batches, predictor)
+        notes += _add_predictions(batches, predictor, policies)
     prompt_lens = [len(p) for p in prompts]
     return BenchResult(
         config=config, device=device_info(models.target),
         models={"target": _model_info(models.target, models.target_source, models.random_weights),
                 "draft": _model_info(models.draft, models.draft_source, models.random_weights),
-                "peers": {"transformers_version": peers.transformers_version} if peers else None},
+                "peers": {"transformers_version": peers.transformers_version} if peers else None,
+                "stage2": _stage2_info(models.stage2, config.stage2_path)},
         prompts={"count": len(prompts), "min_tokens": min(prompt_lens), "max_tokens": max(prompt_lens)},
         batches=batches, runs=runs, notes=notes,
     )
 
 
+def _stage2_info(stage2, path: Path | None) -> dict[str, Any] | None:
+    if stage2 is None:
+        return None
+    return {"file": str(path) if path is not None else None, "vocab_size": stage2.vocab_size,
+            "note": dict(getattr(stage2, "note", {}))}
+
+
+def table_strategy(table, batch_size: int, context_len: int) -> Strategy:
+    """The table's strategy at a batch size and context, as TableK looks it up (without its warnings)."""
+    bucket = table.table.bucket_for(context_len)
+    return bucket.entries[min(batch_size, bucket.max_batch) - 1].chosen()
+
+
 def _batch_result(b: int, names: list[str], runs: list[RunRecord], config: BenchConfig,
-                  round_prompts: list[list[list[int]]]) -> BatchResult:
+                  round_prompts: list[list[list[int]]], policies: dict[str, BenchPolicy]) -> BatchResult:
     timed = [r for r in runs if r.batch_size == b and not r.warmup]
+    context_len = attended_context_len(round_prompts, config.max_new_tokens)
     results = []
     for name in names:
         records = [r for r in timed if r.policy == name]
-        if name == TABLE_POLICY:
-            k = most_frequent_k(records)
-        elif name.startswith("k="):
-            k = int(name[2:])
+        ours = policies.get(name)
+        if ours is None:  # a peer
+            k, strategy = None, None
+        elif ours.strategy is None:  # the table
+            k, strategy = most_frequent_k(records), table_strategy(ours.policy, b, context_len).describe()
         else:
-            k = None
-        results.append(summarize_policy(name, k, records))
-    return summarize_batch(b, attended_context_len(round_prompts, config.max_new_tokens), results, config.fixed_ks,
+            k, strategy = ours.strategy.k, ours.strategy.describe()
+        results.append(summarize_policy(name, k, records, strategy))
+    return summarize_batch(b, context_len, results, config.fixed_ks,
                            has_peers=any(r.policy in (HF_GREEDY, HF_ASSISTED) for r in timed))
 
 
-def _add_predictions(batches: list[BatchResult], predictor: Predictor) -> None:
-    """Predicted goodput for every fixed k and for the table's (most frequent) k, at the run's mean context."""
+def _add_predictions(batches: list[BatchResult], predictor: Predictor, policies: dict[str, BenchPolicy]) -> list[str]:
+    """Predicted goodput for every fixed k, for the table's (most frequent) k, and for trees and staged
+    steps (evaluate_strategy), at the run's mean context. Returns notes: one per policy family the model
+    cannot predict (no rank acceptance for trees, no second-stage measurements for +ngram)."""
+    failed: dict[str, tuple[list[str], str]] = {}  # family -> (policies, the first error)
     for batch in batches:
         for policy in batch.policies:
-            if policy.k is not None:
+            ours = policies.get(policy.policy)
+            if ours is None or policy.k is None:
+                continue
+            strategy = ours.strategy
+            if strategy is None:  # the table
+                strategy = table_strategy(ours.policy, batch.batch_size, batch.context_len)
+            if strategy.kind != "tree" and not strategy.stage2:
                 policy.predicted_tokens_per_s = predictor.tokens_per_s(batch.batch_size, policy.k, batch.context_len)
+                continue
+            try:
+                policy.predicted_tokens_per_s = predictor.strategy_tokens_per_s(batch.batch_size, strategy,
+                                                                                batch.context_len)
+            except PerfModelError as error:
+                names, _ = failed.setdefault(policy_family(policy.policy), ([], str(error)))
+                if policy.policy not in names:
+                    names.append(policy.policy)
+    return [f"no prediction for {', '.join(names)}: {message}" for names, message in failed.values()]
 
 
 # ---------------------------------------------------------------------------------------------- outputs
@@ -664,6 +943,7 @@ def bench_json(result: BenchResult) -> dict[str, Any]:
         "synthetic_acceptance": config.synthetic_acceptance, "seed": config.seed,
         "table": str(config.table_path) if config.table_path else None,
         "model": str(config.model_path) if config.model_path else None, "peers": config.peers,
+        "trees": list(config.trees), "stage2": str(config.stage2_path) if config.stage2_path else None,
         "eos": "ignored: every row generates max_new_tokens",
         "tokens_per_s": "generated tokens / wall seconds of one generate() call, prefill and overhead included",
     }
@@ -691,7 +971,8 @@ def bench_csv(result: BenchResult) -> str:
         for p in batch.policies:
             writer.writerow([batch.batch_size, p.policy, _cell(p.k), _cell(p.median_tokens_per_s),
                              _cell(p.p10_tokens_per_s), _cell(p.p90_tokens_per_s), p.rounds, _cell(p.acceptance),
-                             _cell(p.median_steady_tokens_per_s), _cell(p.predicted_tokens_per_s), _cell(alpha)])
+                             _cell(p.median_steady_tokens_per_s), _cell(p.predicted_tokens_per_s), _cell(alpha),
+                             _cell(p.strategy)])
     return buffer.getvalue()
 
 
@@ -756,7 +1037,8 @@ def _band(policy: PolicyResult) -> tuple[float, float]:
 
 def plot_goodput_vs_k(result: BenchResult) -> bytes:
     """Measured steady-state tokens/s vs fixed k (median, p10-p90 bars) per batch size; prediction and
-    table overlaid."""
+    table overlaid; staged chains (k=K+ngram) as a second line, trees (plain and staged) as points at
+    their depth."""
     from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
 
     batches = result.batches
@@ -765,7 +1047,7 @@ def plot_goodput_vs_k(result: BenchResult) -> bytes:
     figure = Figure(figsize=(4.2 * columns, 3.2 * rows), layout="constrained")
     axes = figure.subplots(rows, columns, squeeze=False).ravel()
     for ax, batch in zip(axes, batches):
-        fixed = [p for p in batch.policies if p.policy.startswith("k=")]
+        fixed = [p for p in batch.policies if policy_family(p.policy) == "chain"]
         ks = [p.k for p in fixed]
         # the figure policies are ranked by (steady state when measured), with its own p10-p90 band
         medians = np.array([compared_rate(p) for p in fixed])
@@ -775,14 +1057,26 @@ def plot_goodput_vs_k(result: BenchResult) -> bytes:
         predicted = [(p.k, p.predicted_tokens_per_s) for p in fixed if p.predicted_tokens_per_s is not None]
         if predicted:
             ax.plot(*zip(*predicted), linestyle="--", marker="x", label="predicted")
+        staged_chains = [p for p in batch.policies if policy_family(p.policy) == "staged"
+                         and not p.policy.startswith(TREE_PREFIX)]
+        if staged_chains:
+            ax.plot([p.k for p in staged_chains], [compared_rate(p) for p in staged_chains], marker="s",
+                    color="C2", label="k + n-gram stage")
+        for family, marker, color, label in (("tree", "^", "C4", "trees (at depth)"),
+                                             ("staged", "v", "C5", "trees + n-gram (at depth)")):
+            trees = [p for p in batch.policies if policy_family(p.policy) == family and p.policy.startswith(TREE_PREFIX)]
+            if trees:
+                ax.scatter([p.k for p in trees], [compared_rate(p) for p in trees], marker=marker, s=60, color=color,
+                           zorder=3, label=label)
+                ks += [p.k for p in trees]
         table = batch.policy(TABLE_POLICY)
         if table is not None and table.k is not None:
             ax.scatter([table.k], [compared_rate(table)], marker="*", s=160, color="C3", zorder=3,
                        label=f"table (k={table.k})")
         ax.set_title(f"batch size {batch.batch_size}")
-        ax.set_xlabel("k (draft tokens per step)")
+        ax.set_xlabel("k (draft tokens per step; a tree's depth)")
         ax.set_ylabel("steady-state tokens/s")
-        ax.set_xticks(ks)
+        ax.set_xticks(sorted(set(ks)))
         ax.grid(alpha=0.3)
     for ax in axes[len(batches):]:
         ax.set_visible(False)
@@ -791,8 +1085,21 @@ def plot_goodput_vs_k(result: BenchResult) -> bytes:
     return _figure_png(figure)
 
 
+def _legend_label(name: str, max_chars: int = 32) -> str:
+    """A policy name short enough for a legend, keeping the +ngram suffix that tells staged from plain.
+
+    >>> _legend_label("tree:0,1,2,0.0,0.1,0.2,1.0,1.1,...(12 nodes)+ngram", 24)
+    'tree:0,1,2,0.0,...+ngram'
+    """
+    if len(name) <= max_chars:
+        return name
+    tail = STAGED_SUFFIX if name.endswith(STAGED_SUFFIX) else ""
+    return name[:max_chars - len(tail) - 3] + "..." + tail
+
+
 def plot_speedup_vs_batch(result: BenchResult) -> bytes:
-    """Speedup over k = 0 vs batch size, one line per fixed k and a bold one for the table."""
+    """Speedup over k = 0 vs batch size, one line per fixed k, a bold one for the table and a dashed one
+    per tree and staged policy."""
     from matplotlib.figure import Figure
 
     figure = Figure(figsize=(6.4, 4.2), layout="constrained")
@@ -812,6 +1119,11 @@ def plot_speedup_vs_batch(result: BenchResult) -> bytes:
     if result.config.table_path is not None:
         ax.plot(sizes, speedups(TABLE_POLICY), marker="*", markersize=10, linewidth=2.5, color="black",
                 label="table")
+    shaped = dict.fromkeys(p.policy for batch in result.batches for p in batch.policies
+                           if policy_family(p.policy) in ("tree", "staged"))
+    for name in shaped:
+        ax.plot(sizes, speedups(name), marker="^" if policy_family(name) == "tree" else "v", linestyle="--",
+                linewidth=1.5, label=_legend_label(name))
     ax.axhline(1.0, color="grey", linestyle=":", linewidth=1)
     ax.set_xscale("log", base=2)
     ax.set_xticks(sizes, [str(b) for b in sizes])

@@ -8,18 +8,20 @@ that missing optional packages (transformers, matplotlib) give a note instead of
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 import math
 import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from calibrate.bench import (BENCH_SCHEMA, CSV_COLUMNS, HF_ASSISTED, HF_GREEDY, TABLE_POLICY, BenchConfig,
-                           BenchError, BenchModels, RunRecord, check_context, cycled_prompts,
-                           parse_sampling, random_prompts, rotated, run_bench, summarize_batch, summarize_policy,
-                           write_outputs)
+                             BenchError, BenchModels, RunRecord, bench_policies, check_context, cycled_prompts,
+                             parse_sampling, random_prompts, rotated, run_bench, summarize_batch, summarize_policy,
+                             tree_policy_name, write_outputs)
 from runtime.checkpoint import build_model
 from runtime.sampling import Sampling
 
@@ -330,3 +332,222 @@ def test_cli_json_is_one_object(cli_pair, tmp_path):
     assert doc["schema"] == BENCH_SCHEMA and "SYNTHETIC" in doc["synthetic"]
     assert sorted(doc["outputs"]) == sorted(str(tmp_path / name) for name in
                                             ("bench.json", "bench.csv", "goodput_vs_k.png", "speedup_vs_batch.png"))
+
+
+# ---------------------------------------------------------------------------------------------- trees and the second stage
+TREES = ("0,1,0.0", "chain:2")
+STAGED_POLICIES = ["k=0", "k=1", "k=2", "tree:0,1,0.0", "tree:chain:2",
+                   "k=1+ngram", "k=2+ngram", "tree:0,1,0.0+ngram", "tree:chain:2+ngram"]
+
+
+@pytest.fixture(scope="module")
+def ngram():
+    """A tiny second stage over the test vocabulary: a trigram model of random sequences."""
+    from runtime.ngram import NGramModel
+
+    return NGramModel.fit(random_prompts(20, 30, VOCAB, seed=9), VOCAB)
+
+
+@pytest.fixture(scope="module")
+def staged_run(tiny_pair, prompts, ngram, tmp_path_factory):
+    """Real greedy verification (trees refuse synthetic acceptance): chains, two trees, all staged too."""
+    models = dataclasses.replace(tiny_pair, stage2=ngram)
+    config = BenchConfig(batch_sizes=(1, 2), ks=(1, 2), max_new_tokens=6, rounds=2, warmup_rounds=0, trees=TREES)
+    result = run_bench(config, models, prompts)
+    out = tmp_path_factory.mktemp("staged")
+    return result, out, write_outputs(result, out)
+
+
+def test_tree_and_staged_policies_run_under_stable_names(staged_run):
+    result, _, written = staged_run
+    for batch in result.batches:
+        assert [p.policy for p in batch.policies] == STAGED_POLICIES
+        assert all(r.generated_tokens == batch.batch_size * 6 for r in result.runs if r.batch_size == batch.batch_size)
+        shown = {p.policy: (p.k, p.nodes, p.strategy) for p in batch.policies}
+        assert shown["k=0"] == (0, 0, "none") and shown["k=2"] == (2, 2, "chain k=2")
+        assert shown["tree:0,1,0.0"] == (2, 3, "tree 0,1,0.0 (3 nodes)")  # k is the depth, nodes the tree's size
+        assert shown["tree:chain:2"] == (2, 2, "chain k=2")
+        assert shown["k=1+ngram"] == (1, 1, "chain k=1 +ngram")
+        assert shown["tree:0,1,0.0+ngram"] == (2, 3, "tree 0,1,0.0 (3 nodes) +ngram")
+        tree = batch.policy("tree:0,1,0.0")
+        assert tree.acceptance is not None and len(tree.trials_per_position) == 2  # per depth
+        assert set(batch.strategy_comparison) == {"best_chain", "best_tree", "best_staged"}
+        assert batch.strategy_comparison["best_chain"]["policy"] == f"k={batch.best_k}"
+        assert batch.strategy_comparison["best_tree"]["policy"].startswith("tree:")
+        assert batch.strategy_comparison["best_staged"]["policy"].endswith("+ngram")
+    assert result.models["stage2"]["vocab_size"] == VOCAB
+    assert {path.name for path in written} >= {"goodput_vs_k.png", "speedup_vs_batch.png"}  # the plots cope
+
+
+def test_bench_json_and_csv_carry_the_strategy(staged_run):
+    result, out, _ = staged_run
+    doc = json.loads((out / "bench.json").read_text())
+    assert doc["config"]["trees"] == list(TREES) and doc["config"]["stage2"] is None
+    for entry in doc["batch_sizes"]:
+        by_name = {p["policy"]: p for p in entry["policies"]}
+        assert by_name["tree:0,1,0.0+ngram"]["strategy"] == "tree 0,1,0.0 (3 nodes) +ngram"
+        assert by_name["tree:0,1,0.0+ngram"]["nodes"] == 3 and by_name["tree:0,1,0.0+ngram"]["k"] == 2
+        comparison = entry["strategy_comparison"]
+        assert comparison["best_chain"]["vs_best_chain"] == pytest.approx(1.0)
+        for value in comparison.values():
+            assert {"policy", "strategy", "steady_tokens_per_s", "vs_plain", "vs_best_chain"} <= set(value)
+            assert value["steady_tokens_per_s"] > 0
+    rows = list(csv.DictReader(io.StringIO((out / "bench.csv").read_text())))
+    assert tuple(rows[0]) == CSV_COLUMNS and CSV_COLUMNS[-1] == "strategy"
+    assert CSV_COLUMNS[:-1] == ("batch_size", "policy", "k", "median_tokens_per_s", "p10_tokens_per_s",
+                                "p90_tokens_per_s", "rounds", "acceptance", "median_steady_tokens_per_s",
+                                "predicted_tokens_per_s", "synthetic_acceptance")  # the old columns, in order
+    assert [(int(r["batch_size"]), r["policy"]) for r in rows] == [(b, p) for b in (1, 2) for p in STAGED_POLICIES]
+    strategies = {r["policy"]: r["strategy"] for r in rows}
+    assert strategies["k=2+ngram"] == "chain k=2 +ngram" and strategies["tree:chain:2"] == "chain k=2"
+
+
+def test_old_configs_give_exactly_the_old_policies(small_run):
+    result, out, _ = small_run
+    assert list(bench_policies((0, 1, 2))) == ["k=0", "k=1", "k=2"]
+    for batch in result.batches:
+        assert [p.policy for p in batch.policies] == POLICIES
+        assert batch.strategy_comparison["best_tree"] is None and batch.strategy_comparison["best_staged"] is None
+        assert batch.strategy_comparison["best_chain"]["policy"] == f"k={batch.best_k}"
+    rows = list(csv.DictReader(io.StringIO((out / "bench.csv").read_text())))
+    assert {r["policy"]: r["strategy"] for r in rows if r["batch_size"] == "1"} == {
+        "k=0": "none", "k=1": "chain k=1", "k=2": "chain k=2", TABLE_POLICY: "chain k=2"}
+
+
+def test_comparison_picks_the_best_of_each_family():
+    def summary(name, rates, k):
+        return summarize_policy(name, k, _records(name, rates))
+
+    policies = [summary("k=0", [100, 100, 100], 0), summary("k=1", [150, 160, 140], 1),
+                summary("k=2", [170, 170, 170], 2), summary("tree:0,1,0.0", [180, 180, 180], 2),
+                summary("tree:0,1,2,0.0", [220, 230, 210], 2), summary("k=2+ngram", [190, 190, 190], 2),
+                summary("tree:0,1,0.0+ngram", [255, 255, 255], 2), summary("tree:0,1,2,0.0+ngram", [240, 250, 260], 2),
+                summary(TABLE_POLICY, [400, 400, 400], 2)]  # the table has its own regret: never compared here
+    comparison = summarize_batch(1, 64, policies, (0, 1, 2), has_peers=False).strategy_comparison
+    assert comparison["best_chain"]["policy"] == "k=2"
+    assert comparison["best_chain"]["vs_plain"] == pytest.approx(1.7) and comparison["best_chain"]["vs_best_chain"] == 1.0
+    assert comparison["best_tree"]["policy"] == "tree:0,1,2,0.0"
+    assert comparison["best_tree"]["steady_tokens_per_s"] == pytest.approx(220)
+    assert comparison["best_tree"]["vs_best_chain"] == pytest.approx(220 / 170)
+    # ranked by median: 255 beats the other staged tree's 250 (despite its p90 of 260) and the staged chain's 190
+    assert comparison["best_staged"]["policy"] == "tree:0,1,0.0+ngram"
+    assert comparison["best_staged"]["vs_plain"] == pytest.approx(2.55)
+    assert comparison["best_staged"]["vs_best_chain"] == pytest.approx(255 / 170)
+
+
+def test_comparison_ties_go_to_the_policy_run_first():
+    policies = [summarize_policy(name, k, _records(name, [rate])) for name, k, rate in
+                [("k=0", 0, 100), ("k=1", 1, 120), ("tree:0,1", 1, 130), ("tree:0,1,2", 1, 130)]]
+    comparison = summarize_batch(1, 64, policies, (0, 1), has_peers=False).strategy_comparison
+    assert comparison["best_tree"]["policy"] == "tree:0,1" and comparison["best_staged"] is None
+
+
+def test_long_tree_specs_give_short_unique_names():
+    from perfmodel.tree import parse_tree
+
+    wide = ",".join(str(r) for r in range(16))  # 37 characters: one more path passes the 40 of a name
+    first, second = parse_tree(wide + ",0.0"), parse_tree(wide + ",1.0")
+    names = list(bench_policies((0,), trees=[first, second, first], stage2=True))
+    assert names == ["k=0", f"tree:{wide},...(17 nodes)", f"tree:{wide},...(17 nodes) #2",
+                     f"tree:{wide},...(17 nodes)+ngram", f"tree:{wide},...(17 nodes) #2+ngram"]
+
+
+# ---------------------------------------------------------------------------------------------- --tree auto and predictions
+def _model_file(tmp_path, rank_acceptance):
+    from perfmodel.model import fit_profile, save_model
+    from perfmodel.profile import profile_from_json
+    from perfmodel_fixtures import build_profile, roofline_latency
+
+    obj = build_profile(roofline_latency(), batch_sizes=(1, 2, 4, 8), context_lens=(128, 512), max_k=4,
+                        acceptance=[0.7] * 4)
+    obj["acceptance"][0]["rank_acceptance"] = rank_acceptance
+    path = tmp_path / "model.json"
+    save_model(path, fit_profile(profile_from_json(obj)))
+    return path
+
+
+def test_tree_auto_without_a_model_is_one_line():
+    with pytest.raises(BenchError, match="--tree auto needs --model") as error:
+        BenchConfig(trees=("auto",))
+    assert "\n" not in str(error.value)
+
+
+def test_tree_auto_without_rank_acceptance_is_one_line(tiny_pair, prompts, tmp_path):
+    config = BenchConfig(batch_sizes=(1,), ks=(1,), max_new_tokens=3, rounds=1, warmup_rounds=0, trees=("auto",),
+                         model_path=_model_file(tmp_path, None))
+    with pytest.raises(BenchError, match="--tree auto: .* has no rank acceptance") as error:
+        run_bench(config, tiny_pair, prompts)
+    assert "\n" not in str(error.value)
+
+
+def test_tree_auto_becomes_the_models_best_tree_and_trees_are_predicted(tiny_pair, prompts, ngram, tmp_path):
+    from perfmodel.model import choose_acceptance, load_model, query_strategies
+
+    model_path = _model_file(tmp_path, [[0.7, 0.15, 0.05]] * 4)
+    models = dataclasses.replace(tiny_pair, stage2=ngram)
+    config = BenchConfig(batch_sizes=(1,), ks=(1,), max_new_tokens=4, rounds=1, warmup_rounds=0,
+                         trees=("auto", "0,1"), model_path=model_path)
+    result = run_bench(config, models, prompts)
+    fitted = load_model(model_path)
+    context = result.batches[0].context_len  # batch size 1's context: where auto was resolved
+    ranked = query_strategies(fitted, choose_acceptance(fitted, None), 1, context, strategies="tree").ranked
+    expected = next(c.strategy.tree for c in ranked if c.strategy.kind == "tree")  # no stage2 data in the model
+    auto = tree_policy_name(expected)
+    batch = result.batches[0]
+    assert [p.policy for p in batch.policies] == ["k=0", "k=1", auto, "tree:0,1", "k=1+ngram", auto + "+ngram",
+                                                  "tree:0,1+ngram"]
+    assert any(note.startswith(f"--tree auto became {auto}") for note in result.notes)
+    assert batch.policy(auto).nodes == expected.num_nodes
+    # trees predicted from the rank acceptance; the model has no second-stage data: no prediction, one note
+    assert all(batch.policy(name).predicted_tokens_per_s > 0 for name in ("k=0", "k=1", auto, "tree:0,1"))
+    assert all(p.predicted_tokens_per_s is None for p in batch.policies if p.policy.endswith("+ngram"))
+    staged_notes = [note for note in result.notes if note.startswith("no prediction for")]
+    assert len(staged_notes) == 1 and "k=1+ngram" in staged_notes[0] and "second stage" in staged_notes[0]
+
+
+# ---------------------------------------------------------------------------------------------- refusals
+@pytest.mark.parametrize("changes, message", [
+    (dict(synthetic_acceptance=0.5, trees=("0,1",)), "--tree cannot be combined with --synthetic-acceptance"),
+    (dict(synthetic_acceptance=0.5, stage2_path=Path("n.bin")), "--stage2 cannot be combined"),
+    (dict(trees=("0,1.0",)), "--tree: path 1.0 has no parent 1"),
+    (dict(trees=("chain:0",)), "--tree"),
+])
+def test_config_refuses_trees_it_cannot_run(changes, message):
+    with pytest.raises(BenchError, match=message):
+        BenchConfig(**changes)
+
+
+def test_staged_and_tree_runs_refuse_what_they_lack(tiny_pair, prompts, ngram):
+    config = BenchConfig(batch_sizes=(1,), ks=(1,), max_new_tokens=3, rounds=1, warmup_rounds=0,
+                         stage2_path=Path("ngram.bin"))
+    with pytest.raises(BenchError, match="--stage2 ngram.bin: the n-gram model was not loaded"):
+        run_bench(config, tiny_pair, prompts)
+    no_draft = dataclasses.replace(tiny_pair, draft=None)
+    with pytest.raises(BenchError, match="--tree needs a draft model"):
+        run_bench(BenchConfig(batch_sizes=(1,), ks=(0,), trees=("0,1",)), no_draft, prompts)
+    big = BenchConfig(batch_sizes=(1,), ks=(1,), max_new_tokens=240, trees=(",".join(str(r) for r in range(20)),))
+    with pytest.raises(BenchError, match="KV-cache margin"):  # 6 + 240 + 20 nodes > 256 positions
+        run_bench(big, tiny_pair, prompts)
+    synthetic = BenchConfig(batch_sizes=(1,), ks=(1,), max_new_tokens=3, synthetic_acceptance=0.5)
+    with pytest.raises(BenchError, match="--stage2 cannot be combined with --synthetic-acceptance"):
+        run_bench(synthetic, dataclasses.replace(tiny_pair, stage2=ngram), prompts)
+
+
+def test_a_tree_table_runs_and_says_what_it_ran(tiny_pair, prompts, write_table):
+    path = Path(write_table({1: 2, 2: 1}, name="tree_table.json"))
+    obj = json.loads(path.read_text())
+    tree = {"kind": "tree", "k": 2, "tree": [[0], [1], [0, 0]], "stage2": False}
+    obj["buckets"][0]["entries"][0]["strategy"] = tree  # batch size 1: a tree of depth 2
+    obj["max_k"] = 3
+    path.write_text(json.dumps(obj))
+    config = BenchConfig(batch_sizes=(1, 2), ks=(1,), max_new_tokens=4, rounds=1, warmup_rounds=0, table_path=path)
+    one, two = run_bench(config, tiny_pair, prompts).batches
+    assert (one.policy(TABLE_POLICY).strategy, one.policy(TABLE_POLICY).nodes) == ("tree 0,1,0.0 (3 nodes)", 3)
+    assert (two.policy(TABLE_POLICY).strategy, two.policy(TABLE_POLICY).nodes) == ("chain k=1", 1)
+    with pytest.raises(BenchError, match="--synthetic-acceptance fakes acceptance for plain chains only"):
+        run_bench(dataclasses.replace(config, synthetic_acceptance=0.5), tiny_pair, prompts)
+    obj["buckets"][0]["entries"][0]["strategy"]["stage2"] = True
+    obj["stage2"] = {"file": "ngram.bin", "sha256": "ab" * 32}
+    path.write_text(json.dumps(obj))
+    with pytest.raises(BenchError, match="second stage; pass --stage2 FILE"):
+        run_bench(config, tiny_pair, prompts)
