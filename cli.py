@@ -140,14 +140,18 @@ def is_ngram_file(path: str | None) -> bool:
     return path is not None and path.endswith(".safetensors") and Path(path).is_file()
 
 
-def load_ngram(path: Path | str, option: str, target_model):
-    """An n-gram file checked against the target's vocabulary and tokenizer (one-line errors)."""
+def load_ngram(path: Path | str, option: str, target_model=None, *, vocab_size: int | None = None,
+               model_dir: Path | None = None):
+    """An n-gram file checked against the target's vocabulary and tokenizer (one-line errors); the
+    target is a loaded checkpoint, or its vocabulary size and directory (None for shape presets)."""
     from runtime.ngram import NGramModel, tokenizer_fingerprint
 
+    if target_model is not None:
+        vocab_size, model_dir = target_model.config.vocab_size, Path(target_model.path)
     ngram = NGramModel.load(path)
-    tokenizer_file = Path(target_model.path) / "tokenizer.json"
-    fingerprint = tokenizer_fingerprint(tokenizer_file) if tokenizer_file.is_file() else None
-    ngram.check_compatible(target_model.config.vocab_size, fingerprint, f"{option} {path}")
+    tokenizer_file = Path(model_dir) / "tokenizer.json" if model_dir is not None else None
+    fingerprint = tokenizer_fingerprint(tokenizer_file) if tokenizer_file and tokenizer_file.is_file() else None
+    ngram.check_compatible(vocab_size, fingerprint, f"{option} {path}")
     return ngram
 
 
@@ -425,6 +429,11 @@ def bench(
     draft: Annotated[Optional[str], typer.Option("--draft", help=f"{_BENCH_MODEL_HELP} (default: bundled demo draft).")] = None,
     table: Annotated[Optional[Path], typer.Option("--table", help="specbatch.table/1 file: adds the table policy.")] = None,
     model: Annotated[Optional[Path], typer.Option("--model", help="specbatch.model/1 file: adds predicted tokens/s.")] = None,
+    tree: Annotated[Optional[list[str]], typer.Option(
+        "--tree", help="Also run this draft tree (repeatable): rank paths like 0,1,0.0, chain:K, or auto (the "
+                       "model's best tree at batch size 1; needs --model).")] = None,
+    stage2: Annotated[Optional[Path], typer.Option(
+        "--stage2", help="n-gram file: also run every k > 0 and every --tree with the second stage.")] = None,
     batch_sizes: Annotated[str, typer.Option("--batch-sizes")] = "1,2,4,8,16,32",
     ks: Annotated[str, typer.Option("--ks", help="Fixed k to compare; k = 0 is always run.")] = "0,1,2,3,4,5,6,7,8",
     prompts: Annotated[Optional[Path], typer.Option("--prompts", help="One JSON string (or plain line) per line (default: bundled held-out prompts).")] = None,
@@ -439,17 +448,18 @@ def bench(
     dtype: DtypeOpt = None,
     json_output: JsonOpt = False,
 ):
-    """Measure k = 0, every fixed k and the table at every batch size, interleaved; regret and speedup."""
+    """Measure k = 0, every fixed k, trees, staged drafting and the table at every batch size, interleaved;
+    regret, speedup, and chain vs tree vs staged side by side."""
     from calibrate.bench import BenchError
 
     try:
-        _bench(target, draft, table, model, batch_sizes, ks, prompts, max_new_tokens, rounds, sampling,
-               synthetic_acceptance, peers, out, seed, device, dtype, json_output)
+        _bench(target, draft, table, model, tuple(tree or ()), stage2, batch_sizes, ks, prompts, max_new_tokens,
+               rounds, sampling, synthetic_acceptance, peers, out, seed, device, dtype, json_output)
     except BenchError as error:
         raise UsageError(str(error)) from None
 
 
-def _bench(target, draft, table, model, batch_sizes, ks, prompts, max_new_tokens, rounds, sampling,
+def _bench(target, draft, table, model, trees, stage2, batch_sizes, ks, prompts, max_new_tokens, rounds, sampling,
            synthetic_acceptance, peers, out, seed, device, dtype, json_output) -> None:
     from calibrate.bench import BenchConfig, parse_sampling
 
@@ -458,8 +468,9 @@ def _bench(target, draft, table, model, batch_sizes, ks, prompts, max_new_tokens
         batch_sizes=tuple(parse_int_list("--batch-sizes", batch_sizes) or ()), ks=tuple(parse_ks(ks)),
         max_new_tokens=max_new_tokens, rounds=rounds, sampling=parse_sampling(sampling),
         synthetic_acceptance=synthetic_acceptance, seed=seed, table_path=table, model_path=model, peers=peers,
+        trees=trees, stage2_path=stage2,
     )
-    for option, path in (("--table", table), ("--model", model), ("--prompts", prompts)):
+    for option, path in (("--table", table), ("--model", model), ("--prompts", prompts), ("--stage2", stage2)):
         if path is not None and not path.is_file():
             raise UsageError(f"{option} {path}: no such file")
 
@@ -487,9 +498,11 @@ def _bench(target, draft, table, model, batch_sizes, ks, prompts, max_new_tokens
                          "out to benchmark with random token prompts")
     else:
         token_prompts = random_prompts(needed, RANDOM_PROMPT_TOKENS, target_spec.config.vocab_size, seed)
+    ngram = None if stage2 is None else load_ngram(stage2, "--stage2", vocab_size=target_spec.config.vocab_size,
+                                                   model_dir=target_spec.directory)
     models = BenchModels(target=pair.target, draft=pair.draft, target_source=target_spec.source,
                          draft_source=draft_spec.source, target_dir=target_spec.directory,
-                         draft_dir=draft_spec.directory, random_weights=random_weights)
+                         draft_dir=draft_spec.directory, random_weights=random_weights, stage2=ngram)
 
     result = run_bench(config, models, token_prompts) if json_output else \
         _bench_with_progress(config, models, token_prompts)
@@ -592,9 +605,29 @@ def render_bench(result, written: list[Path]) -> None:
                 cells.append(_relative(None if predicted is None or not steady else predicted / steady - 1))
             errors.add_row(str(batch.batch_size), *cells)
         console.print(errors)
+    comparisons = [batch for batch in result.batches
+                   if batch.strategy_comparison and (batch.strategy_comparison.get("best_tree")
+                                                     or batch.strategy_comparison.get("best_staged"))]
+    if comparisons:
+        side = Table(title="chain vs tree vs staged: steady tokens/s (x plain decoding, x best chain)")
+        for header in ("b", "best chain", "best tree", "best staged"):
+            side.add_column(header, justify="right")
+        for batch in comparisons:
+            cells = []
+            for key in ("best_chain", "best_tree", "best_staged"):
+                best = batch.strategy_comparison.get(key)
+                cells.append("-" if best is None else
+                             f"{_short_policy(best['policy'])}: {_rate(best['steady_tokens_per_s'])} "
+                             f"({best['vs_plain']:.2f}x, {best['vs_best_chain']:.2f}x)")
+            side.add_row(str(batch.batch_size), *cells)
+        console.print(side)
     for note in result.notes:
         console.print(f"note: {note}", markup=False, highlight=False)
     console.print(f"wrote {', '.join(str(path) for path in written)}", markup=False, highlight=False)
+
+
+def _short_policy(name: str, width: int = 28) -> str:
+    return name if len(name) <= width else name[:width - 3] + "..."
 
 
 # ---------------------------------------------------------------- performance model: fit, table, query, plot
