@@ -23,10 +23,50 @@ Why teacher forcing is exact for greedy: once draft tokens 1..i-1 are accepted t
 argmax tokens, so the draft's i-th proposal is made on the target's own path, the path scored here.
 For sampling it is an approximation beyond position 1: tokens accepted by rejection sampling follow
 min(p, q)/beta rather than p, so the scored path is the target's, not the accepted tokens'.
+
+Per rank, for trees (`rank_acceptance`). A tree node's children are the draft's top-c tokens
+(greedy) or c tokens sampled from q without replacement, and the step moves to the child that the
+target accepts. So at every continuation position j the same teacher-forced pass also gives
+P_j[r] = P(the target's token is the draft's rank-r child), r = 0..R-1:
+
+    greedy:    one-hot at rank_j = the rank of the target's argmax among the draft's logits (tokens
+               with a larger logit, plus tied ones with a smaller id: argmax's own tie rule, so
+               rank_j = 0 exactly when m_j = 1); no entry when rank_j >= R;
+    sampling:  P_j[0] = sum_x min(p_j(x), q_j(x)) exactly (= m_j); ranks r >= 1 by a seeded Monte Carlo
+               of the runtime's recursive rejection sampling given that rank 0 was rejected: the
+               rejected first child has law norm(max(0, q - p)) (q(x) times its rejection
+               probability), the next children are drawn from q without the earlier ones (the law of
+               the runtime's Gumbel top-k), and child r >= 1 is accepted with prod_{1<=i<r}(1 - a_i)
+               * a_r, a_i = min(1, p_i(x_i)/q_i(x_i)) on the runtime's residuals p <- norm(max(0, p -
+               q)), q <- q without x_i (no coin is flipped: the expectation over the acceptance coins
+               is exact). P_j[r] = (1 - P_j[0]) * the mean over SAMPLING_DRAWS draws: unbiased, and
+               each P_j sums to <= 1.
+
+The D x R table is step-aligned like `tokens_per_step`, under the dynamics of the full R-ary tree of
+depth D = max_k (every node has the draft's top R tokens as children): a step starts at the first
+position, right after a position whose target token is none of the draft's R children (the target's
+token ends the step there), or after D accepted tokens plus the bonus token; depth d of a step
+starting at t is position t + d - 1 (the accepted path is the target's own tokens whatever their
+ranks, so the next position's draft distribution is the teacher-forced one), and
+`rank_acceptance[d][r]` = sum of P_j[r] over the times depth d was reached / those times. With R = 1
+(`rank_acceptance` of the m_j alone) these are a chain's dynamics and 1 + sum_d prod_{i<=d} of the
+table equals tokens_per_step[max_k].
+
+The approximation. A table that does not depend on the tree treats depths as independent: a grown
+tree's node (1, 0) gets P(rank 1 at depth 1) x P(rank 0 at depth 2 | depth 2 reached through any
+rank < R), and the tree's own steps end (and the next ones start) after ranks the tree lacks rather
+than after ranks >= R. The alternative, a chain's dynamics (continue on rank 0 only), conditions
+deeper rows on "rank 0 above", which fits a tree's all-rank-0 spine better but never reaches depth 2
+when the target's token is rarely the draft's first choice (a row of zeros where the truth may be
+certain). Checked on the demo pair (greedy, 300 held-out prompts x 48 tokens): for trees grown to
+16..64 nodes the table's expected tokens per step are within -0.3%..+2.1% of the exact step-aligned
+value simulated over the same rank sequences (chain dynamics: -0.7%..+2.7%), and +1.0% for a chain
+of 4 (chain dynamics: -4.3%, as its steps end earlier than depth D's).
 """
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -46,6 +86,9 @@ from .errors import CalibrationError
 
 TEACHER_FORCING_ROWS = 16  # rows per no-cache forward: bounds the (rows, length, vocab) logits
 GENERATION_ROWS = 32  # prompts per generate() call; prompts are sorted by length so padding stays small
+RANKS = 4  # R: ranks per depth in rank_acceptance (children per tree node) and n-gram guesses scored
+SAMPLING_DRAWS = 4  # Monte Carlo draws of R children per position for the sampling ranks >= 1
+MC_CHUNK_VALUES = 1 << 22  # positions x draws x vocab per Monte Carlo chunk: bounds its memory
 
 
 # ---------------------------------------------------------------- options
@@ -182,6 +225,38 @@ def tokens_per_step(agreement_rows: Sequence[Sequence[float]], max_k: int) -> li
     return result
 
 
+def rank_acceptance(rank_rows: Sequence[np.ndarray], depth: int) -> tuple[list[list[float]], list[float]]:
+    """The step-aligned D x R table (D = `depth`) and the (expected) times each depth was reached.
+
+    `rank_rows` holds one (T, R) array per continuation: P_j[r] (0/1 for greedy). Steps follow the full
+    R-ary tree of depth D (see the module docstring): depth d+1 is reached when the target's token at
+    depth d was one of the R children; only steps whose D positions lie inside the continuation count,
+    as in `tokens_per_step`. A depth never reached gets a row of zeros.
+
+    >>> rank_acceptance([np.array([[1, 0], [0, 1], [0, 0], [1, 0]])], 2)  # ranks 0, 1, >=2, 0: one step (at 0)
+    ([[1.0, 0.0], [0.0, 1.0]], [1.0, 1.0])
+    """
+    ranks = np.asarray(rank_rows[0]).shape[1] if len(rank_rows) else RANKS
+    hits, reached = np.zeros((depth, ranks)), np.zeros(depth)
+    for row in rank_rows:
+        p = np.asarray(row, dtype=np.float64)
+        among = p.sum(1)  # P(the target's token is one of the R children)
+        start_mass = np.zeros(len(p) + depth + 2)  # probability that a step starts at position t
+        start_mass[0] = 1.0
+        for t in range(len(p) - depth + 1):
+            reach = start_mass[t]
+            if reach == 0.0:
+                continue
+            for d in range(depth):
+                reached[d] += reach
+                hits[d] += reach * p[t + d]
+                start_mass[t + d + 1] += reach * (1.0 - among[t + d])  # no child matched: the target's token
+                reach *= among[t + d]
+            start_mass[t + depth + 1] += reach  # all accepted, plus the bonus token
+    table = np.divide(hits, reached[:, None], out=np.zeros_like(hits), where=reached[:, None] > 0)
+    return [[float(x) for x in row] for row in table], [float(r) for r in reached]
+
+
 # ---------------------------------------------------------------- running the models
 def target_continuations(target: CausalLM, prompts: list[list[int]], new_tokens: int, sampling: Sampling,
                          eos_token_ids: tuple[int, ...], seed: int) -> list[list[int]]:
@@ -197,20 +272,80 @@ def target_continuations(target: CausalLM, prompts: list[list[int]], new_tokens:
     return continuations
 
 
-def _agreement(target_logits: torch.Tensor, draft_logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
-    """m_j for logits (n, vocab) of the two models at the same positions -> (n,)."""
+@dataclass(frozen=True)
+class ScoredRow:
+    """What the teacher-forced pass says about one continuation, position by position (T positions)."""
+
+    agreement: np.ndarray  # (T,) m_j
+    ranks: np.ndarray  # (T, R) P_j[r]: the target's token is the draft's rank-r child
+    draft_top: np.ndarray | None  # (T, R) the draft's top-R tokens (greedy only): what the n-gram guesses
+    contexts: np.ndarray  # (T, 2) the two tokens before each predicted one (-1 before the sequence)
+
+
+def _greedy_ranks(target_logits: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tensor:
+    """(n, R) one-hot rank of the target's argmax among the draft's logits (argmax's tie rule: among
+    equal logits the smaller id ranks first); all zeros when the rank is R or more."""
+    choice = target_logits.argmax(-1, keepdim=True)  # (n, 1)
+    chosen = draft_logits.gather(-1, choice)
+    ids = torch.arange(draft_logits.shape[-1], device=draft_logits.device)
+    rank = ((draft_logits > chosen) | ((draft_logits == chosen) & (ids < choice))).sum(-1)  # (n,)
+    return torch.nn.functional.one_hot(rank.clamp(max=RANKS), RANKS + 1)[:, :RANKS].double()
+
+
+def _sampled_ranks(p: torch.Tensor, q: torch.Tensor, rng: torch.Generator, draws: int = SAMPLING_DRAWS) -> torch.Tensor:
+    """(n, R) P(recursive rejection sampling over R children drawn without replacement from q accepts
+    child r), for distributions p, q (n, vocab): rank 0 exact, ranks >= 1 by Monte Carlo given rank 0
+    rejected (module docstring)."""
+    n = p.shape[0]
+    exact = torch.minimum(p, q).sum(-1).clamp(max=1.0).double()  # (n,) = m_j
+    target, draft = p.repeat_interleave(draws, 0), q.repeat_interleave(draws, 0)  # (n * draws, vocab)
+    rejected = (draft - target).clamp(min=0.0)  # the first child's law given its rejection, unnormalised
+    alive = (rejected.sum(-1) > 0).float()  # P(every earlier child rejected), for the draws' children
+    child = torch.multinomial(torch.where(alive[:, None] > 0, rejected, draft), 1, generator=rng)  # (n * draws, 1)
+    accepted = torch.zeros(n * draws, RANKS, device=p.device)
+    for r in range(1, RANKS):
+        residual = (target - draft).clamp(min=0.0)  # after the rejection of `child`, as the runtime updates
+        mass = residual.sum(-1, keepdim=True)
+        target = torch.where(mass > 0, residual / mass.clamp_min(1e-30), target)
+        draft = draft.scatter(1, child, 0.0)
+        left = draft.sum(-1, keepdim=True)
+        alive = alive * (left.squeeze(1) > 0)  # support exhausted: no further child is usable
+        draft = torch.where(left > 0, draft / left.clamp_min(1e-30), torch.full_like(draft, 1.0 / draft.shape[1]))
+        child = torch.multinomial(draft, 1, generator=rng)
+        px, qx = target.gather(1, child).squeeze(1), draft.gather(1, child).squeeze(1)
+        a = (px / qx.clamp_min(1e-30)).clamp(max=1.0)  # P(child r accepted | reached)
+        accepted[:, r] = alive * a
+        alive = alive * (1.0 - a)
+    later = accepted[:, 1:].double().view(n, draws, RANKS - 1).mean(1)  # (n, R-1) given rank 0 rejected
+    return torch.cat([exact[:, None], (1.0 - exact)[:, None] * later], dim=1)
+
+
+def _scored(target_logits: torch.Tensor, draft_logits: torch.Tensor, sequence: list[int], first: int,
+            sampling: Sampling, rng: torch.Generator) -> ScoredRow:
+    """One continuation's row from the logits (n, vocab) at its n positions; position i predicts
+    sequence[first + i + 1]."""
+    n = target_logits.shape[0]
+    padded = torch.tensor([-1] + sequence, dtype=torch.long)
+    contexts = torch.stack([padded[first:first + n], padded[first + 1:first + 1 + n]], dim=1)  # (n, 2)
     if sampling.greedy:
-        return (target_logits.argmax(-1) == draft_logits.argmax(-1)).double()
+        agreement = (target_logits.argmax(-1) == draft_logits.argmax(-1)).double()
+        ranks = _greedy_ranks(target_logits, draft_logits)
+        top = draft_logits.topk(RANKS, dim=-1).indices.cpu().numpy() if draft_logits.shape[-1] >= RANKS else None
+        return ScoredRow(agreement.cpu().numpy(), ranks.cpu().numpy(), top, contexts.numpy())
     p, q = probabilities(target_logits, sampling), probabilities(draft_logits, sampling)
-    return torch.minimum(p, q).sum(-1).double().clamp(max=1.0)  # float rounding can exceed 1 by ~1e-7
+    agreement = torch.minimum(p, q).sum(-1).double().clamp(max=1.0)  # float rounding can exceed 1 by ~1e-7
+    chunk = max(1, MC_CHUNK_VALUES // (SAMPLING_DRAWS * p.shape[-1]))
+    ranks = torch.cat([_sampled_ranks(p[i:i + chunk], q[i:i + chunk], rng) for i in range(0, n, chunk)])
+    return ScoredRow(agreement.cpu().numpy(), ranks.cpu().numpy(), None, contexts.numpy())
 
 
 @torch.inference_mode()
-def agreement_rows(target: CausalLM, draft: CausalLM, prompts: list[list[int]], continuations: list[list[int]],
-                   sampling: Sampling) -> list[np.ndarray]:
-    """Teacher-forced m_j over each non-empty continuation. Rows are right-padded (a causal model's
+def score_continuations(target: CausalLM, draft: CausalLM, prompts: list[list[int]], continuations: list[list[int]],
+                        sampling: Sampling, seed: int = 0) -> list[ScoredRow]:
+    """Teacher-forced rows over each non-empty continuation. Rows are right-padded (a causal model's
     positions never see the padding after them) and grouped by length so that padding stays small."""
     device = target.lm_head.weight.device
+    rng = torch.Generator(device=device).manual_seed(seed)  # the sampling ranks' Monte Carlo
     pairs = sorted(((p, c) for p, c in zip(prompts, continuations) if c), key=lambda pc: len(pc[0]) + len(pc[1]))
     rows = []
     for start in range(0, len(pairs), TEACHER_FORCING_ROWS):
@@ -223,21 +358,41 @@ def agreement_rows(target: CausalLM, draft: CausalLM, prompts: list[list[int]], 
         target_logits, draft_logits = target(tokens), draft(tokens)  # (rows, width, vocab)
         for r, (p, c) in enumerate(chunk):
             scored = slice(len(p) - 1, len(p) - 1 + len(c))  # logits at index i predict token i + 1
-            rows.append(_agreement(target_logits[r, scored], draft_logits[r, scored], sampling).cpu().numpy())
+            rows.append(_scored(target_logits[r, scored], draft_logits[r, scored], p + c, len(p) - 1, sampling, rng))
     return rows
+
+
+def agreement_rows(target: CausalLM, draft: CausalLM, prompts: list[list[int]], continuations: list[list[int]],
+                   sampling: Sampling) -> list[np.ndarray]:
+    """Teacher-forced m_j over each non-empty continuation."""
+    return [row.agreement for row in score_continuations(target, draft, prompts, continuations, sampling)]
 
 
 def measure_acceptance(target: CausalLM, draft: CausalLM, prompts: list[list[int]], sampling: Sampling, max_k: int,
                        new_tokens: int, eos_token_ids: tuple[int, ...] = (), prompts_source: str | None = None,
                        seed: int = 0) -> AcceptanceEntry:
     """The measured acceptance entry of one decoding mode (see the module docstring)."""
+    return entry_from_rows(score(target, draft, prompts, sampling, new_tokens, eos_token_ids, seed), sampling, max_k,
+                           len(prompts), prompts_source)
+
+
+def score(target: CausalLM, draft: CausalLM, prompts: list[list[int]], sampling: Sampling, new_tokens: int,
+          eos_token_ids: tuple[int, ...] = (), seed: int = 0) -> list[ScoredRow]:
+    """The target's continuations of `prompts`, scored teacher-forced: every per-position figure."""
     continuations = target_continuations(target, prompts, new_tokens, sampling, eos_token_ids, seed)
-    rows = agreement_rows(target, draft, prompts, continuations, sampling)
-    per_position, reached = conditional_acceptance(rows, max_k)
-    per_step = tokens_per_step(rows, max_k)
+    return score_continuations(target, draft, prompts, continuations, sampling, seed)
+
+
+def entry_from_rows(rows: list[ScoredRow], sampling: Sampling, max_k: int, prompt_count: int,
+                    prompts_source: str | None = None) -> AcceptanceEntry:
+    agreement = [row.agreement for row in rows]
+    per_position, reached = conditional_acceptance(agreement, max_k)
+    per_step = tokens_per_step(agreement, max_k)
     if any(np.isnan(per_step)):  # continuations shorter than max_k: no step-aligned figure for long k
         per_step = None
+    table, depth_reached = rank_acceptance([row.ranks for row in rows], max_k)
     return AcceptanceEntry(**entry_fields(sampling), source="measured", per_position=tuple(per_position),
                            tokens_per_step=None if per_step is None else tuple(per_step),
+                           rank_acceptance=tuple(tuple(r) for r in table) if depth_reached[0] > 0 else None,
                            trials=tuple(int(round(r)) for r in reached), prompts=prompts_source,
-                           prompt_count=len(prompts))
+                           prompt_count=prompt_count)

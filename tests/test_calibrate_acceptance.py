@@ -1,19 +1,24 @@
-"""The acceptance estimator: hand-computed sequences, and pairs whose acceptance is known exactly."""
+"""The acceptance estimator: hand-computed sequences, pairs whose acceptance is known exactly, and the
+runtime's own steps; the per-rank table for trees, against constructed pairs, an exact enumeration of
+recursive rejection sampling and the runtime's full-tree steps."""
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
-from calibrate.acceptance import (conditional_acceptance, measure_acceptance, parse_acceptance, parse_sampling,
-                                  read_prompts, tokens_per_step)
+from calibrate.acceptance import (_sampled_ranks, conditional_acceptance, entry_from_rows, measure_acceptance,
+                                  parse_acceptance, parse_sampling, rank_acceptance, read_prompts, score,
+                                  target_continuations, tokens_per_step)
 from calibrate.errors import CalibrationError
+from perfmodel.acceptance import expected_tokens
+from perfmodel.tree import Strategy, make_tree
 from runtime.checkpoint import build_model
 from runtime.config import ModelConfig
-from perfmodel.acceptance import expected_tokens
 from runtime.generator import SpeculativeGenerator
-from runtime.policy import FixedK
+from runtime.policy import FixedK, FixedStrategy
 from runtime.sampling import Sampling
 
 V = 8  # vocabulary of the constructed pairs
@@ -178,3 +183,135 @@ def test_tokens_per_step_equals_the_runtimes_own_count():
         stats = generator.generate(prompts, 64, FixedK(k)).stats
         runtime = sum(stats.step_tokens[:-2]) / len(stats.step_tokens[:-2])  # drop the truncated last steps
         assert entry.tokens_per_step[k] == pytest.approx(runtime, rel=0.05)
+
+
+# ---------------------------------------------------------------- rank acceptance, for trees
+def test_rank_table_on_a_hand_computed_sequence():
+    # ranks 0, 1, 3, >=4, 0, 0 with D = 2: a step at 0 accepts ranks 0 then 1 (both children exist in
+    # the full 4-ary tree), plus the bonus token at 2; the next starts at 3: rank >= 4 ends it; at 4: 0, 0
+    one_hot = np.zeros((6, 4))
+    for position, rank in enumerate([0, 1, 3, 4, 0, 0]):
+        if rank < 4:
+            one_hot[position, rank] = 1.0
+    table, reached = rank_acceptance([one_hot], 2)
+    assert reached == [3.0, 2.0]  # steps at 0, 3, 4; depth 2 reached from 0 and 4
+    assert table == [[2 / 3, 0.0, 0.0, 0.0], [0.5, 0.5, 0.0, 0.0]]
+
+
+@pytest.mark.parametrize("row", [[1, 1, 0, 1, 1, 1, 0, 0, 1], [0.6, 0.9, 0.3, 0.8, 0.7, 0.95, 0.5]])
+def test_rank_table_with_one_rank_follows_a_chain(row):
+    """With R = 1 (only the draft's first choice) the table's steps are a chain's: its expected length
+    is the step-aligned E(max_k), also with sampling's acceptance probabilities."""
+    table, _ = rank_acceptance([np.array(row, dtype=float)[:, None]], 3)
+    predicted = 1 + sum(np.prod([table[i][0] for i in range(d + 1)]) for d in range(3))
+    assert predicted == pytest.approx(tokens_per_step([row], 3)[3], rel=1e-12)
+
+
+def test_greedy_ranks_of_a_draft_whose_second_choice_is_always_the_targets():
+    """Target: successor, i -> i + 1. Draft: the same LM head, shifted so that after i it prefers i + 2
+    and then i + 1. The target's token is always the draft's rank-1 child: [0, 1, 0, 0] at every depth
+    (a chain never gets past depth 1 with this draft; a tree does, every time)."""
+    draft_head = torch.zeros(V, V)
+    for token in range(V):
+        draft_head[(token + 2) % V, token] = 2.0
+        draft_head[(token + 1) % V, token] = 1.0
+    target, draft = zero_layer_model(successor_head()), zero_layer_model(draft_head)
+    entry = measure_acceptance(target, draft, [[1], [4, 3]], Sampling(), max_k=4, new_tokens=20)
+    assert entry.rank_acceptance == ((0.0, 1.0, 0.0, 0.0),) * 4
+    assert entry.per_position[0] == 0.0 and entry.tokens_per_step == (1.0,) * 5
+
+
+def test_sampled_ranks_of_a_pair_with_known_ranks():
+    """Target: (almost exactly) certain of token 3; draft: uniform over {3, 4} (top_k = 2). The first
+    child is 3 half the time (accepted); else it is 4, rejected (p(4) = 0), and the residuals leave
+    p = q = certainty of 3, the second child: accepted. So [1/2, 1/2, 0, 0] at every depth."""
+    target_head, draft_head = torch.zeros(V, V), torch.zeros(V, V)
+    target_head[3] = 40.0
+    draft_head[[3, 4]] = 1.0
+    entry = measure_acceptance(zero_layer_model(target_head), zero_layer_model(draft_head), [[0], [5, 6]],
+                               Sampling(temperature=1.0, top_k=2), max_k=3, new_tokens=8)
+    assert np.array(entry.rank_acceptance) == pytest.approx(np.array([[0.5, 0.5, 0.0, 0.0]] * 3), abs=1e-6)
+
+
+def _exact_ranks(p: np.ndarray, q: np.ndarray, ranks: int) -> np.ndarray:
+    """P(the runtime's recursive rejection sampling accepts child r) by enumerating every ordered draw
+    of children without replacement from q (an oracle for the Monte Carlo)."""
+    result = np.zeros(ranks)
+
+    def walk(drawn, chance, p_now, q_now, alive):
+        r = len(drawn)
+        if r == ranks or alive == 0 or q_now.sum() <= 0:
+            return
+        for x in np.flatnonzero(q_now > 0):
+            draw = chance * q_now[x]  # q_now is normalised: the law of the next child
+            accept = min(1.0, p_now[x] / q_now[x])
+            result[r] += draw * alive * accept
+            residual = np.maximum(p_now - q_now, 0.0)
+            p_next = residual / residual.sum() if residual.sum() > 0 else p_now
+            q_left = q_now.copy()
+            q_left[x] = 0.0
+            q_next = q_left / q_left.sum() if q_left.sum() > 0 else q_left
+            walk(drawn + [x], draw, p_next, q_next, alive * (1.0 - accept))
+
+    walk([], 1.0, p, q, 1.0)
+    return result
+
+
+def test_sampled_ranks_against_an_exact_enumeration():
+    rng = np.random.default_rng(5)
+    p = rng.dirichlet(np.ones(6), size=3)
+    q = rng.dirichlet(np.ones(6) * 0.7, size=3)
+    q[0, [1, 4]] = 0.0  # a draft with a support of 4 tokens: a 4th child may be unusable
+    q /= q.sum(1, keepdims=True)
+    estimate = _sampled_ranks(torch.tensor(p, dtype=torch.float32), torch.tensor(q, dtype=torch.float32),
+                              torch.Generator().manual_seed(0), draws=40000).numpy()
+    for row in range(3):
+        exact = _exact_ranks(p[row], q[row], 4)
+        assert estimate[row, 0] == pytest.approx(exact[0], abs=1e-6)  # rank 0 is computed, not sampled
+        assert estimate[row, 1:] == pytest.approx(exact[1:], abs=0.01)
+        assert estimate[row].sum() <= 1.0 + 1e-9
+
+
+def test_greedy_rank_table_matches_the_runtimes_full_tree():
+    """The estimator against the runtime: a draft close to the target, and the full 4-ary tree of depth
+    2 (20 nodes). Along the same greedy path the runtime's steps start where the table's do, so per
+    depth the table's total (any rank accepted) is the runtime's count of accepted / reached."""
+    config = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=8, intermediate_size=64, max_position_embeddings=128)
+    target, draft = build_model(config, seed=7), build_model(config, seed=7)
+    noise = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        target.lm_head.weight.mul_(40.0)  # wide logit gaps: no near-ties for float rounding to flip
+        draft.lm_head.weight.copy_(target.lm_head.weight + 0.2 * target.lm_head.weight.std() * noise)
+    prompt, new_tokens, depth = [3, 9, 27, 17], 60, 2
+    [row] = score(target, draft, [prompt], Sampling(), new_tokens)
+    ranks = row.ranks[1:]  # the runtime's first step drafts after the prefill's token
+    table, reached = rank_acceptance([ranks], depth)
+    assert 0.5 < table[0][0] < 0.9 and table[0][1] > 0.1 and reached[0] > reached[1] > 0  # every kind of step
+
+    tree = make_tree([[r] for r in range(4)] + [[r, s] for r in range(4) for s in range(4)])
+    result = SpeculativeGenerator(target, draft).generate([prompt], new_tokens + 10, FixedStrategy(Strategy(tree)))
+    continuation = target_continuations(target, [prompt], new_tokens, Sampling(), (), 0)[0]
+    assert result.token_ids[0][:new_tokens] == continuation  # the same path
+    starts = np.cumsum([0] + result.stats.step_tokens[:-1])  # in `ranks` coordinates
+    accepted = np.array(result.stats.step_tokens) - 1
+    inside = accepted[starts <= len(ranks) - depth]
+    for d in range(depth):
+        assert reached[d] == (inside >= d).sum()
+        assert sum(table[d]) == pytest.approx((inside >= d + 1).sum() / (inside >= d).sum(), abs=1e-12)
+
+
+def test_greedy_rank_zero_is_the_chains_acceptance_test():
+    """Position by position, rank 0 is exactly the chain's m_j (argmax's tie rule), so its all-positions
+    mean is the all-starts alpha_1; the table's depth-1 value is step-aligned and differs on purpose."""
+    config = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=8, intermediate_size=64, max_position_embeddings=128)
+    target, draft = build_model(config, seed=4), build_model(config, seed=5)
+    prompts = [[3, 9, 27], [5], [1, 2, 3, 4, 5, 6]]
+    rows = score(target, draft, prompts, Sampling(), 16)
+    for row in rows:
+        assert np.array_equal(row.ranks[:, 0], row.agreement)
+        assert set(np.unique(row.ranks)) <= {0.0, 1.0} and (row.ranks.sum(1) <= 1).all()
+    entry = entry_from_rows(rows, Sampling(), max_k=3, prompt_count=3)
+    all_positions = np.concatenate([row.ranks[:, 0] for row in rows]).mean()
+    assert entry.per_position[0] == pytest.approx(all_positions, abs=1e-12)
