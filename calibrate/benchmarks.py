@@ -8,6 +8,9 @@ reset to L before each repetition because a pass advances it by n.
 The overhead of a step is everything the generator does outside forward passes (sampling, the
 acceptance test, cache rollback, bookkeeping). It is measured by running real generation with a
 fixed k and reading the generator's own `other_s`, so it is the runtime's overhead by construction.
+Tree steps are measured the same way with a fixed tree (and the n-gram second stage, or not), on real
+prompts with real acceptance; the n-gram's own query time is taken out of their `other_s`, because
+the performance model adds it from the profile's query-cost fit.
 """
 from __future__ import annotations
 
@@ -20,11 +23,11 @@ import torch
 from perfmodel.profile import Grid, TimingRow
 from runtime.generator import SpeculativeGenerator
 from runtime.model import CausalLM, KVCache
-from runtime.policy import FixedK
+from runtime.policy import FixedK, FixedStrategy
 from runtime.sampling import Sampling
 
 from .environment import synchronizer
-from .grid import TimingPoint
+from .grid import TimingPoint, new_tokens_at
 from .store import timing_row
 from .timing import Clock, Measurement, RepetitionRule, is_out_of_memory, repeat, timed_ms
 
@@ -61,7 +64,7 @@ class ForwardTimer:
         key = (point.model, point.batch_size, point.context_len)
         if key != self.key:
             self.forget()  # free the previous cache before allocating the next
-            new_tokens = self.grid.target_new_tokens if point.model == "target" else self.grid.draft_new_tokens
+            new_tokens = new_tokens_at(self.grid, point.model, point.batch_size)
             self.cache = self.models[point.model].new_cache(point.batch_size, point.context_len + max(new_tokens))
             self.key = key
         return self.cache
@@ -120,5 +123,62 @@ def overhead_sampler(target: CausalLM, draft: CausalLM, batch_size: int, k: int,
         stats = generator.generate(prompts, new_tokens, FixedK(k), Sampling(), seed=seed + next(calls),
                                    synthetic_acceptance=acceptance).stats
         return stats.other_s / stats.steps * 1000.0
+
+    return sample_ms
+
+
+class TimedNGram:
+    """An n-gram second stage that adds up the wall time of its queries: the device queries
+    (`top_tokens`, `distributions`, synchronized on CUDA) and the host look-ups the runtime makes
+    while guessing (`top_tokens_host`). Anything else is the wrapped model's."""
+
+    def __init__(self, ngram, synchronize: Callable[[], None] | None = None):
+        self.ngram, self.synchronize, self.seconds = ngram, synchronize, 0.0
+
+    def __getattr__(self, name):
+        return getattr(self.ngram, name)
+
+    def _device_query(self, method, *args):
+        if self.synchronize is not None:
+            self.synchronize()
+        started = time.perf_counter()
+        out = method(*args)
+        if self.synchronize is not None:
+            self.synchronize()
+        self.seconds += time.perf_counter() - started
+        return out
+
+    def top_tokens(self, contexts: torch.Tensor, count: int) -> torch.Tensor:
+        return self._device_query(self.ngram.top_tokens, contexts, count)
+
+    def distributions(self, contexts: torch.Tensor) -> torch.Tensor:
+        return self._device_query(self.ngram.distributions, contexts)
+
+    def top_tokens_host(self, u: int, v: int) -> tuple[int, ...]:
+        started = time.perf_counter()
+        out = self.ngram.top_tokens_host(u, v)
+        self.seconds += time.perf_counter() - started
+        return out
+
+
+def tree_overhead_sampler(target: CausalLM, draft: CausalLM, prompts: list[list[int]], strategy,
+                          expected_tokens: float, steps_per_sample: int, stage2=None, seed: int = 0,
+                          synchronize: Callable[[], None] | None = None) -> Callable[[], float]:
+    """A function that generates with `strategy` (a perfmodel.tree.Strategy: a tree, with the second
+    stage or not) from `prompts` (one per row, real text: acceptance is real) and returns the time per
+    step outside forward passes and n-gram queries, in ms. `expected_tokens` (per row and step) sizes
+    a sample to about `steps_per_sample` steps; EOS is disabled."""
+    timed = TimedNGram(stage2, synchronize) if stage2 is not None else None
+    generator = SpeculativeGenerator(target, draft, eos_token_ids=(), stage2=timed)
+    policy = FixedStrategy(strategy)
+    new_tokens = 1 + round(steps_per_sample * expected_tokens)  # +1: prefill's token
+    calls = itertools.count()
+
+    def sample_ms() -> float:
+        if timed is not None:
+            timed.seconds = 0.0
+        stats = generator.generate(prompts, new_tokens, policy, Sampling(), seed=seed + next(calls)).stats
+        queries_s = timed.seconds if timed is not None else 0.0
+        return max(0.0, stats.other_s - queries_s) / stats.steps * 1000.0
 
     return sample_ms

@@ -1,14 +1,23 @@
 """The calibration grid: which forward passes and which steps are timed.
 
-The runtime's step with k >= 1 is a draft pass of n0 tokens (n0 = 1, or 2 when some row accepted all
-k drafts last step and the draft must catch up the bonus token), then k - 1 draft passes of 1 token,
-then one target pass of k + 1 tokens; k = 0 is one target pass of 1 token. So the grid times the
-target at n = 1..max_k+1 and the draft at n = 1 and 2, for every batch size b and context length L,
-and the per-step overhead for every (b, k). Nothing else is needed to predict a step.
+The runtime's chain step with k >= 1 is a draft pass of n0 tokens (n0 = 1, or 2 when some row
+accepted all k drafts last step and the draft must catch up the bonus token), then k - 1 draft passes
+of 1 token, then one target pass of k + 1 tokens; k = 0 is one target pass of 1 token. So the grid
+times the target at n = 1..max_k+1 and the draft at n = 1 and 2, for every batch size b and context
+length L, and the per-step overhead for every (b, k).
+
+Tree steps (runtime/tree_decoding.py) are wider: the target verifies N + 1 tokens per row for a tree
+of N nodes, and the draft scores a level of inner nodes, or with the n-gram second stage the catch-up
+tokens plus every inner node, in one pass. Trees pay at small batch sizes, so the grid adds WIDE
+passes (target n = 16, 32, 64; draft n = 4..64) only at batch sizes <= WIDE_MAX_BATCH (or at the
+smallest batch size when the grid has none that small): `Grid.target_new_tokens` lists every n
+timed, and `new_tokens_at` says which at each batch size. Wide passes that would not fit the models'
+positions on top of the longest context are left out (`fit_wide_passes`). The overheads of tree steps
+are measured at TREE_OVERHEAD_NODES (see calibrate/run.py), at every batch size.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from perfmodel.profile import Grid
 from runtime.config import ModelConfig
@@ -16,6 +25,9 @@ from runtime.config import ModelConfig
 from .errors import CalibrationError
 
 DRAFT_NEW_TOKENS = (1, 2)  # the 1-token pass and the 2-token catch-up pass
+TARGET_WIDE_NEW_TOKENS = (16, 32, 64)  # tree verify passes: N + 1 tokens per row, N up to 64 nodes
+DRAFT_WIDE_NEW_TOKENS = (4, 8, 16, 32, 64)  # levels of inner nodes; staged rounds: catch-up + inner nodes
+WIDE_MAX_BATCH = 4  # wide passes are timed at batch sizes up to this: where trees can pay
 
 # Sized so that calibrating the bundled demo pair on a 2-core CPU takes about a minute: powers of two
 # up to 32 show the fall of the best k with the batch; two context lengths fix a linear term in L.
@@ -41,6 +53,16 @@ class OverheadPoint:
     k: int
 
 
+@dataclass(frozen=True)
+class TreeOverheadPoint:
+    """A tree step's overhead: the tree grown to `tree_nodes` nodes from the measured rank acceptance
+    (its depth, the row's k, is known once that is measured)."""
+
+    batch_size: int
+    tree_nodes: int
+    stage2: bool
+
+
 def make_grid(batch_sizes, context_lens, max_k: int) -> Grid:
     """A sorted, de-duplicated grid; every value is checked to be a positive integer (context >= 1)."""
     for option, values in (("--batch-sizes", batch_sizes), ("--context-lens", context_lens)):
@@ -51,8 +73,11 @@ def make_grid(batch_sizes, context_lens, max_k: int) -> Grid:
                 raise CalibrationError(f"{option}: {value!r} is not a positive integer")
     if isinstance(max_k, bool) or not isinstance(max_k, int) or max_k < 1:
         raise CalibrationError(f"--max-k: must be a positive integer (the longest speculation timed), got {max_k!r}")
+    target_wide = tuple(n for n in TARGET_WIDE_NEW_TOKENS if n > max_k + 1)
+    draft_wide = tuple(n for n in DRAFT_WIDE_NEW_TOKENS if n > max(DRAFT_NEW_TOKENS))
     return Grid(batch_sizes=tuple(sorted(set(batch_sizes))), context_lens=tuple(sorted(set(context_lens))),
-                max_k=max_k, target_new_tokens=tuple(range(1, max_k + 2)), draft_new_tokens=DRAFT_NEW_TOKENS)
+                max_k=max_k, target_new_tokens=tuple(range(1, max_k + 2)) + target_wide,
+                draft_new_tokens=DRAFT_NEW_TOKENS + draft_wide)
 
 
 def check_grid_fits(grid: Grid, target: ModelConfig, draft: ModelConfig) -> None:
@@ -65,14 +90,37 @@ def check_grid_fits(grid: Grid, target: ModelConfig, draft: ModelConfig) -> None
                 f"exceeds the {role}'s maximum of {config.max_position_embeddings}; lower --context-lens or --max-k")
 
 
+def fit_wide_passes(grid: Grid, target: ModelConfig, draft: ModelConfig) -> Grid:
+    """The grid without the wide passes that would exceed either model's positions on top of the
+    longest context (the chain passes are checked by `check_grid_fits`, which refuses instead)."""
+    room = min(target.max_position_embeddings, draft.max_position_embeddings) - max(grid.context_lens)
+    keep = lambda values, chain: tuple(n for n in values if n <= chain or n <= room)  # noqa: E731
+    return replace(grid, target_new_tokens=keep(grid.target_new_tokens, grid.max_k + 1),
+                   draft_new_tokens=keep(grid.draft_new_tokens, max(DRAFT_NEW_TOKENS)))
+
+
+def wide_batch_sizes(grid: Grid) -> tuple[int, ...]:
+    """Batch sizes whose wide passes are timed: those <= WIDE_MAX_BATCH, or the smallest one."""
+    return tuple(b for b in grid.batch_sizes if b <= max(WIDE_MAX_BATCH, min(grid.batch_sizes)))
+
+
+def new_tokens_at(grid: Grid, role: str, batch_size: int) -> tuple[int, ...]:
+    """The new-token counts timed for `role` at `batch_size`: the chain's always, wide ones at small b."""
+    values, chain = ((grid.target_new_tokens, grid.max_k + 1) if role == "target"
+                     else (grid.draft_new_tokens, max(DRAFT_NEW_TOKENS)))
+    wide = batch_size in wide_batch_sizes(grid)
+    return tuple(n for n in values if n <= chain or wide)
+
+
 def timing_points(grid: Grid) -> list[TimingPoint]:
     """Draft first (cheap), then target; within a role, points sharing (L, b) are adjacent so one
     KV cache serves all their new-token counts."""
     points = []
-    for role, new_tokens in (("draft", grid.draft_new_tokens), ("target", grid.target_new_tokens)):
+    for role in ("draft", "target"):
         for context_len in grid.context_lens:
             for batch_size in grid.batch_sizes:
-                points.extend(TimingPoint(role, batch_size, n, context_len) for n in new_tokens)
+                points.extend(TimingPoint(role, batch_size, n, context_len)
+                              for n in new_tokens_at(grid, role, batch_size))
     return points
 
 
@@ -80,8 +128,19 @@ def overhead_points(grid: Grid) -> list[OverheadPoint]:
     return [OverheadPoint(b, k) for b in grid.batch_sizes for k in range(grid.max_k + 1)]
 
 
+def tree_overhead_points(grid: Grid, tree_nodes: tuple[int, ...], stage2: bool) -> list[TreeOverheadPoint]:
+    """Every batch size x tree size, without the second stage and, when there is one, with it."""
+    flags = (False, True) if stage2 else (False,)
+    return [TreeOverheadPoint(b, n, flag) for b in grid.batch_sizes for n in tree_nodes for flag in flags]
+
+
 def merge_grids(old: Grid, new: Grid) -> Grid:
-    """The grid of a resumed profile: the union of what was measured and what is asked now."""
+    """The grid of a resumed profile: the union of what was measured and what is asked now (an older
+    profile without wide passes gains them; its measured points are kept)."""
     if old.max_k != new.max_k:
         raise CalibrationError(f"--resume: the profile was measured with --max-k {old.max_k}, not {new.max_k}")
-    return make_grid(old.batch_sizes + new.batch_sizes, old.context_lens + new.context_lens, new.max_k)
+    union = lambda a, b: tuple(sorted(set(a) | set(b)))  # noqa: E731
+    return Grid(batch_sizes=union(old.batch_sizes, new.batch_sizes),
+                context_lens=union(old.context_lens, new.context_lens), max_k=new.max_k,
+                target_new_tokens=union(old.target_new_tokens, new.target_new_tokens),
+                draft_new_tokens=union(old.draft_new_tokens, new.draft_new_tokens))

@@ -17,6 +17,7 @@ from runtime.config import ConfigError, ModelConfig, load_config
 from runtime.model import CausalLM
 
 from .errors import CalibrationError
+from .grid import new_tokens_at
 from .presets import PRESET_NAMES, PRESETS, preset_config
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
@@ -102,13 +103,17 @@ class MemoryNeed:
         return self.weight_bytes + self.kv_cache_bytes + self.logits_bytes
 
 
-def memory_need(target: ModelInfo, draft: ModelInfo, grid: Grid) -> MemoryNeed:
+def memory_need(target: ModelInfo, draft: ModelInfo, grid: Grid, tree_nodes: int = 0) -> MemoryNeed:
     """Both models and both KV caches are resident at once while step overheads are measured (the
-    generator holds both), so the check adds them; activations of one layer are small next to these."""
+    generator holds both), so the check adds them; activations of one layer are small next to these.
+    The largest verify pass is a chain's of max_k + 1 tokens at the largest batch, a wide pass at a
+    small batch, or a tree step's of `tree_nodes` + 1 tokens (measured at every batch size)."""
     batch_size, context_len = max(grid.batch_sizes), max(grid.context_lens)
-    cache_len = context_len + grid.max_k + 1
-    kv_bytes = (target.kv_bytes_per_token + draft.kv_bytes_per_token) * batch_size * cache_len
-    logits_bytes = batch_size * (grid.max_k + 1) * target.vocab_size * 4
+    cache_tokens = max(b * (context_len + max(new_tokens_at(grid, "target", b))) for b in grid.batch_sizes)
+    kv_bytes = (target.kv_bytes_per_token + draft.kv_bytes_per_token) * cache_tokens
+    verify_tokens = max([b * n for b in grid.batch_sizes for n in new_tokens_at(grid, "target", b)]
+                        + [batch_size * (tree_nodes + 1)])
+    logits_bytes = verify_tokens * target.vocab_size * 4
     return MemoryNeed(target.weight_bytes + draft.weight_bytes, kv_bytes, logits_bytes, batch_size, context_len)
 
 

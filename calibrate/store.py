@@ -15,11 +15,11 @@ from pathlib import Path
 
 from perfmodel.errors import PerfModelError
 from perfmodel.jsonio import rounded, write_text_atomic
-from perfmodel.profile import (AcceptanceEntry, DeviceInfo, Grid, ModelInfo, OverheadRow, Profile, TimingRow,
-                               load_profile, save_profile)
+from perfmodel.profile import (AcceptanceEntry, DeviceInfo, Grid, ModelInfo, OverheadRow, Profile, Stage2Info,
+                               TimingRow, load_profile, save_profile)
 
 from .errors import CalibrationError
-from .grid import OverheadPoint, TimingPoint
+from .grid import OverheadPoint, TimingPoint, TreeOverheadPoint
 from .timing import Measurement
 
 CSV_COLUMNS = ("model", "batch_size", "new_tokens", "context_len", "feasible", "median_ms", "p10_ms", "p90_ms", "reps")
@@ -52,19 +52,43 @@ def overhead_row(point: OverheadPoint, measurement: Measurement) -> OverheadRow:
                        reps=measurement.reps)
 
 
+def tree_overhead_row(point: TreeOverheadPoint, depth: int, measurement: Measurement) -> OverheadRow:
+    """A tree step's row: k is the tree's depth (what a chain-only reader would take as k)."""
+    return OverheadRow(point.batch_size, depth, median_ms=rounded(measurement.median_ms, 6),
+                       p10_ms=rounded(measurement.p10_ms, 6), p90_ms=rounded(measurement.p90_ms, 6),
+                       reps=measurement.reps, tree_nodes=point.tree_nodes, stage2=point.stage2)
+
+
 def measured_timing_points(profile: Profile) -> set[TimingPoint]:
     return {TimingPoint(r.model, r.batch_size, r.new_tokens, r.context_len) for r in profile.timings}
 
 
 def measured_overhead_points(profile: Profile) -> set[OverheadPoint]:
-    return {OverheadPoint(r.batch_size, r.k) for r in profile.overheads}
+    """The chain rows' points (tree and second-stage rows are not chain points)."""
+    return {OverheadPoint(r.batch_size, r.k) for r in profile.overheads if r.tree_nodes is None and not r.stage2}
 
 
-def with_row(profile: Profile, row: TimingRow | OverheadRow | AcceptanceEntry) -> Profile:
+def measured_tree_overhead_points(profile: Profile) -> set[TreeOverheadPoint]:
+    return {TreeOverheadPoint(r.batch_size, r.tree_nodes, r.stage2) for r in profile.overheads
+            if r.tree_nodes is not None}
+
+
+def _same_setting(a: AcceptanceEntry, b: AcceptanceEntry) -> bool:
+    return (a.mode, a.temperature, a.top_k, a.top_p) == (b.mode, b.temperature, b.top_k, b.top_p)
+
+
+def with_row(profile: Profile, row: TimingRow | OverheadRow | AcceptanceEntry | Stage2Info) -> Profile:
+    """The profile with `row` added; an acceptance entry replaces one of the same setting (an older
+    profile's entry measured again with rank acceptance keeps its place)."""
     if isinstance(row, TimingRow):
         return replace(profile, timings=profile.timings + (row,))
     if isinstance(row, OverheadRow):
         return replace(profile, overheads=profile.overheads + (row,))
+    if isinstance(row, Stage2Info):
+        return replace(profile, stage2=row)
+    if any(_same_setting(entry, row) for entry in profile.acceptance):
+        return replace(profile, acceptance=tuple(row if _same_setting(entry, row) else entry
+                                                 for entry in profile.acceptance))
     return replace(profile, acceptance=profile.acceptance + (row,))
 
 

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 
 from calibrate.errors import CalibrationError
-from calibrate.grid import TimingPoint, check_grid_fits, make_grid, merge_grids, overhead_points, timing_points
+from calibrate.grid import (TimingPoint, TreeOverheadPoint, check_grid_fits, fit_wide_passes, make_grid, merge_grids,
+                            new_tokens_at, overhead_points, timing_points, tree_overhead_points)
 from calibrate.models import MemoryNeed, check_memory, memory_need, model_info, resolve_model
 from calibrate.presets import PRESET_NAMES, PRESETS, preset_config
 
@@ -16,18 +18,47 @@ from calibrate.presets import PRESET_NAMES, PRESETS, preset_config
 def test_grid_is_sorted_deduplicated_and_mirrors_the_runtime_schedule():
     grid = make_grid([8, 1, 2, 8], [512, 128], max_k=3)
     assert grid.batch_sizes == (1, 2, 8) and grid.context_lens == (128, 512)
-    assert grid.target_new_tokens == (1, 2, 3, 4)  # verify passes of k + 1 tokens, k = 0..3
-    assert grid.draft_new_tokens == (1, 2)  # the 1-token pass and the catch-up pass
+    # verify passes of k + 1 tokens, k = 0..3, then tree verify passes (N + 1 tokens)
+    assert grid.target_new_tokens == (1, 2, 3, 4, 16, 32, 64)
+    # the 1-token pass and the catch-up pass, then tree levels and staged rounds
+    assert grid.draft_new_tokens == (1, 2, 4, 8, 16, 32, 64)
+    assert make_grid([1], [8], max_k=20).target_new_tokens == tuple(range(1, 22)) + (32, 64)  # 16 is a chain's
+
+
+def test_wide_passes_are_timed_at_small_batch_sizes_only():
+    grid = make_grid([1, 4, 8, 32], [64], max_k=2)
+    assert new_tokens_at(grid, "target", 4) == (1, 2, 3, 16, 32, 64)
+    assert new_tokens_at(grid, "target", 8) == (1, 2, 3) and new_tokens_at(grid, "draft", 32) == (1, 2)
+    assert new_tokens_at(grid, "draft", 1) == (1, 2, 4, 8, 16, 32, 64)
+    # no batch size that small: the smallest one gets them
+    large = make_grid([8, 16], [64], max_k=2)
+    assert new_tokens_at(large, "target", 8)[-1] == 64 and new_tokens_at(large, "target", 16)[-1] == 3
 
 
 def test_timing_points_cover_every_role_size_and_length_once():
-    grid = make_grid([1, 4], [16, 64], max_k=2)
+    grid = make_grid([1, 8], [16, 64], max_k=2)
     points = timing_points(grid)
-    assert len(points) == len(set(points)) == 2 * 2 * (3 + 2)
-    assert points[0] == TimingPoint("draft", 1, 1, 16) and points[-1] == TimingPoint("target", 4, 3, 64)
+    assert len(points) == len(set(points)) == 2 * ((3 + 3) + 3 + (2 + 5) + 2)  # per L: wide ones at b = 1 only
+    assert points[0] == TimingPoint("draft", 1, 1, 16) and points[-1] == TimingPoint("target", 8, 3, 64)
+    assert TimingPoint("target", 1, 64, 16) in points and TimingPoint("target", 8, 16, 16) not in points
     # points sharing (model, b, L) are adjacent, so one KV cache serves them
     groups = [(p.model, p.batch_size, p.context_len) for p in points]
     assert len([i for i in range(1, len(groups)) if groups[i] != groups[i - 1]]) == 2 * 2 * 2 - 1
+
+
+def test_wide_passes_beyond_the_models_positions_are_left_out():
+    gpt2 = preset_config("gpt2")  # 1024 positions
+    grid = fit_wide_passes(make_grid([1], [980], max_k=8), gpt2, gpt2)  # room for 44 more tokens
+    assert grid.target_new_tokens == tuple(range(1, 10)) + (16, 32) and grid.draft_new_tokens == (1, 2, 4, 8, 16, 32)
+    assert fit_wide_passes(make_grid([1], [1015], max_k=8), gpt2, gpt2).target_new_tokens == tuple(range(1, 10))
+
+
+def test_tree_overhead_points():
+    grid = make_grid([1, 4], [8], max_k=2)
+    assert tree_overhead_points(grid, (12, 32), stage2=False) == [
+        TreeOverheadPoint(1, 12, False), TreeOverheadPoint(1, 32, False), TreeOverheadPoint(4, 12, False),
+        TreeOverheadPoint(4, 32, False)]
+    assert len(tree_overhead_points(grid, (12, 32), stage2=True)) == 8
 
 
 def test_overhead_points_are_every_batch_size_and_k():
@@ -56,6 +87,10 @@ def test_context_plus_verify_pass_must_fit_the_models_positions():
 def test_resumed_grid_is_the_union_and_keeps_max_k():
     merged = merge_grids(make_grid([1, 4], [64], 4), make_grid([2, 4], [128], 4))
     assert merged.batch_sizes == (1, 2, 4) and merged.context_lens == (64, 128)
+    # a profile of before the wide passes gains them
+    old = replace(make_grid([1], [64], 4), target_new_tokens=(1, 2, 3, 4, 5), draft_new_tokens=(1, 2))
+    merged = merge_grids(old, make_grid([1], [64], 4))
+    assert merged.target_new_tokens == (1, 2, 3, 4, 5, 16, 32, 64) and merged.draft_new_tokens[-1] == 64
     with pytest.raises(CalibrationError, match="--max-k 4, not 6"):
         merge_grids(make_grid([1], [64], 4), make_grid([1], [64], 6))
 
@@ -132,8 +167,11 @@ def test_memory_need_adds_weights_both_caches_and_logits():
     cache_len = 1024 + 7 + 1
     assert need.kv_cache_bytes == (target.kv_bytes_per_token + draft.kv_bytes_per_token) * 16 * cache_len
     assert need.weight_bytes == 2 * (target.parameters + draft.parameters)
-    assert need.logits_bytes == 16 * 8 * 32000 * 4
+    assert need.logits_bytes == 16 * 8 * 32000 * 4  # the widest pass at b = 1 (64 tokens) is smaller
     assert need.total_bytes == need.weight_bytes + need.kv_cache_bytes + need.logits_bytes
+    # tree steps verify N + 1 tokens per row at every batch size
+    assert memory_need(target, draft, make_grid([1, 16], [256, 1024], max_k=7), tree_nodes=32).logits_bytes == \
+        16 * 33 * 32000 * 4
 
 
 def test_memory_check_refuses_with_the_numbers():

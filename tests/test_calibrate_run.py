@@ -3,22 +3,26 @@ through the CLI (one line, exit code 2, no traceback). Runs use --quick and a gr
 from __future__ import annotations
 
 import csv
+import hashlib
 import importlib.util
 import json
 import shutil
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
 import cli
 from calibrate.errors import CalibrationError
 from calibrate.grid import TimingPoint
-from calibrate.run import CalibrationRequest, calibrate
+from calibrate.run import DEFAULT_EFFORT, QUICK_EFFORT, CalibrationRequest, calibrate
+from calibrate.stage2 import DEMO_DRAFT, DEMO_NGRAM, default_stage2
 from calibrate.store import new_profile, timing_row, with_row, write_profile
 from perfmodel.profile import load_profile
 from runtime.checkpoint import build_model
+from runtime.ngram import NGramModel, tokenizer_fingerprint
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["def add(a, b):\n", "class Stack:\n    def push(self, item):\n", "import os\n", "x = [i * i for i in",
@@ -44,6 +48,11 @@ def pair(tmp_path_factory):
     export(build_model(target, seed=1), target, root / "target")
     export(build_model(draft, seed=2), draft, root / "draft")
     (root / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    sequences = np.random.default_rng(0).integers(0, target.vocab_size, size=(20, 200))
+    fingerprint = tokenizer_fingerprint(root / "target" / "tokenizer.json")
+    NGramModel.fit(sequences, target.vocab_size, fingerprint).save(root / "ngram.safetensors")
+    NGramModel.fit(sequences, target.vocab_size, "0" * 64).save(root / "other-tokenizer.safetensors")
+    NGramModel.fit(sequences[:, :100] % 100, 100, fingerprint).save(root / "small-vocab.safetensors")
     return root
 
 
@@ -56,10 +65,14 @@ def request(pair: Path, out: Path, **overrides) -> CalibrationRequest:
 
 @pytest.fixture(scope="module")
 def measured(pair, tmp_path_factory):
-    """One complete calibration with greedy and one sampling setting."""
+    """One complete calibration with greedy and one sampling setting, and the second stage."""
     out = tmp_path_factory.mktemp("measured") / "profile.json"
-    summary = calibrate(request(pair, out, samplings=("T=1.0",)))
+    summary = calibrate(request(pair, out, samplings=("T=1.0",), stage2=pair / "ngram.safetensors"))
     return out, summary
+
+
+TIMINGS = 2 * ((3 + 3) + (2 + 5))  # b = 1, 2: target n = 1..3 and 16, 32, 64; draft n = 1, 2 and 4..64
+TREE_ROWS = 2 * 2 * 2  # b = 1, 2 x trees of 12 and 32 nodes x without and with the second stage
 
 
 # ---------------------------------------------------------------- the profile
@@ -67,16 +80,37 @@ def test_profile_has_every_point_and_round_trips(measured):
     out, summary = measured
     profile = load_profile(out)  # perfmodel's strict reader: schema, types, duplicates
     assert profile.to_json() == json.loads(out.read_text())
-    assert len(profile.timings) == 2 * 1 * (3 + 2) and all(row.feasible for row in profile.timings)
-    assert {(r.batch_size, r.k) for r in profile.overheads} == {(b, k) for b in (1, 2) for k in range(3)}
+    assert len(profile.timings) == TIMINGS and all(row.feasible for row in profile.timings)
+    chain_rows = [r for r in profile.overheads if r.tree_nodes is None]
+    assert {(r.batch_size, r.k) for r in chain_rows} == {(b, k) for b in (1, 2) for k in range(3)}
     assert all(row.reps >= 3 and row.p10_ms <= row.median_ms <= row.p90_ms for row in profile.timings)
-    assert (profile.grid.target_new_tokens, profile.grid.draft_new_tokens) == ((1, 2, 3), (1, 2))
+    assert profile.grid.target_new_tokens == (1, 2, 3, 16, 32, 64)
+    assert profile.grid.draft_new_tokens == (1, 2, 4, 8, 16, 32, 64)
     assert [(e.mode, e.source, e.prompt_count) for e in profile.acceptance] == \
         [("greedy", "measured", 6), ("sampling", "measured", 6)]
     assert all(len(e.per_position) == 2 and 0 <= min(e.per_position) for e in profile.acceptance)
     assert profile.target.layers == 2 and profile.draft.layers == 1 and not profile.target.random_weights
     assert profile.device.kind == "cpu" and profile.device.dtype == "float32"
-    assert summary.points_measured == 2 + 10 + 6 and summary.points_resumed == 0
+    assert summary.points_measured == 2 + 1 + TIMINGS + 6 + TREE_ROWS and summary.points_resumed == 0
+
+
+def test_profile_has_what_trees_and_the_second_stage_need(pair, measured):
+    out, summary = measured
+    profile = load_profile(out)
+    for entry in profile.acceptance:  # max_k x R, each row a distribution's part
+        assert len(entry.rank_acceptance) == 2 and all(len(row) == 4 for row in entry.rank_acceptance)
+        assert all(0 <= min(row) and sum(row) <= 1 + 1e-9 for row in entry.rank_acceptance)
+    stage2 = profile.stage2
+    assert stage2.file.endswith("ngram.safetensors") and len(stage2.guess_accuracy) == 4
+    assert stage2.sha256 == hashlib.sha256((pair / "ngram.safetensors").read_bytes()).hexdigest()
+    assert all(0 <= a <= 1 for a in stage2.guess_accuracy)
+    assert stage2.query_overhead_ms >= 0 and stage2.query_ms_per_context >= 0
+    trees = [r for r in profile.overheads if r.tree_nodes is not None]
+    assert {(r.batch_size, r.tree_nodes, r.stage2) for r in trees} == \
+        {(b, n, s) for b in (1, 2) for n in QUICK_EFFORT.tree_nodes for s in (False, True)}
+    assert all(r.k == 2 and r.reps >= 3 and r.median_ms > 0 for r in trees)  # grown to the full depth, max_k
+    assert summary.tree_overheads == TREE_ROWS and summary.stage2.guess_accuracy == stage2.guess_accuracy
+    assert summary.acceptance[0].rank_acceptance == profile.acceptance[0].rank_acceptance
 
 
 def test_csv_holds_the_timing_rows(measured):
@@ -123,19 +157,57 @@ class StopAfter:
 def test_an_interrupted_run_resumes_with_only_the_rest(pair, tmp_path):
     out = tmp_path / "profile.json"
     with pytest.raises(KeyboardInterrupt):
-        calibrate(request(pair, out), on_progress=StopAfter(5))
+        calibrate(request(pair, out, stage2=pair / "ngram.safetensors"), on_progress=StopAfter(6))
     partial = load_profile(out)
-    assert len(partial.acceptance) + len(partial.timings) + len(partial.overheads) == 5  # nothing lost
+    assert len(partial.acceptance) + 1 + len(partial.timings) + len(partial.overheads) == 6  # nothing lost
+    assert partial.stage2 is not None
 
     resumed = StopAfter(n=-1)
-    summary = calibrate(request(pair, out, resume=True), on_progress=resumed)
+    summary = calibrate(request(pair, out, resume=True, stage2=pair / "ngram.safetensors"), on_progress=resumed)
     complete = load_profile(out)
-    total = 1 + 10 + 6
-    assert len(resumed.labels) == total - 5 and summary.points_resumed == 5
-    assert complete.timings[:4] == partial.timings  # measured once, kept as they were
-    assert len(complete.timings) == 10 and len(complete.overheads) == 6 and len(complete.acceptance) == 1
+    total = 1 + 1 + TIMINGS + 6 + TREE_ROWS
+    assert len(resumed.labels) == total - 6 and summary.points_resumed == 6
+    assert complete.timings[:4] == partial.timings and complete.stage2 == partial.stage2  # measured once
+    assert len(complete.timings) == TIMINGS and len(complete.overheads) == 6 + TREE_ROWS
+    assert len(complete.acceptance) == 1
     labels = [f"{r.model} b={r.batch_size} n={r.new_tokens} L={r.context_len}" for r in partial.timings]
     assert not set(labels) & set(resumed.labels)
+
+
+def test_resume_extends_a_profile_of_before_trees(pair, measured, tmp_path):
+    """An older profile: no wide passes in its grid, no rank acceptance, no tree rows, no stage2. Resuming
+    measures acceptance again (now with ranks), then only the missing points; its chain rows stay."""
+    old = json.loads(measured[0].read_text())
+    old["grid"]["target_new_tokens"], old["grid"]["draft_new_tokens"] = [1, 2, 3], [1, 2]
+    old["timings"] = [r for r in old["timings"] if r["new_tokens"] <= (3 if r["model"] == "target" else 2)]
+    old["overheads"] = [{k: v for k, v in r.items() if k not in ("tree_nodes", "stage2")}
+                        for r in old["overheads"] if r["tree_nodes"] is None]
+    old["acceptance"] = [{k: v for k, v in e.items() if k != "rank_acceptance"} for e in old["acceptance"]][:1]
+    del old["stage2"]
+    out = tmp_path / "profile.json"
+    out.write_text(json.dumps(old))
+    before = load_profile(out)
+    labels = StopAfter(n=-1)
+    summary = calibrate(request(pair, out, resume=True), on_progress=labels)
+    after = load_profile(out)
+    wide = TIMINGS - 2 * (3 + 2)
+    assert summary.points_measured == 1 + wide + TREE_ROWS // 2  # no --stage2 now: trees without it only
+    assert labels.labels[0] == "acceptance greedy" and after.acceptance[0].rank_acceptance is not None
+    assert after.acceptance[0].per_position == before.acceptance[0].per_position  # the same measurement
+    assert after.timings[:len(before.timings)] == before.timings and after.stage2 is None
+    assert after.overheads[:len(before.overheads)] == before.overheads
+    assert after.grid.target_new_tokens == (1, 2, 3, 16, 32, 64)
+
+
+def test_resume_refuses_another_second_stage(pair, measured, tmp_path):
+    out = tmp_path / "profile.json"
+    shutil.copy(measured[0], out)
+    other = tmp_path / "other.safetensors"
+    sequences = np.random.default_rng(1).integers(0, 259, size=(5, 50))
+    NGramModel.fit(sequences, 259, tokenizer_fingerprint(pair / "target" / "tokenizer.json")).save(other)
+    with pytest.raises(CalibrationError, match=r"--resume: .* measured the second stage with .*ngram.safetensors "
+                                               r"\(sha256 [0-9a-f]{12}\), not --stage2 .*other.safetensors"):
+        calibrate(request(pair, out, resume=True, stage2=other))
 
 
 def test_resume_refuses_a_profile_of_another_pair_or_dtype(pair, measured, tmp_path):
@@ -157,6 +229,35 @@ def test_random_weights_take_the_given_acceptance(pair, tmp_path):
     assert profile.target.random_weights and profile.draft.random_weights
     [entry] = profile.acceptance
     assert (entry.source, entry.per_position, entry.trials) == ("user", (0.9, 0.8, 0.8), None)
+    assert entry.rank_acceptance is None and not any(r.tree_nodes for r in profile.overheads)  # no tree to grow
+
+
+def test_second_stage_errors_name_the_option_and_the_file(pair, tmp_path):
+    out = tmp_path / "profile.json"
+    cases = [(pair / "missing.safetensors", "--stage2: .*missing.safetensors: no such n-gram file"),
+             (pair / "small-vocab.safetensors", "--stage2 .*small-vocab.safetensors: n-gram file is for a vocabulary "
+                                                "of 100 tokens, the model has 259"),
+             (pair / "other-tokenizer.safetensors", "--stage2 .*other-tokenizer.safetensors: n-gram file was fitted "
+                                                    "for tokenizer 000000000000"),
+             (pair / "prompts.jsonl", "--stage2: .*prompts.jsonl: not a readable safetensors file")]
+    for path, message in cases:
+        with pytest.raises(CalibrationError, match=message) as error:
+            calibrate(request(pair, out, stage2=path))
+        assert "\n" not in str(error.value)
+    with pytest.raises(CalibrationError, match="--stage2 .*ngram.safetensors: .* --acceptance"):
+        calibrate(request(pair, out, stage2=pair / "ngram.safetensors", acceptance="0.8"))
+    assert not out.exists()  # refused before anything was written
+
+
+def test_default_second_stage_is_the_bundled_ngram_for_the_bundled_draft(pair):
+    assert default_stage2(str(DEMO_DRAFT)) == DEMO_NGRAM and DEMO_NGRAM.is_file()
+    assert default_stage2(str(DEMO_DRAFT), acceptance="0.8") is None  # no measured acceptance: nothing to guess
+    assert default_stage2(str(pair / "draft")) is None and default_stage2("llama-68m") is None
+
+
+def test_the_default_run_measures_trees_above_its_max_k():
+    # a grown tree of at most max_k nodes may be a plain chain, whose steps take the chain code path
+    assert min(DEFAULT_EFFORT.tree_nodes) > 8 and min(QUICK_EFFORT.tree_nodes) > 8
 
 
 def test_new_profile_for_an_empty_grid_point_list_is_writable(tmp_path, measured):
@@ -181,7 +282,9 @@ def test_cli_json_prints_one_object(pair, tmp_path):
                     "--quick", "--json", "--out", str(out), "--device", "cpu")
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
-    assert summary["profile_path"] == str(out) and summary["points_measured"] == 1 + 4 + 2
+    timings = (2 + 3) + (2 + 5)  # b = 1, max_k = 1: target n = 1, 2 and 16, 32, 64; draft n = 1, 2 and 4..64
+    trees = len(QUICK_EFFORT.tree_nodes)  # no second stage: the bundled n-gram is the bundled draft's only
+    assert summary["profile_path"] == str(out) and summary["points_measured"] == 1 + timings + 2 + trees
 
 
 @pytest.fixture

@@ -1,0 +1,145 @@
+"""The n-gram second stage (`--stage2 FILE`): does it fit the pair, how often does it guess the draft's
+tokens, and what does one query cost. Filled into the profile's `stage2` (perfmodel.profile.Stage2Info).
+
+Guess accuracy. In a staged tree step (runtime/tree_decoding.py) the n-gram guesses each inner node's
+token: its rank-r next token given the two tokens before the node, where the true token is the
+draft's rank-r child of the node's parent. So
+
+    guess_accuracy[r] = P(the n-gram's rank-r token given (x_{j-1}, x_j) == the draft's rank-r token at j)
+
+measured teacher-forced at every position j of the greedy continuations the acceptance is measured
+on (the same pass: `calibrate.acceptance.ScoredRow`), with -1 standing for "before the sequence" as
+in the runtime. Every position counts, not only step starts: the draft is consulted at every inner
+node, on and off the accepted path, and the target's path stands in for both. Ranks are the greedy
+ones (the r-th most likely token); sampled children match the n-gram's guesses less often.
+
+Query cost. A query is timed the way the runtime makes it: `runtime.tree_decoding._guess` looks up
+each guessed node's context on the host, `top_tokens_host(u, v)` with Python ints, one call per row
+and node (one device round trip per round brings the tokens over; that stays in the step overhead
+rows, which leave only these look-ups out). So a query over n contexts is n such calls, timed at n in
+QUERY_CONTEXTS (contexts taken from the scored positions, so trigram hits and misses come in their
+real mix) with the repetition rule of the forward passes, each sample the mean of
+QUERY_CALLS_PER_SAMPLE queries; a least-squares line through the medians gives query_overhead_ms +
+n * query_ms_per_context (both clipped at 0: a negative slope from noise becomes a flat line at the
+median, a negative intercept a line through the origin).
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from perfmodel.profile import Stage2Info
+from runtime.ngram import NGramError, NGramModel, tokenizer_fingerprint
+
+from .acceptance import RANKS, ScoredRow
+from .environment import REPO_ROOT
+from .errors import CalibrationError
+from .models import ModelSpec
+from .timing import Clock, RepetitionRule, repeat, timed_ms
+
+DEMO_DRAFT = REPO_ROOT / "data" / "models" / "demo-draft"
+DEMO_NGRAM = REPO_ROOT / "data" / "models" / "demo-ngram.safetensors"
+QUERY_CONTEXTS = (1, 4, 16, 64, 256)  # b x (nodes of one level): 1 at b = 1 up to hundreds at large b
+QUERY_CALLS_PER_SAMPLE = 10
+
+
+def default_stage2(draft: str, acceptance: str | None = None) -> Path | None:
+    """The bundled n-gram when `draft` (as --draft gives it) is the bundled demo draft and acceptance
+    is measured (guess accuracy needs the real models and prompts); else None."""
+    if acceptance is not None or not DEMO_NGRAM.is_file():
+        return None
+    try:
+        same = Path(draft).resolve() == DEMO_DRAFT.resolve()
+    except OSError:
+        return None
+    return DEMO_NGRAM if same else None
+
+
+def load_stage2(path: Path, target: ModelSpec) -> NGramModel:
+    """Load the n-gram and check it against the target's vocabulary and tokenizer.json (when it has
+    one); every failure is one line naming --stage2 and the file."""
+    try:
+        ngram = NGramModel.load(path)
+        fingerprint = None
+        if target.directory is not None and (target.directory / "tokenizer.json").is_file():
+            fingerprint = tokenizer_fingerprint(target.directory / "tokenizer.json")
+        ngram.check_compatible(target.config.vocab_size, fingerprint, f"--stage2 {path}")
+    except NGramError as error:
+        message = str(error).replace("\n", " ")
+        raise CalibrationError(message if message.startswith("--stage2") else f"--stage2: {message}") from None
+    if ngram.vocab_size < RANKS:
+        raise CalibrationError(f"--stage2 {path}: a vocabulary of {ngram.vocab_size} tokens has fewer than "
+                               f"{RANKS} ranks to guess")
+    return ngram
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _positions(rows: Sequence[ScoredRow]) -> tuple[np.ndarray, np.ndarray]:
+    """Every greedy-scored position: contexts (n, 2) and the draft's top-R tokens (n, R)."""
+    usable = [row for row in rows if row.draft_top is not None and len(row.agreement)]
+    if not usable:
+        raise CalibrationError("--stage2: no greedy continuation to measure the n-gram's guesses on "
+                               "(every prompt ended at once)")
+    return (np.concatenate([row.contexts for row in usable]), np.concatenate([row.draft_top for row in usable]))
+
+
+def guess_accuracy(ngram: NGramModel, rows: Sequence[ScoredRow]) -> tuple[float, ...]:
+    """P(the n-gram's rank-r guess == the draft's rank-r token), r = 0..R-1, over every position."""
+    contexts, draft_top = _positions(rows)
+    guesses = ngram.top_tokens(torch.from_numpy(contexts), RANKS).numpy()  # (n, R)
+    return tuple(float(x) for x in (guesses == draft_top).mean(0))
+
+
+def query_sampler(ngram: NGramModel, contexts: list[tuple[int, int]],
+                  clock: Clock = time.perf_counter) -> Callable[[], float]:
+    """A function returning the mean time of one query over `contexts` (the runtime's host look-ups), in ms."""
+    lookup = ngram.top_tokens_host
+
+    def queries():
+        for _ in range(QUERY_CALLS_PER_SAMPLE):
+            for u, v in contexts:
+                lookup(u, v)
+
+    return lambda: timed_ms(queries, clock) / QUERY_CALLS_PER_SAMPLE
+
+
+def fit_line(contexts: Sequence[int], times_ms: Sequence[float]) -> tuple[float, float]:
+    """(overhead_ms, ms_per_context) by least squares, both >= 0 (see the module docstring).
+
+    >>> fit_line([1, 4, 16], [1.1, 1.4, 2.6])
+    (1.0, 0.1)
+    """
+    x, y = np.asarray(contexts, dtype=float), np.asarray(times_ms, dtype=float)
+    slope, intercept = np.polyfit(x, y, 1) if len(x) > 1 else (0.0, float(y[0]))
+    if slope < 0:
+        slope, intercept = 0.0, float(np.median(y))
+    elif intercept < 0:
+        slope, intercept = float((x * y).sum() / (x * x).sum()), 0.0
+    return round(float(intercept), 9), round(float(slope), 9)
+
+
+def measure_stage2(ngram: NGramModel, file: str, sha256: str, rows: Sequence[ScoredRow], rule: RepetitionRule,
+                   clock: Clock = time.perf_counter) -> Stage2Info:
+    """The profile's stage2 object: guess accuracy over `rows` (greedy), query cost (on the host)."""
+    accuracy = guess_accuracy(ngram, rows)
+    pool, _ = _positions(rows)
+    medians = []
+    for n in QUERY_CONTEXTS:
+        contexts = [(int(u), int(v)) for u, v in np.resize(pool, (n, 2))]  # the first n positions, cycled
+        ngram.top_tokens_host(*contexts[0])  # the first look-up builds the host tables
+        medians.append(repeat(query_sampler(ngram, contexts, clock), rule, clock).median_ms)
+    overhead_ms, per_context_ms = fit_line(QUERY_CONTEXTS, medians)
+    return Stage2Info(file=file, sha256=sha256, guess_accuracy=accuracy, query_overhead_ms=overhead_ms,
+                      query_ms_per_context=per_context_ms)

@@ -1,0 +1,81 @@
+"""The second stage's measurements: guess accuracy against hand-made positions, the query-cost fit on a
+fake clock that only the n-gram's look-ups advance, and the query time kept out of tree step overheads."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from calibrate import benchmarks
+from calibrate.acceptance import ScoredRow
+from calibrate.stage2 import QUERY_CALLS_PER_SAMPLE, QUERY_CONTEXTS, fit_line, guess_accuracy, measure_stage2
+from calibrate.timing import RepetitionRule
+
+
+class FakeClock:
+    def __init__(self):
+        self.now_s = 0.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+class FakeNGram:
+    """Guesses (u + v + r) mod 10 as its rank-r token; each look-up costs `lookup_s` on `clock`."""
+
+    vocab_size = 10
+
+    def __init__(self, clock: FakeClock | None = None, lookup_s: float = 0.0):
+        self.clock, self.lookup_s, self.lookups = clock, lookup_s, 0
+
+    def top_tokens_host(self, u: int, v: int) -> tuple[int, ...]:
+        self.lookups += 1
+        if self.clock is not None:
+            self.clock.now_s += self.lookup_s
+        return tuple((u + v + r) % 10 for r in range(4))
+
+    def top_tokens(self, contexts: torch.Tensor, count: int) -> torch.Tensor:
+        return torch.tensor([self.top_tokens_host(int(u), int(v))[:count] for u, v in contexts.tolist()])
+
+
+def row(contexts, draft_top) -> ScoredRow:
+    n = len(contexts)
+    return ScoredRow(agreement=np.ones(n), ranks=np.zeros((n, 4)), draft_top=np.array(draft_top),
+                     contexts=np.array(contexts))
+
+
+def test_guess_accuracy_counts_each_rank_over_every_position():
+    # the fake guesses (u + v + r) % 10: contexts (1, 2) -> 3 4 5 6, (-1, 4) -> 3 4 5 6, (5, 5) -> 0 1 2 3
+    rows = [row([(1, 2), (-1, 4)], [[3, 4, 9, 9], [3, 9, 5, 9]]), row([(5, 5)], [[0, 1, 2, 9]])]
+    assert guess_accuracy(FakeNGram(), rows) == pytest.approx((1.0, 2 / 3, 2 / 3, 0.0))
+
+
+def test_query_cost_is_a_line_through_the_lookups():
+    """Each look-up costs 2 microseconds on the fake clock and nothing else advances it: a query over n
+    contexts takes n * 0.002 ms exactly, so the fit is (0, 0.002) whatever the repetitions."""
+    clock = FakeClock()
+    ngram = FakeNGram(clock, lookup_s=2e-6)
+    rows = [row([(1, 2), (3, 4), (5, 6)], [[3, 4, 5, 6]] * 3)]
+    info = measure_stage2(ngram, "n.safetensors", "ab" * 32, rows, RepetitionRule(warmup_reps=1, min_reps=6),
+                          clock)
+    assert (info.query_overhead_ms, info.query_ms_per_context) == pytest.approx((0.0, 0.002), abs=1e-9)
+    assert info.guess_accuracy == (1 / 3, 1 / 3, 1 / 3, 1 / 3) and info.file == "n.safetensors"
+    assert ngram.lookups >= len(QUERY_CONTEXTS) * 7 * QUERY_CALLS_PER_SAMPLE  # warm-up + 6 samples per size
+
+
+def test_line_fit_clips_at_zero():
+    assert fit_line([1, 4, 16], [1.1, 1.4, 2.6]) == pytest.approx((1.0, 0.1))
+    assert fit_line([1, 4, 16], [2.0, 1.5, 1.0]) == (1.5, 0.0)  # falling with n: noise, a flat median
+    overhead, slope = fit_line([1, 10, 100], [0.0, 0.5, 10.0])  # the intercept would be negative
+    assert overhead == 0.0 and slope == pytest.approx(1005.0 / 10101.0)
+
+
+def test_query_time_is_kept_out_of_tree_step_overheads(monkeypatch):
+    """TimedNGram adds up the time spent inside look-ups (and device queries), which the tree overhead
+    sampler subtracts from the generator's other_s; other attributes pass through."""
+    clock = FakeClock()
+    monkeypatch.setattr(benchmarks.time, "perf_counter", clock)
+    timed = benchmarks.TimedNGram(FakeNGram(clock, lookup_s=0.5))
+    assert timed.top_tokens_host(1, 2) == (3, 4, 5, 6) and timed.vocab_size == 10
+    timed.top_tokens(torch.tensor([[1, 2], [3, 4]]), 2)  # two look-ups inside one device query
+    assert timed.seconds == pytest.approx(1.5)
