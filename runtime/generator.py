@@ -254,11 +254,13 @@ class SpeculativeGenerator:
         stats.target_passes.append((b, tree.num_nodes + 1))
         path, accepted, bonus = verify_and_accept(plan, drafted, target_logits, sampling, rng)
         keep = torch.arange(tree.depth, device=self.device) < accepted[:, None]
-        compact(target_cache, committed, path - 1, keep)  # node j of the tree sat at slot committed - 1 + j
+        if not tree.is_chain:  # in a chain, node i already sits where the i-th accepted token belongs
+            compact(target_cache, committed, path - 1, keep)  # node j sat at slot committed - 1 + j
         if draft_cache is not None:
             slot = plan.inner_index[path] - 1  # leaves were never fed to the draft
             fed = keep & (slot >= 0)
-            compact(draft_cache, committed, slot, fed)
+            if not tree.is_chain:
+                compact(draft_cache, committed, slot, fed)
             draft_cache.lengths = committed + fed.sum(1)
         _count_acceptance(stats, accepted, tree.depth)
         new = torch.cat([drafted.tokens.gather(1, path), bonus[:, None]], dim=1)

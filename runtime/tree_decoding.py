@@ -45,12 +45,14 @@ class TreePlan:
 
     tree: Tree
     target_mask: torch.Tensor  # (N+1, N+1) ancestor-or-self
+    descendants: torch.Tensor  # (N+1, N+1) float: target_mask transposed, for "all ancestors agree" products
     depths: torch.Tensor  # (N+1,)
     children: torch.Tensor  # (N+1, max_children) node ids by rank, -1 padded
     inner: tuple[int, ...]  # non-root inner nodes, breadth-first: the draft's in-flight slots
     inner_index: torch.Tensor  # (N+1,) 1 + slot of an inner node, 0 for the root, -1 for leaves
     inner_mask: torch.Tensor  # (I, I) ancestor-or-self among non-root inner nodes
     inner_offsets: torch.Tensor  # (I,) depth - 1: position relative to the draft's base
+    inner_descendants: torch.Tensor  # (I, I) float: inner_mask transposed
     level_ends: tuple[int, ...]  # end slot of each depth's inner nodes (depth 1, 2, ...)
     by_depth: tuple[tuple[int, ...], ...]  # all nodes of depth 1, 2, ...
     parent_of: torch.Tensor  # (N+1,) parent node (root: 0)
@@ -85,10 +87,12 @@ def plan_for(tree: Tree, device: torch.device) -> TreePlan:
             walk = tree.parents[walk]
     to = dict(device=device)
     return TreePlan(
-        tree=tree, target_mask=full_mask.to(**to), depths=depths.to(**to), children=children.to(**to),
+        tree=tree, target_mask=full_mask.to(**to), descendants=full_mask.T.float().to(**to), depths=depths.to(**to), children=children.to(**to),
         inner=inner, inner_index=inner_index.to(**to),
         inner_mask=full_mask[inner_t][:, inner_t].to(**to) if inner else torch.zeros(0, 0, dtype=torch.bool, **to),
         inner_offsets=(depths[inner_t] - 1).to(**to) if inner else torch.zeros(0, dtype=torch.long, **to),
+        inner_descendants=(full_mask[inner_t][:, inner_t].T.float().to(**to) if inner
+                           else torch.zeros(0, 0, **to)),
         level_ends=level_ends, by_depth=by_depth, parent_of=parents.to(**to), rank_of=torch.tensor([0] + [p[-1] for p in tree.paths]).to(**to),
         ancestor_at_depth=ancestors.to(**to), parent_list=tuple(max(p, 0) for p in tree.parents),
     )
@@ -246,8 +250,8 @@ def _absorb(plan: TreePlan, state: _TreeState, logits: torch.Tensor, fed: torch.
     known = state.known[:, nodes]
     truth = torch.where(known | ~fed_parent, state.tokens[:, nodes], candidate)
     wrong = (fed != truth) | (~known & ~fed_parent)
-    ancestry = plan.inner_mask[start:end, start:end]  # (n, n) ancestor-or-self among the fed nodes
-    valid = (wrong.float() @ ancestry.T.float()) == 0
+    # valid: no wrong token among a node's fed ancestors-or-self (a product with the transposed mask)
+    valid = (wrong.float() @ plan.inner_descendants[start:end, start:end]) == 0
     own = plan.inner_index[nodes]
     newly = valid & ~state.valid[:, own]
     state.valid[:, own] |= valid
@@ -317,7 +321,7 @@ def verify_and_accept(plan: TreePlan, drafted: DraftedTree, target_logits: torch
         choice = target_logits.argmax(-1)  # (b, N+1)
         agrees = drafted.tokens == choice[:, plan.parent_of]
         agrees[:, 0] = True
-        reachable = ((~agrees).float() @ plan.target_mask.T.float()) == 0  # (b, N+1)
+        reachable = ((~agrees).float() @ plan.descendants) == 0  # (b, N+1)
         deepest = torch.where(reachable, plan.depths, -1).argmax(1)
         accepted = plan.depths[deepest]
         path = plan.ancestor_at_depth[deepest]
