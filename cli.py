@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -332,9 +333,14 @@ def calibrate_command(
     out: Annotated[Path, typer.Option("-o", "--out", help="Profile to write (its timing rows also go to the .csv beside it).")] = Path("profile.json"),
     resume: Annotated[bool, typer.Option("--resume", help="Keep the points already in --out and measure only the rest.")] = False,
     quick: Annotated[bool, typer.Option("--quick", help="Coarser grid, fewer repetitions and prompts: a first look in seconds.")] = False,
+    stage2: Annotated[Optional[Path], typer.Option(
+        "--stage2", help="n-gram file to measure as the draft's second stage (default: the bundled n-gram with the "
+                         "bundled draft).")] = None,
+    no_stage2: Annotated[bool, typer.Option("--no-stage2", help="Measure no second stage.")] = False,
     json_output: JsonOpt = False,
 ):
-    """Time the pair's forward passes over (batch size, new tokens, context) and measure acceptance: a profile."""
+    """Time the pair's forward passes over (batch size, new tokens, context) and measure acceptance (per
+    position, and per depth and rank for trees) and the n-gram second stage: a profile."""
     from calibrate.run import CalibrationRequest
 
     request = CalibrationRequest(
@@ -342,13 +348,31 @@ def calibrate_command(
         batch_sizes=tuple(parse_int_list("--batch-sizes", batch_sizes) or ()) or None,
         context_lens=tuple(parse_int_list("--context-lens", context_lens) or ()) or None,
         max_k=max_k, prompts=prompts or DEMO_PROMPTS, acceptance=acceptance, samplings=tuple(sampling or ()),
-        resume=resume, quick=quick,
+        resume=resume, quick=quick, stage2=_stage2_for_calibration(stage2, no_stage2, draft, acceptance),
     )
     summary = _calibrate_with_progress(request, show=not json_output)
     if json_output:
         typer.echo(json.dumps(summary.to_json()))
         return
     render_calibration(summary)
+
+
+def _stage2_for_calibration(stage2: Path | None, no_stage2: bool, draft: str | None, acceptance: str | None):
+    """--stage2, or the bundled n-gram for the bundled draft (recorded relative to the working directory when
+    it lies below it, so a profile and its tables stay valid in another clone)."""
+    from calibrate.stage2 import default_stage2
+
+    if no_stage2:
+        if stage2 is not None:
+            raise UsageError("--stage2 and --no-stage2 are mutually exclusive")
+        return None
+    if stage2 is not None:
+        return stage2
+    bundled = default_stage2(draft or str(DEMO_DRAFT), acceptance)
+    if bundled is None:
+        return None
+    relative = Path(os.path.relpath(bundled))
+    return relative if not str(relative).startswith("..") else bundled
 
 
 def _calibrate_with_progress(request, show: bool):
