@@ -59,11 +59,12 @@ class Effort:
 
 
 # Tree sizes above the default max_k (8): a grown tree of at most max_k nodes may be a plain chain.
-# --quick skips the tree rows' warm-up: the chain rows before them warmed the allocator, and a first
-# sample slowed by building the tree's index tensors is one of three, which the median ignores.
+# Tree rows skip the warm-up (their samples are the run's slowest): the chain rows before them warmed
+# the allocator, and a first sample slowed by building the tree's index tensors is one of at least
+# three, which the median ignores.
 DEFAULT_EFFORT = Effort(RepetitionRule(budget_s=0.25), RepetitionRule(warmup_reps=1, min_reps=3, budget_s=0.3),
                         overhead_steps=4, prompt_count=64, continuation_tokens=48,
-                        tree_rule=RepetitionRule(warmup_reps=1, min_reps=3, budget_s=0.2), tree_steps=2,
+                        tree_rule=RepetitionRule(warmup_reps=0, min_reps=3, budget_s=0.2), tree_steps=2,
                         tree_nodes=(12, 32))
 QUICK_EFFORT = Effort(RepetitionRule(warmup_reps=1, min_reps=3, budget_s=0.06),
                       RepetitionRule(warmup_reps=1, min_reps=3, budget_s=0.1),
