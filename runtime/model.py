@@ -164,8 +164,8 @@ class TreeAttention:
         if window:
             key_positions = torch.where(inside, base[:, None] + self.offsets[relative.clamp(0, in_flight - 1)], keys)
             window_mask = (allowed & (key_positions[:, None, :] > positions[..., None] - window))[:, None]
-        mask = allowed[:, None]
-        return mask, (window_mask if window else mask), positions
+        mask = allowed[:, None].contiguous()  # attention reads it once per layer: lay it out once
+        return mask, (window_mask.contiguous() if window else mask), positions
 
 
 class CausalLM(nn.Module):

@@ -28,6 +28,7 @@ everything else is dropped by the length reset the generator does anyway.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -37,6 +38,10 @@ from perfmodel.tree import Tree, tree_buffers
 
 from .model import CausalLM, KVCache, TreeAttention
 from .sampling import Sampling, probabilities
+
+
+# Greedy steps of at most this many (row, node) cells keep their bookkeeping on the host (_HostState).
+HOST_BOOKKEEPING_MAX_CELLS = 512
 
 
 @dataclass(frozen=True)
@@ -104,6 +109,7 @@ class DraftedTree:
     unusable: torch.Tensor  # (b, N+1): children sampled past the end of the draft's support
     draft_probs: torch.Tensor | None  # (b, I+1, vocab) the draft's q at the root and each inner node
     rounds: int  # draft passes (or n-gram queries, for an n-gram draft)
+    host_tokens: list[list[int]] | None = None  # the same tokens as Python ints, when drafted on the host
 
 
 def pick_children(scores: torch.Tensor, count: int, sampling: Sampling, rng):
@@ -161,6 +167,88 @@ class _TreeState:
             self.unusable[:, child_ids] = torch.where(update, unusable[:, owner, rank], self.unusable[:, child_ids])
 
 
+    # the interface draft_tree drives (shared with _HostState)
+    def absorb_root(self, root_logits: torch.Tensor, rng) -> None:
+        _absorb_root(self.plan, self, root_logits, rng)
+
+    def absorb(self, logits: torch.Tensor, fed: torch.Tensor, start: int, rng) -> None:
+        _absorb(self.plan, self, logits, fed, start, rng)
+
+    def guess(self, stage2, before_root: torch.Tensor, nodes: list[int]) -> None:
+        tokens = self.tokens.tolist()
+        _guess_rows(self.plan, tokens, self.known.tolist(), stage2, before_root.tolist(), nodes)
+        self.tokens = torch.tensor(tokens, dtype=torch.long, device=self.tokens.device)
+
+    def fed_tokens(self, nodes: list[int]) -> torch.Tensor:
+        return self.tokens[:, nodes].clone()
+
+    def first_invalid(self) -> int | None:
+        """The first inner slot that is not valid in some row; None when all are valid."""
+        missing = (~self.valid[:, 1:]).any(0).nonzero()
+        return int(missing[0]) if len(missing) else None
+
+    def result(self, rounds: int) -> DraftedTree:
+        return DraftedTree(self.tokens, self.unusable, self.probs, rounds)
+
+
+class _HostState:
+    """The same bookkeeping as _TreeState for GREEDY drafting, on Python ints: at small batch sizes a
+    step's cost is dominated by the number of small tensor operations, not their size, and here each
+    round costs one top-k and one transfer (plus the pass). Results are identical to _TreeState's."""
+
+    def __init__(self, plan: TreePlan, root_tokens: torch.Tensor):
+        size = plan.tree.num_nodes + 1
+        self.plan, self.device = plan, root_tokens.device
+        self.tokens = [[token] + [0] * (size - 1) for token in root_tokens.tolist()]
+        self.known = [[True] + [False] * (size - 1) for _ in self.tokens]
+        self.valid = [[True] + [False] * len(plan.inner) for _ in self.tokens]  # slot 0: the root
+        self.slot = [-1] * size  # inner slot of a node (root 0, leaves -1), as plan.inner_index
+        for index, node in enumerate(plan.inner):
+            self.slot[node] = index + 1
+        self.slot[0] = 0
+
+    def _expand(self, row: int, node: int, top: list[int]) -> None:
+        line, sure = self.tokens[row], self.known[row]
+        for rank, child in enumerate(self.plan.tree.children[node]):
+            line[child], sure[child] = top[rank], True
+
+    def absorb_root(self, root_logits: torch.Tensor, rng) -> None:
+        count = self.plan.tree.max_children
+        for row, top in enumerate(root_logits.topk(count, dim=-1).indices.tolist()):
+            self._expand(row, 0, top)
+
+    def absorb(self, logits: torch.Tensor, fed: torch.Tensor, start: int, rng) -> None:
+        plan, count = self.plan, self.plan.tree.max_children
+        nodes = plan.inner[start:start + fed.shape[1]]
+        parent = plan.parent_list
+        tops = logits.topk(count, dim=-1).indices.tolist()  # (b, n, count)
+        for row, (line, sure, valid, fed_row, top_row) in enumerate(
+                zip(self.tokens, self.known, self.valid, fed.tolist(), tops)):
+            for j, node in enumerate(nodes):  # breadth-first: a parent is settled before its children
+                own = self.slot[node]
+                if valid[own]:
+                    continue
+                if valid[self.slot[parent[node]]] and sure[node] and fed_row[j] == line[node]:
+                    valid[own] = True
+                    self._expand(row, node, top_row[j])
+
+    def guess(self, stage2, before_root: torch.Tensor, nodes: list[int]) -> None:
+        _guess_rows(self.plan, self.tokens, self.known, stage2, before_root.tolist(), nodes)
+
+    def fed_tokens(self, nodes: list[int]) -> torch.Tensor:
+        return torch.tensor([[line[node] for node in nodes] for line in self.tokens], device=self.device)
+
+    def first_invalid(self) -> int | None:
+        for index in range(1, len(self.plan.inner) + 1):
+            if not all(valid[index] for valid in self.valid):
+                return index - 1
+        return None
+
+    def result(self, rounds: int) -> DraftedTree:
+        tokens = torch.tensor(self.tokens, dtype=torch.long, device=self.device)
+        return DraftedTree(tokens, torch.zeros_like(tokens, dtype=torch.bool), None, rounds, self.tokens)
+
+
 def _context(plan: TreePlan, state: _TreeState, before_root: torch.Tensor, nodes: list[int]) -> torch.Tensor:
     """(b * len(nodes), 2): the two tokens before each node's next token (grandparent... parent = node)."""
     node_t = torch.tensor(nodes, device=before_root.device)
@@ -177,7 +265,11 @@ def draft_tree(plan: TreePlan, draft: CausalLM, cache: KVCache, tokens: torch.Te
     b = tokens.shape[0]
     device = tokens.device
     rows = torch.arange(b, device=device)
-    state = _TreeState(plan, tokens[rows, committed - 1], sampling, draft.config.vocab_size)
+    root_tokens = tokens[rows, committed - 1]
+    if sampling.greedy and b * (plan.tree.num_nodes + 1) <= HOST_BOOKKEEPING_MAX_CELLS:
+        state = _HostState(plan, root_tokens)
+    else:
+        state = _TreeState(plan, root_tokens, sampling, draft.config.vocab_size)
     before_root = torch.where(committed >= 2, tokens[rows, (committed - 2).clamp(min=0)], -1)
     inner = list(plan.inner)
     lag = committed - cache.lengths
@@ -185,37 +277,35 @@ def draft_tree(plan: TreePlan, draft: CausalLM, cache: KVCache, tokens: torch.Te
     cache.lengths = committed - width
     catch_up = tokens.gather(1, (committed - width)[:, None] + torch.arange(width, device=device))
     if stage2 is not None and inner:
-        _guess(plan, state, stage2, before_root, inner)
-        fed = state.tokens[:, inner].clone()
-        ahead = torch.arange(width, device=device)
-        offsets = torch.cat([ahead, width - 1 + plan.inner_offsets + 1])
+        state.guess(stage2, before_root, inner)
+        fed = state.fed_tokens(inner)
+        offsets = torch.cat([torch.arange(width, device=device), width + plan.inner_offsets])
         mask = torch.zeros(width + len(inner), width + len(inner), dtype=torch.bool, device=device)
         mask[:width, :width] = torch.ones(width, width, dtype=torch.bool, device=device).tril()
         mask[width:, :width] = True
         mask[width:, width:] = plan.inner_mask
         logits = _timed(draft, torch.cat([catch_up, fed], dim=1), cache, TreeAttention(offsets, mask), on_pass)
-        _absorb_root(plan, state, logits[:, width - 1], rng)
-        _absorb(plan, state, logits[:, width:], fed, 0, rng)
+        state.absorb_root(logits[:, width - 1], rng)
+        state.absorb(logits[:, width:], fed, 0, rng)
     else:
         logits = _timed(draft, catch_up, cache, None, on_pass)
-        _absorb_root(plan, state, logits[:, -1], rng)
+        state.absorb_root(logits[:, -1], rng)
     rounds = 1
     base = committed
-    while not bool(state.valid.all()):
-        start = int((~state.valid[:, 1:]).any(0).nonzero()[0])  # first slot invalid in some row
+    while (start := state.first_invalid()) is not None:
         if stage2 is None:
             end = next(e for e in plan.level_ends if e > start)
         else:
-            _guess(plan, state, stage2, before_root, inner[start:])
+            state.guess(stage2, before_root, inner[start:])
             end = len(inner)
         cache.lengths = base + start
-        fed = state.tokens[:, inner[start:end]].clone()
+        fed = state.fed_tokens(inner[start:end])
         attention = TreeAttention(plan.inner_offsets[:end], plan.inner_mask[start:end, :end])
         logits = _timed(draft, fed, cache, attention, on_pass)
-        _absorb(plan, state, logits, fed, start, rng)
+        state.absorb(logits, fed, start, rng)
         rounds += 1
     cache.lengths = base + len(inner)
-    return DraftedTree(state.tokens, state.unusable, state.probs, rounds)
+    return state.result(rounds)
 
 
 def _timed(model, inputs, cache, attention, on_pass):
@@ -259,19 +349,17 @@ def _absorb(plan: TreePlan, state: _TreeState, logits: torch.Tensor, fed: torch.
         state.expand(nodes, picked, newly)
 
 
-def _guess(plan: TreePlan, state: _TreeState, stage2, before_root: torch.Tensor, nodes: list[int]) -> None:
+def _guess_rows(plan: TreePlan, tokens: list[list[int]], known: list[list[bool]], stage2, before: list[int],
+                nodes: list[int]) -> None:
     """Give `nodes` (inner, breadth-first) whose tokens are not known yet the second stage's guess of the
-    draft's rank-r child, from the two tokens before it on its path (guessed ones included). Done on the
-    host with Python ints: one device round trip per round instead of several small ops per level."""
-    tokens, known = state.tokens.tolist(), state.known.tolist()
-    before = before_root.tolist()
+    draft's rank-r child, from the two tokens before it on its path (guessed ones included), in place.
+    On the host with Python ints: one transfer per round instead of several small ops per level."""
     parent, rank = plan.parent_list, plan.tree.ranks
     for row, (line, sure) in enumerate(zip(tokens, known)):
         for node in nodes:
             if not sure[node]:
                 up = parent[node]
                 line[node] = stage2.top_tokens_host(line[parent[up]] if up > 0 else before[row], line[up])[rank[node]]
-    state.tokens = torch.tensor(tokens, dtype=torch.long, device=state.tokens.device)
 
 
 def ngram_tree(plan: TreePlan, ngram, tokens: torch.Tensor, committed: torch.Tensor, sampling: Sampling,
@@ -315,6 +403,8 @@ def verify_and_accept(plan: TreePlan, drafted: DraftedTree, target_logits: torch
     accepted = torch.zeros(b, dtype=torch.long, device=device)
     current = torch.zeros(b, dtype=torch.long, device=device)
     alive = torch.ones(b, dtype=torch.bool, device=device)
+    if sampling.greedy and drafted.host_tokens is not None:
+        return _accept_greedy_host(plan, drafted.host_tokens, target_logits.argmax(-1).tolist(), device)
     if sampling.greedy:
         # a node can be accepted when its token is the target's argmax at its parent; the accepted path
         # is the deepest node whose whole ancestry can (greedy siblings differ, so there is one path)
@@ -361,6 +451,25 @@ def verify_and_accept(plan: TreePlan, drafted: DraftedTree, target_logits: torch
         if not bool(alive.any()):
             break
     return path, accepted, bonus
+
+
+def _accept_greedy_host(plan: TreePlan, tokens: list[list[int]], choice: list[list[int]], device):
+    """verify_and_accept's greedy rule on Python ints: follow the child equal to the target's argmax."""
+    children, depth = plan.tree.children, plan.tree.depth
+    paths, accepted, bonus = [], [], []
+    for line, wanted in zip(tokens, choice):
+        node, path = 0, []
+        while True:
+            nxt = next((c for c in children[node] if line[c] == wanted[node]), None)
+            if nxt is None:
+                break
+            path.append(nxt)
+            node = nxt
+        accepted.append(len(path))
+        bonus.append(wanted[node])
+        paths.append(path + [0] * (depth - len(path)))
+    as_tensor = functools.partial(torch.tensor, dtype=torch.long, device=device)
+    return as_tensor(paths), as_tensor(accepted), as_tensor(bonus)
 
 
 def compact(cache: KVCache, base: torch.Tensor, source_slots: torch.Tensor, keep: torch.Tensor) -> None:

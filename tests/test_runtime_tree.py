@@ -18,6 +18,7 @@ from runtime.generator import GenerationError, SpeculativeGenerator
 from runtime.model import TreeAttention
 from runtime.policy import FixedK, FixedStrategy
 from runtime.sampling import Sampling, probabilities
+from runtime import tree_decoding
 from runtime.tree_decoding import draft_tree, plan_for
 
 TREES = ["0,1", "0,1,2,0.0,0.1,1.0,0.0.0", "0,0.0,0.1,0.0.0,0.0.0.0,0.0.0.1", "chain:4"]
@@ -58,6 +59,14 @@ def reference(greedy_target, prompts8):
             for size, index in BATCHES.items()}
 
 
+@pytest.fixture(params=["host", "tensor"])
+def bookkeeping(request, monkeypatch):
+    """Greedy steps keep their bookkeeping on the host at small sizes and in tensors above: run both."""
+    if request.param == "tensor":
+        monkeypatch.setattr(tree_decoding, "HOST_BOOKKEEPING_MAX_CELLS", 0)
+    return request.param
+
+
 def _policy(spec: str, stage2: bool = False) -> FixedStrategy:
     return FixedStrategy(Strategy(parse_tree(spec), stage2))
 
@@ -89,7 +98,7 @@ def test_tree_attention_equals_each_path_fed_alone(llama_config_factory, overrid
 @pytest.mark.parametrize("size", [1, 3, 8])
 @pytest.mark.parametrize("kind", ["always", "sometimes", "never"])
 def test_tree_greedy_equals_target_only(kind, size, spec, greedy_target, greedy_draft_sometimes,
-                                        greedy_draft_never, prompts8, reference):
+                                        greedy_draft_never, prompts8, reference, bookkeeping):
     draft = {"always": greedy_target, "sometimes": greedy_draft_sometimes, "never": greedy_draft_never}[kind]
     prompts = [prompts8[i] for i in BATCHES[size]]
     tree = parse_tree(spec)
@@ -105,7 +114,8 @@ def test_tree_greedy_equals_target_only(kind, size, spec, greedy_target, greedy_
 
 @pytest.mark.parametrize("spec", TREES)
 @pytest.mark.parametrize("size", [1, 3, 8])
-def test_staged_tree_greedy_equals_target_only(size, spec, greedy_target, bigram_draft, prompts8, reference):
+def test_staged_tree_greedy_equals_target_only(size, spec, greedy_target, bigram_draft, prompts8, reference,
+                                               bookkeeping):
     prompts = [prompts8[i] for i in BATCHES[size]]
     for guess in (PerfectGuess(bigram_draft), RandomGuess(64, seed=size)):
         generator = SpeculativeGenerator(greedy_target, bigram_draft, stage2=guess)
@@ -114,7 +124,8 @@ def test_staged_tree_greedy_equals_target_only(size, spec, greedy_target, bigram
 
 @pytest.mark.parametrize("spec", TREES)
 @torch.no_grad()
-def test_second_stage_changes_the_cost_not_the_draft(spec, bigram_draft, greedy_draft_sometimes, prompts8):
+def test_second_stage_changes_the_cost_not_the_draft(spec, bigram_draft, greedy_draft_sometimes, prompts8,
+                                                     bookkeeping):
     """Draft-tree tokens with any guesser equal the draft's own level-by-level tree; a perfect guesser
     needs one draft pass per tree, a hopeless one as many as there are levels."""
     tree = parse_tree(spec)
