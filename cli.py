@@ -1009,8 +1009,9 @@ def demo(
     console.rule("[bold]1/5 calibrate (quick): time the demo pair's passes on this machine, measure acceptance")
     from calibrate.run import CalibrationRequest
 
+    stage2 = _stage2_for_calibration(None, False, None, None)  # the bundled n-gram: trees and staged drafting
     request = CalibrationRequest(target=str(DEMO_TARGET), draft=str(DEMO_DRAFT), out=paths["profile.json"],
-                                 device=device, prompts=DEMO_PROMPTS, quick=True)
+                                 device=device, prompts=DEMO_PROMPTS, quick=True, stage2=stage2)
     render_calibration(_calibrate_with_progress(request, show=True))
 
     console.rule("[bold]2/5 fit the latency and acceptance model")
@@ -1021,7 +1022,7 @@ def demo(
     save_model(paths["model.json"], fitted)
     render_fit(fitted, paths["model.json"])
 
-    console.rule("[bold]3/5 the table: best k for every batch size")
+    console.rule("[bold]3/5 the table: best strategy (none, chain of k, tree, +n-gram stage) for every batch size")
     from perfmodel import table as tables
     from perfmodel.jsonio import write_json_atomic, write_text_atomic
 
@@ -1039,9 +1040,10 @@ def demo(
 
     target_model, draft_model = load_pair(None, None, device, None)
     texts = read_prompts_file(DEMO_PROMPTS)[:prompts_shown]
-    generator = SpeculativeGenerator(target_model.model, draft_model.model, target_model.eos_token_ids)
-    encoded = [target_model.tokenizer.encode(t) for t in texts]
     policy = TableK(paths["table.json"])
+    ngram = second_stage_for(policy, stage2 if policy.needs_stage2 else None, target_model)
+    generator = SpeculativeGenerator(target_model.model, draft_model.model, target_model.eos_token_ids, stage2=ngram)
+    encoded = [target_model.tokenizer.encode(t) for t in texts]
     result = generator.generate(encoded, max_new_tokens, policy)
     outputs = [{"prompt": t, "text": target_model.tokenizer.decode(ids), "token_ids": ids}
                for t, ids in zip(texts, result.token_ids)]
@@ -1052,16 +1054,17 @@ def demo(
     from calibrate.bench import BenchConfig, BenchModels, compared_rate, write_outputs
 
     config = BenchConfig(batch_sizes=tuple(race_sizes), ks=(0,), max_new_tokens=max_new_tokens, rounds=rounds,
-                         table_path=paths["table.json"], model_path=paths["model.json"])
+                         table_path=paths["table.json"], model_path=paths["model.json"],
+                         stage2_path=stage2 if ngram is not None else None)
     models = BenchModels(target=target_model.model, draft=draft_model.model, target_source=str(DEMO_TARGET),
                          draft_source=str(DEMO_DRAFT), target_dir=DEMO_TARGET, draft_dir=DEMO_DRAFT,
-                         random_weights=False)
+                         random_weights=False, stage2=ngram)
     prompts = [target_model.tokenizer.encode(t) for t in read_prompts_file(DEMO_PROMPTS)]
     race = _bench_with_progress(config, models, prompts)
     written = write_outputs(race, out / "bench")
     for batch in race.batches:
         plain, tabled = batch.policy("k=0"), batch.policy("table")
-        console.print(f"batch size {batch.batch_size}: table k={tabled.k} {compared_rate(tabled):.0f} tok/s vs "
+        console.print(f"batch size {batch.batch_size}: table {tabled.strategy} {compared_rate(tabled):.0f} tok/s vs "
                       f"plain {compared_rate(plain):.0f} tok/s -> [bold]{batch.table_speedup:.2f}x[/] "
                       f"(steady-state goodput, median of {rounds} interleaved rounds)")
     console.print(f"everything is in {out.resolve()} (bench files: {', '.join(p.name for p in written)})",
