@@ -368,6 +368,14 @@ def agreement_rows(target: CausalLM, draft: CausalLM, prompts: list[list[int]], 
     return [row.agreement for row in score_continuations(target, draft, prompts, continuations, sampling)]
 
 
+def rank_sequences(rows: list[ScoredRow]) -> tuple[tuple[int, ...], ...] | None:
+    """Greedy: the rank of the target's token among the draft's at every scored position, R standing for
+    "R or worse" (one-hot rows of `ranks`, all zero past R). perfmodel replays tree steps on them."""
+    sequences = tuple(tuple(int(r) for r in np.where(row.ranks.any(1), row.ranks.argmax(1), row.ranks.shape[1]))
+                      for row in rows if len(row.ranks))
+    return sequences or None
+
+
 def measure_acceptance(target: CausalLM, draft: CausalLM, prompts: list[list[int]], sampling: Sampling, max_k: int,
                        new_tokens: int, eos_token_ids: tuple[int, ...] = (), prompts_source: str | None = None,
                        seed: int = 0) -> AcceptanceEntry:
@@ -394,5 +402,6 @@ def entry_from_rows(rows: list[ScoredRow], sampling: Sampling, max_k: int, promp
     return AcceptanceEntry(**entry_fields(sampling), source="measured", per_position=tuple(per_position),
                            tokens_per_step=None if per_step is None else tuple(per_step),
                            rank_acceptance=tuple(tuple(r) for r in table) if depth_reached[0] > 0 else None,
+                           rank_sequences=rank_sequences(rows) if sampling.greedy else None,
                            trials=tuple(int(round(r)) for r in reached), prompts=prompts_source,
                            prompt_count=prompt_count)

@@ -125,6 +125,8 @@ class AcceptanceModel:
     # per depth d and rank r, P(the target's token at depth d is the draft's rank-r child | path to d-1
     # accepted): what a tree's expected tokens need (perfmodel.tree.expected_tree_tokens); None: chains only
     rank_acceptance: tuple[tuple[float, ...], ...] | None = None
+    # greedy: recorded ranks per continuation, on which tree steps are replayed exactly (preferred for E)
+    rank_sequences: tuple[tuple[int, ...], ...] | None = None
 
     def alphas(self, k: int) -> tuple[float, ...]:
         return extend_alphas(self.per_position, k)
@@ -147,6 +149,7 @@ class AcceptanceModel:
             "tokens_per_step": None if self.tokens_per_step is None else [rounded(t) for t in self.tokens_per_step],
             "rank_acceptance": None if self.rank_acceptance is None
             else [[rounded(p) for p in row] for row in self.rank_acceptance],
+            "rank_sequences": None if self.rank_sequences is None else [list(row) for row in self.rank_sequences],
         }
 
     @classmethod
@@ -160,7 +163,9 @@ class AcceptanceModel:
                         tokens_per_step=None if obj.get("tokens_per_step") is None
                         else tuple(float(t) for t in obj["tokens_per_step"]),
                         rank_acceptance=None if obj.get("rank_acceptance") is None
-                        else tuple(tuple(float(p) for p in row) for row in obj["rank_acceptance"]))
+                        else tuple(tuple(float(p) for p in row) for row in obj["rank_acceptance"]),
+                        rank_sequences=None if obj.get("rank_sequences") is None
+                        else tuple(tuple(int(r) for r in row) for row in obj["rank_sequences"]))
         except (KeyError, TypeError, ValueError) as error:
             raise PerfModelError(f"{where}: acceptance: malformed ({error!r})") from None
         if not per_position or not all(0.0 <= alpha <= 1.0 for alpha in per_position):
@@ -175,7 +180,8 @@ class AcceptanceModel:
 def acceptance_from_profile(entry: AcceptanceEntry) -> AcceptanceModel:
     return AcceptanceModel(source="profile", mode=entry.mode, temperature=entry.temperature,
                            per_position=entry.per_position, constant=fit_constant_alpha(entry.per_position),
-                           tokens_per_step=entry.tokens_per_step, rank_acceptance=entry.rank_acceptance)
+                           tokens_per_step=entry.tokens_per_step, rank_acceptance=entry.rank_acceptance,
+                           rank_sequences=entry.rank_sequences)
 
 
 def acceptance_from_user(values: Sequence[float], option: str = "--acceptance") -> AcceptanceModel:

@@ -119,6 +119,10 @@ class AcceptanceEntry:
     # depth d-1 was accepted), measured step-aligned (steps start right after a rejection). A row's
     # ranks are exclusive events, so it sums to <= 1. Optional: only profiles measured for trees have it.
     rank_acceptance: tuple[tuple[float, ...], ...] | None = None
+    # Greedy only: per scored continuation, the rank of the target's token among the draft's at every
+    # position (R = "R or worse"). A tree's tokens per step are replayed on them exactly
+    # (perfmodel.tree.simulate_tree_steps). Optional.
+    rank_sequences: tuple[tuple[int, ...], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -183,6 +187,7 @@ def _acceptance_json(entry: AcceptanceEntry) -> dict:
     obj["trials"] = None if entry.trials is None else list(entry.trials)
     obj["tokens_per_step"] = None if entry.tokens_per_step is None else list(entry.tokens_per_step)
     obj["rank_acceptance"] = None if entry.rank_acceptance is None else [list(row) for row in entry.rank_acceptance]
+    obj["rank_sequences"] = None if entry.rank_sequences is None else [list(row) for row in entry.rank_sequences]
     return obj
 
 
@@ -344,6 +349,20 @@ def _probability(value: Any) -> bool:
     return (_is_int(value) or isinstance(value, float)) and 0.0 <= value <= 1.0
 
 
+def _rank_sequences(obj: dict, where: str) -> tuple[tuple[int, ...], ...] | None:
+    """Optional lists of ranks (integers >= 0), one list per scored continuation."""
+    sequences = obj.get("rank_sequences")
+    if sequences is None:
+        return None
+    at = _at(where, "rank_sequences")
+    if not isinstance(sequences, list) or not any(isinstance(row, list) and row for row in sequences):
+        raise PerfModelError(f"{at}: expected a list of non-empty lists of ranks")
+    for index, row in enumerate(sequences):
+        if not isinstance(row, list) or not all(_is_int(rank) and rank >= 0 for rank in row):
+            raise PerfModelError(f"{at}[{index}]: expected a list of integer ranks >= 0")
+    return tuple(tuple(row) for row in sequences)
+
+
 def _rank_acceptance(obj: dict, where: str) -> tuple[tuple[float, ...], ...] | None:
     """Optional depth-major table; every row has the same number (>= 1) of ranks and sums to <= 1."""
     table = obj.get("rank_acceptance")
@@ -411,6 +430,7 @@ def _acceptance(obj: dict, where: str) -> AcceptanceEntry:
     return AcceptanceEntry(
         tokens_per_step=tokens_per_step,
         rank_acceptance=_rank_acceptance(obj, where),
+        rank_sequences=_rank_sequences(obj, where),
         mode=_str(obj, "mode", where, ACCEPTANCE_MODES),
         temperature=_number(obj, "temperature", where, minimum=0.0, nullable=True),
         top_k=_int(obj, "top_k", where, minimum=1, nullable=True),

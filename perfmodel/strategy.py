@@ -10,8 +10,10 @@ E (tokens a row gains per step):
 - a chain of k (also one that a tree grower happened to return): the chain's E(k), from the measured
   step-aligned E(k) when the profile has it, else from per-position acceptance (`AcceptanceModel`);
   the second stage changes the cost of drafting, never the tokens, so E is the same with it;
-- a tree: `expected_tree_tokens(tree, rank_acceptance)` = 1 + sum of the nodes' probabilities of being
-  on the accepted path. A tree needs the profile's rank acceptance; chains never use it, so a chain and
+- a tree: replayed on the recorded greedy rank sequences when the acceptance has them
+  (`simulate_tree_steps`: exact for greedy, dependencies between depths included), else
+  `expected_tree_tokens(tree, rank_acceptance)` = 1 + sum of the nodes' probabilities of being
+  on the accepted path (independent depths: it over-counts after a rank-1 branch). A tree needs the profile's rank acceptance; chains never use it, so a chain and
   a tree are compared on two measurements of the same pair (both step-aligned).
 
 S (expected step time): the forward passes the runtime makes (`goodput.step_passes` for plain chains,
@@ -36,7 +38,7 @@ from .errors import PerfModelError
 from .goodput import LatencyFn, OverheadModel, step_passes
 from .profile import Stage2Info
 from .schedule import TreeStep, leaf_end_probability, staged_step, tree_step
-from .tree import Strategy, chain, expected_tree_tokens, grow_tree, node_probabilities
+from .tree import Strategy, chain, expected_tree_tokens, grow_tree, node_probabilities, simulate_tree_steps
 
 TREE_SIZES = (4, 6, 8, 12, 16, 24, 32, 48, 64)  # nodes of the grown trees: roughly x1.5 apart
 MAX_TREE_NODES = 64  # default limit: a 64-node tree already verifies 65 tokens per row
@@ -123,6 +125,7 @@ class StepModel:
     stage2: Stage2Info | None = None
     # (role, b, n, L) -> ms, filled as strategies are evaluated: trees share most pass shapes
     _latency_cache: dict = field(default_factory=dict, compare=False, repr=False)
+    _replay_cache: dict = field(default_factory=dict, compare=False, repr=False)  # tree -> (E, P(leaf end))
 
     def _latency(self, role: str, batch_size: int, new_tokens: int, context_len: int) -> float:
         key = (role, batch_size, new_tokens, context_len)
@@ -137,9 +140,21 @@ class StepModel:
                                  "use a chain")
         return self.acceptance.rank_acceptance
 
+    def _replayed(self, strategy: Strategy) -> tuple[float, float] | None:
+        """(E, P(leaf end)) of a tree replayed on the recorded greedy rank sequences, when there are some."""
+        if self.acceptance.rank_sequences is None:
+            return None
+        if strategy.tree not in self._replay_cache:
+            self._replay_cache[strategy.tree] = simulate_tree_steps(strategy.tree, self.acceptance.rank_sequences)
+        return self._replay_cache[strategy.tree]
+
     def tokens_per_step(self, strategy: Strategy) -> float:
-        """E(strategy): see the module docstring."""
+        """E(strategy): see the module docstring; a tree is replayed on recorded ranks when the acceptance
+        has them (exact for greedy), else the product of per-depth rank acceptances."""
         if strategy.kind == "tree":
+            replayed = self._replayed(strategy)
+            if replayed is not None:
+                return replayed[0]
             return expected_tree_tokens(strategy.tree, self._rank_acceptance(strategy))
         return self.acceptance.expected_tokens(strategy.k)
 
@@ -147,6 +162,9 @@ class StepModel:
         """P(a row's accepted path ends at a leaf): all k for chains, as `goodput.step_passes` has it."""
         if strategy.kind == "chain":
             return accept_all_probability(self.acceptance.per_position, strategy.k)
+        replayed = self._replayed(strategy)
+        if replayed is not None:
+            return replayed[1]
         probabilities = node_probabilities(strategy.tree, self._rank_acceptance(strategy))
         return leaf_end_probability(strategy.tree, probabilities)
 

@@ -226,6 +226,39 @@ def expected_tree_tokens(tree: Tree, rank_acceptance: Sequence[Sequence[float]])
     return 1.0 + float(node_probabilities(tree, rank_acceptance).sum())
 
 
+def simulate_tree_steps(tree: Tree, rank_sequences: Sequence[Sequence[int]]) -> tuple[float, float]:
+    """Replay greedy tree steps over recorded rank sequences: (tokens per step, P(a step's accepted path
+    ends at a leaf)). A sequence lists, along the target's own greedy continuation of a prompt, the rank
+    of the target's token among the draft's (R for "R or worse"). Because accepted tokens ARE the target's
+    tokens, the draft's rank at every node a step reaches is the recorded one: the replay is exact for
+    greedy decoding, dependencies between depths included. A step starts where the last ended and walks
+    down while the node has a child of the recorded rank; it gains the walk's length plus the target's
+    own token at the next position. As calibrate's chain estimate does, only steps whose whole depth lies
+    inside the sequence are counted (a step cut short by the sequence's end would under-count).
+
+    >>> simulate_tree_steps(parse_tree("0,1,0.0"), [[1, 0, 2, 0, 0, 4]])  # steps [1]+0, []+2, [0,0]+4
+    (2.0, 0.6666666666666666)
+    """
+    by_rank = [{tree.ranks[child]: child for child in kids} for kids in tree.children]
+    steps = tokens = leaf_ends = 0
+    for sequence in rank_sequences:
+        position = 0
+        while position + tree.depth <= len(sequence):
+            node, accepted = 0, 0
+            while by_rank[node]:  # a leaf ends the walk; a node's depth < tree.depth keeps the index inside
+                child = by_rank[node].get(sequence[position + accepted])
+                if child is None:
+                    break
+                node, accepted = child, accepted + 1
+            steps += 1
+            tokens += accepted + 1
+            leaf_ends += accepted > 0 and not tree.children[node]
+            position += accepted + 1
+    if steps == 0:
+        raise PerfModelError(f"tree acceptance: no rank sequence is as long as the tree's depth ({tree.depth})")
+    return tokens / steps, leaf_ends / steps
+
+
 def grow_tree(rank_acceptance: Sequence[Sequence[float]], num_nodes: int, max_depth: int,
               max_rank: int | None = None) -> Tree:
     """The tree of `num_nodes` nodes with the largest expected accepted length, built greedily: add the
