@@ -6,28 +6,13 @@ import json
 import shutil
 
 import pytest
-from typer.testing import CliRunner
 
-import cli
+from cli_helpers import assert_one_line_error, invoke
 from perfmodel_fixtures import build_profile, roofline_latency, write_profile
 from runtime.ngram import NGramModel
 
-runner = CliRunner()
 NGRAM = "data/models/demo-ngram.safetensors"
 PROMPT = "def fibonacci(n):"
-
-
-def invoke(*args: str):
-    return runner.invoke(cli.app, [str(a) for a in args])
-
-
-def assert_one_line_error(result, *fragments: str) -> None:
-    assert result.exit_code == 2, (result.exit_code, result.output)
-    message = result.stderr.strip()
-    assert message.startswith("error: ") and "\n" not in message, message
-    assert "Traceback" not in result.output
-    for fragment in fragments:
-        assert fragment in message, message
 
 
 def _generated(*options: str) -> list[int]:

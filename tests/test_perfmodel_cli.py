@@ -4,28 +4,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from typer.testing import CliRunner
 
-import cli
 from perfmodel.model import load_model
 from perfmodel.table import load_table
+from cli_helpers import assert_one_line_error, invoke
 from perfmodel_fixtures import build_profile, roofline_latency, write_profile
 
-runner = CliRunner()
 SMALL = dict(batch_sizes=(1, 2, 4, 8, 16), context_lens=(128, 512, 2048), max_k=4)
-
-
-def invoke(*args: str):
-    return runner.invoke(cli.app, [str(a) for a in args])
-
-
-def assert_one_line_error(result, *fragments: str) -> None:
-    assert result.exit_code == 2, (result.exit_code, result.output)
-    message = result.stderr.strip()
-    assert message.startswith("error: ") and "\n" not in message, message
-    assert "Traceback" not in result.output and result.stdout == ""
-    for fragment in fragments:
-        assert fragment in message, message
 
 
 @pytest.fixture(scope="module")
