@@ -942,7 +942,6 @@ def render_query(answer: dict, notes: list[str]) -> None:
     from rich.table import Table
 
     with_strategies = "strategy" in answer["candidates"][0]
-    best = answer.get("best_strategy")
     title = f"batch size {answer['batch_size']}, context {answer['context_len']}: best k = {answer['best_k']}"
     if with_strategies:
         ranked = sorted(answer["candidates"], key=lambda c: -(c["tokens_per_s"] or 0))
@@ -957,7 +956,6 @@ def render_query(answer: dict, notes: list[str]) -> None:
         view.add_row(c["strategy"] if with_strategies else str(c["k"]), *cells, style="bold green" if is_best else None)
     console = Console()
     console.print(view)
-    del best
     for note in notes:
         console.print(f"[yellow]note:[/] {note}")
 

@@ -90,15 +90,15 @@ def plan_for(tree: Tree, device: torch.device) -> TreePlan:
         while walk > 0:
             ancestors[node, tree.depths[walk] - 1] = walk
             walk = tree.parents[walk]
+    inner_mask = full_mask[inner_t][:, inner_t] if inner else torch.zeros(0, 0, dtype=torch.bool)
+    ranks = torch.tensor([0] + [p[-1] for p in tree.paths], dtype=torch.long)
     to = dict(device=device)
     return TreePlan(
-        tree=tree, target_mask=full_mask.to(**to), descendants=full_mask.T.float().to(**to), depths=depths.to(**to), children=children.to(**to),
-        inner=inner, inner_index=inner_index.to(**to),
-        inner_mask=full_mask[inner_t][:, inner_t].to(**to) if inner else torch.zeros(0, 0, dtype=torch.bool, **to),
+        tree=tree, target_mask=full_mask.to(**to), descendants=full_mask.T.float().to(**to),
+        depths=depths.to(**to), children=children.to(**to), inner=inner, inner_index=inner_index.to(**to),
+        inner_mask=inner_mask.to(**to), inner_descendants=inner_mask.T.float().to(**to),
         inner_offsets=(depths[inner_t] - 1).to(**to) if inner else torch.zeros(0, dtype=torch.long, **to),
-        inner_descendants=(full_mask[inner_t][:, inner_t].T.float().to(**to) if inner
-                           else torch.zeros(0, 0, **to)),
-        level_ends=level_ends, by_depth=by_depth, parent_of=parents.to(**to), rank_of=torch.tensor([0] + [p[-1] for p in tree.paths]).to(**to),
+        level_ends=level_ends, by_depth=by_depth, parent_of=parents.to(**to), rank_of=ranks.to(**to),
         ancestor_at_depth=ancestors.to(**to), parent_list=tuple(max(p, 0) for p in tree.parents),
     )
 
@@ -166,13 +166,36 @@ class _TreeState:
         if unusable is not None:
             self.unusable[:, child_ids] = torch.where(update, unusable[:, owner, rank], self.unusable[:, child_ids])
 
-
     # the interface draft_tree drives (shared with _HostState)
     def absorb_root(self, root_logits: torch.Tensor, rng) -> None:
-        _absorb_root(self.plan, self, root_logits, rng)
+        b = root_logits.shape[0]
+        self.valid[:, 0] = True
+        picked = self.picks([0], root_logits[:, None], rng)
+        self.expand([0], picked, torch.ones(b, 1, dtype=torch.bool, device=root_logits.device))
 
     def absorb(self, logits: torch.Tensor, fed: torch.Tensor, start: int, rng) -> None:
-        _absorb(self.plan, self, logits, fed, start, rng)
+        """After a pass over inner slots start..start+n-1: a fed node is valid when its token and every fed
+        ancestor's token were the draft's own (the ancestors before `start` are valid in every row); newly
+        valid nodes fix their children. All levels at once: the draft's candidate children of every fed node
+        are drawn first, then the validity of each node is an AND over its ancestors (one mask product)."""
+        end = start + fed.shape[1]
+        nodes = list(self.plan.inner[start:end])
+        picked = self.picks(nodes, logits, rng)
+        parents = self.plan.parent_of[nodes]
+        parent_slot = self.plan.inner_index[parents] - 1  # -1: the root
+        fed_parent = parent_slot >= start
+        position = (parent_slot - start).clamp(min=0)
+        candidate = picked[1][:, position, self.plan.rank_of[nodes]]  # (b, n): the child the parent's logits give
+        known = self.known[:, nodes]
+        truth = torch.where(known | ~fed_parent, self.tokens[:, nodes], candidate)
+        wrong = (fed != truth) | (~known & ~fed_parent)
+        # valid: no wrong token among a node's fed ancestors-or-self (a product with the transposed mask)
+        valid = (wrong.float() @ self.plan.inner_descendants[start:end, start:end]) == 0
+        own = self.plan.inner_index[nodes]
+        newly = valid & ~self.valid[:, own]
+        self.valid[:, own] |= valid
+        if bool(newly.any()):
+            self.expand(nodes, picked, newly)
 
     def guess(self, stage2, before_root: torch.Tensor, nodes: list[int]) -> None:
         tokens = self.tokens.tolist()
@@ -317,38 +340,6 @@ def _timed(model, inputs, cache, attention, on_pass):
     return out
 
 
-def _absorb_root(plan: TreePlan, state: _TreeState, root_logits: torch.Tensor, rng) -> None:
-    b = root_logits.shape[0]
-    state.valid[:, 0] = True
-    picked = state.picks([0], root_logits[:, None], rng)
-    state.expand([0], picked, torch.ones(b, 1, dtype=torch.bool, device=root_logits.device))
-
-
-def _absorb(plan: TreePlan, state: _TreeState, logits: torch.Tensor, fed: torch.Tensor, start: int, rng) -> None:
-    """After a pass over inner slots start..start+n-1: a fed node is valid when its token and every fed
-    ancestor's token were the draft's own (the ancestors before `start` are valid in every row); newly
-    valid nodes fix their children. All levels at once: the draft's candidate children of every fed node
-    are drawn first, then the validity of each node is an AND over its ancestors (one mask product)."""
-    end = start + fed.shape[1]
-    nodes = list(plan.inner[start:end])
-    picked = state.picks(nodes, logits, rng)
-    parents = plan.parent_of[nodes]
-    parent_slot = plan.inner_index[parents] - 1  # -1: the root
-    fed_parent = parent_slot >= start
-    position = (parent_slot - start).clamp(min=0)
-    candidate = picked[1][:, position, plan.rank_of[nodes]]  # (b, n): the child the parent's logits give
-    known = state.known[:, nodes]
-    truth = torch.where(known | ~fed_parent, state.tokens[:, nodes], candidate)
-    wrong = (fed != truth) | (~known & ~fed_parent)
-    # valid: no wrong token among a node's fed ancestors-or-self (a product with the transposed mask)
-    valid = (wrong.float() @ plan.inner_descendants[start:end, start:end]) == 0
-    own = plan.inner_index[nodes]
-    newly = valid & ~state.valid[:, own]
-    state.valid[:, own] |= valid
-    if bool(newly.any()):
-        state.expand(nodes, picked, newly)
-
-
 def _guess_rows(plan: TreePlan, tokens: list[list[int]], known: list[list[bool]], stage2, before: list[int],
                 nodes: list[int]) -> None:
     """Give `nodes` (inner, breadth-first) whose tokens are not known yet the second stage's guess of the
@@ -377,12 +368,9 @@ def ngram_tree(plan: TreePlan, ngram, tokens: torch.Tensor, committed: torch.Ten
             break
         started = on_pass.now() if on_pass else 0.0
         context = _context(plan, state, before_root, nodes)
-        if sampling.greedy:
+        if sampling.greedy:  # the n-gram's own ranking gives the children directly
             top = ngram.top_tokens(context, plan.tree.max_children).view(b, len(nodes), -1)
-            scores = torch.full((b, len(nodes), ngram.vocab_size), float("-inf"), device=tokens.device)
-            scores.scatter_(2, top, torch.arange(top.shape[-1], 0, -1, device=tokens.device, dtype=scores.dtype)
-                            .expand_as(top))  # rank order as scores: expand() takes the top ones
-            state.expand(nodes, state.picks(nodes, scores, rng), everyone(len(nodes)))
+            state.expand(nodes, (None, top, None), everyone(len(nodes)))
         else:
             q = ngram.distributions(context).view(b, len(nodes), -1)
             state.expand(nodes, state.picks(nodes, q, rng, is_probs=True), everyone(len(nodes)))
