@@ -189,9 +189,9 @@ def second_stage_for(policy, stage2: Path | None, target_model):
     if stage2 is None:
         return None
     if table is not None and table.stage2 and getattr(policy, "needs_stage2", False):
-        import hashlib
+        from perfmodel.jsonio import file_sha256
 
-        digest = hashlib.sha256(Path(stage2).read_bytes()).hexdigest()
+        digest = file_sha256(Path(stage2))
         if digest != table.stage2["sha256"]:
             raise UsageError(f"--stage2 {stage2}: not the n-gram file the table was computed for "
                              f"(sha256 {digest[:12]}, the table names {table.stage2['sha256'][:12]})")
@@ -883,8 +883,7 @@ def query(
 def _query_strategies(model: Path, batch_size: int, context_len: int | None, acceptance: str | None,
                       max_k: int | None, tree: str, stage2: Path | None) -> tuple[dict, list[str]]:
     """--tree auto: every candidate strategy ranked; --tree SPEC: that strategy alone."""
-    import hashlib
-
+    from perfmodel.jsonio import file_sha256
     from perfmodel.model import choose_acceptance, evaluate_strategy, load_model, query_strategies
     from perfmodel.tree import Strategy, parse_tree
 
@@ -894,7 +893,7 @@ def _query_strategies(model: Path, batch_size: int, context_len: int | None, acc
     if stage2 is not None:
         if fitted.stage2 is None:
             raise UsageError(f"--stage2: {model} has no second-stage measurements; run calibrate with --stage2 {stage2}")
-        digest = hashlib.sha256(Path(stage2).read_bytes()).hexdigest()
+        digest = file_sha256(Path(stage2))
         if digest != fitted.stage2.sha256:
             raise UsageError(f"--stage2 {stage2}: the model measured another n-gram file ({fitted.stage2.file}, "
                              f"sha256 {fitted.stage2.sha256[:12]}); calibrate with this one first")

@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from perfmodel.jsonio import file_sha256
 from perfmodel.profile import AcceptanceEntry, Grid, OverheadRow, Profile
 from perfmodel.tree import Strategy, expected_tree_tokens, grow_tree
 from runtime.checkpoint import CheckpointError, parse_dtype
@@ -208,7 +209,7 @@ def _plan(request: CalibrationRequest) -> _Plan:
             raise CalibrationError(f"--stage2 {request.stage2}: the n-gram's guesses are measured against the draft "
                                    f"on the prompts, which --acceptance skips; drop one of the two")
         ngram = st2.load_stage2(request.stage2, target)
-        sha256, file = st2.file_sha256(request.stage2), str(request.stage2)  # as given: the runtime loads it
+        sha256, file = file_sha256(request.stage2), str(request.stage2)  # as given: the runtime loads it
     device = resolve_device(request.device)
     try:
         dtype = parse_dtype(request.dtype, device)

@@ -25,7 +25,6 @@ median, a negative intercept a line through the origin).
 """
 from __future__ import annotations
 
-import hashlib
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -76,14 +75,6 @@ def load_stage2(path: Path, target: ModelSpec) -> NGramModel:
         raise CalibrationError(f"--stage2 {path}: a vocabulary of {ngram.vocab_size} tokens has fewer than "
                                f"{RANKS} ranks to guess")
     return ngram
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        for block in iter(lambda: file.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _positions(rows: Sequence[ScoredRow]) -> tuple[np.ndarray, np.ndarray]:

@@ -5,6 +5,7 @@ schema is not the one they understand and say which schema they found and which 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -78,3 +79,12 @@ def rounded(value: float | None, significant: int = 7) -> float | None:
     if value is None or not math.isfinite(value):
         return None
     return float(f"{value:.{significant}g}")
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """sha256 of a file's bytes: how profiles, models and tables name the n-gram file they were made with."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
