@@ -15,6 +15,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from perfmodel.errors import SpecbatchError
+
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
@@ -34,21 +36,8 @@ DEMO_DRAFT = DATA_DIR / "models" / "demo-draft"
 DEMO_PROMPTS = DATA_DIR / "prompts" / "heldout.jsonl"
 
 
-class UsageError(ValueError):
+class UsageError(SpecbatchError):
     """Bad input found by the CLI itself; printed as one line."""
-
-
-def _user_errors() -> tuple[type[BaseException], ...]:
-    """Error classes that mean 'bad input': printed as one line, exit code 2, never a traceback."""
-    errors: list[type[BaseException]] = [UsageError, FileNotFoundError, json.JSONDecodeError]
-    for module, name in (("runtime.config", "ConfigError"), ("runtime.checkpoint", "CheckpointError"),
-                         ("runtime.generator", "GenerationError"), ("perfmodel.errors", "PerfModelError"),
-                         ("calibrate.errors", "CalibrationError"), ("calibrate.bench", "BenchError"),
-                         ("runtime.ngram", "NGramError")):
-        loaded = sys.modules.get(module)
-        if loaded is not None and hasattr(loaded, name):
-            errors.append(getattr(loaded, name))
-    return tuple(errors)
 
 
 def one_line_errors(command):
@@ -62,7 +51,7 @@ def one_line_errors(command):
             typer.echo("interrupted", err=True)
             raise typer.Exit(130)
         except Exception as error:  # noqa: BLE001 - filtered just below
-            if isinstance(error, _user_errors()):
+            if isinstance(error, (SpecbatchError, FileNotFoundError, json.JSONDecodeError)):
                 typer.echo(f"error: {error}", err=True)
                 raise typer.Exit(2)
             raise

@@ -40,7 +40,6 @@ import io
 import json
 import math
 import os
-import tempfile
 import time
 import warnings
 from collections import Counter
@@ -51,7 +50,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from perfmodel.errors import PerfModelError
+from perfmodel.errors import PerfModelError, SpecbatchError
+from perfmodel.jsonio import write_bytes_atomic
 from perfmodel.tree import Strategy, Tree, chain, parse_tree
 from runtime.generator import GenerationError, SpeculativeGenerator
 from runtime.model import CausalLM
@@ -75,7 +75,7 @@ CSV_COLUMNS = ("batch_size", "policy", "k", "median_tokens_per_s", "p10_tokens_p
                "synthetic_acceptance", "strategy")
 
 
-class BenchError(ValueError):
+class BenchError(SpecbatchError):
     """A bench configuration that cannot run; the message is one line naming the option."""
 
 
@@ -982,18 +982,6 @@ def _cell(value) -> str:
     return f"{value:.6g}" if isinstance(value, float) else str(value)
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """`path` holds either the old file or the complete new one (temporary file + os.replace)."""
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "wb") as file:
-            file.write(data)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-
-
 def write_outputs(result: BenchResult, out_dir: str | os.PathLike) -> list[Path]:
     """bench.json, bench.csv and the PNG plots into `out_dir`; returns the paths written.
 
@@ -1009,10 +997,10 @@ def write_outputs(result: BenchResult, out_dir: str | os.PathLike) -> list[Path]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "bench.json", out / "bench.csv"]
-    write_atomic(written[0], (json.dumps(bench_json(result), indent=1, allow_nan=False) + "\n").encode())
-    write_atomic(written[1], bench_csv(result).encode())
+    write_bytes_atomic(written[0], (json.dumps(bench_json(result), indent=1, allow_nan=False) + "\n").encode())
+    write_bytes_atomic(written[1], bench_csv(result).encode())
     for name, plot in plots:
-        write_atomic(out / name, plot(result))
+        write_bytes_atomic(out / name, plot(result))
         written.append(out / name)
     return written
 

@@ -1,10 +1,8 @@
-"""The one error class calibrate raises for bad input.
-
-A ValueError subclass so library callers can catch it generically; `cli.py` catches it by name and
-prints `error: <message>` with exit code 2. Every message is one line naming the option or file.
-"""
+"""The error calibrate raises for bad input (a SpecbatchError: the CLI prints it as one line)."""
 from __future__ import annotations
 
+from perfmodel.errors import SpecbatchError
 
-class CalibrationError(ValueError):
+
+class CalibrationError(SpecbatchError):
     """Bad input to calibration (an option, a model, a prompts or profile file); one-line message."""

@@ -20,7 +20,6 @@ import ast
 import hashlib
 import json
 import math
-import os
 import random
 import sys
 import sysconfig
@@ -36,6 +35,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from perfmodel.jsonio import atomic_output, write_text_atomic  # noqa: E402
 from runtime.checkpoint import internal_to_hf_llama  # noqa: E402
 from runtime.config import ModelConfig  # noqa: E402
 from runtime.model import CausalLM  # noqa: E402
@@ -191,10 +191,9 @@ def train(role: str, config: ModelConfig, stream: np.ndarray, steps: int, run_di
             step += 1
             progress.update(task, completed=step, loss=loss.item())
             if step % 100 == 0 or step == steps:
-                tmp = state_path.with_suffix(".tmp")
-                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                            "rng": rng.bit_generator.state, "step": step}, tmp)
-                os.replace(tmp, state_path)
+                with atomic_output(state_path) as temporary:
+                    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                                "rng": rng.bit_generator.state, "step": step}, temporary)
     model.eval()
     model.train_seconds = time.perf_counter() - started
     return model
@@ -229,7 +228,8 @@ def export(model: CausalLM, config: ModelConfig, directory: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     tensors = {k: v.to(torch.float16) for k, v in internal_to_hf_llama(state, config).items()}
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    with atomic_output(directory / "model.safetensors") as temporary:
+        save_file(tensors, str(temporary), metadata={"format": "pt"})
     hf_config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
@@ -240,11 +240,11 @@ def export(model: CausalLM, config: ModelConfig, directory: Path) -> None:
         "attention_bias": False, "mlp_bias": False, "torch_dtype": "float16",
         "bos_token_id": BOS, "eos_token_id": EOS, "pad_token_id": PAD,
     }
-    (directory / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    (directory / "generation_config.json").write_text(
+    write_text_atomic(directory / "config.json", json.dumps(hf_config, indent=2) + "\n")
+    write_text_atomic(directory / "generation_config.json",
         json.dumps({"bos_token_id": BOS, "eos_token_id": EOS, "pad_token_id": PAD}, indent=2) + "\n")
-    (directory / "tokenizer.json").write_text(byte_tokenizer_json())
-    (directory / "tokenizer_config.json").write_text(json.dumps({
+    write_text_atomic(directory / "tokenizer.json", byte_tokenizer_json())
+    write_text_atomic(directory / "tokenizer_config.json", json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
         "pad_token": "<pad>", "model_max_length": config.max_position_embeddings}, indent=2) + "\n")
 
@@ -283,9 +283,9 @@ def main(argv: list[str] | None = None) -> dict:
     seen = b"\0".join((args.stdlib / f).read_bytes() for f in splits["train"] + splits["validation"])
     prompts = held_out_prompts(args.stdlib, splits["heldout"], seen, args.prompts)
     (args.out / "prompts").mkdir(parents=True, exist_ok=True)
-    (args.out / "prompts" / "heldout.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    write_text_atomic(args.out / "prompts" / "heldout.jsonl", "".join(json.dumps(p) + "\n" for p in prompts))
     (args.out / "models").mkdir(parents=True, exist_ok=True)
-    (args.out / "models" / "split.json").write_text(json.dumps({
+    write_text_atomic(args.out / "models" / "split.json", json.dumps({
         "rule": "sha1(path relative to the stdlib root) mod 100: < 90 train, < 95 validation, else heldout",
         "python": sys.version.split()[0], "files": splits}, indent=1) + "\n")
 
@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> dict:
         "prompts": len(prompts),
         "torch_threads": torch.get_num_threads(),
     }
-    (args.run_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_text_atomic(args.run_dir / "report.json", json.dumps(report, indent=2) + "\n")
     if not args.quiet:
         print(json.dumps(report, indent=2))
     return report

@@ -1,11 +1,17 @@
-"""The one error class perfmodel raises for bad input.
+"""The project's error classes for bad input: one base, one subclass per stage.
 
-It subclasses ValueError so library callers can catch it generically; the CLI catches it by name and
-prints `error: <message>` with exit code 2. Every message is one line that names the file or option
-and says what is wrong with it.
+Every library error that means "the user gave something we cannot use" derives from `SpecbatchError`,
+so the CLI catches that one class and prints `error: <message>` with exit code 2, never a traceback.
+The base lives here because perfmodel is the bottom layer (no torch): calibrate, runtime, bench and the
+CLI all import it. `SpecbatchError` subclasses ValueError so library callers can catch it generically.
+Every message is one line that names the file or option and says what is wrong with it.
 """
 from __future__ import annotations
 
 
-class PerfModelError(ValueError):
-    """Bad input to the performance model (a file, an option, a value); the message is one line."""
+class SpecbatchError(ValueError):
+    """Bad input anywhere in specbatch (a file, an option, a value); the message is one line."""
+
+
+class PerfModelError(SpecbatchError):
+    """Bad input to the performance model (a profile, model or table file, an option, a value)."""

@@ -5,43 +5,69 @@ schema is not the one they understand and say which schema they found and which 
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from .errors import PerfModelError
 
 
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write `text` so that `path` holds either the old file or the complete new one.
-
-    The temporary file lives in the destination directory because `os.replace` is only atomic
-    within one filesystem; fsync before the rename so a crash cannot leave an empty file behind.
-    """
+def writable_path(path: str | os.PathLike, option: str = "output") -> Path:
+    """The regular file a write to `path` should replace: a symlink is followed (the link stays a link),
+    a path that exists but is not a regular file (a directory, /dev/null, a FIFO) is refused, and so is
+    one whose folder does not exist. `option` names the path in the one-line error."""
     path = Path(path)
-    directory = path.parent
-    if not directory.is_dir():
-        raise PerfModelError(f"{path}: cannot write, directory {directory} does not exist")
-    handle, temporary = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
+    target = path.resolve() if path.is_symlink() else path
+    if target.exists() and not target.is_file():
+        kind = "a directory" if target.is_dir() else "not a regular file"
+        raise PerfModelError(f"{option} {path}: {kind}; give the path of a file to write")
+    if not target.parent.is_dir():
+        raise PerfModelError(f"{option} {path}: cannot write, directory {target.parent} does not exist")
+    return target
+
+
+@contextlib.contextmanager
+def atomic_output(path: str | os.PathLike, option: str = "output") -> Iterator[Path]:
+    """Yield a temporary path beside `path`; when the block ends without an exception, the temporary
+    file becomes `path` (mode 0644, fsynced, renamed), so `path` holds either the old file or the
+    complete new one. On an exception the temporary file is removed and `path` is untouched.
+
+    The one way specbatch writes a file. The temporary file lives in the destination directory because
+    `os.replace` is only atomic within one filesystem; fsync before the rename so a crash cannot leave
+    an empty file behind.
+    """
+    target = writable_path(path, option)
+    handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    os.close(handle)
     try:
-        with os.fdopen(handle, "w", encoding="utf-8") as file:
-            os.fchmod(file.fileno(), 0o644)  # mkstemp makes 0600; these files are meant to be shared
-            file.write(text)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException:
+        yield Path(temporary)
+        os.chmod(temporary, 0o644)  # mkstemp makes 0600; these files are meant to be shared
+        with open(temporary, "rb") as written:
+            os.fsync(written.fileno())
+        os.replace(temporary, target)
+    finally:
         Path(temporary).unlink(missing_ok=True)
-        raise
 
 
-def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
+def write_bytes_atomic(path: str | os.PathLike, data: bytes, option: str = "output") -> None:
+    """Atomic write of `data` (see `atomic_output`)."""
+    with atomic_output(path, option) as temporary:
+        temporary.write_bytes(data)
+
+
+def write_text_atomic(path: str | os.PathLike, text: str, option: str = "output") -> None:
+    """Atomic write of UTF-8 `text` (see `atomic_output`)."""
+    write_bytes_atomic(path, text.encode("utf-8"), option)
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any, option: str = "output") -> None:
     """Atomic JSON write. NaN and infinity are refused: they are not JSON and other tools choke."""
-    write_text_atomic(path, json.dumps(obj, indent=1, allow_nan=False) + "\n")
+    write_text_atomic(path, json.dumps(obj, indent=1, allow_nan=False) + "\n", option)
 
 
 def read_json(path: str | os.PathLike, schema_prefix: str) -> dict:

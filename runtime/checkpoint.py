@@ -13,11 +13,13 @@ from pathlib import Path
 
 import torch
 
+from perfmodel.errors import SpecbatchError
+
 from .config import ConfigError, ModelConfig, load_config
 from .model import CausalLM, rope_inverse_frequencies
 
 
-class CheckpointError(ValueError):
+class CheckpointError(SpecbatchError):
     """A model directory the runtime cannot use; the message names the path and the problem."""
 
 

@@ -9,11 +9,13 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from perfmodel.errors import SpecbatchError
+
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 SUPPORTED_MODEL_TYPES = LLAMA_FAMILY + ("gpt2", "opt")
 
 
-class ConfigError(ValueError):
+class ConfigError(SpecbatchError):
     """A config file the runtime cannot use; the message names the file and the problem."""
 
 

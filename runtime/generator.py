@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from perfmodel.errors import SpecbatchError
+
 from perfmodel.tree import chain
 
 from .model import CausalLM, TreeAttention
@@ -30,7 +32,7 @@ from .sampling import Sampling, probabilities, sample
 from .tree_decoding import compact, draft_tree, ngram_tree, plan_for, verify_and_accept
 
 
-class GenerationError(ValueError):
+class GenerationError(SpecbatchError):
     """Input the generator cannot run (prompt too long, k too large, mismatched vocabularies...)."""
 
 

@@ -32,11 +32,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from perfmodel.errors import SpecbatchError
+from perfmodel.jsonio import atomic_output
 
 SCHEMA = "specbatch.ngram/1"
 GOOD_TURING_MAX_COUNT = 5  # Katz's k: counts above are taken as reliable and not discounted
@@ -49,7 +51,7 @@ _ARRAYS = {  # name -> dtype in the file; each is (length,) with lengths checked
 }
 
 
-class NGramError(ValueError):
+class NGramError(SpecbatchError):
     """An n-gram file or option the runtime cannot use; the message names it and the problem."""
 
 
@@ -183,21 +185,14 @@ class NGramModel:
 
     # ------------------------------------------------------------------------------------ files
     def save(self, path) -> None:
-        """Write a safetensors file atomically (a temporary file in the same folder, then a rename)."""
+        """Write a safetensors file atomically (`perfmodel.jsonio.atomic_output`)."""
         from safetensors.torch import save_file
 
         path = Path(path)
         metadata = {"schema": SCHEMA, "vocab_size": str(self.vocab_size), "order": "3",
                     "tokenizer_sha256": self.tokenizer_sha256 or "", **self.note}
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        os.close(fd)
-        try:
-            save_file({k: v.contiguous() for k, v in self.arrays.items()}, tmp, metadata=metadata)
-            os.chmod(tmp, 0o644)  # mkstemp makes 0600; the file is meant to be shared
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        with atomic_output(path) as temporary:
+            save_file({k: v.contiguous() for k, v in self.arrays.items()}, str(temporary), metadata=metadata)
 
     @classmethod
     def load(cls, path) -> "NGramModel":
