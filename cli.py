@@ -1,21 +1,23 @@
 """`specbatch`: calibrate a machine, fit the performance model, tabulate the best speculation length
 per batch size, and generate with the table.
 
-Commands are thin: they parse options, call library functions that return dataclasses, and render.
-Heavy modules (torch, scipy, scikit-learn) are imported inside the commands so `--help` is instant.
+Commands only: each parses its options and makes one library call; what the terminal shows lives in
+`console/`, the wiring of models, policies and second stages in `runtime/assembly.py`. Heavy modules
+(torch, scipy, scikit-learn) are imported inside the commands so `--help` is instant.
 """
 from __future__ import annotations
 
 import functools
 import json
-import os
-import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from perfmodel.errors import SpecbatchError
+from calibrate import grid as _grid  # plain data: --help's preset names and defaults
+from calibrate import presets as _presets
+from perfmodel.errors import SpecbatchError, UsageError
+from runtime.assembly import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET
 
 app = typer.Typer(
     add_completion=False,
@@ -24,20 +26,9 @@ app = typer.Typer(
 )
 
 
-
 @app.callback()
 def main() -> None:
     """Optimal speculation length per batch size: calibrate, fit, table, query, generate, bench, demo."""
-
-
-DATA_DIR = Path(__file__).resolve().parent / "data"
-DEMO_TARGET = DATA_DIR / "models" / "demo-target"
-DEMO_DRAFT = DATA_DIR / "models" / "demo-draft"
-DEMO_PROMPTS = DATA_DIR / "prompts" / "heldout.jsonl"
-
-
-class UsageError(SpecbatchError):
-    """Bad input found by the CLI itself; printed as one line."""
 
 
 def one_line_errors(command):
@@ -50,151 +41,87 @@ def one_line_errors(command):
         except KeyboardInterrupt:
             typer.echo("interrupted", err=True)
             raise typer.Exit(130)
-        except Exception as error:  # noqa: BLE001 - filtered just below
-            if isinstance(error, (SpecbatchError, FileNotFoundError, json.JSONDecodeError)):
-                typer.echo(f"error: {error}", err=True)
-                raise typer.Exit(2)
-            raise
+        except (SpecbatchError, FileNotFoundError, json.JSONDecodeError) as error:
+            typer.echo(f"error: {error}", err=True)
+            raise typer.Exit(2)
 
     return wrapper
 
 
-def parse_int_list(option: str, text: str | None) -> list[int] | None:
-    """'1,2,4' -> [1, 2, 4]; every value must be a positive integer."""
+def parse_int_list(option: str, text: str | None, minimum: int = 1) -> list[int] | None:
+    """'1,2,4' -> [1, 2, 4]; every value an integer >= minimum, at least one."""
     if text is None:
         return None
-    values = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part.isdigit() or int(part) <= 0:
-            raise UsageError(f"{option}: {part!r} is not a positive integer (expected e.g. 1,2,4)")
-        values.append(int(part))
-    return values
+    values = [part.strip() for part in text.split(",") if part.strip()]
+    for part in values:
+        if not part.isdigit() or int(part) < minimum:
+            kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+            raise UsageError(f"{option}: {part!r} is not {kind} (expected e.g. {minimum},2,4)")
+    if not values:
+        raise UsageError(f"{option}: give at least one value (e.g. {minimum},2,4)")
+    return [int(part) for part in values]
 
 
-# Shared options, defined once.
-TargetOpt = Annotated[Optional[str], typer.Option("--target", help="Target model directory (default: bundled demo target).")]
-DraftOpt = Annotated[Optional[str], typer.Option("--draft", help="Draft model directory (default: bundled demo draft).")]
-DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="cpu or cuda (default: cuda if available).")]
-DtypeOpt = Annotated[Optional[str], typer.Option("--dtype", help="float32 | bfloat16 | float16 (default: float32 on CPU, bfloat16 on CUDA).")]
-ModelFileArg = Annotated[Path, typer.Argument(help="specbatch.model/1 file written by `specbatch fit`.")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout and nothing else.")]
+def check_counts(max_batch: int | None = None, max_k: int | None = None, batch_size: int | None = None,
+                 context_len: int | None = None) -> None:
+    for option, value, minimum in (("--max-batch", max_batch, 1), ("--max-k", max_k, 0),
+                                   ("--batch-size", batch_size, 1), ("--context-len", context_len, 0)):
+        if value is not None and value < minimum:
+            raise UsageError(f"{option} must be >= {minimum}, got {value}")
 
 
-def default_device() -> str:
-    import torch
+def acceptance_override(text: str | None):
+    if text is None:
+        return None
+    from perfmodel.acceptance import parse_acceptance_option
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return parse_acceptance_option(text, "--acceptance")
 
 
 def read_prompts_file(path: Path, option: str = "--prompts-file") -> list[str]:
-    """One prompt per line: a JSON string, or the plain line itself (calibrate's reader, shared)."""
     from calibrate.acceptance import read_prompts
 
     return read_prompts(path, option)
 
 
-def load_pair(target: str | None, draft: str | None, device: str | None, dtype: str | None, need_draft: bool = True):
-    """Load target (and draft) model directories; defaults are the bundled demo pair."""
-    from runtime.checkpoint import load_checkpoint, parse_dtype
-
-    device = device or default_device()
-    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-        raise UsageError(f"--device {device!r}: expected cpu or cuda")
-    if device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise UsageError("--device cuda: no CUDA device is available on this machine")
-    torch_dtype = parse_dtype(dtype, device)
-    target_model = load_checkpoint(target or DEMO_TARGET, device, torch_dtype)
-    draft_model = None
-    if need_draft and (draft is not None or target is None):
-        draft_model = load_checkpoint(draft or DEMO_DRAFT, device, torch_dtype)
-        if draft_model.config.vocab_size != target_model.config.vocab_size:
-            raise UsageError(
-                f"draft vocabulary ({draft_model.config.vocab_size} tokens, {draft_model.path}) differs from the "
-                f"target's ({target_model.config.vocab_size} tokens, {target_model.path}): the tokenizers must agree"
-            )
-    return target_model, draft_model
+def _ints(values) -> str:
+    return ",".join(map(str, values))
 
 
+# Shared options, defined once.
+TargetOpt = Annotated[Optional[str], typer.Option(
+    "--target", help="Target model directory (default: bundled demo target).")]
+DraftOpt = Annotated[Optional[str], typer.Option(
+    "--draft", help="Draft model directory (default: bundled demo draft).")]
+DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="cpu or cuda (default: cuda if available).")]
+DtypeOpt = Annotated[Optional[str], typer.Option(
+    "--dtype", help="float32 | bfloat16 | float16 (default: float32 on CPU, bfloat16 on CUDA).")]
+ModelFileArg = Annotated[Path, typer.Argument(help="specbatch.model/1 file written by `specbatch fit`.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout and nothing else.")]
 TreeOpt = Annotated[Optional[str], typer.Option(
     "--tree", help="Draft tree: rank paths like 0,1,0.0,0.1 (rank 0 = the draft's top token), chain:K, a JSON "
                    "list of paths, or auto (the tree the performance model in --model picks per batch size).")]
 Stage2Opt = Annotated[Optional[Path], typer.Option(
     "--stage2", help="n-gram file (specbatch.ngram/1) that speeds up the draft model's own drafting.")]
-
-
-def is_ngram_file(path: str | None) -> bool:
-    return path is not None and path.endswith(".safetensors") and Path(path).is_file()
-
-
-def load_ngram(path: Path | str, option: str, target_model=None, *, vocab_size: int | None = None,
-               model_dir: Path | None = None):
-    """An n-gram file checked against the target's vocabulary and tokenizer (one-line errors); the
-    target is a loaded checkpoint, or its vocabulary size and directory (None for shape presets)."""
-    from runtime.ngram import NGramModel, tokenizer_fingerprint
-
-    if target_model is not None:
-        vocab_size, model_dir = target_model.config.vocab_size, Path(target_model.path)
-    ngram = NGramModel.load(path)
-    tokenizer_file = Path(model_dir) / "tokenizer.json" if model_dir is not None else None
-    fingerprint = tokenizer_fingerprint(tokenizer_file) if tokenizer_file and tokenizer_file.is_file() else None
-    ngram.check_compatible(vocab_size, fingerprint, f"{option} {path}")
-    return ngram
-
-
-def strategy_policy(tree: str, stage2: Path | None, model_file: Path | None, max_batch: int):
-    """The policy for --tree SPEC (the same tree every step) or --tree auto: the strategy the performance
-    model in `model_file` predicts best at each batch size up to `max_batch` (trees and chains, and with
-    the second stage when --stage2 is given), computed here as an in-memory table."""
-    from perfmodel.tree import Strategy, parse_tree
-    from runtime.policy import FixedStrategy, TableK
-
-    if tree != "auto":
-        return FixedStrategy(Strategy(parse_tree(tree), stage2=stage2 is not None))
-    if model_file is None:
-        raise UsageError("--tree auto needs --model FILE (a specbatch.model/1 file from `specbatch fit`)")
-    from perfmodel.model import choose_acceptance, compute_table, load_model
-
-    fitted = load_model(model_file)
-    if stage2 is not None and fitted.stage2 is None:
-        raise UsageError(f"--stage2 with --tree auto: {model_file} has no second-stage measurements; "
-                         "calibrate with --stage2 first")
-    table = compute_table(fitted, choose_acceptance(fitted, None, str(model_file)), max_batch,
-                          strategies="all" if stage2 is not None else "tree")
-    return TableK(table)
-
-
-def second_stage_for(policy, stage2: Path | None, target_model):
-    """The n-gram model a policy needs: --stage2, else the file a table names (checked by sha256)."""
-    table = getattr(policy, "table", None)
-    if stage2 is None and getattr(policy, "needs_stage2", False):
-        named = table.stage2["file"] if table is not None and table.stage2 else None
-        if named is None or not Path(named).is_file():
-            raise UsageError(f"{policy.describe()} uses the n-gram second stage; pass --stage2 FILE")
-        stage2 = Path(named)
-    if stage2 is None:
-        return None
-    if table is not None and table.stage2 and getattr(policy, "needs_stage2", False):
-        from perfmodel.jsonio import file_sha256
-
-        digest = file_sha256(Path(stage2))
-        if digest != table.stage2["sha256"]:
-            raise UsageError(f"--stage2 {stage2}: not the n-gram file the table was computed for "
-                             f"(sha256 {digest[:12]}, the table names {table.stage2['sha256'][:12]})")
-    return load_ngram(stage2, "--stage2", target_model)
+AcceptanceOpt = Annotated[Optional[str], typer.Option(
+    "--acceptance", help="What-if acceptance: one alpha (0.8) or per position (0.9,0.85,0.8); "
+                         "default: the profile's measurement.")]
+MaxKOpt = Annotated[Optional[int], typer.Option("--max-k", help="Largest k considered (default: the profile's max_k).")]
+MaxBatchOpt = Annotated[int, typer.Option("--max-batch", help="Tabulate batch sizes 1..this.")]
+_MODEL_HELP = ("Model directory (real weights), config.json or shape preset (random weights: "
+               f"{', '.join(_presets.PRESET_NAMES)})")
 
 
 @app.command()
 @one_line_errors
 def generate(
     prompt: Annotated[Optional[list[str]], typer.Option("--prompt", help="Prompt text (repeatable).")] = None,
-    prompts_file: Annotated[Optional[Path], typer.Option("--prompts-file", help="One JSON string (or plain line) per line.")] = None,
+    prompts_file: Annotated[Optional[Path], typer.Option(
+        "--prompts-file", help="One JSON string (or plain line) per line.")] = None,
     target: TargetOpt = None,
     draft: DraftOpt = None,
-    k: Annotated[Optional[int], typer.Option("--k", help="Fixed speculation length (default 4 with a draft, 0 without).")] = None,
+    k: Annotated[Optional[int], typer.Option(
+        "--k", help="Fixed speculation length (default 4 with a draft, 0 without).")] = None,
     table: Annotated[Optional[Path], typer.Option("--table", help="specbatch.table/1 file: k per batch size.")] = None,
     tree: TreeOpt = None,
     stage2: Stage2Opt = None,
@@ -211,228 +138,80 @@ def generate(
     """Generate text with batched speculative decoding (all prompts in one batch).
 
     --draft may also be an n-gram file (.safetensors from data/train_ngram.py): the n-gram alone drafts."""
-    if k is not None and k < 0:
-        raise UsageError(f"--k must be >= 0, got {k}")
-    if sum(x is not None for x in (k, table, tree)) > 1:
-        raise UsageError("--k, --table and --tree are mutually exclusive")
-    if not 0.0 < top_p <= 1.0:
-        raise UsageError(f"--top-p must be in (0, 1], got {top_p}")
-    if temperature < 0 or top_k < 0:
-        raise UsageError("--temperature and --top-k must be >= 0")
-    texts = list(prompt or [])
-    if prompts_file is not None:
-        texts += read_prompts_file(prompts_file)
-    if not texts:
-        raise UsageError("give at least one --prompt or a --prompts-file")
-    if table is not None and not table.is_file():
-        raise UsageError(f"--table {table}: no such file")
+    from runtime.assembly import GenerationRequest, generate_texts
 
-    from runtime.generator import SpeculativeGenerator
-    from runtime.policy import FixedK, TableK
-    from runtime.sampling import Sampling
-
-    ngram_draft = is_ngram_file(draft)
-    target_model, draft_model = load_pair(target, None if ngram_draft else draft, device, dtype,
-                                          need_draft=k != 0 and not ngram_draft)
-    if target_model.tokenizer is None:
-        raise UsageError(f"{target_model.path}: no tokenizer.json, cannot encode text prompts")
-    draft_runner = draft_model.model if draft_model else None
-    if ngram_draft:
-        if stage2 is not None:
-            raise UsageError("--stage2 speeds up a draft MODEL; with an n-gram --draft there is nothing to stage")
-        draft_runner = load_ngram(draft, "--draft", target_model)
-    if tree is not None:
-        policy = strategy_policy(tree, stage2, model, len(texts))
-    elif stage2 is not None and table is None:
-        raise UsageError("--stage2 needs --tree or --table (a chain is --tree chain:K)")
-    else:
-        policy = TableK(table) if table is not None else FixedK(k if k is not None else (4 if draft_runner else 0))
-    second_stage = second_stage_for(policy, stage2, target_model)
-    if draft_runner is None and policy.max_k > 0:
-        raise UsageError("k > 0 needs a draft model (--draft)")
-    sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
-    encoded = [target_model.tokenizer.encode(t) for t in texts]
-    generator = SpeculativeGenerator(target_model.model, draft_runner, target_model.eos_token_ids, stage2=second_stage)
-    result = generator.generate(encoded, max_new_tokens, policy, sampling, seed)
-    decode = target_model.tokenizer.decode
-    outputs = [{"prompt": t, "text": decode(ids), "token_ids": ids} for t, ids in zip(texts, result.token_ids)]
+    texts = list(prompt or []) + (read_prompts_file(prompts_file) if prompts_file is not None else [])
+    request = GenerationRequest(
+        prompts=tuple(texts), target=target, draft=draft, k=k, table=table, tree=tree, stage2=stage2, model=model,
+        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, device=device,
+        dtype=dtype)
+    generation = generate_texts(request)
     if json_output:
-        typer.echo(json.dumps({"outputs": outputs, "stats": result.stats.to_dict(), "policy": policy.describe(),
-                               "sampling": sampling.describe()}))
+        typer.echo(json.dumps(generation.to_json()))
         return
-    render_generation(outputs, result.stats, policy.describe(), sampling.describe())
+    from console.generation import render_generation
 
-
-def render_generation(outputs: list[dict], stats, policy_name: str, sampling_name: str) -> None:
-    from collections import Counter
-
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console()
-    for i, out in enumerate(outputs):
-        console.rule(f"[bold]prompt {i + 1}")
-        console.print(out["prompt"], end="", style="dim", markup=False, highlight=False)
-        console.print(out["text"], markup=False, highlight=False)
-    summary = Table(title=f"generation stats ({policy_name}, {sampling_name})", show_header=False)
-    summary.add_row("generated tokens", str(stats.generated_tokens))
-    summary.add_row("steps", str(stats.steps))
-    summary.add_row("mean tokens per row-step", f"{stats.tokens_per_step:.2f}")
-    summary.add_row("tokens/s (wall, incl. prefill)", f"{stats.tokens_per_s:.1f}")
-    summary.add_row("time: prefill / draft / verify / other (s)",
-                    f"{stats.prefill_s:.3f} / {stats.draft_s:.3f} / {stats.verify_s:.3f} / {stats.other_s:.3f}")
-    histogram = Counter(stats.k_per_step)
-    summary.add_row("k histogram (k: steps)", ", ".join(f"{k}: {n}" for k, n in sorted(histogram.items())))
-    console.print(summary)
-    if stats.trials_per_position:
-        acceptance = Table(title="acceptance per draft position")
-        for column in ("position", "accepted", "trials", "rate"):
-            acceptance.add_column(column, justify="right")
-        for i, (a, t) in enumerate(zip(stats.accepted_per_position, stats.trials_per_position), start=1):
-            acceptance.add_row(str(i), str(a), str(t), f"{a / t:.3f}" if t else "-")
-        console.print(acceptance)
-
-
-# ---------------------------------------------------------------------------------------------- calibrate
-# Light modules (plain dicts and dataclasses, no torch): they give --help its preset names and defaults.
-from calibrate import grid as _grid, presets as _presets  # noqa: E402
-
-
-def _ints(values) -> str:
-    return ",".join(map(str, values))
-
-
-_CALIBRATE_MODEL_HELP = ("Model directory (real weights), config.json or shape preset (random weights: "
-                         f"{', '.join(_presets.PRESET_NAMES)})")
+    render_generation(generation.outputs, generation.stats, generation.policy, generation.sampling)
 
 
 @app.command("calibrate")
 @one_line_errors
 def calibrate_command(
-    target: Annotated[Optional[str], typer.Option("--target", help=f"{_CALIBRATE_MODEL_HELP}. Default: bundled demo target.")] = None,
-    draft: Annotated[Optional[str], typer.Option("--draft", help="Same forms as --target. Default: bundled demo draft.")] = None,
+    target: Annotated[Optional[str], typer.Option(
+        "--target", help=f"{_MODEL_HELP}. Default: bundled demo target.")] = None,
+    draft: Annotated[Optional[str], typer.Option(
+        "--draft", help="Same forms as --target. Default: bundled demo draft.")] = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
-    batch_sizes: Annotated[Optional[str], typer.Option("--batch-sizes", help=f"Batch sizes to time (default {_ints(_grid.DEFAULT_BATCH_SIZES)}; --quick {_ints(_grid.QUICK_BATCH_SIZES)}).")] = None,
-    max_k: Annotated[int, typer.Option("--max-k", help="Longest speculation: target passes of 1..max_k+1 tokens are timed.")] = _grid.DEFAULT_MAX_K,
-    context_lens: Annotated[Optional[str], typer.Option("--context-lens", help=f"Cached tokens per row (default {_ints(_grid.DEFAULT_CONTEXT_LENS)}; --quick {_ints(_grid.QUICK_CONTEXT_LENS)}).")] = None,
-    prompts: Annotated[Optional[Path], typer.Option("--prompts", help="Prompts for acceptance, one JSON string per line (default: bundled held-out prompts).")] = None,
-    acceptance: Annotated[Optional[str], typer.Option("--acceptance", help="Give acceptance instead of measuring it: 0.8, or per position 0.9,0.85,0.8 (required with random weights).")] = None,
-    sampling: Annotated[Optional[list[str]], typer.Option("--sampling", help="Also measure acceptance for T=0.8[,top_k=50][,top_p=0.95] (repeatable); greedy is always measured.")] = None,
-    out: Annotated[Path, typer.Option("-o", "--out", help="Profile to write (its timing rows also go to the .csv beside it).")] = Path("profile.json"),
-    resume: Annotated[bool, typer.Option("--resume", help="Keep the points already in --out and measure only the rest.")] = False,
-    quick: Annotated[bool, typer.Option("--quick", help="Coarser grid, fewer repetitions and prompts: a first look in seconds.")] = False,
-    stage2: Annotated[Optional[Path], typer.Option(
-        "--stage2", help="n-gram file to measure as the draft's second stage (default: the bundled n-gram with the "
-                         "bundled draft).")] = None,
+    batch_sizes: Annotated[Optional[str], typer.Option("--batch-sizes", help=(
+        f"Batch sizes to time (default {_ints(_grid.DEFAULT_BATCH_SIZES)}; "
+        f"--quick {_ints(_grid.QUICK_BATCH_SIZES)})."))] = None,
+    max_k: Annotated[int, typer.Option(
+        "--max-k", help="Longest speculation: target passes of 1..max_k+1 tokens are timed.")] = _grid.DEFAULT_MAX_K,
+    context_lens: Annotated[Optional[str], typer.Option("--context-lens", help=(
+        f"Cached tokens per row (default {_ints(_grid.DEFAULT_CONTEXT_LENS)}; "
+        f"--quick {_ints(_grid.QUICK_CONTEXT_LENS)})."))] = None,
+    prompts: Annotated[Optional[Path], typer.Option("--prompts", help=(
+        "Prompts for acceptance, one JSON string per line (default: bundled held-out prompts)."))] = None,
+    acceptance: Annotated[Optional[str], typer.Option("--acceptance", help=(
+        "Give acceptance instead of measuring it: 0.8, or per position 0.9,0.85,0.8 (required with random "
+        "weights)."))] = None,
+    sampling: Annotated[Optional[list[str]], typer.Option("--sampling", help=(
+        "Also measure acceptance for T=0.8[,top_k=50][,top_p=0.95] (repeatable); greedy is always "
+        "measured."))] = None,
+    out: Annotated[Path, typer.Option(
+        "-o", "--out", help="Profile to write (its timing rows also go to the .csv beside it).")] = Path("profile.json"),
+    resume: Annotated[bool, typer.Option(
+        "--resume", help="Keep the points already in --out and measure only the rest.")] = False,
+    quick: Annotated[bool, typer.Option(
+        "--quick", help="Coarser grid, fewer repetitions and prompts: a first look in seconds.")] = False,
+    stage2: Annotated[Optional[Path], typer.Option("--stage2", help=(
+        "n-gram file to measure as the draft's second stage (default: the bundled n-gram with the bundled "
+        "draft)."))] = None,
     no_stage2: Annotated[bool, typer.Option("--no-stage2", help="Measure no second stage.")] = False,
     json_output: JsonOpt = False,
 ):
     """Time the pair's forward passes over (batch size, new tokens, context) and measure acceptance (per
     position, and per depth and rank for trees) and the n-gram second stage: a profile."""
     from calibrate.run import CalibrationRequest
+    from calibrate.stage2 import stage2_for_calibration
+    from console.calibration import calibrate_with_progress, render_calibration
 
     request = CalibrationRequest(
         target=target or str(DEMO_TARGET), draft=draft or str(DEMO_DRAFT), out=out, device=device, dtype=dtype,
         batch_sizes=tuple(parse_int_list("--batch-sizes", batch_sizes) or ()) or None,
         context_lens=tuple(parse_int_list("--context-lens", context_lens) or ()) or None,
         max_k=max_k, prompts=prompts or DEMO_PROMPTS, acceptance=acceptance, samplings=tuple(sampling or ()),
-        resume=resume, quick=quick, stage2=_stage2_for_calibration(stage2, no_stage2, draft, acceptance),
+        resume=resume, quick=quick, stage2=stage2_for_calibration(stage2, no_stage2, draft, acceptance),
     )
-    summary = _calibrate_with_progress(request, show=not json_output)
+    summary = calibrate_with_progress(request, show=not json_output)
     if json_output:
         typer.echo(json.dumps(summary.to_json()))
         return
     render_calibration(summary)
 
 
-def _stage2_for_calibration(stage2: Path | None, no_stage2: bool, draft: str | None, acceptance: str | None):
-    """--stage2, or the bundled n-gram for the bundled draft (recorded relative to the working directory when
-    it lies below it, so a profile and its tables stay valid in another clone)."""
-    from calibrate.stage2 import default_stage2
-
-    if no_stage2:
-        if stage2 is not None:
-            raise UsageError("--stage2 and --no-stage2 are mutually exclusive")
-        return None
-    if stage2 is not None:
-        return stage2
-    bundled = default_stage2(draft or str(DEMO_DRAFT), acceptance)
-    if bundled is None:
-        return None
-    relative = Path(os.path.relpath(bundled))
-    return relative if not str(relative).startswith("..") else bundled
-
-
-def _calibrate_with_progress(request, show: bool):
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    from calibrate.run import calibrate
-
-    if not show:
-        return calibrate(request)
-    columns = (TextColumn("[bold]calibrate"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-               TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.description}"))
-    with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
-        task = progress.add_task("checking inputs, loading models", total=None)
-
-        def on_progress(event):
-            progress.update(task, completed=event.done, total=event.total, description=event.label)
-
-        try:
-            return calibrate(request, on_progress)
-        except KeyboardInterrupt:
-            progress.stop()
-            typer.echo(f"interrupted: every point measured so far is in {request.out}; "
-                       f"rerun with --resume to measure the rest", err=True)
-            raise typer.Exit(130)
-
-
-def render_calibration(summary) -> None:
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
-
-    console = Console()
-    console.print(f"[bold]{escape(summary.target)}[/] + [bold]{escape(summary.draft)}[/] on "
-                  f"{escape(summary.device)} ({summary.dtype})")
-    passes = Table(title="one forward pass, median ms")
-    for column in ("model", "batch size", "new tokens", "context", "ms"):
-        passes.add_column(column, justify="right")
-    for row in summary.passes:
-        ms = "out of memory" if row.median_ms is None else f"{row.median_ms:.3g}"
-        passes.add_row(row.model, str(row.batch_size), str(row.new_tokens), str(row.context_len), ms)
-    console.print(passes)
-    for entry in summary.acceptance:
-        alphas = ", ".join(f"{alpha:.3f}" for alpha in entry.per_position)
-        console.print(f"acceptance per draft position ({entry.setting}, {entry.source}): {alphas}")
-    counts = f"{summary.points_measured} points measured in {summary.elapsed_s:.1f} s"
-    if summary.points_resumed:
-        counts += f", {summary.points_resumed} kept from the previous run"
-    if summary.points_infeasible:
-        counts += f", {summary.points_infeasible} out of memory"
-    console.print(counts)
-    console.print(f"wrote {summary.profile_path} and {summary.csv_path}", markup=False, highlight=False)
-
-
-# ---------------------------------------------------------------------------------------------- bench
 _BENCH_MODEL_HELP = "Model directory, shape preset (random weights) or config.json path"
-
-
-def parse_ks(text: str) -> list[int]:
-    """'0,1,2,4' -> [0, 1, 2, 4]: non-negative integers, at least one."""
-    values = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        if not part.isdigit():
-            raise UsageError(f"--ks: {part!r} is not an integer >= 0 (expected e.g. 0,1,2,4)")
-        values.append(int(part))
-    if not values:
-        raise UsageError("--ks: give at least one k (e.g. 0,1,2,4)")
-    return values
 
 
 @app.command()
@@ -478,7 +257,7 @@ def _bench(target, draft, table, model, trees, stage2, batch_sizes, ks, prompts,
 
     # every option is checked before a model is loaded
     config = BenchConfig(
-        batch_sizes=tuple(parse_int_list("--batch-sizes", batch_sizes) or ()), ks=tuple(parse_ks(ks)),
+        batch_sizes=tuple(parse_int_list("--batch-sizes", batch_sizes) or ()), ks=tuple(parse_int_list("--ks", ks, minimum=0)),
         max_new_tokens=max_new_tokens, rounds=rounds, sampling=parse_sampling(sampling),
         synthetic_acceptance=synthetic_acceptance, seed=seed, table_path=table, model_path=model, peers=peers,
         trees=trees, stage2_path=stage2,
@@ -487,9 +266,17 @@ def _bench(target, draft, table, model, trees, stage2, batch_sizes, ks, prompts,
         if path is not None and not path.is_file():
             raise UsageError(f"{option} {path}: no such file")
 
+    from calibrate.bench import (
+        RANDOM_PROMPT_TOKENS,
+        BenchModels,
+        random_prompts,
+        run_bench,
+        write_outputs,
+    )
     from calibrate.environment import resolve_device
-    from calibrate.models import check_pair, load_pair as load_specs, resolve_model
-    from calibrate.bench import RANDOM_PROMPT_TOKENS, BenchModels, random_prompts, run_bench, write_outputs
+    from calibrate.models import check_pair, resolve_model
+    from calibrate.models import load_pair as load_specs
+    from runtime.assembly import load_ngram
     from runtime.checkpoint import parse_dtype
 
     target_spec = resolve_model(target or str(DEMO_TARGET), "target")
@@ -517,8 +304,10 @@ def _bench(target, draft, table, model, trees, stage2, batch_sizes, ks, prompts,
                          draft_source=draft_spec.source, target_dir=target_spec.directory,
                          draft_dir=draft_spec.directory, random_weights=random_weights, stage2=ngram)
 
+    from console.bench import bench_with_progress, render_bench
+
     result = run_bench(config, models, token_prompts) if json_output else \
-        _bench_with_progress(config, models, token_prompts)
+        bench_with_progress(config, models, token_prompts)
     if pair.tokenizer is None:
         result.notes.insert(0, f"prompts: {needed} random sequences of {RANDOM_PROMPT_TOKENS} tokens (no tokenizer)")
     written = write_outputs(result, out)
@@ -528,149 +317,6 @@ def _bench(target, draft, table, model, trees, stage2, batch_sizes, ks, prompts,
         typer.echo(json.dumps({**bench_json(result), "outputs": [str(path) for path in written]}))
         return
     render_bench(result, written)
-
-
-def _bench_with_progress(config, models, token_prompts):
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    from calibrate.bench import run_bench
-
-    columns = (TextColumn("[bold]bench"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
-               TimeRemainingColumn())
-    with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
-        task = progress.add_task("", total=None)
-
-        def on_run(record, done, total):
-            phase = "warm-up" if record.warmup else f"round {record.round + 1}/{config.rounds}"
-            progress.update(task, completed=done, total=total,
-                            description=f"b={record.batch_size} {phase} {record.policy}: {record.tokens_per_s:.0f} tok/s")
-
-        return run_bench(config, models, token_prompts, on_run=on_run)
-
-
-def _rate(tokens_per_s: float | None) -> str:
-    """Tokens/s for a narrow column: no decimals once the integer part says enough."""
-    if tokens_per_s is None:
-        return "-"
-    return f"{tokens_per_s:.0f}" if tokens_per_s >= 100 else f"{tokens_per_s:.1f}"
-
-
-def _relative(value: float | None) -> str:
-    return "-" if value is None else f"{100 * value:+.1f}%"
-
-
-def render_bench(result, written: list[Path]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    from calibrate.bench import TABLE_POLICY, compared_rate, fixed_policy_name
-
-    console = Console()
-    config = result.config
-    has_table, has_model = config.table_path is not None, config.model_path is not None
-    # the label and the settings are lines of their own: a table title or caption wraps to the table's width
-    if result.synthetic:
-        console.print(result.synthetic, style="bold red", markup=False, highlight=False)
-    console.print(f"bench: {result.models['target']['source']} + {result.models['draft']['source']} on "
-                  f"{result.device['kind']} ({result.device['name']}), {config.sampling.describe()}, "
-                  f"{config.max_new_tokens} new tokens per row; tokens/s: steady-state goodput (steps with the full batch: "
-                  f"all passes and overhead, no prefill), median of {config.rounds} interleaved rounds, each on the "
-                  f"next prompts; wall tokens/s in bench.csv; regret = 1 - table / best fixed k",
-                  markup=False, highlight=False)
-    summary = Table()
-    peer_columns = list(dict.fromkeys(f"{r.ours} / {r.theirs}" for batch in result.batches for r in batch.peer_ratios))
-    headers = ["b", "k=0 tok/s", "best k: tok/s"]
-    if has_table:
-        headers += ["table k: tok/s", "regret", "speedup"]
-    if has_model:
-        headers += ["predicted vs steady (table k)" if has_table else "predicted vs steady (best k)", "error"]
-    for header in headers + peer_columns:
-        summary.add_column(header, justify="right")
-    for batch in result.batches:
-        plain = batch.policy(fixed_policy_name(0))
-        shown = batch.policy(fixed_policy_name(batch.best_k))
-        row = [str(batch.batch_size), _rate(compared_rate(plain)), f"{batch.best_k}: {_rate(compared_rate(shown))}"]
-        if has_table:
-            shown = batch.policy(TABLE_POLICY)
-            wall_speedup = shown.median_tokens_per_s / plain.median_tokens_per_s
-            row += [f"{shown.k}: {_rate(compared_rate(shown))}", f"{100 * batch.table_regret:.1f}%",
-                    f"{batch.table_speedup:.2f}x (wall {wall_speedup:.2f}x)"]
-        if has_model:
-            predicted, steady = shown.predicted_tokens_per_s, shown.median_steady_tokens_per_s
-            row += [f"{_rate(predicted)} vs {_rate(steady)}",
-                    _relative(None if predicted is None or not steady else predicted / steady - 1)]
-        ratios = {f"{r.ours} / {r.theirs}": r.ratio for r in batch.peer_ratios}
-        row += [f"{ratios[c]:.2f}x" if c in ratios else "-" for c in peer_columns]
-        summary.add_row(*row)
-    console.print(summary)
-    if has_model:
-        errors = Table(title="prediction error: predicted / measured - 1 (median steady-state tokens/s: full-batch steps)")
-        names = [p.policy for p in result.batches[0].policies if p.predicted_tokens_per_s is not None]
-        for header in ["b", *names]:
-            errors.add_column(header, justify="right")
-        for batch in result.batches:
-            cells = []
-            for name in names:
-                policy = batch.policy(name)
-                predicted = policy.predicted_tokens_per_s if policy else None
-                steady = policy.median_steady_tokens_per_s if policy else None
-                cells.append(_relative(None if predicted is None or not steady else predicted / steady - 1))
-            errors.add_row(str(batch.batch_size), *cells)
-        console.print(errors)
-    comparisons = [batch for batch in result.batches
-                   if batch.strategy_comparison and (batch.strategy_comparison.get("best_tree")
-                                                     or batch.strategy_comparison.get("best_staged"))]
-    if comparisons:
-        side = Table(title="chain vs tree vs staged: steady tokens/s (x plain decoding, x best chain)")
-        for header in ("b", "best chain", "best tree", "best staged"):
-            side.add_column(header, justify="right")
-        for batch in comparisons:
-            cells = []
-            for key in ("best_chain", "best_tree", "best_staged"):
-                best = batch.strategy_comparison.get(key)
-                cells.append("-" if best is None else
-                             f"{_short_policy(best['policy'])}: {_rate(best['steady_tokens_per_s'])} "
-                             f"({best['vs_plain']:.2f}x, {best['vs_best_chain']:.2f}x)")
-            side.add_row(str(batch.batch_size), *cells)
-        console.print(side)
-    for note in result.notes:
-        console.print(f"note: {note}", markup=False, highlight=False)
-    console.print(f"wrote {', '.join(str(path) for path in written)}", markup=False, highlight=False)
-
-
-def _short_policy(name: str, width: int = 28) -> str:
-    return name if len(name) <= width else name[:width - 3] + "..."
-
-
-# ---------------------------------------------------------------- performance model: fit, table, query, plot
-
-AcceptanceOpt = Annotated[Optional[str], typer.Option(
-    "--acceptance", help="What-if acceptance: one alpha (0.8) or per position (0.9,0.85,0.8); "
-                         "default: the profile's measurement.")]
-MaxKOpt = Annotated[Optional[int], typer.Option("--max-k", help="Largest k considered (default: the profile's max_k).")]
-MaxBatchOpt = Annotated[int, typer.Option("--max-batch", help="Tabulate batch sizes 1..this.")]
-TABLE_FORMATS = ("json", "csv", "vllm", "trtllm")
-
-
-def _check_counts(max_batch: int | None = None, max_k: int | None = None, batch_size: int | None = None,
-                  context_len: int | None = None) -> None:
-    if max_batch is not None and max_batch < 1:
-        raise UsageError(f"--max-batch must be >= 1, got {max_batch}")
-    if max_k is not None and max_k < 0:
-        raise UsageError(f"--max-k must be >= 0, got {max_k}")
-    if batch_size is not None and batch_size < 1:
-        raise UsageError(f"--batch-size must be >= 1, got {batch_size}")
-    if context_len is not None and context_len < 0:
-        raise UsageError(f"--context-len must be >= 0, got {context_len}")
-
-
-def _acceptance_override(text: str | None):
-    if text is None:
-        return None
-    from perfmodel.acceptance import parse_acceptance_option
-
-    return parse_acceptance_option(text, "--acceptance")
 
 
 @app.command()
@@ -694,51 +340,9 @@ def fit(
                  for role, obj in model_to_json(fitted)["roles"].items()}
         typer.echo(json.dumps({"model": str(output), "roles": roles}))
         return
+    from console.model import render_fit
+
     render_fit(fitted, output)
-
-
-def render_fit(fitted, output: Path) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console()
-    console.print(f"[bold]{fitted.device.name}[/] ({fitted.device.kind}, {fitted.device.dtype}): "
-                  f"target {fitted.target_info.source}, draft {fitted.draft_info.source}")
-    for role, fit in fitted.roles.items():
-        model, shape = fit.model, fit.model.shape
-        params = Table(title=f"{role}: {fit.kind} ({len(fit.points)} points)", show_header=False)
-        params.add_row("overhead_ms", f"{model.roofline.overhead_ms:.4g}")
-        params.add_row("bandwidth_GBps", f"{model.roofline.bandwidth_GBps:.4g}")
-        params.add_row("flops_TFLOPs", f"{model.roofline.flops_TFLOPs:.4g}")
-        params.add_row("overlap_exponent", f"{model.roofline.overlap_exponent:.3g}")
-        params.add_row("ridge_tokens (b*n)", f"{model.roofline.ridge_tokens(shape):.4g}")
-        params.add_row("memory-bound share of points", f"{fit.memory_bound_share:.0%}")
-        for kind, value in fit.cv_mape_pct.items():
-            params.add_row(f"cross-validated MAPE, {kind}", f"{value:.2f}%")
-        params.add_row("in-sample MAPE (chosen)", f"{fit.in_sample_mape_pct:.2f}%")
-        if fit.holdout is not None:
-            h = fit.holdout
-            left_out = f"b in {list(h.held_out_batch_sizes)}, L in {list(h.held_out_context_lens)}"
-            params.add_row("held-out MAPE", f"{h.mape_pct:.2f}% (max {h.max_error_pct:.1f}%; {h.test_points} points "
-                                            f"with {left_out}; {h.kind} chosen on the rest)")
-        if fit.infeasible_rows:
-            params.add_row("out-of-memory rows (not fitted)", str(fit.infeasible_rows))
-        console.print(params)
-        worst = fit.holdout.worst if fit.holdout is not None else fit.worst
-        points = Table(title=f"{role}: worst {'held-out' if fit.holdout is not None else 'in-sample'} points")
-        for column in ("b", "n", "L", "measured ms", "predicted ms", "error"):
-            points.add_column(column, justify="right")
-        for p in worst:
-            points.add_row(str(p.batch_size), str(p.new_tokens), str(p.context_len), f"{p.measured_ms:.4g}",
-                           f"{p.predicted_ms:.4g}", f"{p.error_pct:+.1f}%")
-        console.print(points)
-        for note in fit.notes:
-            console.print(f"[yellow]note:[/] {role}: {note}")
-    if not fitted.overhead.measured:
-        console.print("[yellow]note:[/] the profile has no step-overhead rows: overhead taken as 0 ms")
-    if not fitted.acceptance:
-        console.print("[yellow]note:[/] the profile has no acceptance: `table` and `query` will need --acceptance")
-    console.print(f"wrote {output}")
 
 
 @app.command()
@@ -760,66 +364,25 @@ def table(
 ):
     """Best strategy (none, a chain of k, a tree, with or without the second stage) for every batch size
     1..max-batch, with its predicted gain. vllm/trtllm exports express chains only (a tree's depth as k)."""
-    _check_counts(max_batch=max_batch, max_k=max_k)
+    check_counts(max_batch=max_batch, max_k=max_k)
+    from perfmodel.table import TABLE_FORMATS, write_table
+
     if fmt not in TABLE_FORMATS:
         raise UsageError(f"--format: {fmt!r} is not one of {', '.join(TABLE_FORMATS)}")
+    if max_tree_nodes < 1:
+        raise UsageError(f"--max-tree-nodes must be >= 1, got {max_tree_nodes}")
     lengths = parse_int_list("--context-lens", context_lens)
-    from perfmodel import table as tables
-    from perfmodel.jsonio import write_json_atomic, write_text_atomic
     from perfmodel.model import choose_acceptance, compute_table, load_model
 
     fitted = load_model(model)
-    chosen = choose_acceptance(fitted, _acceptance_override(acceptance), str(model))
-    if max_tree_nodes < 1:
-        raise UsageError(f"--max-tree-nodes must be >= 1, got {max_tree_nodes}")
+    chosen = choose_acceptance(fitted, acceptance_override(acceptance), str(model))
     result = compute_table(fitted, chosen, max_batch, lengths, max_k, strategies=strategies,
                            max_tree_nodes=max_tree_nodes)
-    if fmt == "json":
-        tables.save_table(output, result)
-    elif fmt == "csv":
-        write_text_atomic(output, tables.to_csv(result))
-    else:
-        export = tables.to_vllm if fmt == "vllm" else tables.to_trtllm
-        write_json_atomic(output, export(result))
-    notes = fitted.extrapolation_notes(max_batch, [b.context_len for b in result.buckets], result.max_k)
-    render_table(result, notes, output)
+    write_table(output, result, fmt)
+    from console.model import render_table
 
-
-def render_table(result, notes: list[str], output: Path) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console()
-    acc = result.acceptance
-    console.print(f"acceptance ({acc['source']}): per position {acc['per_position']}, "
-                  f"constant-alpha fit {acc['constant_alpha']:.3f} (rmse {acc['constant_alpha_rmse']:.3f})")
-    for bucket in result.buckets:
-        view = Table(title=f"best strategy per batch size, context {bucket.context_len} (runs collapsed)")
-        for column in ("b", "strategy", "k*", "tokens/s", "speedup vs k=0", "runner-up", "min margin"):
-            view.add_column(column, justify="right")
-        runs: list[list] = []
-        for entry in bucket.entries:  # consecutive batch sizes with the same strategy form one row
-            if runs and runs[-1][-1].chosen() == entry.chosen():
-                runs[-1].append(entry)
-            else:
-                runs.append([entry])
-        for run in runs:
-            start, end, strategy = run[0].batch_size, run[-1].batch_size, run[0].chosen()
-            margins = [e.margin for e in run if e.margin is not None]
-            runner_ups = list(dict.fromkeys(e.runner_up_strategy.describe(24) if e.runner_up_strategy is not None
-                                            else f"k={e.runner_up_k}" for e in run if e.runner_up_k is not None))
-            view.add_row(str(start) if start == end else f"{start}-{end}", strategy.describe(40), str(strategy.k),
-                         _span(run[0].predicted_tokens_per_s, run[-1].predicted_tokens_per_s, "{:.0f}"),
-                         _span(run[0].predicted_speedup, run[-1].predicted_speedup, "{:.2f}x"),
-                         "; ".join(runner_ups[:2]) or "-", f"{min(margins):.1%}" if margins else "-")
-        console.print(view)
-    for note in notes:
-        console.print(f"[yellow]note:[/] {note}")
-    console.print(f"wrote {output}")
-
-
-def _span(first: float, last: float, fmt: str) -> str:
-    return fmt.format(first) if fmt.format(first) == fmt.format(last) else f"{fmt.format(first)}-{fmt.format(last)}"
+    render_table(result, fitted.extrapolation_notes(max_batch, [b.context_len for b in result.buckets],
+                                                    result.max_k), output)
 
 
 @app.command()
@@ -840,7 +403,7 @@ def query(
 
     --tree auto ranks every strategy (chains, grown trees, and with the second stage when the model has
     its measurements); --tree SPEC [--stage2 FILE] predicts that one tree (a what-if)."""
-    _check_counts(batch_size=batch_size, context_len=context_len, max_k=max_k)
+    check_counts(batch_size=batch_size, context_len=context_len, max_k=max_k)
     if (model is None) == (table_path is None):
         raise UsageError("give either a model file or --table, not both or neither")
     if table_path is not None and (acceptance is not None or max_k is not None or tree is not None):
@@ -854,7 +417,7 @@ def query(
         from perfmodel.model import query as query_model
 
         fitted = load_model(model)
-        chosen = choose_acceptance(fitted, _acceptance_override(acceptance), str(model))
+        chosen = choose_acceptance(fitted, acceptance_override(acceptance), str(model))
         context = fitted.default_context_len() if context_len is None else context_len
         choice = query_model(fitted, chosen, batch_size, context, fitted.grid.max_k if max_k is None else max_k)
         answer = {"batch_size": batch_size, "context_len": context, "best_k": choice.best_k,
@@ -866,6 +429,8 @@ def query(
     if json_output:
         typer.echo(json.dumps(answer))
         return
+    from console.model import render_query
+
     render_query(answer, notes)
 
 
@@ -873,11 +438,16 @@ def _query_strategies(model: Path, batch_size: int, context_len: int | None, acc
                       max_k: int | None, tree: str, stage2: Path | None) -> tuple[dict, list[str]]:
     """--tree auto: every candidate strategy ranked; --tree SPEC: that strategy alone."""
     from perfmodel.jsonio import file_sha256
-    from perfmodel.model import choose_acceptance, evaluate_strategy, load_model, query_strategies
+    from perfmodel.model import (
+        choose_acceptance,
+        evaluate_strategy,
+        load_model,
+        query_strategies,
+    )
     from perfmodel.tree import Strategy, parse_tree
 
     fitted = load_model(model)
-    chosen = choose_acceptance(fitted, _acceptance_override(acceptance), str(model))
+    chosen = choose_acceptance(fitted, acceptance_override(acceptance), str(model))
     context = fitted.default_context_len() if context_len is None else context_len
     if stage2 is not None:
         if fitted.stage2 is None:
@@ -925,29 +495,6 @@ def _query_table(path: Path, batch_size: int, context_len: int | None) -> dict:
             "best_strategy": strategy.to_json(), "candidates": [candidate]}
 
 
-def render_query(answer: dict, notes: list[str]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    with_strategies = "strategy" in answer["candidates"][0]
-    title = f"batch size {answer['batch_size']}, context {answer['context_len']}: best k = {answer['best_k']}"
-    if with_strategies:
-        ranked = sorted(answer["candidates"], key=lambda c: -(c["tokens_per_s"] or 0))
-        title = f"batch size {answer['batch_size']}, context {answer['context_len']}: best {ranked[0]['strategy']}"
-    view = Table(title=title)
-    first = "strategy" if with_strategies else "k"
-    for column in (first, "step ms", "tokens per step (per sequence)", "tokens/s (batch)"):
-        view.add_column(column, justify="right")
-    for i, c in enumerate(answer["candidates"]):
-        cells = [f"{c[key]:.4g}" if c[key] is not None else "-" for key in ("step_ms", "tokens_per_step", "tokens_per_s")]
-        is_best = (c["strategy"] == ranked[0]["strategy"]) if with_strategies else c["k"] == answer["best_k"]
-        view.add_row(c["strategy"] if with_strategies else str(c["k"]), *cells, style="bold green" if is_best else None)
-    console = Console()
-    console.print(view)
-    for note in notes:
-        console.print(f"[yellow]note:[/] {note}")
-
-
 @app.command()
 @one_line_errors
 def plot(
@@ -959,22 +506,22 @@ def plot(
     max_k: MaxKOpt = None,
 ):
     """Goodput heatmap over (b, k) with the k*(b) curve, and fitted vs measured latency per role."""
-    _check_counts(max_batch=max_batch, max_k=max_k, context_len=context_len)
+    check_counts(max_batch=max_batch, max_k=max_k, context_len=context_len)
     from perfmodel.model import choose_acceptance, load_model
     from perfmodel.plot import plot_model
 
     fitted = load_model(model)
-    chosen = choose_acceptance(fitted, _acceptance_override(acceptance), str(model))
+    chosen = choose_acceptance(fitted, acceptance_override(acceptance), str(model))
     plot_model(fitted, chosen, output, max_batch, context_len, max_k)
     typer.echo(f"wrote {output}")
 
 
-# ---------------------------------------------------------------------------------------------- demo
 @app.command()
 @one_line_errors
 def demo(
     out: Annotated[Path, typer.Option("--out", help="Folder for everything the demo writes.")] = Path("specbatch-demo"),
-    batch_sizes: Annotated[str, typer.Option("--batch-sizes", help="Batch sizes at which the table is raced against plain decoding.")] = "1,8",
+    batch_sizes: Annotated[str, typer.Option(
+        "--batch-sizes", help="Batch sizes at which the table is raced against plain decoding.")] = "1,8",
     prompts_shown: Annotated[int, typer.Option("--prompts-shown", help="Held-out prompts generated and printed.")] = 3,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 48,
     rounds: Annotated[int, typer.Option("--rounds", help="Interleaved timed rounds per batch size.")] = 3,
@@ -985,76 +532,9 @@ def demo(
     race_sizes = parse_int_list("--batch-sizes", batch_sizes)
     if prompts_shown <= 0 or max_new_tokens <= 0 or rounds <= 0 or max_batch <= 0:
         raise UsageError("--prompts-shown, --max-new-tokens, --rounds and --max-batch must be positive")
-    from rich.console import Console
+    from console.demo import run_demo
 
-    console = Console()
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {name: out / name for name in ("profile.json", "model.json", "table.json", "table.csv",
-                                           "vllm.json", "trtllm.json", "generations.jsonl")}
-
-    console.rule("[bold]1/5 calibrate (quick): time the demo pair's passes on this machine, measure acceptance")
-    from calibrate.run import CalibrationRequest
-
-    stage2 = _stage2_for_calibration(None, False, None, None)  # the bundled n-gram: trees and staged drafting
-    request = CalibrationRequest(target=str(DEMO_TARGET), draft=str(DEMO_DRAFT), out=paths["profile.json"],
-                                 device=device, prompts=DEMO_PROMPTS, quick=True, stage2=stage2)
-    render_calibration(_calibrate_with_progress(request, show=True))
-
-    console.rule("[bold]2/5 fit the latency and acceptance model")
-    from perfmodel.model import choose_acceptance, compute_table, fit_profile, save_model
-    from perfmodel.profile import load_profile
-
-    fitted = fit_profile(load_profile(paths["profile.json"]))
-    save_model(paths["model.json"], fitted)
-    render_fit(fitted, paths["model.json"])
-
-    console.rule("[bold]3/5 the table: best strategy (none, chain of k, tree, +n-gram stage) for every batch size")
-    from perfmodel import table as tables
-    from perfmodel.jsonio import write_json_atomic, write_text_atomic
-
-    table_result = compute_table(fitted, choose_acceptance(fitted, None, str(paths["model.json"])), max_batch)
-    tables.save_table(paths["table.json"], table_result)
-    write_text_atomic(paths["table.csv"], tables.to_csv(table_result))
-    write_json_atomic(paths["vllm.json"], tables.to_vllm(table_result))
-    write_json_atomic(paths["trtllm.json"], tables.to_trtllm(table_result))
-    render_table(table_result, fitted.extrapolation_notes(max_batch, [b.context_len for b in table_result.buckets],
-                                                          table_result.max_k), paths["table.json"])
-
-    console.rule("[bold]4/5 generate held-out prompts with the table")
-    from runtime.generator import SpeculativeGenerator
-    from runtime.policy import TableK
-
-    target_model, draft_model = load_pair(None, None, device, None)
-    texts = read_prompts_file(DEMO_PROMPTS)[:prompts_shown]
-    policy = TableK(paths["table.json"])
-    ngram = second_stage_for(policy, stage2 if policy.needs_stage2 else None, target_model)
-    generator = SpeculativeGenerator(target_model.model, draft_model.model, target_model.eos_token_ids, stage2=ngram)
-    encoded = [target_model.tokenizer.encode(t) for t in texts]
-    result = generator.generate(encoded, max_new_tokens, policy)
-    outputs = [{"prompt": t, "text": target_model.tokenizer.decode(ids), "token_ids": ids}
-               for t, ids in zip(texts, result.token_ids)]
-    write_text_atomic(paths["generations.jsonl"], "".join(json.dumps(o) + "\n" for o in outputs))
-    render_generation(outputs, result.stats, policy.describe(), "greedy")
-
-    console.rule(f"[bold]5/5 race the table against plain decoding (k = 0) at batch sizes {race_sizes}")
-    from calibrate.bench import BenchConfig, BenchModels, compared_rate, write_outputs
-
-    config = BenchConfig(batch_sizes=tuple(race_sizes), ks=(0,), max_new_tokens=max_new_tokens, rounds=rounds,
-                         table_path=paths["table.json"], model_path=paths["model.json"],
-                         stage2_path=stage2 if ngram is not None else None)
-    models = BenchModels(target=target_model.model, draft=draft_model.model, target_source=str(DEMO_TARGET),
-                         draft_source=str(DEMO_DRAFT), target_dir=DEMO_TARGET, draft_dir=DEMO_DRAFT,
-                         random_weights=False, stage2=ngram)
-    prompts = [target_model.tokenizer.encode(t) for t in read_prompts_file(DEMO_PROMPTS)]
-    race = _bench_with_progress(config, models, prompts)
-    written = write_outputs(race, out / "bench")
-    for batch in race.batches:
-        plain, tabled = batch.policy("k=0"), batch.policy("table")
-        console.print(f"batch size {batch.batch_size}: table {tabled.strategy} {compared_rate(tabled):.0f} tok/s vs "
-                      f"plain {compared_rate(plain):.0f} tok/s -> [bold]{batch.table_speedup:.2f}x[/] "
-                      f"(steady-state goodput, median of {rounds} interleaved rounds)")
-    console.print(f"everything is in {out.resolve()} (bench files: {', '.join(p.name for p in written)})",
-                  markup=False, highlight=False)
+    run_demo(out, tuple(race_sizes), prompts_shown, max_new_tokens, rounds, max_batch, device)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ median, a negative intercept a line through the origin).
 """
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -33,16 +34,14 @@ import numpy as np
 import torch
 
 from perfmodel.profile import Stage2Info
+from runtime.assembly import DEMO_DRAFT, DEMO_NGRAM
 from runtime.ngram import NGramError, NGramModel, tokenizer_fingerprint
 
 from .acceptance import RANKS, ScoredRow
-from .environment import REPO_ROOT
 from .errors import CalibrationError
 from .models import ModelSpec
 from .timing import Clock, RepetitionRule, repeat, timed_ms
 
-DEMO_DRAFT = REPO_ROOT / "data" / "models" / "demo-draft"
-DEMO_NGRAM = REPO_ROOT / "data" / "models" / "demo-ngram.safetensors"
 QUERY_CONTEXTS = (1, 4, 16, 64, 256)  # b x (nodes of one level): 1 at b = 1 up to hundreds at large b
 QUERY_CALLS_PER_SAMPLE = 10
 
@@ -57,6 +56,23 @@ def default_stage2(draft: str, acceptance: str | None = None) -> Path | None:
     except OSError:
         return None
     return DEMO_NGRAM if same else None
+
+
+def stage2_for_calibration(stage2: Path | None, no_stage2: bool, draft: str | None,
+                           acceptance: str | None) -> Path | None:
+    """--stage2, or the bundled n-gram for the bundled draft (recorded relative to the working directory when
+    it lies below it, so a profile and its tables stay valid in another clone)."""
+    if no_stage2:
+        if stage2 is not None:
+            raise CalibrationError("--stage2 and --no-stage2 are mutually exclusive")
+        return None
+    if stage2 is not None:
+        return stage2
+    bundled = default_stage2(draft or str(DEMO_DRAFT), acceptance)
+    if bundled is None:
+        return None
+    relative = Path(os.path.relpath(bundled))
+    return relative if not str(relative).startswith("..") else bundled
 
 
 def load_stage2(path: Path, target: ModelSpec) -> NGramModel:

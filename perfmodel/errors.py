@@ -15,3 +15,7 @@ class SpecbatchError(ValueError):
 
 class PerfModelError(SpecbatchError):
     """Bad input to the performance model (a profile, model or table file, an option, a value)."""
+
+
+class UsageError(SpecbatchError):
+    """A bad command-line option or combination of options, found by whichever layer owns the value."""

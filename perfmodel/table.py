@@ -35,7 +35,7 @@ import warnings
 from dataclasses import dataclass, field
 
 from .errors import PerfModelError
-from .jsonio import read_json, rounded, write_json_atomic
+from .jsonio import read_json, rounded, write_json_atomic, write_text_atomic
 from .tree import Strategy
 
 TABLE_SCHEMA = "specbatch.table/1"
@@ -286,3 +286,18 @@ def to_csv(table: Table) -> str:
             writer.writerow([entry.batch_size, entry.k, f"{entry.predicted_tokens_per_s:.6g}",
                              f"{entry.predicted_speedup:.6g}", bucket.context_len, entry.chosen().describe()])
     return out.getvalue()
+
+
+TABLE_FORMATS = ("json", "csv", "vllm", "trtllm")
+
+
+def write_table(path: str | os.PathLike, table: Table, fmt: str = "json") -> None:
+    """The one table writer (`table -o` and the demo): our JSON, CSV, or an engine's export."""
+    if fmt not in TABLE_FORMATS:
+        raise PerfModelError(f"--format: {fmt!r} is not one of {', '.join(TABLE_FORMATS)}")
+    if fmt == "json":
+        save_table(path, table)
+    elif fmt == "csv":
+        write_text_atomic(path, to_csv(table))
+    else:
+        write_json_atomic(path, to_vllm(table) if fmt == "vllm" else to_trtllm(table))

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from perfmodel.errors import UsageError
+
 
 @dataclass(frozen=True)
 class FixedK:
@@ -16,7 +18,7 @@ class FixedK:
 
     def __post_init__(self):
         if self.k < 0:
-            raise ValueError(f"--k must be >= 0, got {self.k}")
+            raise UsageError(f"--k must be >= 0, got {self.k}")
 
     @property
     def max_k(self) -> int:

@@ -5,9 +5,12 @@ model would really sample from, so temperature, top-k and top-p go through this 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+from perfmodel.errors import UsageError
 
 
 @dataclass(frozen=True)
@@ -17,12 +20,12 @@ class Sampling:
     top_p: float = 1.0  # 1.0 means no nucleus filter
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise UsageError(f"--temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
-            raise ValueError(f"--top-k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
+            raise UsageError(f"--top-k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:  # also refuses NaN
+            raise UsageError(f"--top-p must be in (0, 1], got {self.top_p}")
 
     @property
     def greedy(self) -> bool:

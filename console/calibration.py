@@ -1,0 +1,63 @@
+"""What `calibrate` shows: a progress bar while it measures, then the passes and acceptance."""
+from __future__ import annotations
+
+import typer
+
+
+def calibrate_with_progress(request, show: bool):
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    from calibrate.run import calibrate
+
+    if not show:
+        return calibrate(request)
+    columns = (TextColumn("[bold]calibrate"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.description}"))
+    with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("checking inputs, loading models", total=None)
+
+        def on_progress(event):
+            progress.update(task, completed=event.done, total=event.total, description=event.label)
+
+        try:
+            return calibrate(request, on_progress)
+        except KeyboardInterrupt:
+            progress.stop()
+            typer.echo(f"interrupted: every point measured so far is in {request.out}; "
+                       f"rerun with --resume to measure the rest", err=True)
+            raise typer.Exit(130)
+
+
+def render_calibration(summary) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = Console()
+    console.print(f"[bold]{escape(summary.target)}[/] + [bold]{escape(summary.draft)}[/] on "
+                  f"{escape(summary.device)} ({summary.dtype})")
+    passes = Table(title="one forward pass, median ms")
+    for column in ("model", "batch size", "new tokens", "context", "ms"):
+        passes.add_column(column, justify="right")
+    for row in summary.passes:
+        ms = "out of memory" if row.median_ms is None else f"{row.median_ms:.3g}"
+        passes.add_row(row.model, str(row.batch_size), str(row.new_tokens), str(row.context_len), ms)
+    console.print(passes)
+    for entry in summary.acceptance:
+        alphas = ", ".join(f"{alpha:.3f}" for alpha in entry.per_position)
+        console.print(f"acceptance per draft position ({entry.setting}, {entry.source}): {alphas}")
+    counts = f"{summary.points_measured} points measured in {summary.elapsed_s:.1f} s"
+    if summary.points_resumed:
+        counts += f", {summary.points_resumed} kept from the previous run"
+    if summary.points_infeasible:
+        counts += f", {summary.points_infeasible} out of memory"
+    console.print(counts)
+    console.print(f"wrote {summary.profile_path} and {summary.csv_path}", markup=False, highlight=False)

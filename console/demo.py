@@ -1,0 +1,96 @@
+"""`specbatch demo`: the whole loop on the bundled demo pair, one rule per stage.
+
+quick calibration -> fit -> table (and its exports) -> generation with the table -> the table raced
+against plain decoding. Every stage is the same library call its own command makes.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+
+from runtime.assembly import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET
+
+EXPORTS = {"table.json": "json", "table.csv": "csv", "vllm.json": "vllm", "trtllm.json": "trtllm"}
+
+
+def run_demo(out: Path, race_sizes: tuple[int, ...], prompts_shown: int, max_new_tokens: int, rounds: int,
+             max_batch: int, device: str | None) -> None:
+    from calibrate.acceptance import read_prompts
+    from calibrate.bench import BenchConfig, BenchModels, compared_rate, write_outputs
+    from calibrate.run import CalibrationRequest
+    from calibrate.stage2 import stage2_for_calibration
+    from perfmodel.jsonio import write_text_atomic
+    from perfmodel.model import (
+        choose_acceptance,
+        compute_table,
+        fit_profile,
+        save_model,
+    )
+    from perfmodel.profile import load_profile
+    from perfmodel.table import write_table
+    from runtime.assembly import (
+        GenerationRequest,
+        generate_texts,
+        generations_jsonl,
+        load_pair,
+        second_stage_for,
+    )
+    from runtime.policy import TableK
+
+    from .bench import bench_with_progress
+    from .calibration import calibrate_with_progress, render_calibration
+    from .generation import render_generation
+    from .model import render_fit, render_table
+
+    console = Console()
+    out.mkdir(parents=True, exist_ok=True)
+    profile_path, model_path, table_path = out / "profile.json", out / "model.json", out / "table.json"
+
+    console.rule("[bold]1/5 calibrate (quick): time the demo pair's passes on this machine, measure acceptance")
+    stage2 = stage2_for_calibration(None, False, None, None)  # the bundled n-gram: trees and staged drafting
+    request = CalibrationRequest(target=str(DEMO_TARGET), draft=str(DEMO_DRAFT), out=profile_path, device=device,
+                                 prompts=DEMO_PROMPTS, quick=True, stage2=stage2)
+    render_calibration(calibrate_with_progress(request, show=True))
+
+    console.rule("[bold]2/5 fit the latency and acceptance model")
+    fitted = fit_profile(load_profile(profile_path))
+    save_model(model_path, fitted)
+    render_fit(fitted, model_path)
+
+    console.rule("[bold]3/5 the table: best strategy (none, chain of k, tree, +n-gram stage) for every batch size")
+    table = compute_table(fitted, choose_acceptance(fitted, None, str(model_path)), max_batch)
+    for name, fmt in EXPORTS.items():
+        write_table(out / name, table, fmt)
+    render_table(table, fitted.extrapolation_notes(max_batch, [b.context_len for b in table.buckets], table.max_k),
+                 table_path)
+
+    console.rule("[bold]4/5 generate held-out prompts with the table")
+    pair = load_pair(None, None, device, None)
+    policy = TableK(table_path)
+    texts = read_prompts(DEMO_PROMPTS)[:prompts_shown]
+    generation = generate_texts(
+        GenerationRequest(prompts=tuple(texts), table=table_path, max_new_tokens=max_new_tokens,
+                          stage2=stage2 if policy.needs_stage2 else None), loaded_pair=pair)
+    write_text_atomic(out / "generations.jsonl", generations_jsonl(generation))
+    render_generation(generation.outputs, generation.stats, generation.policy, generation.sampling)
+
+    console.rule(f"[bold]5/5 race the table against plain decoding (k = 0) at batch sizes {list(race_sizes)}")
+    target_model, draft_model = pair
+    ngram = second_stage_for(policy, stage2 if policy.needs_stage2 else None, target_model)
+    config = BenchConfig(batch_sizes=race_sizes, ks=(0,), max_new_tokens=max_new_tokens, rounds=rounds,
+                         table_path=table_path, model_path=model_path,
+                         stage2_path=stage2 if ngram is not None else None)
+    models = BenchModels(target=target_model.model, draft=draft_model.model, target_source=str(DEMO_TARGET),
+                         draft_source=str(DEMO_DRAFT), target_dir=DEMO_TARGET, draft_dir=DEMO_DRAFT,
+                         random_weights=False, stage2=ngram)
+    prompts = [target_model.tokenizer.encode(text) for text in read_prompts(DEMO_PROMPTS)]
+    race = bench_with_progress(config, models, prompts)
+    written = write_outputs(race, out / "bench")
+    for batch in race.batches:
+        plain, tabled = batch.policy("k=0"), batch.policy("table")
+        console.print(f"batch size {batch.batch_size}: table {tabled.strategy} {compared_rate(tabled):.0f} tok/s vs "
+                      f"plain {compared_rate(plain):.0f} tok/s -> [bold]{batch.table_speedup:.2f}x[/] "
+                      f"(steady-state goodput, median of {rounds} interleaved rounds)")
+    console.print(f"everything is in {out.resolve()} (bench files: {', '.join(p.name for p in written)})",
+                  markup=False, highlight=False)

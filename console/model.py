@@ -1,0 +1,108 @@
+"""What `fit`, `table` and `query` print: fitted parameters and errors, the table's runs, one point's trade-off."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def render_fit(fitted, output: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(f"[bold]{fitted.device.name}[/] ({fitted.device.kind}, {fitted.device.dtype}): "
+                  f"target {fitted.target_info.source}, draft {fitted.draft_info.source}")
+    for role, fit in fitted.roles.items():
+        model, shape = fit.model, fit.model.shape
+        params = Table(title=f"{role}: {fit.kind} ({len(fit.points)} points)", show_header=False)
+        params.add_row("overhead_ms", f"{model.roofline.overhead_ms:.4g}")
+        params.add_row("bandwidth_GBps", f"{model.roofline.bandwidth_GBps:.4g}")
+        params.add_row("flops_TFLOPs", f"{model.roofline.flops_TFLOPs:.4g}")
+        params.add_row("overlap_exponent", f"{model.roofline.overlap_exponent:.3g}")
+        params.add_row("ridge_tokens (b*n)", f"{model.roofline.ridge_tokens(shape):.4g}")
+        params.add_row("memory-bound share of points", f"{fit.memory_bound_share:.0%}")
+        for kind, value in fit.cv_mape_pct.items():
+            params.add_row(f"cross-validated MAPE, {kind}", f"{value:.2f}%")
+        params.add_row("in-sample MAPE (chosen)", f"{fit.in_sample_mape_pct:.2f}%")
+        if fit.holdout is not None:
+            h = fit.holdout
+            left_out = f"b in {list(h.held_out_batch_sizes)}, L in {list(h.held_out_context_lens)}"
+            params.add_row("held-out MAPE", f"{h.mape_pct:.2f}% (max {h.max_error_pct:.1f}%; {h.test_points} points "
+                                            f"with {left_out}; {h.kind} chosen on the rest)")
+        if fit.infeasible_rows:
+            params.add_row("out-of-memory rows (not fitted)", str(fit.infeasible_rows))
+        console.print(params)
+        worst = fit.holdout.worst if fit.holdout is not None else fit.worst
+        points = Table(title=f"{role}: worst {'held-out' if fit.holdout is not None else 'in-sample'} points")
+        for column in ("b", "n", "L", "measured ms", "predicted ms", "error"):
+            points.add_column(column, justify="right")
+        for p in worst:
+            points.add_row(str(p.batch_size), str(p.new_tokens), str(p.context_len), f"{p.measured_ms:.4g}",
+                           f"{p.predicted_ms:.4g}", f"{p.error_pct:+.1f}%")
+        console.print(points)
+        for note in fit.notes:
+            console.print(f"[yellow]note:[/] {role}: {note}")
+    if not fitted.overhead.measured:
+        console.print("[yellow]note:[/] the profile has no step-overhead rows: overhead taken as 0 ms")
+    if not fitted.acceptance:
+        console.print("[yellow]note:[/] the profile has no acceptance: `table` and `query` will need --acceptance")
+    console.print(f"wrote {output}")
+
+
+def render_table(result, notes: list[str], output: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    acc = result.acceptance
+    console.print(f"acceptance ({acc['source']}): per position {acc['per_position']}, "
+                  f"constant-alpha fit {acc['constant_alpha']:.3f} (rmse {acc['constant_alpha_rmse']:.3f})")
+    for bucket in result.buckets:
+        view = Table(title=f"best strategy per batch size, context {bucket.context_len} (runs collapsed)")
+        for column in ("b", "strategy", "k*", "tokens/s", "speedup vs k=0", "runner-up", "min margin"):
+            view.add_column(column, justify="right")
+        runs: list[list] = []
+        for entry in bucket.entries:  # consecutive batch sizes with the same strategy form one row
+            if runs and runs[-1][-1].chosen() == entry.chosen():
+                runs[-1].append(entry)
+            else:
+                runs.append([entry])
+        for run in runs:
+            start, end, strategy = run[0].batch_size, run[-1].batch_size, run[0].chosen()
+            margins = [e.margin for e in run if e.margin is not None]
+            runner_ups = list(dict.fromkeys(e.runner_up_strategy.describe(24) if e.runner_up_strategy is not None
+                                            else f"k={e.runner_up_k}" for e in run if e.runner_up_k is not None))
+            view.add_row(str(start) if start == end else f"{start}-{end}", strategy.describe(40), str(strategy.k),
+                         _span(run[0].predicted_tokens_per_s, run[-1].predicted_tokens_per_s, "{:.0f}"),
+                         _span(run[0].predicted_speedup, run[-1].predicted_speedup, "{:.2f}x"),
+                         "; ".join(runner_ups[:2]) or "-", f"{min(margins):.1%}" if margins else "-")
+        console.print(view)
+    for note in notes:
+        console.print(f"[yellow]note:[/] {note}")
+    console.print(f"wrote {output}")
+
+
+def _span(first: float, last: float, fmt: str) -> str:
+    return fmt.format(first) if fmt.format(first) == fmt.format(last) else f"{fmt.format(first)}-{fmt.format(last)}"
+
+
+def render_query(answer: dict, notes: list[str]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    with_strategies = "strategy" in answer["candidates"][0]
+    title = f"batch size {answer['batch_size']}, context {answer['context_len']}: best k = {answer['best_k']}"
+    if with_strategies:
+        ranked = sorted(answer["candidates"], key=lambda c: -(c["tokens_per_s"] or 0))
+        title = f"batch size {answer['batch_size']}, context {answer['context_len']}: best {ranked[0]['strategy']}"
+    view = Table(title=title)
+    first = "strategy" if with_strategies else "k"
+    for column in (first, "step ms", "tokens per step (per sequence)", "tokens/s (batch)"):
+        view.add_column(column, justify="right")
+    for i, c in enumerate(answer["candidates"]):
+        cells = [f"{c[key]:.4g}" if c[key] is not None else "-" for key in ("step_ms", "tokens_per_step", "tokens_per_s")]
+        is_best = (c["strategy"] == ranked[0]["strategy"]) if with_strategies else c["k"] == answer["best_k"]
+        view.add_row(c["strategy"] if with_strategies else str(c["k"]), *cells, style="bold green" if is_best else None)
+    console = Console()
+    console.print(view)
+    for note in notes:
+        console.print(f"[yellow]note:[/] {note}")

@@ -1,0 +1,209 @@
+"""Wiring the runtime from what a user names: the model pair, the policy, the n-gram second stage.
+
+Commands (`cli.py`) and the demo call these functions; each returns runtime objects and raises a
+one-line `SpecbatchError` for bad input. torch is imported inside the functions, so importing this
+module (for its default paths) stays cheap.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from perfmodel.errors import UsageError
+
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+DEMO_TARGET = DATA_DIR / "models" / "demo-target"
+DEMO_DRAFT = DATA_DIR / "models" / "demo-draft"
+DEMO_NGRAM = DATA_DIR / "models" / "demo-ngram.safetensors"
+DEMO_PROMPTS = DATA_DIR / "prompts" / "heldout.jsonl"
+DEFAULT_K_WITH_DRAFT = 4  # generate's k when neither --k, --table nor --tree is given
+
+
+def default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_pair(target: str | None, draft: str | None, device: str | None, dtype: str | None,
+              need_draft: bool = True):
+    """Load target (and draft) model directories; defaults are the bundled demo pair."""
+    from runtime.checkpoint import load_checkpoint, parse_dtype
+
+    device = device or default_device()
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise UsageError(f"--device {device!r}: expected cpu or cuda")
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda: no CUDA device is available on this machine")
+    torch_dtype = parse_dtype(dtype, device)
+    target_model = load_checkpoint(target or DEMO_TARGET, device, torch_dtype)
+    draft_model = None
+    if need_draft and (draft is not None or target is None):
+        draft_model = load_checkpoint(draft or DEMO_DRAFT, device, torch_dtype)
+        if draft_model.config.vocab_size != target_model.config.vocab_size:
+            raise UsageError(
+                f"draft vocabulary ({draft_model.config.vocab_size} tokens, {draft_model.path}) differs from the "
+                f"target's ({target_model.config.vocab_size} tokens, {target_model.path}): the tokenizers must agree"
+            )
+    return target_model, draft_model
+
+
+def is_ngram_file(path: str | None) -> bool:
+    return path is not None and path.endswith(".safetensors") and Path(path).is_file()
+
+
+def load_ngram(path: Path | str, option: str, target_model=None, *, vocab_size: int | None = None,
+               model_dir: Path | None = None):
+    """An n-gram file checked against the target's vocabulary and tokenizer (one-line errors); the
+    target is a loaded checkpoint, or its vocabulary size and directory (None for shape presets)."""
+    from runtime.ngram import NGramModel, tokenizer_fingerprint
+
+    if target_model is not None:
+        vocab_size, model_dir = target_model.config.vocab_size, Path(target_model.path)
+    ngram = NGramModel.load(path)
+    tokenizer_file = Path(model_dir) / "tokenizer.json" if model_dir is not None else None
+    fingerprint = tokenizer_fingerprint(tokenizer_file) if tokenizer_file and tokenizer_file.is_file() else None
+    ngram.check_compatible(vocab_size, fingerprint, f"{option} {path}")
+    return ngram
+
+
+def check_stage2_file(path: Path, expected_sha256: str, what: str) -> None:
+    """The one sha256 check of an n-gram file against the one a table or model was computed with."""
+    from perfmodel.jsonio import file_sha256
+
+    digest = file_sha256(Path(path))
+    if digest != expected_sha256:
+        raise UsageError(f"--stage2 {path}: not the n-gram file {what} (sha256 {digest[:12]}, "
+                         f"expected {expected_sha256[:12]})")
+
+
+def strategy_policy(tree: str, stage2: Path | None, model_file: Path | None, max_batch: int):
+    """The policy for --tree SPEC (the same tree every step) or --tree auto: the strategy the performance
+    model in `model_file` predicts best at each batch size up to `max_batch` (trees and chains, and with
+    the second stage when --stage2 is given), computed here as an in-memory table."""
+    from perfmodel.tree import Strategy, parse_tree
+    from runtime.policy import FixedStrategy, TableK
+
+    if tree != "auto":
+        return FixedStrategy(Strategy(parse_tree(tree), stage2=stage2 is not None))
+    if model_file is None:
+        raise UsageError("--tree auto needs --model FILE (a specbatch.model/1 file from `specbatch fit`)")
+    from perfmodel.model import choose_acceptance, compute_table, load_model
+
+    fitted = load_model(model_file)
+    if stage2 is not None and fitted.stage2 is None:
+        raise UsageError(f"--stage2 with --tree auto: {model_file} has no second-stage measurements; "
+                         "calibrate with --stage2 first")
+    table = compute_table(fitted, choose_acceptance(fitted, None, str(model_file)), max_batch,
+                          strategies="all" if stage2 is not None else "tree")
+    return TableK(table)
+
+
+def second_stage_for(policy, stage2: Path | None, target_model):
+    """The n-gram model a policy needs: --stage2, else the file a table names (checked by sha256)."""
+    table = getattr(policy, "table", None)
+    if stage2 is None and getattr(policy, "needs_stage2", False):
+        named = table.stage2["file"] if table is not None and table.stage2 else None
+        if named is None or not Path(named).is_file():
+            raise UsageError(f"{policy.describe()} uses the n-gram second stage; pass --stage2 FILE")
+        stage2 = Path(named)
+    if stage2 is None:
+        return None
+    if table is not None and table.stage2 and getattr(policy, "needs_stage2", False):
+        check_stage2_file(stage2, table.stage2["sha256"], "the table was computed for")
+    return load_ngram(stage2, "--stage2", target_model)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What `specbatch generate` (and the demo) asks for; validated before any model is loaded."""
+
+    prompts: tuple[str, ...]
+    target: str | None = None
+    draft: str | None = None  # a model directory, or an n-gram .safetensors file (the n-gram alone drafts)
+    k: int | None = None
+    table: Path | None = None
+    tree: str | None = None
+    stage2: Path | None = None
+    model: Path | None = None  # for --tree auto
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    device: str | None = None
+    dtype: str | None = None
+
+    def __post_init__(self):
+        if self.k is not None and self.k < 0:
+            raise UsageError(f"--k must be >= 0, got {self.k}")
+        if sum(x is not None for x in (self.k, self.table, self.tree)) > 1:
+            raise UsageError("--k, --table and --tree are mutually exclusive")
+        if not self.prompts:
+            raise UsageError("give at least one --prompt or a --prompts-file")
+        if self.table is not None and not self.table.is_file():
+            raise UsageError(f"--table {self.table}: no such file")
+        if self.stage2 is not None and self.tree is None and self.table is None:
+            raise UsageError("--stage2 needs --tree or --table (a chain is --tree chain:K)")
+
+
+@dataclass
+class Generation:
+    outputs: list[dict[str, Any]]  # {"prompt", "text", "token_ids"} per prompt
+    stats: Any  # runtime.generator.GenerationStats
+    policy: str
+    sampling: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"outputs": self.outputs, "stats": self.stats.to_dict(), "policy": self.policy,
+                "sampling": self.sampling}
+
+
+def generate_texts(request: GenerationRequest, loaded_pair=None) -> Generation:
+    """Encode the prompts, build the policy and second stage, generate in one batch, decode.
+    `loaded_pair` (target, draft) reuses models already loaded (the demo)."""
+    from runtime.generator import SpeculativeGenerator
+    from runtime.policy import FixedK, TableK
+    from runtime.sampling import Sampling
+
+    sampling = Sampling(temperature=request.temperature, top_k=request.top_k, top_p=request.top_p)
+    ngram_draft = is_ngram_file(request.draft)
+    if ngram_draft and request.stage2 is not None:
+        raise UsageError("--stage2 speeds up a draft MODEL; with an n-gram --draft there is nothing to stage")
+    if loaded_pair is not None:
+        target_model, draft_model = loaded_pair
+    else:
+        target_model, draft_model = load_pair(request.target, None if ngram_draft else request.draft,
+                                              request.device, request.dtype,
+                                              need_draft=request.k != 0 and not ngram_draft)
+    if target_model.tokenizer is None:
+        raise UsageError(f"{target_model.path}: no tokenizer.json, cannot encode text prompts")
+    draft_runner = load_ngram(request.draft, "--draft", target_model) if ngram_draft else \
+        (draft_model.model if draft_model else None)
+    if request.tree is not None:
+        policy = strategy_policy(request.tree, request.stage2, request.model, len(request.prompts))
+    elif request.table is not None:
+        policy = TableK(request.table)
+    else:
+        policy = FixedK(request.k if request.k is not None else (DEFAULT_K_WITH_DRAFT if draft_runner else 0))
+    second_stage = second_stage_for(policy, request.stage2, target_model)
+    if draft_runner is None and policy.max_k > 0:
+        raise UsageError("k > 0 needs a draft model (--draft)")
+    encoded = [target_model.tokenizer.encode(text) for text in request.prompts]
+    generator = SpeculativeGenerator(target_model.model, draft_runner, target_model.eos_token_ids,
+                                     stage2=second_stage)
+    result = generator.generate(encoded, request.max_new_tokens, policy, sampling, request.seed)
+    decode = target_model.tokenizer.decode
+    outputs = [{"prompt": text, "text": decode(ids), "token_ids": ids}
+               for text, ids in zip(request.prompts, result.token_ids)]
+    return Generation(outputs, result.stats, policy.describe(), sampling.describe())
+
+
+def generations_jsonl(generation: Generation) -> str:
+    return "".join(json.dumps(output) + "\n" for output in generation.outputs)
