@@ -12,7 +12,7 @@ import torch
 
 from runtime.checkpoint import load_checkpoint
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MODELS = ROOT / "data" / "models"
 PROMPTS = ROOT / "data" / "prompts" / "heldout.jsonl"
 PAIR = [MODELS / "demo-target", MODELS / "demo-draft"]

@@ -24,7 +24,7 @@ from perfmodel.profile import load_profile
 from runtime.checkpoint import build_model
 from runtime.ngram import NGramModel, tokenizer_fingerprint
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["def add(a, b):\n", "class Stack:\n    def push(self, item):\n", "import os\n", "x = [i * i for i in",
            "def main():\n    \"\"\"Entry point.\"\"\"\n", "for key, value in items.items():\n"]
 

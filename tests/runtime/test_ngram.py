@@ -11,7 +11,7 @@ import torch
 
 from runtime.ngram import NGramError, NGramModel, discounted_counts, tokenizer_fingerprint
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MODELS = ROOT / "data" / "models"
 DEMO_NGRAM = MODELS / "demo-ngram.safetensors"
 

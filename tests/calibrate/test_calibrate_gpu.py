@@ -22,7 +22,7 @@ from runtime.ngram import NGramModel, tokenizer_fingerprint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["def add(a, b):\n", "class Stack:\n", "import os\n", "x = [i * i for i in", "for key in items:\n"]
 
 
