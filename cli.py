@@ -463,7 +463,7 @@ def bench(
 ):
     """Measure k = 0, every fixed k, trees, staged drafting and the table at every batch size, interleaved;
     regret, speedup, and chain vs tree vs staged side by side."""
-    from calibrate.bench import BenchError
+    from bench.config import BenchError
 
     try:
         _bench(target, draft, table, model, tuple(tree or ()), stage2, batch_sizes, ks, prompts, max_new_tokens,
@@ -474,7 +474,8 @@ def bench(
 
 def _bench(target, draft, table, model, trees, stage2, batch_sizes, ks, prompts, max_new_tokens, rounds, sampling,
            synthetic_acceptance, peers, out, seed, device, dtype, json_output) -> None:
-    from calibrate.bench import BenchConfig, parse_sampling
+    from bench.config import BenchConfig
+    from runtime.sampling import parse_sampling
 
     # every option is checked before a model is loaded
     config = BenchConfig(
@@ -489,7 +490,9 @@ def _bench(target, draft, table, model, trees, stage2, batch_sizes, ks, prompts,
 
     from calibrate.environment import resolve_device
     from calibrate.models import check_pair, load_pair as load_specs, resolve_model
-    from calibrate.bench import RANDOM_PROMPT_TOKENS, BenchModels, random_prompts, run_bench, write_outputs
+    from bench.config import BenchModels
+    from bench.harness import RANDOM_PROMPT_TOKENS, random_prompts, run_bench
+    from bench.outputs import write_outputs
     from runtime.checkpoint import parse_dtype
 
     target_spec = resolve_model(target or str(DEMO_TARGET), "target")
@@ -523,7 +526,7 @@ def _bench(target, draft, table, model, trees, stage2, batch_sizes, ks, prompts,
         result.notes.insert(0, f"prompts: {needed} random sequences of {RANDOM_PROMPT_TOKENS} tokens (no tokenizer)")
     written = write_outputs(result, out)
     if json_output:
-        from calibrate.bench import bench_json
+        from bench.outputs import bench_json
 
         typer.echo(json.dumps({**bench_json(result), "outputs": [str(path) for path in written]}))
         return
@@ -534,7 +537,7 @@ def _bench_with_progress(config, models, token_prompts):
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from calibrate.bench import run_bench
+    from bench.harness import run_bench
 
     columns = (TextColumn("[bold]bench"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
                TimeRemainingColumn())
@@ -564,7 +567,8 @@ def render_bench(result, written: list[Path]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from calibrate.bench import TABLE_POLICY, compared_rate, fixed_policy_name
+    from bench.policies import TABLE_POLICY, fixed_policy_name
+    from bench.results import compared_rate
 
     console = Console()
     config = result.config
@@ -1037,7 +1041,9 @@ def demo(
     render_generation(outputs, result.stats, policy.describe(), "greedy")
 
     console.rule(f"[bold]5/5 race the table against plain decoding (k = 0) at batch sizes {race_sizes}")
-    from calibrate.bench import BenchConfig, BenchModels, compared_rate, write_outputs
+    from bench.config import BenchConfig, BenchModels
+    from bench.outputs import write_outputs
+    from bench.results import compared_rate
 
     config = BenchConfig(batch_sizes=tuple(race_sizes), ks=(0,), max_new_tokens=max_new_tokens, rounds=rounds,
                          table_path=paths["table.json"], model_path=paths["model.json"],
