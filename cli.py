@@ -217,10 +217,14 @@ _BENCH_MODEL_HELP = "Model directory, shape preset (random weights) or config.js
 @app.command()
 @one_line_errors
 def bench(
-    target: Annotated[Optional[str], typer.Option("--target", help=f"{_BENCH_MODEL_HELP} (default: bundled demo target).")] = None,
-    draft: Annotated[Optional[str], typer.Option("--draft", help=f"{_BENCH_MODEL_HELP} (default: bundled demo draft).")] = None,
-    table: Annotated[Optional[Path], typer.Option("--table", help="specbatch.table/1 file: adds the table policy.")] = None,
-    model: Annotated[Optional[Path], typer.Option("--model", help="specbatch.model/1 file: adds predicted tokens/s.")] = None,
+    target: Annotated[Optional[str], typer.Option(
+        "--target", help=f"{_BENCH_MODEL_HELP} (default: bundled demo target).")] = None,
+    draft: Annotated[Optional[str], typer.Option(
+        "--draft", help=f"{_BENCH_MODEL_HELP} (default: bundled demo draft).")] = None,
+    table: Annotated[Optional[Path], typer.Option(
+        "--table", help="specbatch.table/1 file: adds the table policy.")] = None,
+    model: Annotated[Optional[Path], typer.Option(
+        "--model", help="specbatch.model/1 file: adds predicted tokens/s.")] = None,
     tree: Annotated[Optional[list[str]], typer.Option(
         "--tree", help="Also run this draft tree (repeatable): rank paths like 0,1,0.0, chain:K, or auto (the "
                        "model's best tree at batch size 1; needs --model).")] = None,
@@ -228,13 +232,18 @@ def bench(
         "--stage2", help="n-gram file: also run every k > 0 and every --tree with the second stage.")] = None,
     batch_sizes: Annotated[str, typer.Option("--batch-sizes")] = "1,2,4,8,16,32",
     ks: Annotated[str, typer.Option("--ks", help="Fixed k to compare; k = 0 is always run.")] = "0,1,2,3,4,5,6,7,8",
-    prompts: Annotated[Optional[Path], typer.Option("--prompts", help="One JSON string (or plain line) per line (default: bundled held-out prompts).")] = None,
+    prompts: Annotated[Optional[Path], typer.Option(
+        "--prompts", help="One JSON string (or plain line) per line (default: bundled held-out prompts).")] = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Per row; EOS is ignored.")] = 64,
     rounds: Annotated[int, typer.Option("--rounds", help="Timed interleaved rounds per batch size.")] = 5,
     sampling: Annotated[str, typer.Option("--sampling", help="greedy | T=0.8[,top_k=50][,top_p=0.9]")] = "greedy",
-    synthetic_acceptance: Annotated[Optional[float], typer.Option("--synthetic-acceptance", help="Accept each draft token with probability α in (0, 1] instead of verifying (SYNTHETIC; for presets).")] = None,
-    peers: Annotated[bool, typer.Option("--peers", help="Also time transformers generate (plain, and assisted at batch size 1).")] = False,
-    out: Annotated[Path, typer.Option("--out", help="Output folder for bench.json, bench.csv and plots.")] = Path("specbatch-bench"),
+    synthetic_acceptance: Annotated[Optional[float], typer.Option("--synthetic-acceptance", help=(
+        "Accept each draft token with probability α in (0, 1] instead of verifying (SYNTHETIC; for "
+        "presets)."))] = None,
+    peers: Annotated[bool, typer.Option(
+        "--peers", help="Also time transformers generate (plain, and assisted at batch size 1).")] = False,
+    out: Annotated[Path, typer.Option(
+        "--out", help="Output folder for bench.json, bench.csv and plots.")] = Path("specbatch-bench"),
     seed: Annotated[int, typer.Option("--seed")] = 0,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
@@ -242,78 +251,26 @@ def bench(
 ):
     """Measure k = 0, every fixed k, trees, staged drafting and the table at every batch size, interleaved;
     regret, speedup, and chain vs tree vs staged side by side."""
-    from calibrate.bench import BenchError
+    from bench.assembly import check_input_files, load_bench_inputs
+    from bench.config import BenchConfig
+    from runtime.sampling import parse_sampling
 
-    try:
-        _bench(target, draft, table, model, tuple(tree or ()), stage2, batch_sizes, ks, prompts, max_new_tokens,
-               rounds, sampling, synthetic_acceptance, peers, out, seed, device, dtype, json_output)
-    except BenchError as error:
-        raise UsageError(str(error)) from None
-
-
-def _bench(target, draft, table, model, trees, stage2, batch_sizes, ks, prompts, max_new_tokens, rounds, sampling,
-           synthetic_acceptance, peers, out, seed, device, dtype, json_output) -> None:
-    from calibrate.bench import BenchConfig, parse_sampling
-
-    # every option is checked before a model is loaded
-    config = BenchConfig(
-        batch_sizes=tuple(parse_int_list("--batch-sizes", batch_sizes) or ()), ks=tuple(parse_int_list("--ks", ks, minimum=0)),
+    config = BenchConfig(  # every option is checked before a model is loaded
+        batch_sizes=tuple(parse_int_list("--batch-sizes", batch_sizes)), ks=tuple(parse_int_list("--ks", ks, 0)),
         max_new_tokens=max_new_tokens, rounds=rounds, sampling=parse_sampling(sampling),
         synthetic_acceptance=synthetic_acceptance, seed=seed, table_path=table, model_path=model, peers=peers,
-        trees=trees, stage2_path=stage2,
-    )
-    for option, path in (("--table", table), ("--model", model), ("--prompts", prompts), ("--stage2", stage2)):
-        if path is not None and not path.is_file():
-            raise UsageError(f"{option} {path}: no such file")
-
-    from calibrate.bench import (
-        RANDOM_PROMPT_TOKENS,
-        BenchModels,
-        random_prompts,
-        run_bench,
-        write_outputs,
-    )
-    from calibrate.environment import resolve_device
-    from calibrate.models import check_pair, resolve_model
-    from calibrate.models import load_pair as load_specs
-    from runtime.assembly import load_ngram
-    from runtime.checkpoint import parse_dtype
-
-    target_spec = resolve_model(target or str(DEMO_TARGET), "target")
-    draft_spec = resolve_model(draft or str(DEMO_DRAFT), "draft")
-    check_pair(target_spec, draft_spec)
-    random_weights = target_spec.random_weights or draft_spec.random_weights
-    if random_weights and synthetic_acceptance is None:
-        raise UsageError("random weights (a preset or config.json) never agree with a target: pass "
-                         "--synthetic-acceptance α to benchmark the shape")
-    device = resolve_device(device)
-    pair = load_specs(target_spec, draft_spec, device, parse_dtype(dtype, device))
-    # each round of batch size b takes the next b prompts (cycling), so small batches see many prompts
-    needed = max(config.batch_sizes) * (config.rounds + config.warmup_rounds)
-    if pair.tokenizer is not None:
-        texts = read_prompts_file(prompts or DEMO_PROMPTS, "--prompts")[:needed]  # fewer are cycled
-        token_prompts = [pair.tokenizer.encode(text) for text in texts]
-    elif prompts is not None:
-        raise UsageError(f"--prompts: {target_spec.source} has no tokenizer.json to encode text; leave --prompts "
-                         "out to benchmark with random token prompts")
-    else:
-        token_prompts = random_prompts(needed, RANDOM_PROMPT_TOKENS, target_spec.config.vocab_size, seed)
-    ngram = None if stage2 is None else load_ngram(stage2, "--stage2", vocab_size=target_spec.config.vocab_size,
-                                                   model_dir=target_spec.directory)
-    models = BenchModels(target=pair.target, draft=pair.draft, target_source=target_spec.source,
-                         draft_source=draft_spec.source, target_dir=target_spec.directory,
-                         draft_dir=draft_spec.directory, random_weights=random_weights, stage2=ngram)
-
+        trees=tuple(tree or ()), stage2_path=stage2)
+    check_input_files(table=table, model=model, prompts=prompts, stage2=stage2)
+    inputs = load_bench_inputs(config, target, draft, prompts, device, dtype)
+    from bench.harness import run_bench
+    from bench.outputs import bench_json, write_outputs
     from console.bench import bench_with_progress, render_bench
 
-    result = run_bench(config, models, token_prompts) if json_output else \
-        bench_with_progress(config, models, token_prompts)
-    if pair.tokenizer is None:
-        result.notes.insert(0, f"prompts: {needed} random sequences of {RANDOM_PROMPT_TOKENS} tokens (no tokenizer)")
+    run = run_bench if json_output else bench_with_progress
+    result = run(config, inputs.models, inputs.token_prompts)
+    result.notes[:0] = inputs.notes
     written = write_outputs(result, out)
     if json_output:
-        from calibrate.bench import bench_json
-
         typer.echo(json.dumps({**bench_json(result), "outputs": [str(path) for path in written]}))
         return
     render_bench(result, written)

@@ -11,7 +11,6 @@
     presets.py      published shapes, for timing before the weights exist
     store.py        the profile and its CSV on disk, written after every point
     environment.py  the device: name, memory, metadata
-    bench.py        `specbatch bench`: a table checked against real generation
 
 Nothing is imported here, so `calibrate.presets` and `calibrate.grid` stay free of torch.
 """

@@ -79,9 +79,9 @@ from perfmodel.profile import AcceptanceEntry
 from runtime.generator import SpeculativeGenerator
 from runtime.model import CausalLM
 from runtime.policy import FixedK
-from runtime.sampling import Sampling, probabilities
+from runtime.sampling import Sampling, SamplingError, probabilities
+from runtime.sampling import parse_sampling as parse_sampling_option
 
-from . import bench
 from .errors import CalibrationError
 
 TEACHER_FORCING_ROWS = 16  # rows per no-cache forward: bounds the (rows, length, vocab) logits
@@ -93,10 +93,11 @@ MC_CHUNK_VALUES = 1 << 22  # positions x draws x vocab per Monte Carlo chunk: bo
 
 # ---------------------------------------------------------------- options
 def parse_sampling(text: str) -> Sampling:
-    """'greedy' or 'T=0.8[,top_k=50][,top_p=0.95]': the grammar `specbatch bench --sampling` reads."""
+    """'greedy' or 'T=0.8[,top_k=50][,top_p=0.95]': `runtime.sampling.parse_sampling`, the grammar
+    `specbatch bench --sampling` reads, with its error raised as a CalibrationError."""
     try:
-        return bench.parse_sampling(text)
-    except bench.BenchError as error:
+        return parse_sampling_option(text)
+    except SamplingError as error:
         raise CalibrationError(str(error)) from None
 
 

@@ -14,7 +14,7 @@ def bench_with_progress(config, models, token_prompts):
         TimeRemainingColumn,
     )
 
-    from calibrate.bench import run_bench
+    from bench.harness import run_bench
 
     columns = (TextColumn("[bold]bench"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
                TimeRemainingColumn())
@@ -44,7 +44,8 @@ def render_bench(result, written: list[Path]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from calibrate.bench import TABLE_POLICY, compared_rate, fixed_policy_name
+    from bench.policies import TABLE_POLICY, fixed_policy_name
+    from bench.results import compared_rate
 
     console = Console()
     config = result.config

@@ -16,8 +16,10 @@ EXPORTS = {"table.json": "json", "table.csv": "csv", "vllm.json": "vllm", "trtll
 
 def run_demo(out: Path, race_sizes: tuple[int, ...], prompts_shown: int, max_new_tokens: int, rounds: int,
              max_batch: int, device: str | None) -> None:
+    from bench.config import BenchConfig, BenchModels
+    from bench.outputs import write_outputs
+    from bench.results import compared_rate
     from calibrate.acceptance import read_prompts
-    from calibrate.bench import BenchConfig, BenchModels, compared_rate, write_outputs
     from calibrate.run import CalibrationRequest
     from calibrate.stage2 import stage2_for_calibration
     from perfmodel.jsonio import write_text_atomic

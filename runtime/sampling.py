@@ -13,6 +13,10 @@ import torch
 from perfmodel.errors import UsageError
 
 
+class SamplingError(UsageError):
+    """A --sampling option that does not parse; the message is one line naming the option."""
+
+
 @dataclass(frozen=True)
 class Sampling:
     temperature: float = 0.0  # 0 means greedy (argmax)
@@ -36,6 +40,32 @@ class Sampling:
             return "greedy"
         return f"T={self.temperature:g}" + (f",top_k={self.top_k}" if self.top_k else "") + (
             f",top_p={self.top_p:g}" if self.top_p < 1.0 else "")
+
+
+def parse_sampling(text: str) -> Sampling:
+    """'greedy' | 'T=0.8' | 'T=0.8,top_k=50,top_p=0.9' (the form Sampling.describe() prints).
+
+    >>> parse_sampling("T=0.8,top_p=0.9")
+    Sampling(temperature=0.8, top_k=0, top_p=0.9)
+    """
+    if text.strip() == "greedy":
+        return Sampling()
+    fields: dict[str, float] = {}
+    names = {"T": "temperature", "top_k": "top_k", "top_p": "top_p"}
+    for part in text.split(","):
+        key, _, value = part.strip().partition("=")
+        if key not in names or not value:
+            raise SamplingError(f"--sampling {text!r}: expected greedy or T=<temperature>[,top_k=<int>][,top_p=<p>]")
+        try:
+            fields[names[key]] = int(value) if key == "top_k" else float(value)
+        except ValueError:
+            raise SamplingError(f"--sampling {text!r}: {key}={value!r} is not a number") from None
+    if not 0.0 < fields.get("temperature", 0.0) < math.inf:
+        raise SamplingError(f"--sampling {text!r}: give T > 0 (or 'greedy')")
+    try:
+        return Sampling(**fields)
+    except ValueError as error:
+        raise SamplingError(f"--sampling {text!r}: {error}") from None
 
 
 def probabilities(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:

@@ -10,6 +10,8 @@ p instead of norm(max(0, p - q))), so a wrong runtime could not pass.
 
 `accept` itself is checked exactly: with the uniform draws replaced by a grid and the final sampling
 recorded, the probability of every outcome is enumerated in rational steps and equals p.
+
+`parse_sampling` reads the --sampling option into the same settings, or says in one line what is wrong.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from runtime import generator as generator_module  # noqa: E402
 from runtime.checkpoint import build_model  # noqa: E402
 from runtime.generator import SpeculativeGenerator, accept  # noqa: E402
 from runtime.policy import FixedK  # noqa: E402
-from runtime.sampling import Sampling, probabilities  # noqa: E402
+from runtime.sampling import Sampling, SamplingError, parse_sampling, probabilities  # noqa: E402
 
 V = 6
 ROWS = 5000
@@ -283,3 +285,18 @@ def test_accept_greedy():
     accepted, nxt = accept(draft, None, logits, Sampling(), None)
     assert accepted.tolist() == [2, 1, 0]
     assert nxt.tolist() == [2, 0, 1]
+
+
+# ------------------------------------------------------------------------------- the --sampling option
+@pytest.mark.parametrize("text, expected", [
+    ("greedy", Sampling()), ("T=0.8", Sampling(temperature=0.8)),
+    ("T=1,top_k=5,top_p=0.9", Sampling(temperature=1.0, top_k=5, top_p=0.9)),
+])
+def test_parse_sampling(text, expected):
+    assert parse_sampling(text) == expected
+
+
+@pytest.mark.parametrize("text", ["hot", "T=0", "T=x", "top_k=5", "T=0.8,top_p=2"])
+def test_parse_sampling_refuses(text):
+    with pytest.raises(SamplingError, match="--sampling"):
+        parse_sampling(text)

@@ -1,0 +1,67 @@
+"""Wiring a bench run from what a user names: the pair (directory, preset or config.json), the prompts
+and the n-gram second stage. `specbatch bench` calls `load_bench_inputs` after its options are checked
+(`BenchConfig` refuses bad ones before any model is loaded)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from perfmodel.errors import UsageError
+from runtime.assembly import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET
+
+from .config import BenchConfig, BenchModels
+from .harness import RANDOM_PROMPT_TOKENS, random_prompts
+
+
+@dataclass
+class BenchInputs:
+    models: BenchModels
+    token_prompts: list[list[int]]
+    notes: list[str] = field(default_factory=list)  # said in front of the result's own notes
+
+
+def check_input_files(**paths: Path | None) -> None:
+    """Each named file exists (checked before anything is loaded); the keyword names the option."""
+    for name, path in paths.items():
+        if path is not None and not Path(path).is_file():
+            raise UsageError(f"--{name.replace('_', '-')} {path}: no such file")
+
+
+def load_bench_inputs(config: BenchConfig, target: str | None, draft: str | None, prompts: Path | None,
+                      device: str | None, dtype: str | None) -> BenchInputs:
+    """Load the pair on the device, encode the prompts (random token prompts for a pair without a
+    tokenizer) and load the second stage named in `config`, checked against the target's vocabulary."""
+    from calibrate.acceptance import read_prompts
+    from calibrate.environment import resolve_device
+    from calibrate.models import check_pair, resolve_model
+    from calibrate.models import load_pair as load_specs
+    from runtime.assembly import load_ngram
+    from runtime.checkpoint import parse_dtype
+
+    target_spec = resolve_model(target or str(DEMO_TARGET), "target")
+    draft_spec = resolve_model(draft or str(DEMO_DRAFT), "draft")
+    check_pair(target_spec, draft_spec)
+    random_weights = target_spec.random_weights or draft_spec.random_weights
+    if random_weights and config.synthetic_acceptance is None:
+        raise UsageError("random weights (a preset or config.json) never agree with a target: pass "
+                         "--synthetic-acceptance α to benchmark the shape")
+    device = resolve_device(device)
+    pair = load_specs(target_spec, draft_spec, device, parse_dtype(dtype, device))
+    # each round of batch size b takes the next b prompts (cycling), so small batches see many prompts
+    needed = max(config.batch_sizes) * (config.rounds + config.warmup_rounds)
+    notes = []
+    if pair.tokenizer is not None:
+        texts = read_prompts(prompts or DEMO_PROMPTS, "--prompts")[:needed]  # fewer are cycled
+        token_prompts = [pair.tokenizer.encode(text) for text in texts]
+    elif prompts is not None:
+        raise UsageError(f"--prompts: {target_spec.source} has no tokenizer.json to encode text; leave --prompts "
+                         "out to benchmark with random token prompts")
+    else:
+        token_prompts = random_prompts(needed, RANDOM_PROMPT_TOKENS, target_spec.config.vocab_size, config.seed)
+        notes.append(f"prompts: {needed} random sequences of {RANDOM_PROMPT_TOKENS} tokens (no tokenizer)")
+    ngram = None if config.stage2_path is None else load_ngram(
+        config.stage2_path, "--stage2", vocab_size=target_spec.config.vocab_size, model_dir=target_spec.directory)
+    models = BenchModels(target=pair.target, draft=pair.draft, target_source=target_spec.source,
+                         draft_source=draft_spec.source, target_dir=target_spec.directory,
+                         draft_dir=draft_spec.directory, random_weights=random_weights, stage2=ngram)
+    return BenchInputs(models, token_prompts, notes)

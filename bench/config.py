@@ -1,0 +1,111 @@
+"""What a bench run is given: its settings (`BenchConfig`, checked when built) and the pair under test.
+
+Every setting the harness cannot measure meaningfully is refused here, before a model is loaded,
+with a one-line `BenchError` naming the option.
+
+`synthetic_acceptance` (for shape presets with random weights) accepts each draft token independently
+with probability α instead of comparing with the target; every forward pass still runs. Results made
+that way are labelled SYNTHETIC wherever they are written (`synthetic_label`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from perfmodel.errors import PerfModelError, SpecbatchError
+from perfmodel.tree import Tree, parse_tree
+from runtime.model import CausalLM
+from runtime.sampling import Sampling
+
+TREE_AUTO = "auto"  # --tree auto: the performance model's best tree at batch size 1
+
+
+class BenchError(SpecbatchError):
+    """A bench configuration that cannot run; the message is one line naming the option."""
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)  # the Su et al. grid
+    ks: tuple[int, ...] = tuple(range(9))  # fixed k to compare; k = 0 (plain decoding) is always run
+    max_new_tokens: int = 64  # per row; the same for every row so the batch stays full
+    rounds: int = 5  # timed rounds per batch size: enough for a median and a p10-p90 band
+    warmup_rounds: int = 1  # discarded rounds per batch size (first use of every shape)
+    sampling: Sampling = Sampling()
+    synthetic_acceptance: float | None = None  # α in (0, 1]: benchmark-only fake verification
+    seed: int = 0
+    table_path: Path | None = None  # specbatch.table/1: adds the "table" policy
+    model_path: Path | None = None  # specbatch.model/1: adds predicted tokens/s (and resolves --tree auto)
+    peers: bool = False  # also time Hugging Face generate (plain, and assisted at b = 1)
+    trees: tuple[str, ...] = ()  # parse_tree specs ("0,1,0.0", "chain:8") or "auto": adds tree:SPEC policies
+    stage2_path: Path | None = None  # specbatch.ngram/1 file (loaded into BenchModels.stage2): adds +ngram policies
+
+    def __post_init__(self):
+        check_config(self)
+
+    @property
+    def fixed_ks(self) -> tuple[int, ...]:
+        """The fixed k values run, ascending, k = 0 included."""
+        return tuple(sorted(set(self.ks) | {0}))
+
+
+def check_config(config: BenchConfig) -> None:
+    """Refuse settings the harness cannot measure meaningfully; one-line messages naming the option."""
+    if not config.batch_sizes:
+        raise BenchError("--batch-sizes: give at least one batch size")
+    if any(b <= 0 for b in config.batch_sizes):
+        raise BenchError(f"--batch-sizes: every batch size must be positive, got {list(config.batch_sizes)}")
+    if not config.ks:
+        raise BenchError("--ks: give at least one k (e.g. 0,1,2,4)")
+    if any(k < 0 for k in config.ks):
+        raise BenchError(f"--ks: every k must be >= 0, got {list(config.ks)}")
+    if config.max_new_tokens <= 0:
+        raise BenchError(f"--max-new-tokens must be positive, got {config.max_new_tokens}")
+    if config.rounds <= 0:
+        raise BenchError(f"--rounds must be positive, got {config.rounds}")
+    if config.warmup_rounds < 0:
+        raise BenchError(f"warm-up rounds must be >= 0, got {config.warmup_rounds}")
+    alpha = config.synthetic_acceptance
+    if alpha is not None and not 0.0 < alpha <= 1.0:
+        raise BenchError(f"--synthetic-acceptance must be in (0, 1], got {alpha}")
+    if alpha is not None and config.peers:
+        raise BenchError("--peers cannot be combined with --synthetic-acceptance: transformers verifies for real, "
+                         "so the ratio would compare a fake acceptance with a real one")
+    for spec in config.trees:
+        if spec.strip() != TREE_AUTO:
+            tree_from_spec(spec)
+    if alpha is not None and (config.trees or config.stage2_path is not None):
+        option = "--tree" if config.trees else "--stage2"
+        raise BenchError(f"{option} cannot be combined with --synthetic-acceptance: the runtime fakes acceptance "
+                         "for plain chains only")
+    if any(spec.strip() == TREE_AUTO for spec in config.trees) and config.model_path is None:
+        raise BenchError("--tree auto needs --model FILE (a specbatch.model/1 file from `specbatch fit`)")
+
+
+def tree_from_spec(spec: str) -> Tree:
+    """A --tree spec as `parse_tree` reads it; a bad one is a one-line BenchError naming the path."""
+    try:
+        return parse_tree(spec, "--tree")
+    except PerfModelError as error:
+        raise BenchError(str(error)) from None
+
+
+def synthetic_label(alpha: float | None) -> str | None:
+    """The label every output carries when acceptance was faked."""
+    return None if alpha is None else f"SYNTHETIC acceptance α={alpha:g} (each draft token accepted with " \
+                                      f"probability α; every forward pass ran)"
+
+
+@dataclass
+class BenchModels:
+    """The pair under test, with where it came from (recorded in bench.json)."""
+
+    target: CausalLM
+    draft: CausalLM | None
+    target_source: str  # directory, preset name or config.json path
+    draft_source: str | None
+    target_dir: Path | None = None  # Hugging Face directories: --peers loads them with transformers
+    draft_dir: Path | None = None
+    random_weights: bool = False  # shape presets / bare configs
+    stage2: Any | None = None  # runtime.ngram.NGramModel for the +ngram policies (the CLI loads and checks it)

@@ -1,0 +1,35 @@
+"""One wall clock for every contender, ours and the peers, and one timed generation of ours."""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Any
+
+import torch
+
+from runtime.generator import SpeculativeGenerator
+
+from .config import BenchConfig
+
+
+def wall_clock(device: torch.device) -> float:
+    """Wall clock; on CUDA, after the queued kernels have run, so they are counted where they ran."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def time_ours(generator: SpeculativeGenerator, prompts: list[list[int]], policy, config: BenchConfig,
+              seed: int) -> dict[str, Any]:
+    """One generation with our runtime; the same outer wall clock as the peers."""
+    start = wall_clock(generator.device)
+    result = generator.generate(prompts, config.max_new_tokens, policy, config.sampling, seed,
+                                config.synthetic_acceptance)
+    seconds = wall_clock(generator.device) - start
+    stats, b = result.stats, len(prompts)
+    full = [k for k, size in zip(stats.k_per_step, stats.batch_size_per_step) if size == b]
+    nodes = [n for n, size in zip(stats.nodes_per_step, stats.batch_size_per_step) if size == b]
+    return dict(generated_tokens=stats.generated_tokens, seconds=seconds, steps=stats.steps,
+                full_batch_steps=len(full), accepted_per_position=list(stats.accepted_per_position),
+                trials_per_position=list(stats.trials_per_position), k_counts_full_batch=dict(Counter(full)),
+                nodes_counts_full_batch=dict(Counter(nodes)), steady_tokens_per_s=stats.steady_tokens_per_s(b))
