@@ -180,7 +180,8 @@ def calibrate_command(
         "Also measure acceptance for T=0.8[,top_k=50][,top_p=0.95] (repeatable); greedy is always "
         "measured."))] = None,
     out: Annotated[Path, typer.Option(
-        "-o", "--out", help="Profile to write (its timing rows also go to the .csv beside it).")] = Path("profile.json"),
+        "-o", "--out", help="Profile to write (its timing rows also go to the .csv beside it).",
+    )] = Path("profile.json"),
     resume: Annotated[bool, typer.Option(
         "--resume", help="Keep the points already in --out and measure only the rest.")] = False,
     quick: Annotated[bool, typer.Option(

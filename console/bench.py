@@ -24,7 +24,8 @@ def bench_with_progress(config, models, token_prompts):
         def on_run(record, done, total):
             phase = "warm-up" if record.warmup else f"round {record.round + 1}/{config.rounds}"
             progress.update(task, completed=done, total=total,
-                            description=f"b={record.batch_size} {phase} {record.policy}: {record.tokens_per_s:.0f} tok/s")
+                            description=f"b={record.batch_size} {phase} {record.policy}: "
+                                        f"{record.tokens_per_s:.0f} tok/s")
 
         return run_bench(config, models, token_prompts, on_run=on_run)
 
@@ -55,7 +56,8 @@ def render_bench(result, written: list[Path]) -> None:
         console.print(result.synthetic, style="bold red", markup=False, highlight=False)
     console.print(f"bench: {result.models['target']['source']} + {result.models['draft']['source']} on "
                   f"{result.device['kind']} ({result.device['name']}), {config.sampling.describe()}, "
-                  f"{config.max_new_tokens} new tokens per row; tokens/s: steady-state goodput (steps with the full batch: "
+                  f"{config.max_new_tokens} new tokens per row; tokens/s: steady-state goodput "
+                  f"(steps with the full batch: "
                   f"all passes and overhead, no prefill), median of {config.rounds} interleaved rounds, each on the "
                   f"next prompts; wall tokens/s in bench.csv; regret = 1 - table / best fixed k",
                   markup=False, highlight=False)
@@ -86,7 +88,8 @@ def render_bench(result, written: list[Path]) -> None:
         summary.add_row(*row)
     console.print(summary)
     if has_model:
-        errors = Table(title="prediction error: predicted / measured - 1 (median steady-state tokens/s: full-batch steps)")
+        errors = Table(title="prediction error: predicted / measured - 1 "
+                             "(median steady-state tokens/s: full-batch steps)")
         names = [p.policy for p in result.batches[0].policies if p.predicted_tokens_per_s is not None]
         for header in ["b", *names]:
             errors.add_column(header, justify="right")

@@ -99,7 +99,8 @@ def render_query(answer: dict, notes: list[str]) -> None:
     for column in (first, "step ms", "tokens per step (per sequence)", "tokens/s (batch)"):
         view.add_column(column, justify="right")
     for i, c in enumerate(answer["candidates"]):
-        cells = [f"{c[key]:.4g}" if c[key] is not None else "-" for key in ("step_ms", "tokens_per_step", "tokens_per_s")]
+        cells = [f"{c[key]:.4g}" if c[key] is not None else "-"
+                 for key in ("step_ms", "tokens_per_step", "tokens_per_s")]
         is_best = (c["strategy"] == ranked[0]["strategy"]) if with_strategies else c["k"] == answer["best_k"]
         view.add_row(c["strategy"] if with_strategies else str(c["k"]), *cells, style="bold green" if is_best else None)
     console = Console()
