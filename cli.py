@@ -348,9 +348,10 @@ def table(
 def query(
     batch_size: Annotated[int, typer.Option("--batch-size", help="Sequences in the batch.")],
     model: Annotated[Optional[Path], typer.Argument(help="specbatch.model/1 file (or use --table).")] = None,
-    table_path: Annotated[Optional[Path], typer.Option("--table", help="specbatch.table/1 file instead of a model.")] = None,
-    context_len: Annotated[Optional[int], typer.Option(
-        "--context-len", help="Mean context length (default: the profile's middle one / the table's first bucket).")] = None,
+    table_path: Annotated[Optional[Path], typer.Option(
+        "--table", help="specbatch.table/1 file instead of a model.")] = None,
+    context_len: Annotated[Optional[int], typer.Option("--context-len", help=(
+        "Mean context length (default: the profile's middle one / the table's first bucket)."))] = None,
     acceptance: AcceptanceOpt = None,
     max_k: MaxKOpt = None,
     tree: TreeOpt = None,
@@ -368,89 +369,27 @@ def query(
         raise UsageError("--acceptance, --max-k and --tree need a model file: a table was computed with fixed values")
     if stage2 is not None and tree is None:
         raise UsageError("--stage2 needs --tree (a chain is --tree chain:K)")
-    if model is not None and tree is not None:
-        answer, notes = _query_strategies(model, batch_size, context_len, acceptance, max_k, tree, stage2)
-    elif model is not None:
+    if model is not None:
         from perfmodel.model import choose_acceptance, load_model
-        from perfmodel.model import query as query_model
+        from perfmodel.query import chain_answer, strategy_answer
 
         fitted = load_model(model)
         chosen = choose_acceptance(fitted, acceptance_override(acceptance), str(model))
-        context = fitted.default_context_len() if context_len is None else context_len
-        choice = query_model(fitted, chosen, batch_size, context, fitted.grid.max_k if max_k is None else max_k)
-        answer = {"batch_size": batch_size, "context_len": context, "best_k": choice.best_k,
-                  "candidates": [{"k": c.k, "step_ms": c.step_ms, "tokens_per_step": c.tokens_per_step,
-                                  "tokens_per_s": c.tokens_per_s} for c in choice.candidates]}
-        notes = fitted.extrapolation_notes(batch_size, [context], len(choice.candidates) - 1)
+        if tree is None:
+            answer = chain_answer(fitted, chosen, batch_size, context_len, max_k)
+        else:
+            answer = strategy_answer(fitted, chosen, batch_size, tree, context_len, max_k, stage2, str(model))
     else:
-        answer, notes = _query_table(table_path, batch_size, context_len), []
+        from perfmodel.query import table_answer
+        from perfmodel.table import load_table
+
+        answer = table_answer(load_table(table_path), batch_size, context_len)
     if json_output:
-        typer.echo(json.dumps(answer))
+        typer.echo(json.dumps(answer.to_json()))
         return
     from console.model import render_query
 
-    render_query(answer, notes)
-
-
-def _query_strategies(model: Path, batch_size: int, context_len: int | None, acceptance: str | None,
-                      max_k: int | None, tree: str, stage2: Path | None) -> tuple[dict, list[str]]:
-    """--tree auto: every candidate strategy ranked; --tree SPEC: that strategy alone."""
-    from perfmodel.jsonio import file_sha256
-    from perfmodel.model import (
-        choose_acceptance,
-        evaluate_strategy,
-        load_model,
-        query_strategies,
-    )
-    from perfmodel.tree import Strategy, parse_tree
-
-    fitted = load_model(model)
-    chosen = choose_acceptance(fitted, acceptance_override(acceptance), str(model))
-    context = fitted.default_context_len() if context_len is None else context_len
-    if stage2 is not None:
-        if fitted.stage2 is None:
-            raise UsageError(f"--stage2: {model} has no second-stage measurements; run calibrate with --stage2 {stage2}")
-        digest = file_sha256(Path(stage2))
-        if digest != fitted.stage2.sha256:
-            raise UsageError(f"--stage2 {stage2}: the model measured another n-gram file ({fitted.stage2.file}, "
-                             f"sha256 {fitted.stage2.sha256[:12]}); calibrate with this one first")
-    if tree == "auto":
-        family = "all" if stage2 is not None or fitted.stage2 is not None else "tree"
-        ranked = query_strategies(fitted, chosen, batch_size, context, max_k, family).ranked
-    else:
-        strategy = Strategy(parse_tree(tree), stage2=stage2 is not None)
-        ranked = [evaluate_strategy(fitted, Strategy(None), batch_size, context, chosen),
-                  evaluate_strategy(fitted, strategy, batch_size, context, chosen)]
-    candidates = [{"strategy": c.strategy.describe(), "k": c.strategy.k, "step_ms": c.step_ms,
-                   "tokens_per_step": c.tokens_per_step, "tokens_per_s": c.tokens_per_s,
-                   "draft_passes": c.draft_passes} for c in ranked]
-    best = max(ranked, key=lambda c: c.tokens_per_s)
-    answer = {"batch_size": batch_size, "context_len": context, "best_k": best.strategy.k,
-              "best_strategy": best.strategy.to_json(), "candidates": candidates}
-    return answer, list(fitted.strategy_notes([c.strategy for c in ranked]))
-
-
-def _query_table(path: Path, batch_size: int, context_len: int | None) -> dict:
-    """With only a table, the candidate is the table's own choice, with the goodput it predicted; the
-    step time follows from G = b * E / S when E is known (chains: from the table's acceptance)."""
-    from perfmodel.acceptance import expected_tokens
-    from perfmodel.table import load_table
-
-    loaded = load_table(path)
-    strategy = loaded.strategy(batch_size, context_len)
-    bucket = loaded.bucket_for(context_len)
-    candidate = {"strategy": strategy.describe(), "k": strategy.k, "step_ms": None, "tokens_per_step": None,
-                 "tokens_per_s": None}
-    per_position = loaded.acceptance.get("per_position")
-    if per_position and strategy.kind != "tree":
-        candidate["tokens_per_step"] = expected_tokens(per_position, strategy.k)
-    if batch_size <= bucket.max_batch:  # beyond the table, its numbers belong to another batch size
-        goodput = bucket.entries[batch_size - 1].predicted_tokens_per_s
-        candidate["tokens_per_s"] = goodput
-        if candidate["tokens_per_step"] is not None:
-            candidate["step_ms"] = batch_size * candidate["tokens_per_step"] / goodput * 1e3
-    return {"batch_size": batch_size, "context_len": bucket.context_len, "best_k": strategy.k,
-            "best_strategy": strategy.to_json(), "candidates": [candidate]}
+    render_query(answer.to_json(), list(answer.notes))
 
 
 @app.command()

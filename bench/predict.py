@@ -27,9 +27,7 @@ class Predictor:
     acceptance_note: str  # which acceptance the predictions use, for bench.json
 
     def tokens_per_s(self, batch_size: int, k: int, context_len: int) -> float:
-        from perfmodel.model import query
-
-        return float(query(self.fitted, self.acceptance, batch_size, context_len, k).candidates[k].tokens_per_s)
+        return self.strategy_tokens_per_s(batch_size, Strategy.from_k(k), context_len)
 
     def strategy_tokens_per_s(self, batch_size: int, strategy: Strategy, context_len: int) -> float:
         """A tree's or a staged step's goodput; PerfModelError when the model lacks rank acceptance

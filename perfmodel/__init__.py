@@ -3,11 +3,13 @@
 profile.py     the specbatch.profile/1 contract (what calibrate measured)
 latency.py     T(b, n, L) per role: a roofline and a monotone data-driven refinement, cross-validated
 acceptance.py  E(k) from per-position acceptance, the constant-alpha fit, what-if overrides
-goodput.py     step time as the runtime schedules it, goodput, the best k per batch size
 tree.py        draft trees as rank paths, their buffers and expected tokens; Strategy (what a step runs)
-schedule.py    tree steps and the n-gram second stage's rounds as the runtime schedules them
-strategy.py    goodput of every strategy (none, chains, trees, each +/- second stage), the best one
+schedule.py    a step's forward passes as the runtime schedules them: chains, trees, the n-gram second stage
+overhead.py    the step overhead outside forward passes, from the profile's measured rows
+strategy.py    goodput of every strategy (none, chains, trees, each +/- second stage), the best one: the one
+               prediction path that tables, queries, plots and the bench use
 model.py       the specbatch.model/1 file: fit a profile, save, load, compute a table
+query.py       what `specbatch query` answers (QueryAnswer, its JSON), from a model or a table
 table.py       the specbatch.table/1 contract the runtime reads (standard library + tree.py), exports
 plot.py        the explanatory figure (matplotlib, optional)
 

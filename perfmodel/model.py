@@ -4,8 +4,8 @@
     save_model / load_model                          (JSON; parameters in named units, no pickles)
     choose_acceptance(fitted, override)             -> AcceptanceModel
     compute_table(fitted, acceptance, ...)          -> table.Table   (best strategy per batch size)
-    query(fitted, acceptance, b, L, max_k)          -> goodput.Choice (chains: every k)
-    query_strategies(fitted, acceptance, b, L, ...) -> strategy.StrategyChoice (every candidate, ranked)
+    query_strategies(fitted, acceptance, b, L, ...) -> strategy.StrategyChoice (every candidate, ranked;
+                                                       strategies="chain": none and chains k = 1..max_k)
     evaluate_strategy(fitted, strategy, b, L, ...)  -> strategy.StrategyCandidate (one what-if)
 
 The model carries what strategies need beyond chains, all optional so older model files still load:
@@ -27,8 +27,8 @@ import numpy as np
 from . import latency as lat
 from .acceptance import AcceptanceModel, acceptance_from_profile, acceptance_from_user
 from .errors import PerfModelError
-from .goodput import Choice, OverheadModel, evaluate
 from .jsonio import read_json, rounded, write_json_atomic
+from .overhead import OverheadModel
 from .profile import ROLES, DeviceInfo, Grid, ModelInfo, Profile, Stage2Info
 from .strategy import MAX_TREE_NODES, StepModel, StrategyCandidate, StrategyChoice, candidate_strategies
 from .table import Bucket, Table, TableEntry
@@ -72,7 +72,7 @@ class FittedModel:
     stage2: Stage2Info | None = None  # the n-gram second stage, when the profile measured one
 
     def latency_ms(self, role: str, batch_size: int, new_tokens: int, context_len: int) -> float:
-        """Predicted time of one forward pass; matches goodput.LatencyFn."""
+        """Predicted time of one forward pass; matches strategy.LatencyFn."""
         return self.roles[role].model.latency_ms(batch_size, new_tokens, context_len)
 
     def default_context_len(self) -> int:
@@ -194,13 +194,6 @@ def choose_acceptance(fitted: FittedModel, override: Sequence[float] | None, sou
         raise PerfModelError(f"{source}: the profile has no acceptance measurements; pass --acceptance "
                              "(one alpha such as 0.8, or per position such as 0.9,0.85,0.8)")
     return fitted.acceptance[0]
-
-
-def query(fitted: FittedModel, acceptance: AcceptanceModel, batch_size: int, context_len: int, max_k: int) -> Choice:
-    """Every k's step time, tokens per step and goodput at one batch size, and the best k."""
-    alphas = acceptance.alphas(max(max_k, 1))
-    return evaluate(fitted.latency_ms, fitted.overhead, alphas, batch_size, context_len, max_k,
-                    acceptance.tokens_per_step)
 
 
 def step_model(fitted: FittedModel, acceptance: AcceptanceModel, stage2: Stage2Info | None = None) -> StepModel:

@@ -1,7 +1,8 @@
 """One figure that explains a model: where speculation pays, and how well latency is fitted.
 
 Left: goodput over (batch size b, speculation length k), each column divided by its best k's goodput
-(absolute tokens/s span orders of magnitude across b), with the k*(b) curve on top.
+(absolute tokens/s span orders of magnitude across b), with the k*(b) curve on top: the chain family
+(none and chains k = 1..max_k) as `strategy.StepModel` predicts it, as a chain-only table would choose.
 Right: predicted against measured pass latency per role, with the +-5% band the fit aims for.
 
 matplotlib is an optional extra (`pip install 'specbatch[plot]'`); it is imported only here.
@@ -14,8 +15,7 @@ import numpy as np
 
 from .acceptance import AcceptanceModel
 from .errors import PerfModelError
-from .goodput import best_k_per_batch
-from .model import FittedModel
+from .model import FittedModel, query_strategies
 
 
 def _pyplot():
@@ -32,10 +32,13 @@ def _pyplot():
 def goodput_grid(fitted: FittedModel, acceptance: AcceptanceModel, max_batch: int, context_len: int,
                  max_k: int) -> tuple[np.ndarray, np.ndarray]:
     """(relative goodput of shape (max_k + 1, max_batch), best k per batch size of shape (max_batch,))."""
-    choices = best_k_per_batch(fitted.latency_ms, fitted.overhead, acceptance.alphas(max(max_k, 1)),
-                               max_batch, context_len, max_k, acceptance.tokens_per_step)
-    goodput = np.array([[c.tokens_per_s for c in choice.candidates] for choice in choices]).T  # (k, b)
-    return goodput / goodput.max(axis=0, keepdims=True), np.array([choice.best_k for choice in choices])
+    if max_batch < 1:
+        raise PerfModelError(f"--max-batch must be >= 1, found {max_batch}")
+    choices = [query_strategies(fitted, acceptance, b, context_len, max_k, strategies="chain")
+               for b in range(1, max_batch + 1)]
+    goodput = np.array([[c.tokens_per_s for c in sorted(choice.ranked, key=lambda candidate: candidate.k)]
+                        for choice in choices]).T  # (k, b)
+    return goodput / goodput.max(axis=0, keepdims=True), np.array([choice.best.k for choice in choices])
 
 
 def plot_model(fitted: FittedModel, acceptance: AcceptanceModel, path: str | os.PathLike, max_batch: int = 64,

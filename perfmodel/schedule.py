@@ -1,10 +1,23 @@
-"""The forward passes of one TREE step, as the runtime schedules them (runtime/tree_decoding.py).
+"""The forward passes of one step, as the runtime schedules them (runtime/generator.py for chains,
+runtime/tree_decoding.py for trees), each with its expected count per step. `strategy.StepModel` weighs
+them by pass latency and adds the step overhead (`overhead.OverheadModel`).
 
-Chains without the second stage keep their own schedule (`goodput.step_passes`); a chain is also a
-tree, and `tree_step` gives it the same passes. Notation: b rows, a tree of N draft nodes, its inner
-nodes (nodes with children; the root, node 0, always is one), I = inner nodes other than the root,
-H = the deepest inner node's depth. Leaves are never fed to the draft: their tokens come from their
-parent's draft logits.
+Chain step WITHOUT the second stage (`step_passes`), k draft tokens:
+- k = 0: one target pass over 1 new token per row. No draft pass.
+- k >= 1: a first draft pass of n0 tokens, then k-1 draft passes of 1 token, then one target
+  pass of k+1 tokens (the k draft tokens plus the position after them). n0 = 2 when at least one
+  row of the batch accepted all k draft tokens in the previous step (the draft must catch up its
+  own last token and the target's bonus token), else 1; the whole batch pays for the wider pass.
+So S(b, k, L) = P2 * T_d(b, 2, L) + (1 - P2) * T_d(b, 1, L) + (k - 1) * T_d(b, 1, L)
+              + T_t(b, k + 1, L) + overhead(b, k),   with P2 = 1 - (1 - prod_{i<=k} alpha_i)^b.
+Assumptions: rows accept independently with the same alphas; the previous step used the same k;
+every pass of a step sees the step's starting context length L (it grows by at most k + 1 within
+the step); a finished row leaves immediately (no padding rows).
+
+A chain is also a tree, and `tree_step` gives it the same passes. Notation: b rows, a tree of N draft
+nodes, its inner nodes (nodes with children; the root, node 0, always is one), I = inner nodes other
+than the root, H = the deepest inner node's depth. Leaves are never fed to the draft: their tokens come
+from their parent's draft logits.
 
 Catch-up width w. A row's draft cache lags its committed tokens by 2 when the path it accepted ends at
 a leaf (the leaf, then the target's bonus token), else by 1; the pass is as wide as the widest row, so
@@ -41,7 +54,7 @@ rounds that is E[W(u)], so the expected contexts per step are b * (I + sum over 
 E[W(u)] = sum of (1 - accuracy) over u's path. A Monte Carlo of the rounds themselves
 (`simulate_staged_rounds`) checks all of this in the tests.
 
-Assumptions beyond the goodput module's: acceptance and guesses independent across depths, ranks and
+Assumptions beyond the chain step's: acceptance and guesses independent across depths, ranks and
 rows; every pass sees the step's starting context length; the n-gram query time does not depend on
 the context length or on which tokens it is asked about.
 """
@@ -53,9 +66,16 @@ from typing import Sequence
 
 import numpy as np
 
+from .acceptance import accept_all_probability
 from .errors import PerfModelError
-from .goodput import Pass
 from .tree import Tree
+
+
+@dataclass(frozen=True)
+class Pass:
+    role: str  # "draft" | "target"
+    new_tokens: int  # tokens fed per row
+    weight: float  # expected number of such passes per step
 
 
 @dataclass(frozen=True)
@@ -89,6 +109,21 @@ def _catch_up(batch_size: int, extra: int, p_leaf_end: float) -> list[Pass]:
     if p2 < 1:
         passes.append(Pass("draft", 1 + extra, 1.0 - p2))
     return passes
+
+
+def step_passes(batch_size: int, k: int, alphas: Sequence[float]) -> tuple[Pass, ...]:
+    """The forward passes of one chain step without the second stage; draft weights sum to k.
+
+    >>> [(p.role, p.new_tokens, p.weight) for p in step_passes(4, 3, [0.0])]  # no row ever accepts all
+    [('draft', 1, 1.0), ('draft', 1, 2.0), ('target', 4, 1.0)]
+    """
+    if batch_size < 1 or k < 0:
+        raise PerfModelError(f"step_passes: need batch_size >= 1 and k >= 0, found {batch_size} and {k}")
+    if k == 0:
+        return (Pass("target", 1, 1.0),)
+    rest = [Pass("draft", 1, float(k - 1))] if k > 1 else []
+    first = _catch_up(batch_size, 0, accept_all_probability(alphas, k))  # a chain's only leaf is its last token
+    return tuple(first + rest + [Pass("target", k + 1, 1.0)])
 
 
 def _check(tree: Tree, batch_size: int) -> None:

@@ -16,7 +16,7 @@ E (tokens a row gains per step):
   on the accepted path (independent depths: it over-counts after a rank-1 branch). A tree needs the profile's rank acceptance; chains never use it, so a chain and
   a tree are compared on two measurements of the same pair (both step-aligned).
 
-S (expected step time): the forward passes the runtime makes (`goodput.step_passes` for plain chains,
+S (expected step time): the forward passes the runtime makes (`schedule.step_passes` for plain chains,
 `schedule.tree_step` / `schedule.staged_step` for trees and staged steps), each weighted by its
 expected count, plus the n-gram queries (expected queries x query_overhead_ms + expected
 contexts x query_ms_per_context), plus the step overhead (`OverheadModel.step_overhead_ms`).
@@ -29,16 +29,19 @@ candidate in that order (the simpler strategy).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from .acceptance import AcceptanceModel, accept_all_probability
 from .errors import PerfModelError
-from .goodput import LatencyFn, OverheadModel, step_passes
+from .overhead import OverheadModel
 from .profile import Stage2Info
-from .schedule import TreeStep, leaf_end_probability, staged_step, tree_step
+from .schedule import TreeStep, leaf_end_probability, staged_step, step_passes, tree_step
 from .tree import Strategy, chain, expected_tree_tokens, grow_tree, node_probabilities, simulate_tree_steps
+
+# (role, batch_size, new_tokens, context_len) -> milliseconds of one forward pass
+LatencyFn = Callable[[str, int, int, int], float]
 
 TREE_SIZES = (4, 6, 8, 12, 16, 24, 32, 48, 64)  # nodes of the grown trees: roughly x1.5 apart
 MAX_TREE_NODES = 64  # default limit: a 64-node tree already verifies 65 tokens per row
@@ -159,7 +162,7 @@ class StepModel:
         return self.acceptance.expected_tokens(strategy.k)
 
     def leaf_end_probability(self, strategy: Strategy) -> float:
-        """P(a row's accepted path ends at a leaf): all k for chains, as `goodput.step_passes` has it."""
+        """P(a row's accepted path ends at a leaf): all k for chains, as `schedule.step_passes` has it."""
         if strategy.kind == "chain":
             return accept_all_probability(self.acceptance.per_position, strategy.k)
         replayed = self._replayed(strategy)
@@ -185,7 +188,7 @@ class StepModel:
     def evaluate(self, strategy: Strategy, batch_size: int, context_len: int) -> StrategyCandidate:
         step = self.schedule(strategy, batch_size)
         times = [p.weight * self._latency(p.role, batch_size, p.new_tokens, context_len) for p in step.passes]
-        forward_ms = sum(times)  # summed in pass order, as goodput.step_time_ms does
+        forward_ms = sum(times)  # summed in pass order
         ngram_ms = 0.0
         if step.ngram_queries:
             ngram_ms = (step.ngram_queries * self.stage2.query_overhead_ms

@@ -76,6 +76,6 @@ def _acceptance_json() -> dict:
 
 
 def _overhead():
-    from perfmodel.goodput import OverheadModel
+    from perfmodel.overhead import OverheadModel
 
     return OverheadModel(())

@@ -1,14 +1,32 @@
-"""Step time, goodput and the best k, on latency functions whose answer is known."""
+"""Step time, goodput and the best k of chains (StepModel, the one prediction path), on latency
+functions whose answer is known."""
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
-from perfmodel.acceptance import expected_tokens
+from perfmodel.acceptance import acceptance_from_user, expected_tokens
 from perfmodel.errors import PerfModelError
-from perfmodel.goodput import OverheadModel, best_k_per_batch, evaluate, step_passes, step_time_ms
+from perfmodel.overhead import OverheadModel
+from perfmodel.schedule import step_passes
+from perfmodel.strategy import StepModel, StrategyChoice, candidate_strategies
+from perfmodel.tree import Strategy, chain
 from perfmodel_fixtures import roofline_latency
 
 NO_OVERHEAD = OverheadModel(())
+
+
+def chains(latency, overhead: OverheadModel, alphas, batch_size: int, context_len: int, max_k: int,
+           tokens_per_step=None) -> StrategyChoice:
+    """No speculation and chains k = 1..max_k at one batch size, ranked."""
+    acceptance = dataclasses.replace(acceptance_from_user(alphas), tokens_per_step=tokens_per_step)
+    model = StepModel(latency, overhead, acceptance)
+    return model.choose(candidate_strategies(max_k, family="chain"), batch_size, context_len)
+
+
+def by_k(choice: StrategyChoice):
+    return sorted(choice.ranked, key=lambda c: c.k)
 
 
 def memory_bound(role: str, b: int, n: int, L: int) -> float:
@@ -23,17 +41,17 @@ def compute_bound(role: str, b: int, n: int, L: int) -> float:
 
 def test_memory_bound_prefers_a_large_k():
     # G(k) = E(k) / (10 + 0.5 k) with alpha 0.8 peaks at k = 8 (E(8)/14 = 0.3092 > E(9)/14.5 = 0.3078)
-    choice = evaluate(memory_bound, NO_OVERHEAD, [0.8], batch_size=4, context_len=512, max_k=10)
-    assert choice.best_k == 8
+    choice = chains(memory_bound, NO_OVERHEAD, [0.8], batch_size=4, context_len=512, max_k=10)
+    assert choice.best.k == 8
     assert choice.speedup == pytest.approx(expected_tokens([0.8], 8) / 14.0 * 10.0)
 
 
 def test_compute_bound_prefers_no_speculation():
     for b in (1, 8, 64):
-        choice = evaluate(compute_bound, NO_OVERHEAD, [0.9], batch_size=b, context_len=512, max_k=8)
-        assert choice.best_k == 0
+        choice = chains(compute_bound, NO_OVERHEAD, [0.9], batch_size=b, context_len=512, max_k=8)
+        assert choice.best.k == 0
         assert choice.speedup == 1.0
-        assert choice.runner_up_k == 1
+        assert choice.runner_up.k == 1
 
 
 def test_step_time_mirrors_the_schedule_by_hand():
@@ -44,7 +62,8 @@ def test_step_time_mirrors_the_schedule_by_hand():
     # alpha 0.5, k = 2: a row accepts both with 0.25; some row of 2 did with 1 - 0.75^2 = 0.4375
     p2 = 0.4375
     expected = p2 * 3.0 + (1 - p2) * 2.0 + 1 * 2.0 + 14.0 + 0.25
-    assert step_time_ms(latency, overhead, 2, 2, 100, [0.5]) == pytest.approx(expected)
+    model = StepModel(latency, overhead, acceptance_from_user([0.5]))
+    assert model.evaluate(Strategy(chain(2)), 2, 100).step_ms == pytest.approx(expected)
 
 
 def test_step_passes_follow_the_runtime_schedule():
@@ -64,28 +83,30 @@ def test_step_passes_follow_the_runtime_schedule():
 
 
 def test_goodput_is_batch_tokens_over_step_time():
-    choice = evaluate(memory_bound, OverheadModel(((1, 0, 1.0), (1, 3, 1.0))), [0.6], 3, 0, 3)
-    for c in choice.candidates:
+    choice = chains(memory_bound, OverheadModel(((1, 0, 1.0), (1, 3, 1.0))), [0.6], 3, 0, 3)
+    assert [c.k for c in by_k(choice)] == [0, 1, 2, 3]
+    for c in choice.ranked:
         assert c.tokens_per_step == pytest.approx(expected_tokens([0.6], c.k))
         assert c.tokens_per_s == pytest.approx(3 * c.tokens_per_step / c.step_ms * 1e3)
-    assert choice.candidates[0].step_ms == pytest.approx(11.0)  # one target pass + 1 ms overhead
+    assert by_k(choice)[0].step_ms == pytest.approx(11.0)  # one target pass + 1 ms overhead
 
 
 def test_measured_tokens_per_step_replace_the_formula():
-    formula = evaluate(memory_bound, NO_OVERHEAD, [0.8], 1, 0, 4)
-    measured = evaluate(memory_bound, NO_OVERHEAD, [0.8], 1, 0, 4, tokens_per_step=[1.0, 1.5, 1.7, 1.8, 1.85])
-    assert [c.tokens_per_step for c in measured.candidates] == [1.0, 1.5, 1.7, 1.8, 1.85]
-    assert [c.step_ms for c in measured.candidates] == [c.step_ms for c in formula.candidates]
-    assert measured.best_k < formula.best_k  # flatter E(k): a shorter k is best
+    formula = chains(memory_bound, NO_OVERHEAD, [0.8], 1, 0, 4)
+    measured = chains(memory_bound, NO_OVERHEAD, [0.8], 1, 0, 4, tokens_per_step=(1.0, 1.5, 1.7, 1.8, 1.85))
+    assert [c.tokens_per_step for c in by_k(measured)] == [1.0, 1.5, 1.7, 1.8, 1.85]
+    assert [c.step_ms for c in by_k(measured)] == [c.step_ms for c in by_k(formula)]
+    assert measured.best.k < formula.best.k  # flatter E(k): a shorter k is best
 
 
 def test_runner_up_and_margin():
-    choice = evaluate(memory_bound, NO_OVERHEAD, [0.8], 1, 0, 10)
+    choice = chains(memory_bound, NO_OVERHEAD, [0.8], 1, 0, 10)
     # G(k) = E(k) / (10 + 0.5 k): G(8) = 0.30921 > G(7) = 0.30822 > G(9) = 0.30778
-    assert (choice.best_k, choice.runner_up_k) == (8, 7)
+    assert (choice.best.k, choice.runner_up.k) == (8, 7)
     g8, g7 = (expected_tokens([0.8], k) / (10 + 0.5 * k) for k in (8, 7))
     assert choice.margin == pytest.approx((g8 - g7) / g8)
-    assert evaluate(memory_bound, NO_OVERHEAD, [0.8], 1, 0, 0).runner_up_k is None
+    only_none = chains(memory_bound, NO_OVERHEAD, [0.8], 1, 0, 0)
+    assert only_none.runner_up is None and only_none.margin is None
 
 
 def test_overhead_interpolates_and_extrapolates_linearly_never_below_zero():
@@ -99,31 +120,29 @@ def test_overhead_interpolates_and_extrapolates_linearly_never_below_zero():
     assert OverheadModel(()).overhead_ms(4, 2) == 0.0 and not OverheadModel(()).measured
 
 
-def test_best_k_per_batch_on_a_roofline_falls_with_batch_size_at_short_context():
+def test_best_k_on_a_roofline_falls_with_batch_size_at_short_context():
     """The seed paper's shape: large k at batch 1, less as verification stops being free."""
-    choices = best_k_per_batch(roofline_latency(), NO_OVERHEAD, [0.8], 128, 128, 8)
-    ks = [c.best_k for c in choices]
-    assert [c.batch_size for c in choices] == list(range(1, 129))
+    ks = [chains(roofline_latency(), NO_OVERHEAD, [0.8], b, 128, 8).best.k for b in range(1, 129)]
     assert all(a >= b for a, b in zip(ks, ks[1:]))
     assert ks[0] >= 3 and ks[-1] <= 1
 
 
 def test_long_context_keeps_speculation_alive():
     """KV reads grow with b*L, so the pass stays memory-bound and speculation keeps paying."""
-    short = evaluate(roofline_latency(), NO_OVERHEAD, [0.8], 64, 128, 8)
-    long = evaluate(roofline_latency(), NO_OVERHEAD, [0.8], 64, 4096, 8)
-    assert long.best_k > short.best_k
+    short = chains(roofline_latency(), NO_OVERHEAD, [0.8], 64, 128, 8)
+    long = chains(roofline_latency(), NO_OVERHEAD, [0.8], 64, 4096, 8)
+    assert long.best.k > short.best.k
 
 
 def test_bad_batch_sizes():
     with pytest.raises(PerfModelError, match="batch size must be >= 1"):
-        evaluate(memory_bound, NO_OVERHEAD, [0.8], 0, 0, 4)
-    with pytest.raises(PerfModelError, match="--max-batch must be >= 1"):
-        best_k_per_batch(memory_bound, NO_OVERHEAD, [0.8], 0, 0, 4)
+        chains(memory_bound, NO_OVERHEAD, [0.8], 0, 0, 4)
+    with pytest.raises(PerfModelError, match="batch size must be >= 1"):
+        StepModel(memory_bound, NO_OVERHEAD, acceptance_from_user([0.8])).evaluate(Strategy(chain(2)), 0, 0)
 
 
 def test_tree_step_overhead_falls_back_from_same_flag_to_other_flag_to_chain_to_zero():
-    from perfmodel.tree import Strategy, chain, parse_tree
+    from perfmodel.tree import parse_tree
 
     tree = parse_tree("0,1,0.0,0.1")  # 4 nodes, depth 2
     chain_rows = ((1, 0, 1.0), (9, 0, 3.0), (1, 4, 2.0), (9, 4, 6.0))

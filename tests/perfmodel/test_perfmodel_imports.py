@@ -9,9 +9,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_perfmodel_imports_no_torch():
-    code = ("import perfmodel.latency, perfmodel.goodput, perfmodel.table, perfmodel.acceptance, "
+    code = ("import perfmodel.latency, perfmodel.overhead, perfmodel.table, perfmodel.acceptance, "
             "perfmodel.profile, perfmodel.model, perfmodel.plot, perfmodel.jsonio, perfmodel.errors, "
-            "perfmodel.tree, perfmodel.schedule, perfmodel.strategy, sys; "
+            "perfmodel.tree, perfmodel.schedule, perfmodel.strategy, perfmodel.query, sys; "
             "assert 'torch' not in sys.modules, 'perfmodel imported torch'")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

@@ -9,9 +9,9 @@ import pytest
 
 from perfmodel.acceptance import acceptance_from_user
 from perfmodel.errors import PerfModelError
-from perfmodel.goodput import OverheadModel, best_k_per_batch
 from perfmodel.model import (choose_acceptance, compute_table, evaluate_strategy, fit_profile, model_from_json,
-                             model_to_json, query, query_strategies, strategy_family)
+                             model_to_json, query_strategies, strategy_family)
+from perfmodel.overhead import OverheadModel
 from perfmodel.profile import Stage2Info, profile_from_json
 from perfmodel.strategy import StepModel, candidate_strategies
 from perfmodel.table import load_table, save_table, table_from_json, to_csv, to_vllm
@@ -213,13 +213,6 @@ def test_old_model_gives_the_chain_table_of_before(chain_model):
     assert table.to_json()["buckets"] == compute_table(chain_model, acceptance, 40, [128, 512],
                                                        strategies="chain").to_json()["buckets"]
     assert "stage2" not in table.to_json()
-    for bucket in table.buckets:
-        before = best_k_per_batch(chain_model.latency_ms, chain_model.overhead, acceptance.alphas(4), 40,
-                                  bucket.context_len, 4, acceptance.tokens_per_step)
-        assert [(e.k, e.runner_up_k) for e in bucket.entries] == [(c.best_k, c.runner_up_k) for c in before]
-        assert [e.predicted_tokens_per_s for e in bucket.entries] == [c.tokens_per_s for c in before]
-        assert [e.predicted_speedup for e in bucket.entries] == [c.speedup for c in before]
-        assert [e.margin for e in bucket.entries] == [c.margin for c in before]
 
 
 def test_old_table_json_means_chains(chain_model):
@@ -230,16 +223,6 @@ def test_old_table_json_means_chains(chain_model):
     old = table_from_json(obj, "old.json")
     assert [old.strategy(b) for b in range(1, 9)] == [Strategy.from_k(e.k) for e in table.buckets[0].entries]
     assert [old.lookup(b) for b in range(1, 9)] == [table.lookup(b) for b in range(1, 9)]
-
-
-def test_chain_query_keeps_its_shape(chain_model):
-    """`query` (every k, used by the CLI and the bench) is unchanged; `query_strategies` agrees with it."""
-    acceptance = choose_acceptance(chain_model, None)
-    chains = query(chain_model, acceptance, 4, 128, 4)
-    ranked = query_strategies(chain_model, acceptance, 4, 128, 4)
-    assert ranked.best.k == chains.best_k
-    by_k = {c.k: c.tokens_per_s for c in ranked.ranked}
-    assert [by_k[c.k] for c in chains.candidates] == [c.tokens_per_s for c in chains.candidates]
 
 
 def test_bad_strategy_in_a_table_names_the_entry(chain_model):

@@ -1,7 +1,7 @@
 """The step-time formula counts the passes the runtime really makes.
 
 This is the one perfmodel test that runs the torch runtime (tiny models from conftest, milliseconds):
-it records the forward passes of each step and compares them with `goodput.step_passes`. At
+it records the forward passes of each step and compares them with `schedule.step_passes`. At
 acceptance 0 and 1 the schedule is deterministic, so the comparison is exact.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from perfmodel.goodput import step_passes
+from perfmodel.schedule import step_passes
 
 pytest.importorskip("torch")
 
