@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import warnings
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -32,12 +33,16 @@ def main() -> None:
 
 
 def one_line_errors(command):
-    """Turn the library's input errors into `error: <message>` on stderr and exit code 2."""
+    """Turn the library's input errors into `error: <message>` on stderr and exit code 2, and the table's
+    range warnings into one `note:` line each (not a Python warning with its source line)."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
-            return command(*args, **kwargs)
+            with warnings.catch_warnings(record=True) as caught:  # the filters in force stay as they are
+                result = command(*args, **kwargs)
+            _say_warnings(caught)
+            return result
         except KeyboardInterrupt:
             typer.echo("interrupted", err=True)
             raise typer.Exit(130)
@@ -46,6 +51,20 @@ def one_line_errors(command):
             raise typer.Exit(2)
 
     return wrapper
+
+
+def _say_warnings(caught) -> None:
+    """Each distinct TableRangeWarning once, as a note; any other warning as Python would show it."""
+    from perfmodel.table import TableRangeWarning
+
+    said = set()
+    for warning in caught:
+        if issubclass(warning.category, TableRangeWarning):
+            if str(warning.message) not in said:
+                said.add(str(warning.message))
+                typer.echo(f"note: {warning.message}", err=True)
+        else:
+            warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
 
 
 def parse_int_list(option: str, text: str | None, minimum: int = 1) -> list[int] | None:
@@ -84,6 +103,18 @@ def read_prompts_file(path: Path, option: str = "--prompts-file") -> list[str]:
     return read_prompts(path, option)
 
 
+def set_threads(threads: int | None) -> None:
+    """--threads: torch's intra-op threads for this run (recorded in every profile and bench file). On a
+    shared machine fewer threads than cores avoids the oversubscription that slows passes 10-100x."""
+    if threads is None:
+        return
+    if threads < 1:
+        raise UsageError(f"--threads must be >= 1, got {threads}")
+    import torch
+
+    torch.set_num_threads(threads)
+
+
 def _ints(values) -> str:
     return ",".join(map(str, values))
 
@@ -106,6 +137,10 @@ Stage2Opt = Annotated[Optional[Path], typer.Option(
 AcceptanceOpt = Annotated[Optional[str], typer.Option(
     "--acceptance", help="What-if acceptance: one alpha (0.8) or per position (0.9,0.85,0.8); "
                          "default: the profile's measurement.")]
+ThreadsOpt = Annotated[Optional[int], typer.Option(
+    "--threads", help="CPU threads torch may use (default: torch's choice, usually one per core).")]
+ForceOpt = Annotated[bool, typer.Option(
+    "--force", help="Use a table or model made for another target/draft pair anyway.")]
 MaxKOpt = Annotated[Optional[int], typer.Option("--max-k", help="Largest k considered (default: the profile's max_k).")]
 MaxBatchOpt = Annotated[int, typer.Option("--max-batch", help="Tabulate batch sizes 1..this.")]
 _MODEL_HELP = ("Model directory (real weights), config.json or shape preset (random weights: "
@@ -133,6 +168,8 @@ def generate(
     seed: Annotated[int, typer.Option("--seed")] = 0,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
+    threads: ThreadsOpt = None,
+    force: ForceOpt = False,
     json_output: JsonOpt = False,
 ):
     """Generate text with batched speculative decoding (all prompts in one batch).
@@ -144,7 +181,8 @@ def generate(
     request = GenerationRequest(
         prompts=tuple(texts), target=target, draft=draft, k=k, table=table, tree=tree, stage2=stage2, model=model,
         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, device=device,
-        dtype=dtype)
+        dtype=dtype, force=force)
+    set_threads(threads)
     generation = generate_texts(request)
     if json_output:
         typer.echo(json.dumps(generation.to_json()))
@@ -189,6 +227,12 @@ def calibrate_command(
         "n-gram file to measure as the draft's second stage (default: the bundled n-gram with the bundled "
         "draft)."))] = None,
     no_stage2: Annotated[bool, typer.Option("--no-stage2", help="Measure no second stage.")] = False,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Replace an existing --out profile (kept until the new run has measured a point).")] = False,
+    max_seconds: Annotated[Optional[float], typer.Option("--max-seconds", help=(
+        "Stop cleanly between points after this many seconds; the profile keeps what was measured and "
+        "--resume continues."))] = None,
+    threads: ThreadsOpt = None,
     json_output: JsonOpt = False,
 ):
     """Time the pair's forward passes over (batch size, new tokens, context) and measure acceptance (per
@@ -203,7 +247,9 @@ def calibrate_command(
         context_lens=tuple(parse_int_list("--context-lens", context_lens) or ()) or None,
         max_k=max_k, prompts=prompts or DEMO_PROMPTS, acceptance=acceptance, samplings=tuple(sampling or ()),
         resume=resume, quick=quick, stage2=stage2_for_calibration(stage2, no_stage2, draft, acceptance),
+        force=force, max_seconds=max_seconds,
     )
+    set_threads(threads)  # before the run: the profile records torch's thread count
     summary = calibrate_with_progress(request, show=not json_output)
     if json_output:
         typer.echo(json.dumps(summary.to_json()))
@@ -238,6 +284,8 @@ def bench(
     seed: Annotated[int, typer.Option("--seed")] = 0,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
+    threads: ThreadsOpt = None,
+    force: ForceOpt = False,
     json_output: JsonOpt = False,
 ):
     """Measure k = 0, every fixed k, trees, staged drafting and the table at every batch size, interleaved;
@@ -245,15 +293,40 @@ def bench(
     from calibrate.bench import BenchError
 
     try:
+        set_threads(threads)
         _bench(target, draft, table, model, tuple(tree or ()), stage2, batch_sizes, ks, prompts, max_new_tokens,
-               rounds, sampling, synthetic_acceptance, peers, out, seed, device, dtype, json_output)
+               rounds, sampling, synthetic_acceptance, peers, out, seed, device, dtype, json_output, force)
     except BenchError as error:
         raise UsageError(str(error)) from None
 
 
+def _bench_files_for_pair(table: Path | None, model: Path | None, stage2: Path | None, target_spec, draft_spec,
+                          force: bool) -> Path | None:
+    """--table and --model must be made for this pair (`--force` runs anyway); a table whose entries use
+    the second stage brings its own n-gram file when --stage2 is not given. Returns the --stage2 to use."""
+    from perfmodel.model import load_model
+    from perfmodel.table import load_table
+    from runtime.assembly import check_made_for, recorded_stage2, table_made_for
+
+    running = {spec.role: (spec.source, spec.fingerprint) for spec in (target_spec, draft_spec)}
+    if model is not None:
+        fitted = load_model(model)
+        check_made_for(f"--model {model}", {role: (info.source, info.fingerprint) for role, info in
+                                            (("target", fitted.target_info), ("draft", fitted.draft_info))},
+                       running, force)
+    if table is not None:
+        loaded = load_table(table)
+        check_made_for(f"--table {table}", table_made_for(loaded), running, force)
+        staged = any(entry.chosen().stage2 for bucket in loaded.buckets for entry in bucket.entries)
+        if stage2 is None and staged:
+            return recorded_stage2(loaded.stage2, f"--table {table}")
+    return stage2
+
+
 def _bench(target, draft, table, model, trees, stage2, batch_sizes, ks, prompts, max_new_tokens, rounds, sampling,
-           synthetic_acceptance, peers, out, seed, device, dtype, json_output) -> None:
+           synthetic_acceptance, peers, out, seed, device, dtype, json_output, force) -> None:
     from calibrate.bench import BenchConfig, parse_sampling
+    from perfmodel.jsonio import writable_dir
 
     # every option is checked before a model is loaded
     config = BenchConfig(
@@ -265,6 +338,7 @@ def _bench(target, draft, table, model, trees, stage2, batch_sizes, ks, prompts,
     for option, path in (("--table", table), ("--model", model), ("--prompts", prompts), ("--stage2", stage2)):
         if path is not None and not path.is_file():
             raise UsageError(f"{option} {path}: no such file")
+    writable_dir(out, "--out")  # before measuring: a file in the way would lose every measurement
 
     from calibrate.bench import (
         RANDOM_PROMPT_TOKENS,
@@ -282,6 +356,11 @@ def _bench(target, draft, table, model, trees, stage2, batch_sizes, ks, prompts,
     target_spec = resolve_model(target or str(DEMO_TARGET), "target")
     draft_spec = resolve_model(draft or str(DEMO_DRAFT), "draft")
     check_pair(target_spec, draft_spec)
+    stage2 = _bench_files_for_pair(table, model, stage2, target_spec, draft_spec, force)
+    if stage2 != config.stage2_path:  # the table's own n-gram: its staged policies run too
+        import dataclasses
+
+        config = dataclasses.replace(config, stage2_path=stage2)
     random_weights = target_spec.random_weights or draft_spec.random_weights
     if random_weights and synthetic_acceptance is None:
         raise UsageError("random weights (a preset or config.json) never agree with a target: pass "
@@ -330,9 +409,12 @@ def fit(
     json_output: JsonOpt = False,
 ):
     """Fit each role's pass latency T(b, n, L) from a profile; report parameters and errors."""
+    from perfmodel.jsonio import check_not_input, writable_path
     from perfmodel.model import fit_profile, model_to_json, save_model
     from perfmodel.profile import load_profile
 
+    check_not_input(output, [profile], "--output")
+    writable_path(output, "--output")  # before the fit: a bad -o fails in a second
     fitted = fit_profile(load_profile(profile), holdout=holdout)
     save_model(output, fitted)
     if json_output:
@@ -372,8 +454,11 @@ def table(
     if max_tree_nodes < 1:
         raise UsageError(f"--max-tree-nodes must be >= 1, got {max_tree_nodes}")
     lengths = parse_int_list("--context-lens", context_lens)
+    from perfmodel.jsonio import check_not_input, writable_path
     from perfmodel.model import choose_acceptance, compute_table, load_model
 
+    check_not_input(output, [model], "--output")
+    writable_path(output, "--output")
     fitted = load_model(model)
     chosen = choose_acceptance(fitted, acceptance_override(acceptance), str(model))
     result = compute_table(fitted, chosen, max_batch, lengths, max_k, strategies=strategies,
@@ -527,11 +612,16 @@ def demo(
     rounds: Annotated[int, typer.Option("--rounds", help="Interleaved timed rounds per batch size.")] = 3,
     max_batch: Annotated[int, typer.Option("--max-batch", help="Largest batch size in the table.")] = 32,
     device: DeviceOpt = None,
+    threads: ThreadsOpt = None,
 ):
     """The whole loop on the bundled demo pair: quick calibration, fit, table, generation, measured speedup."""
     race_sizes = parse_int_list("--batch-sizes", batch_sizes)
     if prompts_shown <= 0 or max_new_tokens <= 0 or rounds <= 0 or max_batch <= 0:
         raise UsageError("--prompts-shown, --max-new-tokens, --rounds and --max-batch must be positive")
+    from perfmodel.jsonio import writable_dir
+
+    writable_dir(out, "--out")  # before the first measurement
+    set_threads(threads)
     from console.demo import run_demo
 
     run_demo(out, tuple(race_sizes), prompts_shown, max_new_tokens, rounds, max_batch, device)

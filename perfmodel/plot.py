@@ -4,7 +4,8 @@ Left: goodput over (batch size b, speculation length k), each column divided by 
 (absolute tokens/s span orders of magnitude across b), with the k*(b) curve on top.
 Right: predicted against measured pass latency per role, with the +-5% band the fit aims for.
 
-matplotlib is an optional extra (`pip install 'specbatch[plot]'`); it is imported only here.
+matplotlib is a main dependency (`plot` is an everyday command); it is imported only here, so the rest of
+perfmodel loads without it.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def _pyplot():
     try:
         import matplotlib
     except ImportError:
-        raise PerfModelError("plot needs matplotlib: pip install 'specbatch[plot]'") from None
+        raise PerfModelError("plot needs matplotlib: pip install matplotlib") from None
     matplotlib.use("Agg")  # files only; never needs a display
     import matplotlib.pyplot as plt
 
