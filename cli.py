@@ -300,29 +300,6 @@ def bench(
         raise UsageError(str(error)) from None
 
 
-def _bench_files_for_pair(table: Path | None, model: Path | None, stage2: Path | None, target_spec, draft_spec,
-                          force: bool) -> Path | None:
-    """--table and --model must be made for this pair (`--force` runs anyway); a table whose entries use
-    the second stage brings its own n-gram file when --stage2 is not given. Returns the --stage2 to use."""
-    from perfmodel.model import load_model
-    from perfmodel.table import load_table
-    from runtime.assembly import check_made_for, recorded_stage2, table_made_for
-
-    running = {spec.role: (spec.source, spec.fingerprint) for spec in (target_spec, draft_spec)}
-    if model is not None:
-        fitted = load_model(model)
-        check_made_for(f"--model {model}", {role: (info.source, info.fingerprint) for role, info in
-                                            (("target", fitted.target_info), ("draft", fitted.draft_info))},
-                       running, force)
-    if table is not None:
-        loaded = load_table(table)
-        check_made_for(f"--table {table}", table_made_for(loaded), running, force)
-        staged = any(entry.chosen().stage2 for bucket in loaded.buckets for entry in bucket.entries)
-        if stage2 is None and staged:
-            return recorded_stage2(loaded.stage2, f"--table {table}")
-    return stage2
-
-
 def _bench(target, draft, table, model, trees, stage2, batch_sizes, ks, prompts, max_new_tokens, rounds, sampling,
            synthetic_acceptance, peers, out, seed, device, dtype, json_output, force) -> None:
     from calibrate.bench import BenchConfig, parse_sampling
@@ -356,7 +333,10 @@ def _bench(target, draft, table, model, trees, stage2, batch_sizes, ks, prompts,
     target_spec = resolve_model(target or str(DEMO_TARGET), "target")
     draft_spec = resolve_model(draft or str(DEMO_DRAFT), "draft")
     check_pair(target_spec, draft_spec)
-    stage2 = _bench_files_for_pair(table, model, stage2, target_spec, draft_spec, force)
+    from runtime.assembly import files_for_pair
+
+    running = {spec.role: (spec.source, spec.fingerprint) for spec in (target_spec, draft_spec)}
+    stage2 = files_for_pair(table, model, stage2, running, force)
     if stage2 != config.stage2_path:  # the table's own n-gram: its staged policies run too
         import dataclasses
 

@@ -15,7 +15,7 @@ no tree to grow, and the performance model falls back to the chain rows.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -37,9 +37,10 @@ from .grid import (DEFAULT_BATCH_SIZES, DEFAULT_CONTEXT_LENS, DEFAULT_MAX_K, QUI
                    overhead_points, timing_points, tree_overhead_points)
 from .models import (LoadedPair, ModelSpec, check_memory, check_pair, display_path, load_pair, memory_need,
                      model_info, resolve_model)
-from .store import (check_resumable, csv_path_for, load_for_resume, measured_overhead_points,
+from .store import (check_resumable, load_for_resume, measured_overhead_points,
                     measured_timing_points, measured_tree_overhead_points, new_profile, overhead_row,
                     tree_overhead_row, with_row, write_profile)
+from .summary import CalibrationSummary, ProgressEvent, summarize
 from .timing import Clock, RepetitionRule, is_out_of_memory, repeat
 
 TREE_PROMPT_TOKENS = 8  # the last tokens of a real prompt per row: real text, and little prefill per sample
@@ -92,63 +93,6 @@ class CalibrationRequest:
     stage2: Path | None = None  # an n-gram file (specbatch.ngram/1): measure the second stage with it
     force: bool = False  # replace an existing --out (without --resume); it is kept until a point is measured
     max_seconds: float | None = None  # stop cleanly between points after this long; --resume continues
-
-
-@dataclass(frozen=True)
-class ProgressEvent:
-    done: int
-    total: int
-    label: str  # what was just measured, e.g. 'target b=8 n=3 L=512'
-    estimated_s: float | None = None  # only on the first event, before measuring: see `estimate_seconds`
-
-
-@dataclass(frozen=True)
-class PassSummary:
-    model: str
-    batch_size: int
-    new_tokens: int
-    context_len: int
-    median_ms: float | None  # None: did not fit in memory
-
-
-@dataclass(frozen=True)
-class AcceptanceSummary:
-    mode: str
-    setting: str  # greedy | T=0.8,top_p=0.95 ...
-    source: str
-    per_position: tuple[float, ...]
-    rank_acceptance: tuple[tuple[float, ...], ...] | None = None  # depth x rank, for trees
-
-
-@dataclass(frozen=True)
-class Stage2Summary:
-    file: str
-    guess_accuracy: tuple[float, ...]  # per rank
-    query_overhead_ms: float
-    query_ms_per_context: float
-
-
-@dataclass(frozen=True)
-class CalibrationSummary:
-    profile_path: str
-    csv_path: str
-    device: str
-    dtype: str
-    target: str
-    draft: str
-    passes: tuple[PassSummary, ...]
-    acceptance: tuple[AcceptanceSummary, ...]
-    points_measured: int  # in this run
-    points_resumed: int  # already in the profile
-    points_infeasible: int  # out of memory
-    elapsed_s: float
-    stage2: Stage2Summary | None = None
-    tree_overheads: int = 0  # tree step-overhead rows in the profile
-    points_left: int = 0  # not measured because --max-seconds ran out; --resume measures them
-    max_seconds: float | None = None
-
-    def to_json(self) -> dict:
-        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -330,36 +274,6 @@ def _greedy_acceptance(profile: Profile, fallback: float = 0.8) -> float:
     return fallback
 
 
-def _setting(entry: AcceptanceEntry) -> str:
-    if entry.mode == "greedy":
-        return "greedy"
-    return Sampling(entry.temperature, entry.top_k or 0, entry.top_p or 1.0).describe()
-
-
-def _summary(request: CalibrationRequest, profile: Profile, measured: int, resumed: int, started_s: float,
-             clock: Clock) -> CalibrationSummary:
-    grid = profile.grid
-    rows = {(r.model, r.batch_size, r.new_tokens, r.context_len): r for r in profile.timings}
-    context_len = min(grid.context_lens)
-    passes = []
-    for model, new_tokens in (("target", 1), ("target", grid.max_k + 1), ("draft", 1)):
-        for batch_size in sorted({min(grid.batch_sizes), max(grid.batch_sizes)}):
-            row = rows.get((model, batch_size, new_tokens, context_len))
-            if row is not None:
-                passes.append(PassSummary(model, batch_size, new_tokens, context_len, row.median_ms))
-    acceptance = tuple(AcceptanceSummary(e.mode, _setting(e), e.source, e.per_position, e.rank_acceptance)
-                       for e in profile.acceptance)
-    stage2 = profile.stage2
-    return CalibrationSummary(
-        profile_path=str(request.out), csv_path=str(csv_path_for(request.out)), device=profile.device.name,
-        dtype=profile.device.dtype, target=profile.target.source, draft=profile.draft.source, passes=tuple(passes),
-        acceptance=acceptance, points_measured=measured, points_resumed=resumed,
-        points_infeasible=sum(not r.feasible for r in profile.timings), elapsed_s=round(clock() - started_s, 3),
-        stage2=None if stage2 is None else Stage2Summary(stage2.file, stage2.guess_accuracy, stage2.query_overhead_ms,
-                                                         stage2.query_ms_per_context),
-        tree_overheads=sum(row.tree_nodes is not None for row in profile.overheads))
-
-
 def _acceptance_done(entry: AcceptanceEntry, trees: bool) -> bool:
     """An entry of an older profile measured before rank acceptance existed is measured again."""
     return entry.source == "user" or not trees or entry.rank_acceptance is not None
@@ -378,20 +292,22 @@ class _OutOfTime(Exception):
 
 
 def calibrate(request: CalibrationRequest, on_progress: Callable[[ProgressEvent], None] | None = None,
-              clock: Clock = time.perf_counter) -> CalibrationSummary:
+              clock: Clock = time.perf_counter,
+              on_estimate: Callable[[int, float], None] | None = None) -> CalibrationSummary:
     """Measure the pair on the device and write the profile (and its CSV) after every point.
 
-    `on_progress` is called after each point is on disk; an exception it raises (Ctrl-C) stops the
-    run with everything measured so far saved, and `resume=True` continues from there. An existing
+    `on_estimate(points, seconds)` is called once the models are loaded, before measuring (see
+    `estimate_seconds`); `on_progress` is called after each point is on disk; an exception it raises
+    (Ctrl-C) stops the run with everything measured so far saved, and `resume=True` continues from there. An existing
     --out is not touched until the first point is measured; a lock beside it keeps a second run out.
     """
     started_s = clock()
     plan = _plan(request)
     with exclusive_lock(request.out, "--out", "calibration"):
-        return _calibrate(request, plan, on_progress, clock, started_s)
+        return _calibrate(request, plan, on_progress, on_estimate, clock, started_s)
 
 
-def _calibrate(request: CalibrationRequest, plan: _Plan, on_progress, clock: Clock,
+def _calibrate(request: CalibrationRequest, plan: _Plan, on_progress, on_estimate, clock: Clock,
                started_s: float) -> CalibrationSummary:
     profile = _start_profile(request, plan)
     grid = profile.grid  # on resume, the union of the old grid and the requested one
@@ -409,10 +325,9 @@ def _calibrate(request: CalibrationRequest, plan: _Plan, on_progress, clock: Clo
     total = (len(plan.samplings) + int(plan.stage2 is not None) + len(timing_points(grid)) + len(overhead_points(grid))
              + len(all_trees))
     resumed = done = total - todo.count
-    if on_progress is not None:
-        estimate = estimate_seconds(plan.effort, len(todo.acceptance) * (plan.user_acceptance is None),
-                                    len(todo.timings), len(todo.overheads), len(todo.trees))
-        on_progress(ProgressEvent(done, total, "starting", estimated_s=estimate))
+    if on_estimate is not None and todo.count:
+        on_estimate(todo.count, estimate_seconds(plan.effort, len(todo.acceptance) * (plan.user_acceptance is None),
+                                                 len(todo.timings), len(todo.overheads), len(todo.trees)))
     written = False
 
     def advance(label: str, row=None) -> None:
@@ -434,7 +349,7 @@ def _calibrate(request: CalibrationRequest, plan: _Plan, on_progress, clock: Clo
         pass
     if not written:  # nothing new (a finished --resume): the profile as merged, so --out holds the grid asked for
         write_profile(request.out, profile)
-    summary = _summary(request, profile, done - resumed, resumed, started_s, clock)
+    summary = summarize(request.out, profile, done - resumed, resumed, started_s, clock)
     return replace(summary, points_left=total - done, max_seconds=request.max_seconds)
 
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 import typer
 
 
-def estimate_line(event, max_seconds: float | None) -> str:
+def estimate_line(points: int, estimated_s: float, max_seconds: float | None) -> str:
     """The one line said before measuring: how many points and about how long, and what to do about it."""
-    line = (f"calibrate: {event.total - event.done} points to measure, at least ~{event.estimated_s:.0f} s by the "
-            "repetition budgets (longer when passes are slow: large models, a busy machine; the ETA follows)")
-    if max_seconds is not None and event.estimated_s > max_seconds:
+    line = (f"calibrate: {points} points to measure, at least ~{estimated_s:.0f} s by the repetition budgets "
+            "(longer when passes are slow: large models, a busy machine; the ETA follows)")
+    if max_seconds is not None and estimated_s > max_seconds:
         line += (f"; --max-seconds {max_seconds:g} will stop it early with the profile saved (--resume continues), "
                  "or try a smaller grid: --quick, fewer --batch-sizes or --context-lens, a lower --max-k")
     return line
@@ -36,13 +36,14 @@ def calibrate_with_progress(request, show: bool):
         task = progress.add_task("checking inputs, loading models", total=None)
 
         def on_progress(event):
-            if event.estimated_s is not None and event.done < event.total:
-                progress.console.print(estimate_line(event, request.max_seconds), markup=False, highlight=False,
-                                       soft_wrap=True)
             progress.update(task, completed=event.done, total=event.total, description=event.label)
 
+        def on_estimate(points: int, estimated_s: float):
+            progress.console.print(estimate_line(points, estimated_s, request.max_seconds), markup=False,
+                                   highlight=False, soft_wrap=True)
+
         try:
-            return calibrate(request, on_progress)
+            return calibrate(request, on_progress, on_estimate=on_estimate)
         except KeyboardInterrupt:
             progress.stop()
             typer.echo(f"interrupted: every point measured so far is in {request.out}; "

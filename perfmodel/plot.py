@@ -72,5 +72,23 @@ def plot_model(fitted: FittedModel, acceptance: AcceptanceModel, path: str | os.
         axis.legend(loc="upper left")
         figure.colorbar(points, ax=axis, label="log2 batch size")
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    try:
+        save_figure(figure, path)
+    finally:
+        plt.close(figure)
+
+
+def save_figure(figure, path: str | os.PathLike) -> None:
+    """Through the one atomic writer (a device node or folder at `path` is refused, never replaced); the
+    image format follows the file's extension."""
+    from pathlib import Path
+
+    from .jsonio import atomic_output, writable_path
+
+    writable_path(path, "--output")
+    fmt = Path(path).suffix.lstrip(".").lower()
+    formats = figure.canvas.get_supported_filetypes()
+    if fmt not in formats:
+        raise PerfModelError(f"--output {path}: give a file ending in one of .{', .'.join(sorted(formats))}")
+    with atomic_output(path, "--output") as temporary:
+        figure.savefig(temporary, dpi=110, format=fmt)

@@ -125,6 +125,28 @@ def table_made_for(table) -> dict:
     return {role: (getattr(table, role), fingerprints.get(role)) for role in ("target", "draft")}
 
 
+def files_for_pair(table: Path | None, model: Path | None, stage2: Path | None, running: dict,
+                   force: bool = False) -> Path | None:
+    """`bench`: --table and --model must be made for the `running` pair (see `check_made_for`), and a table
+    whose entries use the second stage brings its own n-gram file when --stage2 is not given. Returns the
+    n-gram file to use (None: none)."""
+    from perfmodel.model import load_model
+    from perfmodel.table import load_table
+
+    if model is not None:
+        fitted = load_model(model)
+        check_made_for(f"--model {model}", {"target": (fitted.target_info.source, fitted.target_info.fingerprint),
+                                            "draft": (fitted.draft_info.source, fitted.draft_info.fingerprint)},
+                       running, force)
+    if table is not None:
+        loaded = load_table(table)
+        check_made_for(f"--table {table}", table_made_for(loaded), running, force)
+        staged = any(entry.chosen().stage2 for bucket in loaded.buckets for entry in bucket.entries)
+        if stage2 is None and staged:
+            return recorded_stage2(loaded.stage2, f"--table {table}")
+    return stage2
+
+
 def recorded_stage2(recorded: dict | None, what: str) -> Path:
     """The n-gram file a table names ({"file", "sha256"}): its recorded path while that file's sha256 still
     matches, else the bundled n-gram when it is that file (older tables recorded a path relative to the

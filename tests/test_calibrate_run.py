@@ -213,7 +213,8 @@ def test_resume_refuses_another_second_stage(pair, measured, tmp_path):
 def test_resume_refuses_a_profile_of_another_pair_or_dtype(pair, measured, tmp_path):
     out = tmp_path / "profile.json"
     shutil.copy(measured[0], out)
-    with pytest.raises(CalibrationError, match=r"different draft \(config or weights differ: .*; layers 1 there, 2 now"):
+    with pytest.raises(CalibrationError,
+                       match=r"different draft \(config or weights differ: .*; layers 1 there, 2 now"):
         calibrate(request(pair, out, draft=str(pair / "target"), resume=True))
     with pytest.raises(CalibrationError, match="different device .*dtype 'float32' there, 'bfloat16' now"):
         calibrate(request(pair, out, dtype="bfloat16", resume=True))

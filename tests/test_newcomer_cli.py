@@ -104,14 +104,14 @@ def test_calibrate_refuses_an_existing_profile_without_resume_or_force(files):
 
 
 def test_calibrate_estimate_line_names_a_smaller_grid_when_the_budget_is_short():
-    from calibrate.run import DEFAULT_EFFORT, ProgressEvent, estimate_seconds
+    from calibrate.run import DEFAULT_EFFORT, estimate_seconds
     from console.calibration import estimate_line
 
     estimate = estimate_seconds(DEFAULT_EFFORT, 1, timings=100, overheads=10, trees=8)
     assert estimate == pytest.approx(64 * 1.0 + 100 * 0.25 + 10 * 0.3 + 8 * 0.2)
-    event = ProgressEvent(0, 119, "starting", estimated_s=estimate)
-    assert "119 points" in estimate_line(event, None) and "--quick" not in estimate_line(event, None)
-    assert "--max-seconds 30 will stop it early" in estimate_line(event, 30) and "--quick" in estimate_line(event, 30)
+    assert "119 points" in estimate_line(119, estimate, None) and "--quick" not in estimate_line(119, estimate, None)
+    line = estimate_line(119, estimate, 30)
+    assert "--max-seconds 30 will stop it early" in line and "--quick" in line
 
 
 def test_demo_says_when_the_measurement_contradicts_the_prediction():
@@ -139,3 +139,12 @@ def test_a_tables_second_stage_is_found_by_sha256_wherever_the_command_runs(tmp_
     assert recorded_stage2({"file": str(copy), "sha256": sha256}, "t") == copy
     with pytest.raises(UsageError, match="--table t.json uses the n-gram second stage .*missing or has changed"):
         recorded_stage2({"file": str(copy), "sha256": "0" * 64}, "--table t.json")
+
+
+def test_plot_refuses_a_device_a_folder_and_an_unknown_format(files, tmp_path):
+    assert_one_line_error(invoke("plot", files["model"], "-o", "/dev/null"), "--output /dev/null", "regular file")
+    assert_one_line_error(invoke("plot", files["model"], "-o", tmp_path), "--output", "a directory")
+    assert_one_line_error(invoke("plot", files["model"], "-o", tmp_path / "figure.xyz"), "--output", ".png")
+    assert list(tmp_path.iterdir()) == []
+    assert invoke("plot", files["model"], "-o", tmp_path / "figure.png").exit_code == 0
+    assert (tmp_path / "figure.png").read_bytes().startswith(b"\x89PNG")

@@ -136,3 +136,12 @@ def test_a_broken_checkpoint_is_one_line_in_every_command(pair, broken_targets, 
     assert_one_line_error(invoke("calibrate", "--target", target, "--draft", pair / "draft", "--prompts",
                                  pair / "prompts.jsonl", "--no-stage2", "-o", tmp_path / "p.json", *GRID), message)
     assert list(tmp_path.iterdir()) == []  # nothing written, nothing left behind
+
+
+def test_calibrate_says_its_estimate_first_and_what_max_seconds_left(pair, tmp_path):
+    result = cli_calibrate(pair, tmp_path / "p.json", "--max-seconds", "0.001")
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.stderr.split())
+    assert "points to measure, at least ~" in said and "--max-seconds 0.001 will stop it early" in said
+    said = " ".join(result.stdout.split())  # rich wraps long lines
+    assert "stopped after --max-seconds 0.001:" in said and "rerun with --resume" in said
