@@ -601,6 +601,7 @@ def demo(
     from perfmodel.jsonio import writable_dir
 
     writable_dir(out, "--out")  # before the first measurement
+    writable_dir(out / "bench", "--out")  # where the race's files go
     set_threads(threads)
     from console.demo import run_demo
 

@@ -37,7 +37,7 @@ from .grid import (DEFAULT_BATCH_SIZES, DEFAULT_CONTEXT_LENS, DEFAULT_MAX_K, QUI
                    overhead_points, timing_points, tree_overhead_points)
 from .models import (LoadedPair, ModelSpec, check_memory, check_pair, display_path, load_pair, memory_need,
                      model_info, resolve_model)
-from .store import (check_resumable, load_for_resume, measured_overhead_points,
+from .store import (check_resumable, csv_path_for, load_for_resume, measured_overhead_points,
                     measured_timing_points, measured_tree_overhead_points, new_profile, overhead_row,
                     tree_overhead_row, with_row, write_profile)
 from .summary import CalibrationSummary, ProgressEvent, summarize
@@ -132,6 +132,9 @@ def _check_out(request: CalibrationRequest) -> None:
     """Never destroy a profile: --out must be a file path, and an existing file is continued (--resume) or
     replaced on purpose (--force), never silently."""
     writable_path(request.out, "--out")
+    if csv_path_for(request.out) == request.out:  # the timing CSV would overwrite the profile itself
+        raise CalibrationError(f"--out {request.out}: the timing rows go to a .csv beside the profile; give the "
+                               "profile a .json name")
     if request.max_seconds is not None and not request.max_seconds > 0:  # also refuses nan
         raise CalibrationError(f"--max-seconds must be a positive number of seconds, got {request.max_seconds}")
     if request.out.is_file() and not request.resume and not request.force:

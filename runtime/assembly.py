@@ -211,6 +211,8 @@ class GenerationRequest:
             except UnicodeEncodeError as error:  # a command-line argument with bytes that are not UTF-8
                 raise UsageError(f"--prompt {text!r}: not UTF-8 text ({error.reason} at character "
                                  f"{error.start}); give prompts as UTF-8") from None
+        if self.model is not None and self.tree != "auto":  # it would be ignored without a word
+            raise UsageError("--model is read only with --tree auto (the strategy it predicts best per batch size)")
         if self.model is not None and not self.model.is_file():
             raise UsageError(f"--model {self.model}: no such file")
         if self.table is not None and not self.table.is_file():

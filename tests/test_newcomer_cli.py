@@ -76,6 +76,7 @@ def test_non_finite_acceptance_is_refused(files, tmp_path, value):
     (["--prompts-file", "no-such-file.jsonl"], ["--prompts-file no-such-file.jsonl"]),
     (["--stage2", "x.safetensors"], ["--stage2 needs --tree"]),
     (["--model", "no-such-model.json", "--tree", "auto"], ["--model no-such-model.json: no such file"]),
+    (["--model", "model.json", "--tree", "0,1"], ["--model is read only with --tree auto"]),
 ])
 def test_generate_checks_options_before_loading_a_model(no_model_loads, args, fragments):
     assert_one_line_error(invoke("generate", "--prompt", "def f(x):", *args), *fragments)
@@ -101,6 +102,11 @@ def test_calibrate_refuses_an_existing_profile_without_resume_or_force(files):
                     "-o", files["profile"])
     assert_one_line_error(result, "--out", "a file is already there", "--resume", "--force")
     assert files["profile"].read_bytes() == before
+
+
+def test_calibrate_refuses_a_profile_path_its_csv_would_overwrite(tmp_path):
+    result = invoke("calibrate", "--target", "gpt2", "--draft", "gpt2", "--acceptance", "0.8", "-o", tmp_path / "p.csv")
+    assert_one_line_error(result, "--out", "give the profile a .json name")
 
 
 def test_calibrate_estimate_line_names_a_smaller_grid_when_the_budget_is_short():
