@@ -67,7 +67,11 @@ def exclusive_lock(path: str | os.PathLike, option: str = "--out", what: str = "
 
     lock_path = Path(path).with_name(Path(path).name + ".lock")
     while True:
-        handle = open(lock_path, "a+")
+        try:
+            handle = open(lock_path, "a+")
+        except OSError as error:  # e.g. a folder we may not write into
+            raise PerfModelError(f"{option} {path}: cannot create the lock file {lock_path} "
+                                 f"({error.strerror})") from None
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
