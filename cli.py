@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import warnings
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -32,12 +33,16 @@ def main() -> None:
 
 
 def one_line_errors(command):
-    """Turn the library's input errors into `error: <message>` on stderr and exit code 2."""
+    """Turn the library's input errors into `error: <message>` on stderr and exit code 2, and the table's
+    range warnings into one `note:` line each (not a Python warning with its source line)."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
-            return command(*args, **kwargs)
+            with warnings.catch_warnings(record=True) as caught:  # the filters in force stay as they are
+                result = command(*args, **kwargs)
+            _say_warnings(caught)
+            return result
         except KeyboardInterrupt:
             typer.echo("interrupted", err=True)
             raise typer.Exit(130)
@@ -46,6 +51,20 @@ def one_line_errors(command):
             raise typer.Exit(2)
 
     return wrapper
+
+
+def _say_warnings(caught) -> None:
+    """Each distinct TableRangeWarning once, as a note; any other warning as Python would show it."""
+    from perfmodel.table import TableRangeWarning
+
+    said = set()
+    for warning in caught:
+        if issubclass(warning.category, TableRangeWarning):
+            if str(warning.message) not in said:
+                said.add(str(warning.message))
+                typer.echo(f"note: {warning.message}", err=True)
+        else:
+            warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
 
 
 def parse_int_list(option: str, text: str | None, minimum: int = 1) -> list[int] | None:
@@ -84,6 +103,18 @@ def read_prompts_file(path: Path, option: str = "--prompts-file") -> list[str]:
     return read_prompts(path, option)
 
 
+def set_threads(threads: int | None) -> None:
+    """--threads: torch's intra-op threads for this run (recorded in every profile and bench file). On a
+    shared machine fewer threads than cores avoids the oversubscription that slows passes 10-100x."""
+    if threads is None:
+        return
+    if threads < 1:
+        raise UsageError(f"--threads must be >= 1, got {threads}")
+    import torch
+
+    torch.set_num_threads(threads)
+
+
 def _ints(values) -> str:
     return ",".join(map(str, values))
 
@@ -106,6 +137,10 @@ Stage2Opt = Annotated[Optional[Path], typer.Option(
 AcceptanceOpt = Annotated[Optional[str], typer.Option(
     "--acceptance", help="What-if acceptance: one alpha (0.8) or per position (0.9,0.85,0.8); "
                          "default: the profile's measurement.")]
+ThreadsOpt = Annotated[Optional[int], typer.Option(
+    "--threads", help="CPU threads torch may use (default: torch's choice, usually one per core).")]
+ForceOpt = Annotated[bool, typer.Option(
+    "--force", help="Use a table or model made for another target/draft pair anyway.")]
 MaxKOpt = Annotated[Optional[int], typer.Option("--max-k", help="Largest k considered (default: the profile's max_k).")]
 MaxBatchOpt = Annotated[int, typer.Option("--max-batch", help="Tabulate batch sizes 1..this.")]
 _MODEL_HELP = ("Model directory (real weights), config.json or shape preset (random weights: "
@@ -133,6 +168,8 @@ def generate(
     seed: Annotated[int, typer.Option("--seed")] = 0,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
+    threads: ThreadsOpt = None,
+    force: ForceOpt = False,
     json_output: JsonOpt = False,
 ):
     """Generate text with batched speculative decoding (all prompts in one batch).
@@ -144,7 +181,8 @@ def generate(
     request = GenerationRequest(
         prompts=tuple(texts), target=target, draft=draft, k=k, table=table, tree=tree, stage2=stage2, model=model,
         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, device=device,
-        dtype=dtype)
+        dtype=dtype, force=force)
+    set_threads(threads)
     generation = generate_texts(request)
     if json_output:
         typer.echo(json.dumps(generation.to_json()))
@@ -190,6 +228,12 @@ def calibrate_command(
         "n-gram file to measure as the draft's second stage (default: the bundled n-gram with the bundled "
         "draft)."))] = None,
     no_stage2: Annotated[bool, typer.Option("--no-stage2", help="Measure no second stage.")] = False,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Replace an existing --out profile (kept until the new run has measured a point).")] = False,
+    max_seconds: Annotated[Optional[float], typer.Option("--max-seconds", help=(
+        "Stop cleanly between points after this many seconds; the profile keeps what was measured and "
+        "--resume continues."))] = None,
+    threads: ThreadsOpt = None,
     json_output: JsonOpt = False,
 ):
     """Time the pair's forward passes over (batch size, new tokens, context) and measure acceptance (per
@@ -204,7 +248,9 @@ def calibrate_command(
         context_lens=tuple(parse_int_list("--context-lens", context_lens) or ()) or None,
         max_k=max_k, prompts=prompts or DEMO_PROMPTS, acceptance=acceptance, samplings=tuple(sampling or ()),
         resume=resume, quick=quick, stage2=stage2_for_calibration(stage2, no_stage2, draft, acceptance),
+        force=force, max_seconds=max_seconds,
     )
+    set_threads(threads)  # before the run: the profile records torch's thread count
     summary = calibrate_with_progress(request, show=not json_output)
     if json_output:
         typer.echo(json.dumps(summary.to_json()))
@@ -248,6 +294,8 @@ def bench(
     seed: Annotated[int, typer.Option("--seed")] = 0,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
+    threads: ThreadsOpt = None,
+    force: ForceOpt = False,
     json_output: JsonOpt = False,
 ):
     """Measure k = 0, every fixed k, trees, staged drafting and the table at every batch size, interleaved;
@@ -256,13 +304,18 @@ def bench(
     from bench.config import BenchConfig
     from runtime.sampling import parse_sampling
 
+    from perfmodel.jsonio import writable_dir
+
+    set_threads(threads)
     config = BenchConfig(  # every option is checked before a model is loaded
         batch_sizes=tuple(parse_int_list("--batch-sizes", batch_sizes)), ks=tuple(parse_int_list("--ks", ks, 0)),
         max_new_tokens=max_new_tokens, rounds=rounds, sampling=parse_sampling(sampling),
         synthetic_acceptance=synthetic_acceptance, seed=seed, table_path=table, model_path=model, peers=peers,
         trees=tuple(tree or ()), stage2_path=stage2)
     check_input_files(table=table, model=model, prompts=prompts, stage2=stage2)
-    inputs = load_bench_inputs(config, target, draft, prompts, device, dtype)
+    writable_dir(out, "--out")  # before measuring: a file in the way would lose every measurement
+    inputs = load_bench_inputs(config, target, draft, prompts, device, dtype, force)
+    config = inputs.config  # with the table's own n-gram when it names one
     from bench.harness import run_bench
     from bench.outputs import bench_json, write_outputs
     from console.bench import bench_with_progress, render_bench
@@ -288,9 +341,12 @@ def fit(
     json_output: JsonOpt = False,
 ):
     """Fit each role's pass latency T(b, n, L) from a profile; report parameters and errors."""
+    from perfmodel.jsonio import check_not_input, writable_path
     from perfmodel.model import fit_profile, model_to_json, save_model
     from perfmodel.profile import load_profile
 
+    check_not_input(output, [profile], "--output")
+    writable_path(output, "--output")  # before the fit: a bad -o fails in a second
     fitted = fit_profile(load_profile(profile), holdout=holdout)
     save_model(output, fitted)
     if json_output:
@@ -330,8 +386,11 @@ def table(
     if max_tree_nodes < 1:
         raise UsageError(f"--max-tree-nodes must be >= 1, got {max_tree_nodes}")
     lengths = parse_int_list("--context-lens", context_lens)
+    from perfmodel.jsonio import check_not_input, writable_path
     from perfmodel.model import choose_acceptance, compute_table, load_model
 
+    check_not_input(output, [model], "--output")
+    writable_path(output, "--output")
     fitted = load_model(model)
     chosen = choose_acceptance(fitted, acceptance_override(acceptance), str(model))
     result = compute_table(fitted, chosen, max_batch, lengths, max_k, strategies=strategies,
@@ -424,11 +483,17 @@ def demo(
     rounds: Annotated[int, typer.Option("--rounds", help="Interleaved timed rounds per batch size.")] = 3,
     max_batch: Annotated[int, typer.Option("--max-batch", help="Largest batch size in the table.")] = 32,
     device: DeviceOpt = None,
+    threads: ThreadsOpt = None,
 ):
     """The whole loop on the bundled demo pair: quick calibration, fit, table, generation, measured speedup."""
     race_sizes = parse_int_list("--batch-sizes", batch_sizes)
     if prompts_shown <= 0 or max_new_tokens <= 0 or rounds <= 0 or max_batch <= 0:
         raise UsageError("--prompts-shown, --max-new-tokens, --rounds and --max-batch must be positive")
+    from perfmodel.jsonio import writable_dir
+
+    writable_dir(out, "--out")  # before the first measurement
+    writable_dir(out / "bench", "--out")  # where the race's files go
+    set_threads(threads)
     from console.demo import run_demo
 
     run_demo(out, tuple(race_sizes), prompts_shown, max_new_tokens, rounds, max_batch, device)

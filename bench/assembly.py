@@ -3,6 +3,7 @@ and the n-gram second stage. `specbatch bench` calls `load_bench_inputs` after i
 (`BenchConfig` refuses bad ones before any model is loaded)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from .harness import RANDOM_PROMPT_TOKENS, random_prompts
 
 @dataclass
 class BenchInputs:
+    config: BenchConfig  # the run's config, with the table's own n-gram when the table names one
     models: BenchModels
     token_prompts: list[list[int]]
     notes: list[str] = field(default_factory=list)  # said in front of the result's own notes
@@ -28,19 +30,24 @@ def check_input_files(**paths: Path | None) -> None:
 
 
 def load_bench_inputs(config: BenchConfig, target: str | None, draft: str | None, prompts: Path | None,
-                      device: str | None, dtype: str | None) -> BenchInputs:
-    """Load the pair on the device, encode the prompts (random token prompts for a pair without a
-    tokenizer) and load the second stage named in `config`, checked against the target's vocabulary."""
+                      device: str | None, dtype: str | None, force: bool = False) -> BenchInputs:
+    """Check that the table and model files were made for this pair (`force` overrides), load the pair on
+    the device, encode the prompts (random token prompts for a pair without a tokenizer) and load the
+    second stage (`config`'s, else the one the table names), checked against the target's vocabulary."""
     from calibrate.acceptance import read_prompts
     from calibrate.environment import resolve_device
     from calibrate.models import check_pair, resolve_model
     from calibrate.models import load_pair as load_specs
-    from runtime.assembly import load_ngram
+    from runtime.assembly import files_for_pair, load_ngram
     from runtime.checkpoint import parse_dtype
 
     target_spec = resolve_model(target or str(DEMO_TARGET), "target")
     draft_spec = resolve_model(draft or str(DEMO_DRAFT), "draft")
     check_pair(target_spec, draft_spec)
+    running = {spec.role: (spec.source, spec.fingerprint) for spec in (target_spec, draft_spec)}
+    stage2 = files_for_pair(config.table_path, config.model_path, config.stage2_path, running, force)
+    if stage2 != config.stage2_path:  # the table's own n-gram: its staged policies run too
+        config = dataclasses.replace(config, stage2_path=stage2)
     random_weights = target_spec.random_weights or draft_spec.random_weights
     if random_weights and config.synthetic_acceptance is None:
         raise UsageError("random weights (a preset or config.json) never agree with a target: pass "
@@ -64,4 +71,4 @@ def load_bench_inputs(config: BenchConfig, target: str | None, draft: str | None
     models = BenchModels(target=pair.target, draft=pair.draft, target_source=target_spec.source,
                          draft_source=draft_spec.source, target_dir=target_spec.directory,
                          draft_dir=draft_spec.directory, random_weights=random_weights, stage2=ngram)
-    return BenchInputs(models, token_prompts, notes)
+    return BenchInputs(config, models, token_prompts, notes)

@@ -6,11 +6,13 @@ acceptance needs real weights.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from perfmodel.jsonio import directory_fingerprint, model_fingerprint
 from perfmodel.profile import Grid, ModelInfo
 from runtime.checkpoint import build_model, load_checkpoint
 from runtime.config import ConfigError, ModelConfig, load_config
@@ -27,9 +29,10 @@ GIB = 1024 ** 3
 @dataclass(frozen=True)
 class ModelSpec:
     role: str  # target | draft
-    source: str  # as recorded in the profile: a preset name, or a path (relative to the cwd when inside it)
+    source: str  # as recorded in the profile: a preset name, or an absolute path
     config: ModelConfig
     directory: Path | None  # the weights' directory; None means random weights
+    fingerprint: str | None = None  # perfmodel.jsonio.model_fingerprint: the model's content, not its path
 
     @property
     def random_weights(self) -> bool:
@@ -45,19 +48,16 @@ class LoadedPair:
 
 
 def display_path(path: Path) -> str:
-    """A path as recorded in a profile: relative to the working directory when inside it."""
-    resolved = path.resolve()
-    try:
-        return str(resolved.relative_to(Path.cwd().resolve()))
-    except ValueError:
-        return str(resolved)
+    """A path as recorded in a profile: absolute, so the files made from it work from any directory."""
+    return str(path.resolve())
 
 
 def resolve_model(text: str, role: str) -> ModelSpec:
     """Turn the text of `--target`/`--draft` into a spec; every failure names the option."""
     option = f"--{role}"
     if text in PRESETS:
-        return ModelSpec(role, text, preset_config(text), None)
+        canonical = json.dumps(PRESETS[text], sort_keys=True).encode()
+        return ModelSpec(role, text, preset_config(text), None, model_fingerprint(canonical))
     path = Path(text)
     if not path.exists():
         raise CalibrationError(f"{option} {text!r}: no such model directory or config file, and not a preset "
@@ -67,11 +67,11 @@ def resolve_model(text: str, role: str) -> ModelSpec:
     except ConfigError as error:
         raise CalibrationError(f"{option}: {error}") from None
     if path.is_file():
-        return ModelSpec(role, display_path(path), config, None)
+        return ModelSpec(role, display_path(path), config, None, model_fingerprint(path.read_bytes()))
     if not any((path / name).is_file() for name in WEIGHT_FILES):
         raise CalibrationError(f"{option} {text}: no weights ({', '.join(WEIGHT_FILES)}); to time the shape alone "
                                f"pass {path / 'config.json'} with --acceptance")
-    return ModelSpec(role, display_path(path), config, path)
+    return ModelSpec(role, display_path(path), config, path, directory_fingerprint(path))
 
 
 def model_info(spec: ModelSpec, dtype: torch.dtype) -> ModelInfo:
@@ -84,7 +84,7 @@ def model_info(spec: ModelSpec, dtype: torch.dtype) -> ModelInfo:
         intermediate_size=config.intermediate_size, vocab_size=config.vocab_size,
         weight_bytes=config.parameter_count() * element_bytes,
         kv_bytes_per_token=config.kv_bytes_per_token(element_bytes),
-        max_position_embeddings=config.max_position_embeddings,
+        max_position_embeddings=config.max_position_embeddings, fingerprint=spec.fingerprint,
     )
 
 

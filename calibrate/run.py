@@ -15,13 +15,13 @@ no tree to grow, and the performance model falls back to the chain rows.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from perfmodel.jsonio import file_sha256
+from perfmodel.jsonio import exclusive_lock, file_sha256, writable_path
 from perfmodel.profile import AcceptanceEntry, Grid, OverheadRow, Profile
 from perfmodel.tree import Strategy, expected_tree_tokens, grow_tree
 from runtime.checkpoint import CheckpointError, parse_dtype
@@ -40,6 +40,7 @@ from .models import (LoadedPair, ModelSpec, check_memory, check_pair, display_pa
 from .store import (check_resumable, csv_path_for, load_for_resume, measured_overhead_points,
                     measured_timing_points, measured_tree_overhead_points, new_profile, overhead_row,
                     tree_overhead_row, with_row, write_profile)
+from .summary import CalibrationSummary, ProgressEvent, summarize
 from .timing import Clock, RepetitionRule, is_out_of_memory, repeat
 
 TREE_PROMPT_TOKENS = 8  # the last tokens of a real prompt per row: real text, and little prefill per sample
@@ -90,60 +91,8 @@ class CalibrationRequest:
     resume: bool = False
     quick: bool = False
     stage2: Path | None = None  # an n-gram file (specbatch.ngram/1): measure the second stage with it
-
-
-@dataclass(frozen=True)
-class ProgressEvent:
-    done: int
-    total: int
-    label: str  # what was just measured, e.g. 'target b=8 n=3 L=512'
-
-
-@dataclass(frozen=True)
-class PassSummary:
-    model: str
-    batch_size: int
-    new_tokens: int
-    context_len: int
-    median_ms: float | None  # None: did not fit in memory
-
-
-@dataclass(frozen=True)
-class AcceptanceSummary:
-    mode: str
-    setting: str  # greedy | T=0.8,top_p=0.95 ...
-    source: str
-    per_position: tuple[float, ...]
-    rank_acceptance: tuple[tuple[float, ...], ...] | None = None  # depth x rank, for trees
-
-
-@dataclass(frozen=True)
-class Stage2Summary:
-    file: str
-    guess_accuracy: tuple[float, ...]  # per rank
-    query_overhead_ms: float
-    query_ms_per_context: float
-
-
-@dataclass(frozen=True)
-class CalibrationSummary:
-    profile_path: str
-    csv_path: str
-    device: str
-    dtype: str
-    target: str
-    draft: str
-    passes: tuple[PassSummary, ...]
-    acceptance: tuple[AcceptanceSummary, ...]
-    points_measured: int  # in this run
-    points_resumed: int  # already in the profile
-    points_infeasible: int  # out of memory
-    elapsed_s: float
-    stage2: Stage2Summary | None = None
-    tree_overheads: int = 0  # tree step-overhead rows in the profile
-
-    def to_json(self) -> dict:
-        return asdict(self)
+    force: bool = False  # replace an existing --out (without --resume); it is kept until a point is measured
+    max_seconds: float | None = None  # stop cleanly between points after this long; --resume continues
 
 
 @dataclass(frozen=True)
@@ -179,7 +128,22 @@ def _samplings(texts: tuple[str, ...]) -> tuple[Sampling, ...]:
     return tuple(settings)
 
 
+def _check_out(request: CalibrationRequest) -> None:
+    """Never destroy a profile: --out must be a file path, and an existing file is continued (--resume) or
+    replaced on purpose (--force), never silently."""
+    writable_path(request.out, "--out")
+    if csv_path_for(request.out) == request.out:  # the timing CSV would overwrite the profile itself
+        raise CalibrationError(f"--out {request.out}: the timing rows go to a .csv beside the profile; give the "
+                               "profile a .json name")
+    if request.max_seconds is not None and not request.max_seconds > 0:  # also refuses nan
+        raise CalibrationError(f"--max-seconds must be a positive number of seconds, got {request.max_seconds}")
+    if request.out.is_file() and not request.resume and not request.force:
+        raise CalibrationError(f"--out {request.out}: a file is already there; pass --resume to continue that "
+                               "profile, --force to replace it, or another --out")
+
+
 def _plan(request: CalibrationRequest) -> _Plan:
+    _check_out(request)
     target, draft = resolve_model(request.target, "target"), resolve_model(request.draft, "draft")
     check_pair(target, draft)
     grid = make_grid(request.batch_sizes or (QUICK_BATCH_SIZES if request.quick else DEFAULT_BATCH_SIZES),
@@ -209,7 +173,8 @@ def _plan(request: CalibrationRequest) -> _Plan:
             raise CalibrationError(f"--stage2 {request.stage2}: the n-gram's guesses are measured against the draft "
                                    f"on the prompts, which --acceptance skips; drop one of the two")
         ngram = st2.load_stage2(request.stage2, target)
-        sha256, file = file_sha256(request.stage2), str(request.stage2)  # as given: the runtime loads it
+        # absolute: tables made from this profile load it from any directory (and check its sha256)
+        sha256, file = file_sha256(request.stage2), str(Path(request.stage2).resolve())
     device = resolve_device(request.device)
     try:
         dtype = parse_dtype(request.dtype, device)
@@ -312,82 +277,106 @@ def _greedy_acceptance(profile: Profile, fallback: float = 0.8) -> float:
     return fallback
 
 
-def _setting(entry: AcceptanceEntry) -> str:
-    if entry.mode == "greedy":
-        return "greedy"
-    return Sampling(entry.temperature, entry.top_k or 0, entry.top_p or 1.0).describe()
-
-
-def _summary(request: CalibrationRequest, profile: Profile, measured: int, resumed: int, started_s: float,
-             clock: Clock) -> CalibrationSummary:
-    grid = profile.grid
-    rows = {(r.model, r.batch_size, r.new_tokens, r.context_len): r for r in profile.timings}
-    context_len = min(grid.context_lens)
-    passes = []
-    for model, new_tokens in (("target", 1), ("target", grid.max_k + 1), ("draft", 1)):
-        for batch_size in sorted({min(grid.batch_sizes), max(grid.batch_sizes)}):
-            row = rows.get((model, batch_size, new_tokens, context_len))
-            if row is not None:
-                passes.append(PassSummary(model, batch_size, new_tokens, context_len, row.median_ms))
-    acceptance = tuple(AcceptanceSummary(e.mode, _setting(e), e.source, e.per_position, e.rank_acceptance)
-                       for e in profile.acceptance)
-    stage2 = profile.stage2
-    return CalibrationSummary(
-        profile_path=str(request.out), csv_path=str(csv_path_for(request.out)), device=profile.device.name,
-        dtype=profile.device.dtype, target=profile.target.source, draft=profile.draft.source, passes=tuple(passes),
-        acceptance=acceptance, points_measured=measured, points_resumed=resumed,
-        points_infeasible=sum(not r.feasible for r in profile.timings), elapsed_s=round(clock() - started_s, 3),
-        stage2=None if stage2 is None else Stage2Summary(stage2.file, stage2.guess_accuracy, stage2.query_overhead_ms,
-                                                         stage2.query_ms_per_context),
-        tree_overheads=sum(row.tree_nodes is not None for row in profile.overheads))
-
-
 def _acceptance_done(entry: AcceptanceEntry, trees: bool) -> bool:
     """An entry of an older profile measured before rank acceptance existed is measured again."""
     return entry.source == "user" or not trees or entry.rank_acceptance is not None
 
 
+def estimate_seconds(effort: Effort, acceptance_runs: int, timings: int, overheads: int, trees: int) -> float:
+    """A first estimate of a run, before anything is measured: the repetition budgets of its points, plus
+    about a second per acceptance prompt. A lower bound where one pass is slower than its point's budget
+    (large models, a busy machine): the progress bar's ETA takes over once points are timed."""
+    return (acceptance_runs * effort.prompt_count * 1.0 + timings * effort.forward_rule.budget_s
+            + overheads * effort.overhead_rule.budget_s + trees * effort.tree_rule.budget_s)
+
+
+class _OutOfTime(Exception):
+    """--max-seconds ran out between two points (everything measured is already on disk)."""
+
+
 def calibrate(request: CalibrationRequest, on_progress: Callable[[ProgressEvent], None] | None = None,
-              clock: Clock = time.perf_counter) -> CalibrationSummary:
+              clock: Clock = time.perf_counter,
+              on_estimate: Callable[[int, float], None] | None = None) -> CalibrationSummary:
     """Measure the pair on the device and write the profile (and its CSV) after every point.
 
-    `on_progress` is called after each point is on disk; an exception it raises (Ctrl-C) stops the
-    run with everything measured so far saved, and `resume=True` continues from there.
+    `on_estimate(points, seconds)` is called once the models are loaded, before measuring (see
+    `estimate_seconds`); `on_progress` is called after each point is on disk; an exception it raises
+    (Ctrl-C) stops the run with everything measured so far saved, and `resume=True` continues from there. An existing
+    --out is not touched until the first point is measured; a lock beside it keeps a second run out.
     """
     started_s = clock()
     plan = _plan(request)
+    with exclusive_lock(request.out, "--out", "calibration"):
+        return _calibrate(request, plan, on_progress, on_estimate, clock, started_s)
+
+
+def _calibrate(request: CalibrationRequest, plan: _Plan, on_progress, on_estimate, clock: Clock,
+               started_s: float) -> CalibrationSummary:
     profile = _start_profile(request, plan)
     grid = profile.grid  # on resume, the union of the old grid and the requested one
-    write_profile(request.out, profile)
     pair = _load(plan)
 
     done_acceptance = {acc.entry_key(e) for e in profile.acceptance if _acceptance_done(e, plan.trees)}
-    todo_acceptance = [s for s in plan.samplings if acc.sampling_key(s) not in done_acceptance]
-    todo_stage2 = plan.stage2 is not None and profile.stage2 is None
     done_timings, done_overheads = measured_timing_points(profile), measured_overhead_points(profile)
-    todo_timings = [p for p in timing_points(grid) if p not in done_timings]
-    todo_overheads = [p for p in overhead_points(grid) if p not in done_overheads]
     all_trees = tree_overhead_points(grid, plan.effort.tree_nodes, plan.stage2 is not None) if plan.trees else []
     done_trees = measured_tree_overhead_points(profile)
-    todo_trees = [p for p in all_trees if p not in done_trees]
+    todo = _Todo(acceptance=[s for s in plan.samplings if acc.sampling_key(s) not in done_acceptance],
+                 stage2=plan.stage2 is not None and profile.stage2 is None,
+                 timings=[p for p in timing_points(grid) if p not in done_timings],
+                 overheads=[p for p in overhead_points(grid) if p not in done_overheads],
+                 trees=[p for p in all_trees if p not in done_trees])
     total = (len(plan.samplings) + int(plan.stage2 is not None) + len(timing_points(grid)) + len(overhead_points(grid))
              + len(all_trees))
-    todo = len(todo_acceptance) + int(todo_stage2) + len(todo_timings) + len(todo_overheads) + len(todo_trees)
-    resumed = done = total - todo
+    resumed = done = total - todo.count
+    if on_estimate is not None and todo.count:
+        on_estimate(todo.count, estimate_seconds(plan.effort, len(todo.acceptance) * (plan.user_acceptance is None),
+                                                 len(todo.timings), len(todo.overheads), len(todo.trees)))
+    written = False
 
     def advance(label: str, row=None) -> None:
         """Save the row (if any), then report: a point counts as done only once it is on disk."""
-        nonlocal profile, done
+        nonlocal profile, done, written
         if row is not None:
             profile = with_row(profile, row)
             write_profile(request.out, profile)
+            written = True
         done += 1
         if on_progress is not None:
             on_progress(ProgressEvent(done, total, label))
+        if request.max_seconds is not None and clock() - started_s > request.max_seconds and done < total:
+            raise _OutOfTime
 
+    try:
+        _measure(pair, plan, grid, todo, request, clock, advance, lambda: profile)
+    except _OutOfTime:
+        pass
+    if not written:  # nothing new (a finished --resume): the profile as merged, so --out holds the grid asked for
+        write_profile(request.out, profile)
+    summary = summarize(request.out, profile, done - resumed, resumed, started_s, clock)
+    return replace(summary, points_left=total - done, max_seconds=request.max_seconds)
+
+
+@dataclass(frozen=True)
+class _Todo:
+    """The points a run still has to measure, in the order it measures them."""
+
+    acceptance: list[Sampling]
+    stage2: bool
+    timings: list
+    overheads: list[OverheadPoint]
+    trees: list[TreeOverheadPoint]
+
+    @property
+    def count(self) -> int:
+        return len(self.acceptance) + int(self.stage2) + len(self.timings) + len(self.overheads) + len(self.trees)
+
+
+def _measure(pair: LoadedPair, plan: _Plan, grid: Grid, todo: _Todo, request: CalibrationRequest, clock: Clock,
+             advance: Callable, current: Callable[[], Profile]) -> None:
+    """Every point still to measure, in order; `advance` saves each row; `current()` is the profile so far."""
     prompts_source = display_path(request.prompts) if request.prompts is not None else None
     greedy_rows = None  # kept for the second stage's guesses: the same continuations
-    for sampling in todo_acceptance:
+    for sampling in todo.acceptance:
         if plan.user_acceptance is not None:
             entry = acc.user_entry(sampling, plan.user_acceptance)
         else:
@@ -396,7 +385,7 @@ def calibrate(request: CalibrationRequest, on_progress: Callable[[ProgressEvent]
             entry = acc.entry_from_rows(rows, sampling, grid.max_k, prompt_count, prompts_source)
         advance(f"acceptance {sampling.describe()}", entry)
 
-    if todo_stage2:
+    if todo.stage2:
         rows = greedy_rows if greedy_rows is not None else _scored_rows(pair, plan, Sampling())[0]
         info = st2.measure_stage2(plan.stage2, plan.stage2_file, plan.stage2_sha256, rows, plan.effort.forward_rule,
                                   clock)
@@ -404,25 +393,24 @@ def calibrate(request: CalibrationRequest, on_progress: Callable[[ProgressEvent]
 
     timer = ForwardTimer({"target": pair.target, "draft": pair.draft}, grid, plan.device,
                          plan.effort.forward_rule, clock)
-    for point in todo_timings:
+    for point in todo.timings:
         advance(f"{point.model} b={point.batch_size} n={point.new_tokens} L={point.context_len}",
                 time_point(timer, point))
     timer.forget()
 
-    synthetic = _greedy_acceptance(profile)
-    for point in todo_overheads:
+    synthetic = _greedy_acceptance(current())
+    for point in todo.overheads:
         row = _overhead_row(pair, plan, point, synthetic, clock)
         label = f"overhead b={point.batch_size} k={point.k}"
         advance(label if row is not None else label + " (out of memory, not recorded)", row)
 
-    greedy = _greedy_entry(profile)
+    greedy = _greedy_entry(current())
     rank_table = greedy.rank_acceptance if greedy is not None else None
-    encoded = _encoded_prompts(pair, plan) if todo_trees else []
-    for point in todo_trees:
+    encoded = _encoded_prompts(pair, plan) if todo.trees else []
+    for point in todo.trees:
         label = f"tree overhead b={point.batch_size} nodes={point.tree_nodes}" + (" +ngram" if point.stage2 else "")
         if rank_table is None:
             advance(label + " (no rank acceptance: continuations too short, not recorded)")
             continue
         row = _tree_overhead_row(pair, plan, point, rank_table, grid.max_k, encoded, clock)
         advance(label if row is not None else label + " (out of memory, not recorded)", row)
-    return _summary(request, profile, done - resumed, resumed, started_s, clock)

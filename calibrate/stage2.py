@@ -25,7 +25,6 @@ median, a negative intercept a line through the origin).
 """
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -60,19 +59,15 @@ def default_stage2(draft: str, acceptance: str | None = None) -> Path | None:
 
 def stage2_for_calibration(stage2: Path | None, no_stage2: bool, draft: str | None,
                            acceptance: str | None) -> Path | None:
-    """--stage2, or the bundled n-gram for the bundled draft (recorded relative to the working directory when
-    it lies below it, so a profile and its tables stay valid in another clone)."""
+    """--stage2, or the bundled n-gram for the bundled draft. The profile records its absolute path and
+    sha256, so the tables made from it find it from any directory (and by sha256 when it has moved)."""
     if no_stage2:
         if stage2 is not None:
             raise CalibrationError("--stage2 and --no-stage2 are mutually exclusive")
         return None
     if stage2 is not None:
         return stage2
-    bundled = default_stage2(draft or str(DEMO_DRAFT), acceptance)
-    if bundled is None:
-        return None
-    relative = Path(os.path.relpath(bundled))
-    return relative if not str(relative).startswith("..") else bundled
+    return default_stage2(draft or str(DEMO_DRAFT), acceptance)
 
 
 def load_stage2(path: Path, target: ModelSpec) -> NGramModel:

@@ -105,10 +105,18 @@ def check_resumable(old: Profile, path: Path, device: DeviceInfo, target: ModelI
     if problems:
         raise CalibrationError(f"--resume: {path} was measured on a different device ({'; '.join(problems)})")
     # parameters, weight_bytes and kv_bytes_per_token follow from these (and the dtype, compared above)
-    model_fields = ["source", "model_type", "random_weights", "layers", "hidden_size", "heads", "kv_heads",
+    shape_fields = ["model_type", "random_weights", "layers", "hidden_size", "heads", "kv_heads",
                     "head_dim", "intermediate_size", "vocab_size", "max_position_embeddings"]
     for role, old_info, new_info in (("target", old.target, target), ("draft", old.draft, draft)):
-        problems = _differences(old_info, new_info, model_fields)
+        # by content when both carry a fingerprint (the same model under another path spelling, from another
+        # directory, is the same model); older profiles have only the path to go by
+        identity = ["fingerprint"] if old_info.fingerprint and new_info.fingerprint else ["source"]
+        problems = _differences(old_info, new_info, shape_fields)
+        if identity == ["fingerprint"] and old_info.fingerprint != new_info.fingerprint:
+            problems.insert(0, f"config or weights differ: {old_info.source} there (fingerprint "
+                               f"{old_info.fingerprint[:12]}), {new_info.source} now ({new_info.fingerprint[:12]})")
+        elif identity == ["source"]:
+            problems = _differences(old_info, new_info, identity) + problems
         if problems:
             raise CalibrationError(f"--resume: {path} is for a different {role} ({'; '.join(problems)})")
 

@@ -4,6 +4,16 @@ from __future__ import annotations
 import typer
 
 
+def estimate_line(points: int, estimated_s: float, max_seconds: float | None) -> str:
+    """The one line said before measuring: how many points and about how long, and what to do about it."""
+    line = (f"calibrate: {points} points to measure, at least ~{estimated_s:.0f} s by the repetition budgets "
+            "(longer when passes are slow: large models, a busy machine; the ETA follows)")
+    if max_seconds is not None and estimated_s > max_seconds:
+        line += (f"; --max-seconds {max_seconds:g} will stop it early with the profile saved (--resume continues), "
+                 "or try a smaller grid: --quick, fewer --batch-sizes or --context-lens, a lower --max-k")
+    return line
+
+
 def calibrate_with_progress(request, show: bool):
     from rich.console import Console
     from rich.progress import (
@@ -21,14 +31,19 @@ def calibrate_with_progress(request, show: bool):
         return calibrate(request)
     columns = (TextColumn("[bold]calibrate"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.description}"))
-    with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
+    # a long speed window: points can take minutes each, and a short window leaves the ETA at -:--:--
+    with Progress(*columns, console=Console(stderr=True), transient=True, speed_estimate_period=3600) as progress:
         task = progress.add_task("checking inputs, loading models", total=None)
 
         def on_progress(event):
             progress.update(task, completed=event.done, total=event.total, description=event.label)
 
+        def on_estimate(points: int, estimated_s: float):
+            progress.console.print(estimate_line(points, estimated_s, request.max_seconds), markup=False,
+                                   highlight=False, soft_wrap=True)
+
         try:
-            return calibrate(request, on_progress)
+            return calibrate(request, on_progress, on_estimate=on_estimate)
         except KeyboardInterrupt:
             progress.stop()
             typer.echo(f"interrupted: every point measured so far is in {request.out}; "
@@ -60,4 +75,7 @@ def render_calibration(summary) -> None:
     if summary.points_infeasible:
         counts += f", {summary.points_infeasible} out of memory"
     console.print(counts)
+    if summary.points_left:
+        console.print(f"stopped after --max-seconds {summary.max_seconds:g}: {summary.points_left} points left; "
+                      f"rerun with --resume to measure them", markup=False, highlight=False)
     console.print(f"wrote {summary.profile_path} and {summary.csv_path}", markup=False, highlight=False)

@@ -52,7 +52,7 @@ def run_demo(out: Path, race_sizes: tuple[int, ...], prompts_shown: int, max_new
     console.rule("[bold]1/5 calibrate (quick): time the demo pair's passes on this machine, measure acceptance")
     stage2 = stage2_for_calibration(None, False, None, None)  # the bundled n-gram: trees and staged drafting
     request = CalibrationRequest(target=str(DEMO_TARGET), draft=str(DEMO_DRAFT), out=profile_path, device=device,
-                                 prompts=DEMO_PROMPTS, quick=True, stage2=stage2)
+                                 prompts=DEMO_PROMPTS, quick=True, stage2=stage2, force=True)  # the demo's own folder
     render_calibration(calibrate_with_progress(request, show=True))
 
     console.rule("[bold]2/5 fit the latency and acceptance model")
@@ -94,5 +94,21 @@ def run_demo(out: Path, race_sizes: tuple[int, ...], prompts_shown: int, max_new
         console.print(f"batch size {batch.batch_size}: table {tabled.strategy} {compared_rate(tabled):.0f} tok/s vs "
                       f"plain {compared_rate(plain):.0f} tok/s -> [bold]{batch.table_speedup:.2f}x[/] "
                       f"(steady-state goodput, median of {rounds} interleaved rounds)")
+        contradiction = prediction_contradiction(tabled)
+        if contradiction:
+            console.print(contradiction, markup=False, highlight=False)
     console.print(f"everything is in {out.resolve()} (bench files: {', '.join(p.name for p in written)})",
                   markup=False, highlight=False)
+
+
+def prediction_contradiction(policy) -> str | None:
+    """A line when the measured steady-state goodput contradicts the prediction by more than the noise
+    (the p10-p90 spread of the interleaved rounds), with the usual reasons; None when they agree."""
+    predicted, measured = policy.predicted_tokens_per_s, policy.median_steady_tokens_per_s
+    low, high = policy.p10_steady_tokens_per_s, policy.p90_steady_tokens_per_s
+    if predicted is None or measured is None or low is None or high is None or low <= predicted <= high:
+        return None
+    return (f"  note: predicted {predicted:.0f} tok/s, measured {measured:.0f} ({predicted / measured - 1:+.0%}), "
+            f"outside the rounds' spread {low:.0f}-{high:.0f}: the quick profile was timed under other load than "
+            "this race (a busy or throttled machine, other processes), or its few repetitions were noisy; "
+            "calibrate without --quick, with --threads below the core count, when the machine is quiet")

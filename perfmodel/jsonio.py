@@ -12,7 +12,7 @@ import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from .errors import PerfModelError
 
@@ -29,6 +29,69 @@ def writable_path(path: str | os.PathLike, option: str = "output") -> Path:
     if not target.parent.is_dir():
         raise PerfModelError(f"{option} {path}: cannot write, directory {target.parent} does not exist")
     return target
+
+
+def check_not_input(output: str | os.PathLike, inputs: Iterable[str | os.PathLike], option: str = "--output") -> None:
+    """Refuse an output that is one of the command's own inputs (`fit p.json -o p.json`): the write would
+    replace the file being read. Compared as files (symlinks, `./p.json` and `p.json` are one file)."""
+    output = Path(output)
+    for source in inputs:
+        source = Path(source)
+        same = output.resolve() == source.resolve()
+        if not same and output.exists() and source.exists():
+            same = os.path.samefile(output, source)
+        if same:
+            raise PerfModelError(f"{option} {output}: that is the input file {source}; give another output path")
+
+
+def writable_dir(path: str | os.PathLike, option: str = "--out") -> Path:
+    """A folder outputs will be written into, checked before any measuring: it may exist (a folder) or
+    not yet (it is created later); anything else there (a file, a device node) is refused."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise PerfModelError(f"{option} {path}: not a folder (a file is in the way); give a folder to write into")
+    parent = next((p for p in path.absolute().parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise PerfModelError(f"{option} {path}: cannot create it, {parent} is not a folder")
+    return path
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: str | os.PathLike, option: str = "--out", what: str = "run") -> Iterator[None]:
+    """Hold an exclusive, non-blocking lock on `path` for the block: `<path>.lock` beside it, holding the
+    pid of the run that writes `path`. A second run on the same path fails at once with a one-line error
+    naming the first (two runs writing one profile would each report success, and the last one wins).
+    The lock file is removed on exit; a lock file whose inode changed under us (removed by the holder
+    between our open and our lock) is opened again, so two runs never hold locks on different inodes."""
+    import fcntl
+
+    lock_path = Path(path).with_name(Path(path).name + ".lock")
+    while True:
+        try:
+            handle = open(lock_path, "a+")
+        except OSError as error:  # e.g. a folder we may not write into
+            raise PerfModelError(f"{option} {path}: cannot create the lock file {lock_path} "
+                                 f"({error.strerror})") from None
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "unknown pid"
+            handle.close()
+            raise PerfModelError(f"{option} {path}: another {what} is writing it ({holder}, lock {lock_path}); "
+                                 f"wait for it or choose another path") from None
+        if os.path.exists(lock_path) and os.stat(lock_path).st_ino == os.fstat(handle.fileno()).st_ino:
+            break
+        handle.close()
+    try:
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()}")
+        handle.flush()
+        yield
+    finally:
+        lock_path.unlink(missing_ok=True)
+        handle.close()
 
 
 @contextlib.contextmanager
@@ -81,6 +144,7 @@ def read_json(path: str | os.PathLike, schema_prefix: str) -> dict:
         raise PerfModelError(f"{path}: no such file")
     try:
         obj = json.loads(path.read_text(encoding="utf-8"))
+        _refuse_non_finite(obj, f"{path}:")
     except json.JSONDecodeError as error:
         raise PerfModelError(f"{path}: not valid JSON ({error.msg} at line {error.lineno})") from None
     except UnicodeDecodeError:
@@ -99,12 +163,56 @@ def read_json(path: str | os.PathLike, schema_prefix: str) -> dict:
     return obj
 
 
+def _refuse_non_finite(obj: Any, where: str) -> None:
+    """Python's JSON reader accepts NaN and Infinity, which are not JSON and poison every number computed
+    from them (a NaN coefficient ranks every k equal): refuse them, naming the field."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        raise PerfModelError(f"{where}: {obj!r} is not a finite number (NaN and Infinity are not JSON)")
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for key, value in items:
+        if isinstance(value, (dict, list, float)):
+            field = f"[{key}]" if isinstance(key, int) else (f" {key}" if where.endswith(":") else f".{key}")
+            _refuse_non_finite(value, f"{where}{field}")
+
+
 def rounded(value: float | None, significant: int = 7) -> float | None:
     """A float cut to `significant` digits for readable JSON; None for missing or non-finite values
     (JSON has no NaN)."""
     if value is None or not math.isfinite(value):
         return None
     return float(f"{value:.{significant}g}")
+
+
+FULL_HASH_BYTES = 64 << 20  # weight files up to this size are hashed whole
+SAMPLE_BYTES = 1 << 20  # larger ones: their header and three 1 MiB samples (start, middle, end)
+
+
+def model_fingerprint(config: bytes, weight_files: Iterable[str | os.PathLike] = ()) -> str:
+    """What a model IS, whatever its path is spelled: sha256 over its config (the bytes of config.json, or
+    of a preset's canonical JSON) and, per weight file, its name, size and contents. Files above
+    FULL_HASH_BYTES are sampled (first, middle and last MiB) so a 14 GB checkpoint costs milliseconds, not
+    a minute; a fine-tune of the same shape still changes the sampled bytes. No weight files: random
+    weights of that shape."""
+    digest = hashlib.sha256(config)
+    for weight_file in sorted(Path(f) for f in weight_files):
+        size = weight_file.stat().st_size
+        digest.update(f"{weight_file.name}:{size}".encode())
+        with open(weight_file, "rb") as file:
+            if size <= FULL_HASH_BYTES:
+                for block in iter(lambda: file.read(1 << 20), b""):
+                    digest.update(block)
+                continue
+            for offset in (0, size // 2, size - SAMPLE_BYTES):
+                file.seek(offset)
+                digest.update(file.read(SAMPLE_BYTES))
+    return digest.hexdigest()
+
+
+def directory_fingerprint(directory: str | os.PathLike) -> str:
+    """`model_fingerprint` of a Hugging Face model directory: config.json and every weight file in it."""
+    directory = Path(directory)
+    weights = [f for f in directory.iterdir() if f.is_file() and f.name.endswith((".safetensors", ".bin"))]
+    return model_fingerprint((directory / "config.json").read_bytes(), weights)
 
 
 def file_sha256(path: str | os.PathLike) -> str:

@@ -71,6 +71,12 @@ class FittedModel:
     acceptance: tuple[AcceptanceModel, ...]  # from the profile; the first is the default
     stage2: Stage2Info | None = None  # the n-gram second stage, when the profile measured one
 
+    def fingerprints(self) -> dict | None:
+        """{"target", "draft"} content fingerprints of the pair (None when the profile predates them)."""
+        if self.target_info.fingerprint is None and self.draft_info.fingerprint is None:
+            return None
+        return {"target": self.target_info.fingerprint, "draft": self.draft_info.fingerprint}
+
     def latency_ms(self, role: str, batch_size: int, new_tokens: int, context_len: int) -> float:
         """Predicted time of one forward pass; matches strategy.LatencyFn."""
         return self.roles[role].model.latency_ms(batch_size, new_tokens, context_len)
@@ -254,7 +260,8 @@ def compute_table(fitted: FittedModel, acceptance: AcceptanceModel, max_batch: i
                  created_utc=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
                  max_k=max([max_k] + [e.k for bucket in buckets for e in bucket.entries]),
                  acceptance=acceptance.to_json(), buckets=tuple(buckets),
-                 stage2={"file": fitted.stage2.file, "sha256": fitted.stage2.sha256} if uses_stage2 else None)
+                 stage2={"file": fitted.stage2.file, "sha256": fitted.stage2.sha256} if uses_stage2 else None,
+                 fingerprints=fitted.fingerprints())
 
 
 # ---------------------------------------------------------------- JSON

@@ -5,7 +5,8 @@ Left: goodput over (batch size b, speculation length k), each column divided by 
 (none and chains k = 1..max_k) as `strategy.StepModel` predicts it, as a chain-only table would choose.
 Right: predicted against measured pass latency per role, with the +-5% band the fit aims for.
 
-matplotlib is an optional extra (`pip install 'specbatch[plot]'`); it is imported only here.
+matplotlib is a main dependency (`plot` is an everyday command); it is imported only here, so the rest of
+perfmodel loads without it.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def _pyplot():
     try:
         import matplotlib
     except ImportError:
-        raise PerfModelError("plot needs matplotlib: pip install 'specbatch[plot]'") from None
+        raise PerfModelError("plot needs matplotlib: pip install matplotlib") from None
     matplotlib.use("Agg")  # files only; never needs a display
     import matplotlib.pyplot as plt
 
@@ -74,5 +75,23 @@ def plot_model(fitted: FittedModel, acceptance: AcceptanceModel, path: str | os.
         axis.legend(loc="upper left")
         figure.colorbar(points, ax=axis, label="log2 batch size")
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    try:
+        save_figure(figure, path)
+    finally:
+        plt.close(figure)
+
+
+def save_figure(figure, path: str | os.PathLike) -> None:
+    """Through the one atomic writer (a device node or folder at `path` is refused, never replaced); the
+    image format follows the file's extension."""
+    from pathlib import Path
+
+    from .jsonio import atomic_output, writable_path
+
+    writable_path(path, "--output")
+    fmt = Path(path).suffix.lstrip(".").lower()
+    formats = figure.canvas.get_supported_filetypes()
+    if fmt not in formats:
+        raise PerfModelError(f"--output {path}: give a file ending in one of .{', .'.join(sorted(formats))}")
+    with atomic_output(path, "--output") as temporary:
+        figure.savefig(temporary, dpi=110, format=fmt)

@@ -59,6 +59,9 @@ class ModelInfo:
     weight_bytes: int  # all weights at the profiled dtype
     kv_bytes_per_token: int  # KV-cache bytes per cached token, all layers
     max_position_embeddings: int
+    # perfmodel.jsonio.model_fingerprint: config and weights, so files made for this model are recognised
+    # wherever its directory is and however its path is spelled. Optional: older profiles lack it.
+    fingerprint: str | None = None
 
 
 @dataclass(frozen=True)
@@ -293,6 +296,7 @@ def _model_info(obj: dict, where: str) -> ModelInfo:
         model_type=_str(obj, "model_type", where),
         random_weights=_bool(obj, "random_weights", where),
         **{key: _int(obj, key, where, minimum=1) for key in positive},
+        fingerprint=_str(obj, "fingerprint", where, nullable=True) if "fingerprint" in obj else None,
     )
 
 

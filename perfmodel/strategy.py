@@ -53,7 +53,7 @@ def candidate_strategies(max_k: int, rank_acceptance: Sequence[Sequence[float]] 
                          max_tree_nodes: int = MAX_TREE_NODES) -> tuple[Strategy, ...]:
     """The strategies a table chooses among, simplest first, without duplicates.
 
-    Trees only with `rank_acceptance`; the second stage only with `stage2` and family "all".
+    Trees only with `rank_acceptance`, no deeper than `max_k`; the second stage only with `stage2` and family "all".
 
     >>> [s.describe() for s in candidate_strategies(2, stage2=True)]
     ['none', 'chain k=1', 'chain k=2', 'chain k=1 +ngram', 'chain k=2 +ngram']
@@ -64,8 +64,8 @@ def candidate_strategies(max_k: int, rank_acceptance: Sequence[Sequence[float]] 
         raise PerfModelError(f"strategies: need max_k >= 0 and max_tree_nodes >= 0, found {max_k}, {max_tree_nodes}")
     chains = [chain(k) for k in range(1, max_k + 1)]
     trees = []
-    if family != "chain" and rank_acceptance:
-        trees = [grow_tree(rank_acceptance, n, max_depth=len(rank_acceptance)) for n in TREE_SIZES
+    if family != "chain" and rank_acceptance and max_k > 0:  # max_k bounds a tree's depth too (its k)
+        trees = [grow_tree(rank_acceptance, n, max_depth=min(len(rank_acceptance), max_k)) for n in TREE_SIZES
                  if n <= max_tree_nodes]
     staged = family == "all" and stage2
     ordered = ([Strategy(None)] + [Strategy(c) for c in chains] + [Strategy(c, True) for c in chains if staged]

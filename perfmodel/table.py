@@ -6,6 +6,7 @@ This is what the runtime's `TableK` policy reads, so this module needs only the 
     {"schema": "specbatch.table/1", "target", "draft", "device", "created_utc", "max_k",
      "acceptance": {...the acceptance the table was computed with...},
      "stage2": {"file", "sha256"},                      (optional: when an entry uses the second stage)
+     "fingerprints": {"target", "draft"},               (optional: the pair's content, jsonio.model_fingerprint)
      "buckets": [{"context_len", "entries": [{"batch_size", "k", "predicted_tokens_per_s",
                   "predicted_speedup", "runner_up_k", "margin",
                   "strategy", "runner_up_strategy"}, ...]}, ...]}   (both optional)
@@ -81,6 +82,9 @@ class Table:
     acceptance: dict
     buckets: tuple[Bucket, ...]  # ascending context_len
     stage2: dict | None = None  # {"file", "sha256"} of the n-gram model, when an entry uses it
+    # {"target": fingerprint, "draft": fingerprint} (perfmodel.jsonio.model_fingerprint) of the pair the table
+    # was computed for, so a runtime can refuse a table made for another pair; None in older tables
+    fingerprints: dict | None = None
     # kinds of out-of-range lookups already warned about; mutable on purpose, outside equality
     _warned: set = field(default_factory=set, compare=False, repr=False)
 
@@ -126,6 +130,8 @@ class Table:
         }
         if self.stage2 is not None:
             obj["stage2"] = self.stage2
+        if self.fingerprints is not None:
+            obj["fingerprints"] = self.fingerprints
         return obj
 
 
@@ -217,8 +223,14 @@ def table_from_json(obj: dict, source: str = "table") -> Table:
     if stage2 is None and any(e.strategy is not None and e.strategy.stage2 for b in buckets for e in b.entries):
         raise PerfModelError(f"{source}: stage2: missing, but entries use the n-gram second stage "
                              "(the table must name the n-gram file they were computed for)")
+    fingerprints = obj.get("fingerprints")
+    if fingerprints is not None and (not isinstance(fingerprints, dict) or not all(
+            isinstance(fingerprints.get(role), (str, type(None))) for role in ("target", "draft"))):
+        raise PerfModelError(f"{source}: fingerprints: expected an object with target and draft strings, "
+                             f"found {fingerprints!r}")
     return Table(obj["target"], obj["draft"], obj["device"], obj["created_utc"], max_k, acceptance, buckets,
-                 None if stage2 is None else {"file": stage2["file"], "sha256": stage2["sha256"]})
+                 None if stage2 is None else {"file": stage2["file"], "sha256": stage2["sha256"]},
+                 None if fingerprints is None else {role: fingerprints.get(role) for role in ("target", "draft")})
 
 
 def load_table(path: str | os.PathLike) -> Table:

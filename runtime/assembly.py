@@ -104,14 +104,70 @@ def strategy_policy(tree: str, stage2: Path | None, model_file: Path | None, max
     return TableK(table)
 
 
+def check_made_for(what: str, made_for: dict, running: dict, force: bool = False) -> None:
+    """Refuse a table or model computed for another pair: its k was chosen for other models' speed and
+    acceptance, so it runs but silently picks wrong (an OPT table on the demo pair says k = 0). Both dicts
+    map role -> (source, fingerprint); roles or fingerprints missing on either side (older files, an
+    n-gram draft) are not compared. `force` runs anyway."""
+    differences = []
+    for role, (source, fingerprint) in made_for.items():
+        now_source, now_fingerprint = running.get(role, (None, None))
+        if fingerprint and now_fingerprint and fingerprint != now_fingerprint:
+            differences.append(f"{role} {source} ({fingerprint[:12]}) there, {now_source} ({now_fingerprint[:12]}) "
+                               "here")
+    if differences and not force:
+        raise UsageError(f"{what} was made for another pair: {'; '.join(differences)}; pass --force to use it anyway")
+
+
+def table_made_for(table) -> dict:
+    """What `check_made_for` needs from a perfmodel.table.Table."""
+    fingerprints = table.fingerprints or {}
+    return {role: (getattr(table, role), fingerprints.get(role)) for role in ("target", "draft")}
+
+
+def files_for_pair(table: Path | None, model: Path | None, stage2: Path | None, running: dict,
+                   force: bool = False) -> Path | None:
+    """`bench`: --table and --model must be made for the `running` pair (see `check_made_for`), and a table
+    whose entries use the second stage brings its own n-gram file when --stage2 is not given. Returns the
+    n-gram file to use (None: none)."""
+    from perfmodel.model import load_model
+    from perfmodel.table import load_table
+
+    if model is not None:
+        fitted = load_model(model)
+        check_made_for(f"--model {model}", {"target": (fitted.target_info.source, fitted.target_info.fingerprint),
+                                            "draft": (fitted.draft_info.source, fitted.draft_info.fingerprint)},
+                       running, force)
+    if table is not None:
+        loaded = load_table(table)
+        check_made_for(f"--table {table}", table_made_for(loaded), running, force)
+        staged = any(entry.chosen().stage2 for bucket in loaded.buckets for entry in bucket.entries)
+        if stage2 is None and staged:
+            return recorded_stage2(loaded.stage2, f"--table {table}")
+    return stage2
+
+
+def recorded_stage2(recorded: dict | None, what: str) -> Path:
+    """The n-gram file a table names ({"file", "sha256"}): its recorded path while that file's sha256 still
+    matches, else the bundled n-gram when it is that file (older tables recorded a path relative to the
+    directory they were made in)."""
+    from perfmodel.jsonio import file_sha256
+
+    if not recorded:
+        raise UsageError(f"{what} uses the n-gram second stage but names no n-gram file; pass --stage2 FILE")
+    named = Path(recorded["file"])
+    for candidate in (named, DEMO_NGRAM):
+        if candidate.is_file() and file_sha256(candidate) == recorded["sha256"]:
+            return candidate
+    raise UsageError(f"{what} uses the n-gram second stage {named} (sha256 {recorded['sha256'][:12]}), which is "
+                     "missing or has changed since; pass --stage2 FILE")
+
+
 def second_stage_for(policy, stage2: Path | None, target_model):
     """The n-gram model a policy needs: --stage2, else the file a table names (checked by sha256)."""
     table = getattr(policy, "table", None)
     if stage2 is None and getattr(policy, "needs_stage2", False):
-        named = table.stage2["file"] if table is not None and table.stage2 else None
-        if named is None or not Path(named).is_file():
-            raise UsageError(f"{policy.describe()} uses the n-gram second stage; pass --stage2 FILE")
-        stage2 = Path(named)
+        stage2 = recorded_stage2(table.stage2 if table is not None else None, policy.describe())
     if stage2 is None:
         return None
     if table is not None and table.stage2 and getattr(policy, "needs_stage2", False):
@@ -131,6 +187,7 @@ class GenerationRequest:
     tree: str | None = None
     stage2: Path | None = None
     model: Path | None = None  # for --tree auto
+    force: bool = False  # use a table or model made for another pair
     max_new_tokens: int = 64
     temperature: float = 0.0
     top_k: int = 0
@@ -146,6 +203,18 @@ class GenerationRequest:
             raise UsageError("--k, --table and --tree are mutually exclusive")
         if not self.prompts:
             raise UsageError("give at least one --prompt or a --prompts-file")
+        if self.max_new_tokens <= 0:  # checked here, before a model is loaded
+            raise UsageError(f"--max-new-tokens must be positive, got {self.max_new_tokens}")
+        for text in self.prompts:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as error:  # a command-line argument with bytes that are not UTF-8
+                raise UsageError(f"--prompt {text!r}: not UTF-8 text ({error.reason} at character "
+                                 f"{error.start}); give prompts as UTF-8") from None
+        if self.model is not None and self.tree != "auto":  # it would be ignored without a word
+            raise UsageError("--model is read only with --tree auto (the strategy it predicts best per batch size)")
+        if self.model is not None and not self.model.is_file():
+            raise UsageError(f"--model {self.model}: no such file")
         if self.table is not None and not self.table.is_file():
             raise UsageError(f"--table {self.table}: no such file")
         if self.stage2 is not None and self.tree is None and self.table is None:
@@ -192,6 +261,15 @@ def generate_texts(request: GenerationRequest, loaded_pair=None) -> Generation:
         policy = TableK(request.table)
     else:
         policy = FixedK(request.k if request.k is not None else (DEFAULT_K_WITH_DRAFT if draft_runner else 0))
+    table = getattr(policy, "table", None)
+    if table is not None:
+        from perfmodel.jsonio import directory_fingerprint
+
+        running = {"target": (str(target_model.path), directory_fingerprint(target_model.path))}
+        if draft_model is not None:
+            running["draft"] = (str(draft_model.path), directory_fingerprint(draft_model.path))
+        what = f"--table {request.table}" if request.table is not None else f"--model {request.model}"
+        check_made_for(what, table_made_for(table), running, request.force)
     second_stage = second_stage_for(policy, request.stage2, target_model)
     if draft_runner is None and policy.max_k > 0:
         raise UsageError("k > 0 needs a draft model (--draft)")

@@ -65,6 +65,7 @@ def parse_dtype(name: str | None, device: str) -> torch.dtype:
 
 
 def _read_weight_files(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     single = directory / "model.safetensors"
@@ -81,7 +82,7 @@ def _read_weight_files(directory: Path) -> dict[str, torch.Tensor]:
             return tensors
         if legacy.is_file():
             return torch.load(str(legacy), map_location="cpu", weights_only=True)
-    except (OSError, KeyError, ValueError, RuntimeError) as error:
+    except (OSError, KeyError, ValueError, RuntimeError, SafetensorError) as error:  # e.g. a truncated file
         raise CheckpointError(f"{directory}: weights are not readable ({error})") from None
     raise CheckpointError(
         f"{directory}: no weights (expected model.safetensors, model.safetensors.index.json or pytorch_model.bin)"
@@ -99,10 +100,12 @@ def hf_to_internal(config: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str
     """Map a family's Hugging Face tensor names onto `CausalLM`'s names (fusing qkv and gate/up)."""
     src = {_strip_prefix(k): v for k, v in hf.items()}
     out: dict[str, torch.Tensor] = {}
+    taken: set[str] = set()
 
     def take(name: str) -> torch.Tensor:
         if name not in src:
             raise CheckpointError(f"weights: tensor {name!r} is missing")
+        taken.add(name)
         return src[name]
 
     family = config.family
@@ -167,7 +170,18 @@ def hf_to_internal(config: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str
         out["lm_head.weight"] = out["embed.weight"]
     else:
         out["lm_head.weight"] = take("lm_head.weight")
+    unused = sorted(name for name in set(src) - taken if not _ignorable(name, config))
+    if unused:  # e.g. a config with fewer layers than the weights: it would load and generate garbage
+        raise CheckpointError(f"weights: {len(unused)} tensor(s) the config does not use, e.g. {unused[:3]}; "
+                              f"config.json does not describe these weights ({config.num_layers} layers)")
     return out
+
+
+def _ignorable(name: str, config: ModelConfig) -> bool:
+    """Tensors a checkpoint may carry that the model recomputes or shares: RoPE's inverse frequencies,
+    GPT-2's causal-mask buffers, and a tied LM head stored anyway."""
+    return (name.endswith(("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias"))
+            or (name == "lm_head.weight" and config.tie_word_embeddings))
 
 
 def internal_to_hf_llama(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:

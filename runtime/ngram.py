@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -248,7 +247,7 @@ class NGramModel:
     def distributions(self, contexts: torch.Tensor) -> torch.Tensor:
         """(n, 2) rows (u, v) -> (n, V) float32 next-token distributions; u = -1: bigram level only,
         u = v = -1: the unigram."""
-        t, V = self._on(contexts.device), self.vocab_size
+        t = self._on(contexts.device)
         u, v = contexts[:, 0].long(), contexts[:, 1].long()
         has_v = v >= 0
         vv = v.clamp(min=0)

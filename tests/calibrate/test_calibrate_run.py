@@ -213,7 +213,8 @@ def test_resume_refuses_another_second_stage(pair, measured, tmp_path):
 def test_resume_refuses_a_profile_of_another_pair_or_dtype(pair, measured, tmp_path):
     out = tmp_path / "profile.json"
     shutil.copy(measured[0], out)
-    with pytest.raises(CalibrationError, match=r"different draft \(source .*; layers 1 there, 2 now"):
+    with pytest.raises(CalibrationError,
+                       match=r"different draft \(config or weights differ: .*; layers 1 there, 2 now"):
         calibrate(request(pair, out, draft=str(pair / "target"), resume=True))
     with pytest.raises(CalibrationError, match="different device .*dtype 'float32' there, 'bfloat16' now"):
         calibrate(request(pair, out, dtype="bfloat16", resume=True))
@@ -314,7 +315,7 @@ BAD_INPUTS = [
                                   "--context-lens", "1020", "--max-k", "8"],
      "1029 positions exceeds the target's maximum of 1024"),
     ("resume other pair", ["--draft", "{pair}/target", "--resume", "--out", "{other_pair}"],
-     "is for a different draft (source"),
+     "is for a different draft (config or weights differ"),
     ("resume other device", ["--resume", "--out", "{other_device}"],
      "was measured on a different device (name 'Some Other CPU' there"),
     ("empty prompts", ["--prompts", "{empty}"], "the file holds no prompts"),

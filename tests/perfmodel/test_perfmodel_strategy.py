@@ -233,3 +233,12 @@ def test_bad_strategy_in_a_table_names_the_entry(chain_model):
     obj["buckets"][0]["entries"][1]["strategy"] = {"kind": "tree", "k": 2, "tree": [[1]], "stage2": False}
     with pytest.raises(PerfModelError, match=r"entries\[1\].strategy.tree: path 1 has no lower-ranked sibling 0"):
         table_from_json(obj, "t.json")
+
+
+@pytest.mark.parametrize("max_k", [0, 2])
+def test_max_k_bounds_trees_too(fitted, max_k):
+    """`table --max-k 2` with the default family: no tree deeper than 2 (issue 15: depth 8 was chosen)."""
+    table = compute_table(fitted, choose_acceptance(fitted, None), 16, [128], max_k=max_k)
+    entries = table.buckets[0].entries
+    assert max(e.k for e in entries) <= max_k and table.max_k == max_k
+    assert all(e.strategy.tree is None or e.strategy.tree.depth <= max_k for e in entries)
