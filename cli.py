@@ -756,13 +756,26 @@ def table(
         "--strategies", help="chain (chains only) | tree (chains and trees) | all (and the n-gram second stage, "
                              "when the profile measured one).")] = "all",
     max_tree_nodes: Annotated[int, typer.Option("--max-tree-nodes", help="Largest tree considered.")] = 64,
-    fmt: Annotated[str, typer.Option("--format", help="json (specbatch.table/1) | csv | vllm | trtllm.")] = "json",
+    fmt: Annotated[str, typer.Option(
+        "--format", help="json (specbatch.table/1) | csv | vllm (a complete speculative_config for a draft model) | "
+                         "trtllm (DraftTargetDecodingConfig with draft_len_schedule). Engines know batch sizes only: "
+                         "one --context-lens value; --max-batch should cover the engine's max batch.")] = "json",
+    draft: Annotated[Optional[Path], typer.Option(
+        "--draft", help="vllm/trtllm: the draft model directory the engine loads (default: the table's draft, "
+                        "resolved from the current directory).")] = None,
+    clamp: Annotated[bool, typer.Option(
+        "--clamp", help="trtllm: cap every k at batch size 1's k (TensorRT-LLM needs the smallest batch size's k "
+                        "to be the largest) instead of refusing; the entries changed are listed.")] = False,
 ):
     """Best strategy (none, a chain of k, a tree, with or without the second stage) for every batch size
     1..max-batch, with its predicted gain. vllm/trtllm exports express chains only (a tree's depth as k)."""
     _check_counts(max_batch=max_batch, max_k=max_k)
     if fmt not in TABLE_FORMATS:
         raise UsageError(f"--format: {fmt!r} is not one of {', '.join(TABLE_FORMATS)}")
+    if clamp and fmt != "trtllm":
+        raise UsageError(f"--clamp applies to --format trtllm only, not {fmt}")
+    if draft is not None and fmt not in ("vllm", "trtllm"):
+        raise UsageError(f"--draft applies to --format vllm or trtllm only, not {fmt}")
     lengths = parse_int_list("--context-lens", context_lens)
     from perfmodel import table as tables
     from perfmodel.jsonio import write_json_atomic, write_text_atomic
@@ -778,10 +791,15 @@ def table(
         tables.save_table(output, result)
     elif fmt == "csv":
         write_text_atomic(output, tables.to_csv(result))
+    elif fmt == "vllm":
+        write_json_atomic(output, tables.to_vllm(result, draft=draft))
     else:
-        export = tables.to_vllm if fmt == "vllm" else tables.to_trtllm
-        write_json_atomic(output, export(result))
+        write_json_atomic(output, tables.to_trtllm(result, draft=draft, clamp=clamp))
     notes = fitted.extrapolation_notes(max_batch, [b.context_len for b in result.buckets], result.max_k)
+    changed = tables.trtllm_clamped(result.buckets[0].entries) if clamp else []
+    if changed:
+        notes.append(f"--clamp: k capped at {changed[0][2]} in {output} where the table has "
+                     f"{tables.describe_clamped(changed)}")
     render_table(result, notes, output)
 
 
