@@ -1,18 +1,20 @@
 """vLLM itself reads our `--format vllm` exports: its own SpeculativeConfig is built from each (through
 EngineArgs, as `LLM(speculative_config=...)` does) and its scheduler's batch-size lookup maps back to our table at
 every batch size. Runs in vLLM's own virtual environment (bench/vllm/setup.sh, bench/vllm/run.sh); skipped when
-that is not set up, as in CI (the setup takes minutes and gigabytes). No torch here: perfmodel and a subprocess.
+that is not set up, as in CI (the setup takes minutes and gigabytes). Then bench/vllm/compare.py end to end,
+small: the same greedy tokens from both engines, and vLLM's scheduler looking up the table's k at every step.
 """
 from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from perfmodel.jsonio import write_json_atomic
-from perfmodel.table import Bucket, Table, TableEntry, to_vllm
+from perfmodel.table import Bucket, Table, TableEntry, save_table, to_vllm
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = ROOT / "bench" / "vllm" / "run.sh"
@@ -63,3 +65,17 @@ def test_vllm_builds_its_config_from_our_exports_and_runs_our_table(tmp_path):
         assert answer["method"] == "draft_model" and answer["num_speculative_tokens"] == max(ks)
         assert answer["k_per_batch_size"] == ks + [ks[-1]] * (MAX_NUM_SEQS - len(ks)), name
     assert "refused" in answers["fragment.json"]  # vLLM needs num_speculative_tokens and the draft model
+
+
+def test_compare_runs_both_engines_on_the_same_tokens(tmp_path):
+    save_table(tmp_path / "t.json", table_of([3, 2]))
+    compare = ROOT / "bench" / "vllm" / "compare.py"
+    run = subprocess.run([sys.executable, str(compare), "--table", str(tmp_path / "t.json"), "--batch-sizes", "1,2",
+                          "--max-new-tokens", "12", "-o", str(tmp_path / "c.json")],
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads((tmp_path / "c.json").read_text())["results"]
+    assert [(r["batch_size"], r["policy"]) for r in results] == [(1, "k=0"), (1, "table"), (2, "k=0"), (2, "table")]
+    for r in results:
+        assert r["identical_rows"] == r["rows"] == r["batch_size"], r  # greedy: token for token
+        assert r["vllm_k_mismatches"] == [] and (r["vllm_steps"] > 0) == (r["policy"] == "table"), r
