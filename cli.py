@@ -1034,9 +1034,12 @@ def demo(
     tables.save_table(paths["table.json"], table_result)
     write_text_atomic(paths["table.csv"], tables.to_csv(table_result))
     write_json_atomic(paths["vllm.json"], tables.to_vllm(table_result))
-    write_json_atomic(paths["trtllm.json"], tables.to_trtllm(table_result))
-    render_table(table_result, fitted.extrapolation_notes(max_batch, [b.context_len for b in table_result.buckets],
-                                                          table_result.max_k), paths["table.json"])
+    write_json_atomic(paths["trtllm.json"], tables.to_trtllm(table_result, clamp=True))  # cap a rising k, not stop the demo
+    notes = fitted.extrapolation_notes(max_batch, [b.context_len for b in table_result.buckets], table_result.max_k)
+    clamped = tables.trtllm_clamped(table_result.buckets[0].entries)
+    if clamped:
+        notes.append(f"trtllm.json: k capped at {clamped[0][2]} where the table has {tables.describe_clamped(clamped)}")
+    render_table(table_result, notes, paths["table.json"])
 
     console.rule("[bold]4/5 generate held-out prompts with the table")
     from runtime.generator import SpeculativeGenerator
