@@ -374,15 +374,23 @@ def table(
         "--strategies", help="chain (chains only) | tree (chains and trees) | all (and the n-gram second stage, "
                              "when the profile measured one).")] = "all",
     max_tree_nodes: Annotated[int, typer.Option("--max-tree-nodes", help="Largest tree considered.")] = 64,
-    fmt: Annotated[str, typer.Option("--format", help="json (specbatch.table/1) | csv | vllm | trtllm.")] = "json",
+    fmt: Annotated[str, typer.Option(
+        "--format", help="json (specbatch.table/1) | csv | vllm (a complete speculative_config for a draft model) | "
+                         "trtllm (DraftTargetDecodingConfig with draft_len_schedule). Engines know batch sizes only: "
+                         "one --context-lens value; --max-batch should cover the engine's max batch.")] = "json",
+    draft: Annotated[Optional[Path], typer.Option(
+        "--draft", help="vllm/trtllm: the draft model directory the engine loads (default: the table's draft, "
+                        "resolved from the current directory).")] = None,
+    clamp: Annotated[bool, typer.Option(
+        "--clamp", help="trtllm: cap every k at batch size 1's k (TensorRT-LLM needs the smallest batch size's k "
+                        "to be the largest) instead of refusing; the entries changed are listed.")] = False,
 ):
     """Best strategy (none, a chain of k, a tree, with or without the second stage) for every batch size
     1..max-batch, with its predicted gain. vllm/trtllm exports express chains only (a tree's depth as k)."""
     check_counts(max_batch=max_batch, max_k=max_k)
-    from perfmodel.table import TABLE_FORMATS, write_table
+    from perfmodel.table import check_table_format, write_table
 
-    if fmt not in TABLE_FORMATS:
-        raise UsageError(f"--format: {fmt!r} is not one of {', '.join(TABLE_FORMATS)}")
+    check_table_format(fmt, draft, clamp)
     if max_tree_nodes < 1:
         raise UsageError(f"--max-tree-nodes must be >= 1, got {max_tree_nodes}")
     lengths = parse_int_list("--context-lens", context_lens)
@@ -395,11 +403,11 @@ def table(
     chosen = choose_acceptance(fitted, acceptance_override(acceptance), str(model))
     result = compute_table(fitted, chosen, max_batch, lengths, max_k, strategies=strategies,
                            max_tree_nodes=max_tree_nodes)
-    write_table(output, result, fmt)
+    export_notes = write_table(output, result, fmt, draft=draft, clamp=clamp)
     from console.model import render_table
 
-    render_table(result, fitted.extrapolation_notes(max_batch, [b.context_len for b in result.buckets],
-                                                    result.max_k), output)
+    notes = fitted.extrapolation_notes(max_batch, [b.context_len for b in result.buckets], result.max_k)
+    render_table(result, notes + export_notes, output)
 
 
 @app.command()

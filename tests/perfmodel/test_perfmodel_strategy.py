@@ -138,7 +138,9 @@ def test_table_picks_a_tree_at_batch_one_and_a_chain_or_nothing_at_large_batch(f
     loaded = load_table(tmp_path / "t.json")
     assert [loaded.strategy(b, 128) for b in range(1, 65)] == [e.strategy for e in entries]
     assert [loaded.lookup(b, 128) for b in range(1, 65)] == [e.strategy.k for e in entries]
-    ks = [k for start, end, k in to_vllm(loaded)["num_speculative_tokens_per_batch_size"] for _ in range(start, end + 1)]
+    (tmp_path / "config.json").write_text("{}")  # the draft directory vLLM would load
+    ranges = to_vllm(loaded, draft=tmp_path)["num_speculative_tokens_per_batch_size"]
+    ks = [k for start, end, k in ranges for _ in range(start, end + 1)]
     assert ks == [e.k for e in entries]  # engines get the depth: a chain of the tree's length
     assert "tree 0,1" in to_csv(loaded).splitlines()[1]
 

@@ -1,4 +1,5 @@
-"""The specbatch.table/1 contract: validation, lookup rules, and exports checked against golden text."""
+"""The specbatch.table/1 contract: validation, lookup rules, and the CSV export checked against golden text
+(engine exports: test_perfmodel_exports.py)."""
 from __future__ import annotations
 
 import json
@@ -7,8 +8,7 @@ import warnings
 import pytest
 
 from perfmodel.errors import PerfModelError
-from perfmodel.table import (Bucket, Table, TableEntry, TableRangeWarning, load_table, save_table, to_csv, to_trtllm,
-                             to_vllm)
+from perfmodel.table import Bucket, Table, TableEntry, TableRangeWarning, load_table, save_table, to_csv
 
 KS = [5, 5, 4, 4, 4, 2, 0]  # batch sizes 1..7
 
@@ -23,14 +23,6 @@ def make_table(ks=KS, context_lens=(512,)) -> Table:
                  {"source": "user", "per_position": [0.8]}, tuple(buckets))
 
 
-def test_vllm_export_golden():
-    assert to_vllm(make_table()) == {"num_speculative_tokens_per_batch_size": [[1, 2, 5], [3, 5, 4], [6, 6, 2], [7, 7, 0]]}
-
-
-def test_trtllm_export_golden_change_points_only():
-    assert to_trtllm(make_table()) == {"draft_len_schedule": {"1": 5, "3": 4, "6": 2, "7": 0}}
-
-
 def test_csv_export_golden():
     golden = (  # entries without a strategy (older tables) mean chains of k
         "batch_size,k,predicted_tokens_per_s,predicted_speedup,context_len,strategy\n"
@@ -40,13 +32,6 @@ def test_csv_export_golden():
         "2,0,200,1.5,2048,none\n"
     )
     assert to_csv(make_table(ks=[3, 1], context_lens=(128, 2048))) == golden
-
-
-def test_engine_exports_need_a_single_bucket():
-    table = make_table(context_lens=(512, 4096))
-    with pytest.raises(PerfModelError, match="--format vllm: the table has context buckets 512, 4096"):
-        to_vllm(table)
-    assert to_trtllm(table, context_len=4000) == {"draft_len_schedule": {"1": 4, "3": 3, "6": 1, "7": 0}}
 
 
 def test_save_load_round_trip(tmp_path):
@@ -154,7 +139,6 @@ def test_strategy_entries_round_trip_and_lookup(tmp_path):
     with pytest.warns(TableRangeWarning, match="batch size 9 is beyond the table's 3"):
         assert loaded.strategy(9) == Strategy(None)
     assert to_csv(loaded).splitlines()[1] == '1,2,300,2,512,"tree 0,1,0.0 (3 nodes) +ngram"'
-    assert to_trtllm(loaded) == {"draft_len_schedule": {"1": 2, "2": 1, "3": 0}}
 
 
 def test_stage2_field_must_name_file_and_sha256(tmp_path):

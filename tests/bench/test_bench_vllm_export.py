@@ -1,0 +1,81 @@
+"""vLLM itself reads our `--format vllm` exports: its own SpeculativeConfig is built from each (through
+EngineArgs, as `LLM(speculative_config=...)` does) and its scheduler's batch-size lookup maps back to our table at
+every batch size. Runs in vLLM's own virtual environment (bench/vllm/setup.sh, bench/vllm/run.sh); skipped when
+that is not set up, as in CI (the setup takes minutes and gigabytes). Then bench/vllm/compare.py end to end,
+small: the same greedy tokens from both engines, and vLLM's scheduler looking up the table's k at every step.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from perfmodel.jsonio import write_json_atomic
+from perfmodel.table import Bucket, Table, TableEntry, save_table, to_vllm
+
+ROOT = Path(__file__).resolve().parents[2]
+RUN = ROOT / "bench" / "vllm" / "run.sh"
+TARGET, DRAFT = ROOT / "data" / "models" / "demo-target", ROOT / "data" / "models" / "demo-draft"
+MAX_NUM_SEQS = 40  # above every table's --max-batch: vLLM carries the last k on past the last range
+
+TABLES = {  # k at batch sizes 1..N
+    "golden": [5, 5, 4, 4, 4, 2, 0],
+    "falling": [8, 7, 6, 6, 5, 4, 4, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+    "rising": [1, 2, 2, 3, 4, 4, 4, 4],
+    "constant": [4] * 16,
+    "single": [3],
+    "zeros_inside": [4, 0, 0, 3, 3, 0, 2],
+}
+
+
+def vllm_importable() -> bool:
+    probe = subprocess.run(["bash", str(RUN), "-c", "import importlib.util, sys; "
+                            "sys.exit(importlib.util.find_spec('vllm') is None)"], capture_output=True)
+    return probe.returncode == 0
+
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not vllm_importable(), reason="vLLM is not importable: bash bench/vllm/setup.sh")]
+
+
+def table_of(ks: list[int]) -> Table:
+    entries = tuple(TableEntry(b, k, 100.0 * b, 1.5, None, None) for b, k in enumerate(ks, start=1))
+    return Table(str(TARGET), str(DRAFT), "cpu", "2026-11-30T01:00:00Z", max(ks), {}, (Bucket(128, entries),))
+
+
+def test_vllm_builds_its_config_from_our_exports_and_runs_our_table(tmp_path):
+    paths = {}
+    for name, ks in TABLES.items():
+        paths[name] = tmp_path / f"{name}.vllm.json"
+        write_json_atomic(paths[name], to_vllm(table_of(ks)))
+    fragment = tmp_path / "fragment.json"  # the old export: the per-batch-size list alone
+    write_json_atomic(fragment, {"num_speculative_tokens_per_batch_size": [[1, 2, 5], [3, 7, 4]]})
+    oracle = ROOT / "bench" / "vllm" / "schedule_oracle.py"
+    run = subprocess.run(["bash", str(RUN), str(oracle), str(TARGET), str(MAX_NUM_SEQS), *map(str, paths.values()),
+                          str(fragment)], capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    answers = {Path(a["export"]).name: a for a in (json.loads(line) for line in run.stdout.splitlines()
+                                                   if line.startswith('{"export"'))}
+    for name, ks in TABLES.items():
+        answer = answers[paths[name].name]
+        assert "refused" not in answer, answer
+        assert answer["method"] == "draft_model" and answer["num_speculative_tokens"] == max(ks)
+        assert answer["k_per_batch_size"] == ks + [ks[-1]] * (MAX_NUM_SEQS - len(ks)), name
+    assert "refused" in answers["fragment.json"]  # vLLM needs num_speculative_tokens and the draft model
+
+
+def test_compare_runs_both_engines_on_the_same_tokens(tmp_path):
+    save_table(tmp_path / "t.json", table_of([3, 2]))
+    compare = ROOT / "bench" / "vllm" / "compare.py"
+    run = subprocess.run([sys.executable, str(compare), "--table", str(tmp_path / "t.json"), "--batch-sizes", "1,2",
+                          "--max-new-tokens", "12", "-o", str(tmp_path / "c.json")],
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads((tmp_path / "c.json").read_text())["results"]
+    assert [(r["batch_size"], r["policy"]) for r in results] == [(1, "k=0"), (1, "table"), (2, "k=0"), (2, "table")]
+    for r in results:
+        assert r["identical_rows"] == r["rows"] == r["batch_size"], r  # greedy: token for token
+        assert r["vllm_k_mismatches"] == [] and (r["vllm_steps"] > 0) == (r["policy"] == "table"), r
