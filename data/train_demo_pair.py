@@ -153,7 +153,8 @@ def train(role: str, config: ModelConfig, stream: np.ndarray, steps: int, run_di
     model = CausalLM(config).to(device)
     for name, param in model.named_parameters():
         if param.dim() > 1:
-            torch.nn.init.normal_(param, std=0.02 / (math.sqrt(2 * config.num_layers) if name.endswith(("o.weight", "down.weight")) else 1))
+            residual_out = name.endswith(("o.weight", "down.weight"))
+            torch.nn.init.normal_(param, std=0.02 / (math.sqrt(2 * config.num_layers) if residual_out else 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     rng = np.random.default_rng(args.seed + (7 if teacher is not None else 0))
     state_path = run_dir / f"{role}.pt"
@@ -300,8 +301,10 @@ def main(argv: list[str] | None = None) -> dict:
     report = {
         "target_parameters": sum(p.numel() for p in target.parameters()),
         "draft_parameters": sum(p.numel() for p in draft.parameters()),
-        "target_validation_bits_per_byte": bits_per_byte(target, streams["validation"], windows, args.seq_len, args.device),
-        "draft_validation_bits_per_byte": bits_per_byte(draft, streams["validation"], windows, args.seq_len, args.device),
+        "target_validation_bits_per_byte": bits_per_byte(target, streams["validation"], windows, args.seq_len,
+                                                         args.device),
+        "draft_validation_bits_per_byte": bits_per_byte(draft, streams["validation"], windows, args.seq_len,
+                                                        args.device),
         "target_train_seconds": getattr(target, "train_seconds", 0.0),
         "draft_train_seconds": getattr(draft, "train_seconds", 0.0),
         "total_seconds": time.perf_counter() - started,

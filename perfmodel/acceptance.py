@@ -105,7 +105,8 @@ def parse_acceptance_option(text: str, option: str = "--acceptance") -> tuple[fl
         try:
             values.append(float(part))
         except ValueError:
-            raise PerfModelError(f"{option}: {part.strip()!r} is not a number (expected e.g. 0.8 or 0.9,0.85,0.8)") from None
+            raise PerfModelError(f"{option}: {part.strip()!r} is not a number "
+                                 "(expected e.g. 0.8 or 0.9,0.85,0.8)") from None
     return check_alphas(values, option)
 
 

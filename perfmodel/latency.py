@@ -197,7 +197,8 @@ def token_knots(points: Points, max_knots: int = MAX_TOKEN_KNOTS) -> tuple[float
     return tuple(float(t) for t in tokens[picks])
 
 
-def monotone_basis(shape: RoleShape, roofline: RooflineParams, knots: Sequence[float], b, n, L) -> tuple[list[str], np.ndarray]:
+def monotone_basis(shape: RoleShape, roofline: RooflineParams, knots: Sequence[float], b, n,
+                   L) -> tuple[list[str], np.ndarray]:
     """Columns that are >= 0 and nondecreasing in each of b, n and L; any nonnegative combination
     of them is therefore monotone too. Returns (names, matrix of shape (N, columns)), N being the
     size of b, n and L broadcast together and flattened."""
@@ -246,7 +247,8 @@ class MonotoneCorrection:
         names, _ = monotone_basis(shape, roofline, knots, 1, 1, 0)
         given = obj["coefficients"]
         if sorted(given) != sorted(names):
-            raise PerfModelError(f"{where}: monotone coefficients {sorted(given)} do not match the basis {sorted(names)}")
+            raise PerfModelError(f"{where}: monotone coefficients {sorted(given)} do not match the basis "
+                                 f"{sorted(names)}")
         coefficients = tuple(float(given[name]) for name in names)
         if min(coefficients) < 0:
             raise PerfModelError(f"{where}: monotone coefficients must be >= 0")

@@ -123,7 +123,8 @@ class FittedModel:
             if source == "chain":
                 notes.append(f"no {label} step-overhead rows: the chain overhead at k = depth is used (a lower bound)")
             elif source == "tree, other stage-2 flag":
-                notes.append(f"no {label} step-overhead rows: the tree rows measured with the other stage-2 flag are used")
+                notes.append(f"no {label} step-overhead rows: the tree rows measured with the other stage-2 flag "
+                             "are used")
         return notes
 
 

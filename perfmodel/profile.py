@@ -176,7 +176,8 @@ class Profile:
             "created_utc": self.created_utc,
             "device": asdict(self.device),
             "models": {"target": asdict(self.target), "draft": asdict(self.draft)},
-            "grid": {key: list(value) if isinstance(value, tuple) else value for key, value in asdict(self.grid).items()},
+            "grid": {key: list(value) if isinstance(value, tuple) else value
+                     for key, value in asdict(self.grid).items()},
             "timings": [asdict(row) for row in self.timings],
             "overheads": [asdict(row) for row in self.overheads],
             "acceptance": [_acceptance_json(entry) for entry in self.acceptance],
@@ -418,10 +419,12 @@ def _acceptance(obj: dict, where: str) -> AcceptanceEntry:
         raise PerfModelError(f"{_at(where, 'per_position')}: needs at least one value")
     for index, value in enumerate(per_position):
         if not (_is_int(value) or isinstance(value, float)) or not 0.0 <= value <= 1.0:
-            raise PerfModelError(f"{_at(where, 'per_position')}[{index}]: expected a probability in [0, 1], found {value!r}")
+            raise PerfModelError(f"{_at(where, 'per_position')}[{index}]: expected a probability in [0, 1], "
+                                 f"found {value!r}")
     trials = _int_list(obj, "trials", where, minimum=0, nullable=True)
     if trials is not None and len(trials) != len(per_position):
-        raise PerfModelError(f"{_at(where, 'trials')}: has {len(trials)} values but per_position has {len(per_position)}")
+        raise PerfModelError(f"{_at(where, 'trials')}: has {len(trials)} values but per_position has "
+                             f"{len(per_position)}")
     tokens_per_step = obj.get("tokens_per_step")
     if tokens_per_step is not None:
         where_tokens = _at(where, "tokens_per_step")

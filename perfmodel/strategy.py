@@ -13,7 +13,8 @@ E (tokens a row gains per step):
 - a tree: replayed on the recorded greedy rank sequences when the acceptance has them
   (`simulate_tree_steps`: exact for greedy, dependencies between depths included), else
   `expected_tree_tokens(tree, rank_acceptance)` = 1 + sum of the nodes' probabilities of being
-  on the accepted path (independent depths: it over-counts after a rank-1 branch). A tree needs the profile's rank acceptance; chains never use it, so a chain and
+  on the accepted path (independent depths: it over-counts after a rank-1 branch). A tree needs the
+  profile's rank acceptance; chains never use it, so a chain and
   a tree are compared on two measurements of the same pair (both step-aligned).
 
 S (expected step time): the forward passes the runtime makes (`schedule.step_passes` for plain chains,

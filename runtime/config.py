@@ -162,7 +162,8 @@ def config_from_dict(raw: dict, source: str = "config.json") -> ModelConfig:
             sliding_layers=sliding_layers, **common,
         )
     if model_type == "gpt2":
-        vocab, d, layers, heads, max_pos = _require(raw, source, "vocab_size", "n_embd", "n_layer", "n_head", "n_positions")
+        vocab, d, layers, heads, max_pos = _require(raw, source, "vocab_size", "n_embd", "n_layer", "n_head",
+                                                    "n_positions")
         if raw.get("scale_attn_by_inverse_layer_idx") or raw.get("scale_attn_weights") is False:
             raise ConfigError(f"{source}: GPT-2 attention scaling variants are not supported")
         return ModelConfig(

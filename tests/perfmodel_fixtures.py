@@ -42,7 +42,8 @@ def shape_of(info: dict) -> RoleShape:
                      info["heads"] * info["head_dim"])
 
 
-GPU_PARAMS = {"target": RooflineParams(overhead_ms=0.35, bandwidth_GBps=3800.0, flops_TFLOPs=520.0, overlap_exponent=4.0),
+GPU_PARAMS = {"target": RooflineParams(overhead_ms=0.35, bandwidth_GBps=3800.0, flops_TFLOPs=520.0,
+                                       overlap_exponent=4.0),
               "draft": RooflineParams(overhead_ms=0.6, bandwidth_GBps=2500.0, flops_TFLOPs=300.0, overlap_exponent=4.0)}
 
 

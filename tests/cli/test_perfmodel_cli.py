@@ -17,8 +17,10 @@ SMALL = dict(batch_sizes=(1, 2, 4, 8, 16), context_lens=(128, 512, 2048), max_k=
 def files(tmp_path_factory):
     """A profile with acceptance, one without, and the model fitted from each (fitted once)."""
     root = tmp_path_factory.mktemp("perfmodel_cli")
-    paths = {"profile": write_profile(root / "profile.json", build_profile(roofline_latency(), acceptance=[0.8, 0.75], **SMALL)),
-             "bare_profile": write_profile(root / "bare.json", build_profile(roofline_latency(), acceptance=None, **SMALL))}
+    paths = {"profile": write_profile(root / "profile.json",
+                                      build_profile(roofline_latency(), acceptance=[0.8, 0.75], **SMALL)),
+             "bare_profile": write_profile(root / "bare.json",
+                                           build_profile(roofline_latency(), acceptance=None, **SMALL))}
     for name, profile in (("model", "profile"), ("bare_model", "bare_profile")):
         paths[name] = root / f"{name}.json"
         result = invoke("fit", paths[profile], "-o", paths[name])
@@ -34,7 +36,8 @@ def test_fit_json_prints_one_object(files, tmp_path):
     report = json.loads(result.stdout)  # the whole of stdout is one JSON object
     target = report["roles"]["target"]
     assert target["kind"] in ("roofline", "roofline+monotone")
-    assert set(target["roofline"]) == {"overhead_ms", "bandwidth_GBps", "flops_TFLOPs", "overlap_exponent", "ridge_tokens"}
+    assert set(target["roofline"]) == {"overhead_ms", "bandwidth_GBps", "flops_TFLOPs", "overlap_exponent",
+                                       "ridge_tokens"}
     assert target["validation"]["holdout"]["held_out_batch_sizes"] == [2, 8]
     assert target["validation"]["holdout"]["mape_pct"] < 5.0
     assert load_model(out).roles["draft"].holdout is not None
@@ -151,7 +154,8 @@ def test_plot_curve_is_the_tables_choice_with_measured_tokens_per_step(files):
 
     fitted = load_model(files["model"])
     base = choose_acceptance(fitted, None)
-    flat = dataclasses.replace(base, tokens_per_step=(1.0, 1.5, 1.6, 1.65, 1.66, 1.67, 1.68, 1.69, 1.7)[:fitted.grid.max_k + 1])
+    flat_tokens = (1.0, 1.5, 1.6, 1.65, 1.66, 1.67, 1.68, 1.69, 1.7)[:fitted.grid.max_k + 1]
+    flat = dataclasses.replace(base, tokens_per_step=flat_tokens)
     for acceptance in (base, flat):
         table = compute_table(fitted, acceptance, 16, [128])
         _, best = goodput_grid(fitted, acceptance, 16, 128, table.max_k)
@@ -185,7 +189,8 @@ def test_acceptance_outside_open_unit_interval(files, tmp_path, value):
 
 
 def test_too_few_points_for_a_role(tmp_path):
-    profile = write_profile(tmp_path / "p.json", build_profile(roofline_latency(), batch_sizes=(1, 2), context_lens=(128,),
+    profile = write_profile(tmp_path / "p.json", build_profile(roofline_latency(), batch_sizes=(1, 2),
+                                                               context_lens=(128,),
                                                                max_k=4, acceptance=[0.8]))
     assert_one_line_error(invoke("fit", profile, "-o", tmp_path / "m.json"), "draft", "at least 8", "has 4")
 

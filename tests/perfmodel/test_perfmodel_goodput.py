@@ -78,8 +78,11 @@ def test_step_passes_follow_the_runtime_schedule():
     p2 = 1 - (1 - 0.5 ** 4) ** 3
     assert [(p.new_tokens, p.weight) for p in draft] == [(2, pytest.approx(p2)), (1, pytest.approx(1 - p2)), (1, 3.0)]
     # all accepted -> the first draft pass always catches up 2 tokens; never -> always 1
-    assert [(p.role, p.new_tokens, p.weight) for p in step_passes(2, 1, [1.0])] == [("draft", 2, 1.0), ("target", 2, 1.0)]
-    assert [(p.role, p.new_tokens, p.weight) for p in step_passes(2, 1, [0.0])] == [("draft", 1, 1.0), ("target", 2, 1.0)]
+    def passes(alphas):
+        return [(p.role, p.new_tokens, p.weight) for p in step_passes(2, 1, alphas)]
+
+    assert passes([1.0]) == [("draft", 2, 1.0), ("target", 2, 1.0)]
+    assert passes([0.0]) == [("draft", 1, 1.0), ("target", 2, 1.0)]
 
 
 def test_goodput_is_batch_tokens_over_step_time():

@@ -86,11 +86,16 @@ def test_profiles_without_the_new_fields_mean_chains_only(tmp_path):
 
 
 @pytest.mark.parametrize("edit,message", [
-    (lambda o: o["acceptance"][0].update(rank_acceptance=[]), r"acceptance\[0\].rank_acceptance: expected a non-empty list of rows"),
-    (lambda o: o["acceptance"][0].update(rank_acceptance=[[0.5], []]), r"rank_acceptance\[1\]: expected a non-empty list of probabilities"),
-    (lambda o: o["acceptance"][0].update(rank_acceptance=[[0.5, 0.1], [0.5]]), r"rank_acceptance\[1\]: has 1 ranks but row 0 has 2"),
-    (lambda o: o["acceptance"][0].update(rank_acceptance=[[0.5, 1.2]]), r"rank_acceptance\[0\]\[1\]: expected a probability in \[0, 1\]"),
-    (lambda o: o["acceptance"][0].update(rank_acceptance=[[0.5, 0.2], [0.7, 0.4]]), r"rank_acceptance\[1\]: ranks sum to 1.1 > 1"),
+    (lambda o: o["acceptance"][0].update(rank_acceptance=[]),
+     r"acceptance\[0\].rank_acceptance: expected a non-empty list of rows"),
+    (lambda o: o["acceptance"][0].update(rank_acceptance=[[0.5], []]),
+     r"rank_acceptance\[1\]: expected a non-empty list of probabilities"),
+    (lambda o: o["acceptance"][0].update(rank_acceptance=[[0.5, 0.1], [0.5]]),
+     r"rank_acceptance\[1\]: has 1 ranks but row 0 has 2"),
+    (lambda o: o["acceptance"][0].update(rank_acceptance=[[0.5, 1.2]]),
+     r"rank_acceptance\[0\]\[1\]: expected a probability in \[0, 1\]"),
+    (lambda o: o["acceptance"][0].update(rank_acceptance=[[0.5, 0.2], [0.7, 0.4]]),
+     r"rank_acceptance\[1\]: ranks sum to 1.1 > 1"),
     (lambda o: o["stage2"].pop("file"), r"stage2.file: missing"),
     (lambda o: o["stage2"].update(sha256="abc"), r"stage2.sha256: expected 64 hexadecimal digits"),
     (lambda o: o["stage2"].update(guess_accuracy=[]), r"stage2.guess_accuracy: needs at least one value"),
@@ -99,7 +104,8 @@ def test_profiles_without_the_new_fields_mean_chains_only(tmp_path):
     (lambda o: o["overheads"][-1].update(tree_nodes=0), r"overheads\[\d+\].tree_nodes: must be >= 1"),
     (lambda o: o["overheads"][-1].update(tree_nodes=1), r"overheads\[\d+\].k: a tree of 1 nodes cannot be 2 deep"),
     (lambda o: o["overheads"][-1].update(stage2=1), r"overheads\[\d+\].stage2: expected true or false"),
-    (lambda o: o["overheads"].append(dict(o["overheads"][-1])), r"duplicate \(batch_size, k, tree_nodes, stage2\) rows"),
+    (lambda o: o["overheads"].append(dict(o["overheads"][-1])),
+     r"duplicate \(batch_size, k, tree_nodes, stage2\) rows"),
 ])
 def test_bad_tree_fields_name_the_file_and_field(tmp_path, edit, message):
     obj = with_tree_fields(VALID)
@@ -126,11 +132,13 @@ def broken(edit) -> dict:
     (lambda o: o["timings"][1].update(median_ms=None), r"timings\[1\].median_ms: a feasible row needs a positive time"),
     (lambda o: o["timings"][1].update(model="verifier"), r"timings\[1\].model: 'verifier' is not one of target, draft"),
     (lambda o: o["timings"].append(dict(o["timings"][0])), r"duplicate row for target b=1 n=1 L=128"),
-    (lambda o: o["acceptance"][0].update(per_position=[0.8, 1.5]), r"per_position\[1\]: expected a probability in \[0, 1\]"),
+    (lambda o: o["acceptance"][0].update(per_position=[0.8, 1.5]),
+     r"per_position\[1\]: expected a probability in \[0, 1\]"),
     (lambda o: o["acceptance"][0].update(trials=[10]), r"trials: has 1 values but per_position has 2"),
     (lambda o: o["overheads"][0].update(median_ms=-1), r"overheads\[0\].median_ms: must be >= 0.0"),
     (lambda o: o["acceptance"][0].update(tokens_per_step=[1.0, 1.8]), r"tokens_per_step: expected a list of 3 values"),
-    (lambda o: o["acceptance"][0].update(tokens_per_step=[1.0, 2.5, 2.0]), r"tokens_per_step\[1\]: expected tokens per step in \[1, 2\]"),
+    (lambda o: o["acceptance"][0].update(tokens_per_step=[1.0, 2.5, 2.0]),
+     r"tokens_per_step\[1\]: expected tokens per step in \[1, 2\]"),
 ])
 def test_bad_profiles_name_the_file_and_field(tmp_path, edit, message):
     path = write(tmp_path, broken(edit))

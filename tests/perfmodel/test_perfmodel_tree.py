@@ -31,7 +31,8 @@ def test_json_round_trip_through_text():
         assert Strategy.from_json(obj, "x") == strategy
     assert Strategy(TREE, True).to_json() == {"kind": "tree", "k": 2, "tree": [[0], [1], [0, 0]], "stage2": True}
     assert Strategy(None).to_json() == {"kind": "none", "k": 0, "tree": None, "stage2": False}
-    assert Strategy(chain(2)) == Strategy(parse_tree("chain:2")) and hash(Strategy(chain(2))) == hash(Strategy.from_k(2))
+    assert Strategy(chain(2)) == Strategy(parse_tree("chain:2"))
+    assert hash(Strategy(chain(2))) == hash(Strategy.from_k(2))
 
 
 def test_long_descriptions_can_be_cut():
@@ -44,13 +45,17 @@ def test_long_descriptions_can_be_cut():
 @pytest.mark.parametrize("obj,message", [
     ([1], r"^entry\.strategy: expected an object"),
     ({"kind": "chain", "k": 1, "tree": [[0]]}, r"entry\.strategy\.stage2: missing"),
-    ({"kind": "fan", "k": 1, "tree": [[0]], "stage2": False}, r"entry\.strategy\.kind: 'fan' is not one of none, chain, tree"),
+    ({"kind": "fan", "k": 1, "tree": [[0]], "stage2": False},
+     r"entry\.strategy\.kind: 'fan' is not one of none, chain, tree"),
     ({"kind": "chain", "k": -1, "tree": [[0]], "stage2": False}, r"entry\.strategy\.k: expected an integer >= 0"),
     ({"kind": "chain", "k": 1, "tree": [[0]], "stage2": "yes"}, r"entry\.strategy\.stage2: expected true or false"),
-    ({"kind": "chain", "k": 2, "tree": [[0]], "stage2": False}, r"entry\.strategy\.k: 2 does not match its tree's depth 1"),
-    ({"kind": "chain", "k": 2, "tree": [[0], [1], [0, 0]], "stage2": False}, r"entry\.strategy\.kind: 'chain' does not match its tree, which is a tree"),
+    ({"kind": "chain", "k": 2, "tree": [[0]], "stage2": False},
+     r"entry\.strategy\.k: 2 does not match its tree's depth 1"),
+    ({"kind": "chain", "k": 2, "tree": [[0], [1], [0, 0]], "stage2": False},
+     r"entry\.strategy\.kind: 'chain' does not match its tree, which is a tree"),
     ({"kind": "none", "k": 0, "tree": None, "stage2": True}, r"entry\.strategy\.stage2: true needs a tree"),
-    ({"kind": "tree", "k": 2, "tree": "0,1", "stage2": False}, r"entry\.strategy\.tree: expected a list of rank lists or null"),
+    ({"kind": "tree", "k": 2, "tree": "0,1", "stage2": False},
+     r"entry\.strategy\.tree: expected a list of rank lists or null"),
 ])
 def test_bad_strategy_json_names_the_field(obj, message):
     with pytest.raises(PerfModelError, match=message):
