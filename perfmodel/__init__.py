@@ -1,5 +1,7 @@
 """The performance model: pure numpy / scipy / scikit-learn, never torch.
 
+errors.py      SpecbatchError, the one base of every library error, and its subclasses
+jsonio.py      the one atomic writer, schema-checked JSON reads, file sha256
 profile.py     the specbatch.profile/1 contract (what calibrate measured)
 latency.py     T(b, n, L) per role: a roofline and a monotone data-driven refinement, cross-validated
 acceptance.py  E(k) from per-position acceptance, the constant-alpha fit, what-if overrides
