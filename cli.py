@@ -7,18 +7,20 @@ Commands only: each parses its options and makes one library call; what the term
 """
 from __future__ import annotations
 
-import functools
 import json
-import warnings
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from calibrate import grid as _grid  # plain data: --help's preset names and defaults
-from calibrate import presets as _presets
-from perfmodel.errors import SpecbatchError, UsageError
-from runtime.assembly import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET
+from calibrate import grid as _grid  # plain data: --help's defaults
+from perfmodel.errors import UsageError
+from runtime.assembly import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET  # imports runtime: OpenMP default first
+from console.options import (  # noqa: F401 - option types and parsing shared by every command
+    one_line_errors, parse_int_list, check_counts, acceptance_override, read_prompts_file, set_threads, _ints,
+    TargetOpt, DraftOpt, DeviceOpt, DtypeOpt, ModelFileArg, JsonOpt, TreeOpt, Stage2Opt, AcceptanceOpt,
+    ThreadsOpt, ForceOpt, MaxKOpt, MaxBatchOpt, _MODEL_HELP,
+)
 
 app = typer.Typer(
     add_completion=False,
@@ -30,121 +32,6 @@ app = typer.Typer(
 @app.callback()
 def main() -> None:
     """Optimal speculation length per batch size: calibrate, fit, table, query, generate, bench, demo."""
-
-
-def one_line_errors(command):
-    """Turn the library's input errors into `error: <message>` on stderr and exit code 2, and the table's
-    range warnings into one `note:` line each (not a Python warning with its source line)."""
-
-    @functools.wraps(command)
-    def wrapper(*args, **kwargs):
-        try:
-            with warnings.catch_warnings(record=True) as caught:  # the filters in force stay as they are
-                result = command(*args, **kwargs)
-            _say_warnings(caught)
-            return result
-        except KeyboardInterrupt:
-            typer.echo("interrupted", err=True)
-            raise typer.Exit(130)
-        except (SpecbatchError, FileNotFoundError, json.JSONDecodeError) as error:
-            typer.echo(f"error: {error}", err=True)
-            raise typer.Exit(2)
-
-    return wrapper
-
-
-def _say_warnings(caught) -> None:
-    """Each distinct TableRangeWarning once, as a note; any other warning as Python would show it."""
-    from perfmodel.table import TableRangeWarning
-
-    said = set()
-    for warning in caught:
-        if issubclass(warning.category, TableRangeWarning):
-            if str(warning.message) not in said:
-                said.add(str(warning.message))
-                typer.echo(f"note: {warning.message}", err=True)
-        else:
-            warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
-
-
-def parse_int_list(option: str, text: str | None, minimum: int = 1) -> list[int] | None:
-    """'1,2,4' -> [1, 2, 4]; every value an integer >= minimum, at least one."""
-    if text is None:
-        return None
-    values = [part.strip() for part in text.split(",") if part.strip()]
-    for part in values:
-        if not part.isdigit() or int(part) < minimum:
-            kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-            raise UsageError(f"{option}: {part!r} is not {kind} (expected e.g. {minimum},2,4)")
-    if not values:
-        raise UsageError(f"{option}: give at least one value (e.g. {minimum},2,4)")
-    return [int(part) for part in values]
-
-
-def check_counts(max_batch: int | None = None, max_k: int | None = None, batch_size: int | None = None,
-                 context_len: int | None = None) -> None:
-    for option, value, minimum in (("--max-batch", max_batch, 1), ("--max-k", max_k, 0),
-                                   ("--batch-size", batch_size, 1), ("--context-len", context_len, 0)):
-        if value is not None and value < minimum:
-            raise UsageError(f"{option} must be >= {minimum}, got {value}")
-
-
-def acceptance_override(text: str | None):
-    if text is None:
-        return None
-    from perfmodel.acceptance import parse_acceptance_option
-
-    return parse_acceptance_option(text, "--acceptance")
-
-
-def read_prompts_file(path: Path, option: str = "--prompts-file") -> list[str]:
-    from calibrate.acceptance import read_prompts
-
-    return read_prompts(path, option)
-
-
-def set_threads(threads: int | None) -> None:
-    """--threads: torch's intra-op threads for this run (recorded in every profile and bench file). On a
-    shared machine fewer threads than cores avoids the oversubscription that slows passes 10-100x."""
-    if threads is None:
-        return
-    if threads < 1:
-        raise UsageError(f"--threads must be >= 1, got {threads}")
-    import torch
-
-    torch.set_num_threads(threads)
-
-
-def _ints(values) -> str:
-    return ",".join(map(str, values))
-
-
-# Shared options, defined once.
-TargetOpt = Annotated[Optional[str], typer.Option(
-    "--target", help="Target model directory (default: bundled demo target).")]
-DraftOpt = Annotated[Optional[str], typer.Option(
-    "--draft", help="Draft model directory (default: bundled demo draft).")]
-DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="cpu or cuda (default: cuda if available).")]
-DtypeOpt = Annotated[Optional[str], typer.Option(
-    "--dtype", help="float32 | bfloat16 | float16 (default: float32 on CPU, bfloat16 on CUDA).")]
-ModelFileArg = Annotated[Path, typer.Argument(help="specbatch.model/1 file written by `specbatch fit`.")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout and nothing else.")]
-TreeOpt = Annotated[Optional[str], typer.Option(
-    "--tree", help="Draft tree: rank paths like 0,1,0.0,0.1 (rank 0 = the draft's top token), chain:K, a JSON "
-                   "list of paths, or auto (the tree the performance model in --model picks per batch size).")]
-Stage2Opt = Annotated[Optional[Path], typer.Option(
-    "--stage2", help="n-gram file (specbatch.ngram/1) that speeds up the draft model's own drafting.")]
-AcceptanceOpt = Annotated[Optional[str], typer.Option(
-    "--acceptance", help="What-if acceptance: one alpha (0.8) or per position (0.9,0.85,0.8); "
-                         "default: the profile's measurement.")]
-ThreadsOpt = Annotated[Optional[int], typer.Option(
-    "--threads", help="CPU threads torch may use (default: torch's choice, usually one per core).")]
-ForceOpt = Annotated[bool, typer.Option(
-    "--force", help="Use a table or model made for another target/draft pair anyway.")]
-MaxKOpt = Annotated[Optional[int], typer.Option("--max-k", help="Largest k considered (default: the profile's max_k).")]
-MaxBatchOpt = Annotated[int, typer.Option("--max-batch", help="Tabulate batch sizes 1..this.")]
-_MODEL_HELP = ("Model directory (real weights), config.json or shape preset (random weights: "
-               f"{', '.join(_presets.PRESET_NAMES)})")
 
 
 @app.command()
