@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import warnings
 from pathlib import Path
 from typing import Annotated, Optional
@@ -86,15 +87,25 @@ def read_prompts_file(path: Path, option: str = "--prompts-file") -> list[str]:
 
 
 def set_threads(threads: int | None) -> None:
-    """--threads: torch's intra-op threads for this run (recorded in every profile and bench file). On a
-    shared machine fewer threads than cores avoids the oversubscription that slows passes 10-100x."""
-    if threads is None:
-        return
-    if threads < 1:
+    """--threads: torch's intra-op threads for this run (recorded in every profile and bench file).
+
+    Without --threads, a machine whose other processes already keep all but one core busy (1-minute load
+    average >= cores - 1, read before our own run starts) gets one thread, and a note says so: on the
+    2-core development VM with two busy processes, a demo-target decode pass (1 x 8 tokens) took 464 ms
+    on torch's default 2 threads and 7.3 ms on one (5.8 ms on 2 threads when idle). The bounded spin of
+    runtime/__init__.py limits the damage when the load arrives after the choice."""
+    if threads is not None and threads < 1:
         raise UsageError(f"--threads must be >= 1, got {threads}")
     import torch
 
-    torch.set_num_threads(threads)
+    if threads is None:
+        cores, load = os.cpu_count() or 1, os.getloadavg()[0]
+        if cores > 1 and load >= cores - 1 and torch.get_num_threads() > 1:
+            typer.echo(f"note: the machine is busy (load {load:.1f} on {cores} cores): torch runs on 1 thread "
+                       "(--threads N overrides)", err=True)
+            threads = 1
+    if threads is not None:
+        torch.set_num_threads(threads)
 
 
 def _ints(values) -> str:
