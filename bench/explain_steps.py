@@ -60,3 +60,50 @@ def add_explanations(batches: list[BatchResult], runs: Sequence[RunRecord], pred
             continue
         batch.explanation = found.to_json()
     return notes
+
+
+def run_explain(config, models, prompts: Sequence[list[int]], k: int | None) -> tuple[Explanation, list[str]]:
+    """`specbatch explain`: one policy at `config.batch_sizes[0]` (the table's when `config.table_path`,
+    else the tree in `config.trees`, else the fixed `k`): `config.warmup_rounds` discarded generations,
+    then `config.rounds` timed ones, each on the next prompts, their full-batch steps pooled and set
+    against the model in `config.model_path` at the rounds' mean attended context."""
+    from perfmodel.model import step_model
+    from runtime.generator import SpeculativeGenerator
+    from runtime.policy import FixedK, FixedStrategy, TableK
+
+    from .config import BenchError, tree_from_spec
+    from .harness import attended_context_len, check_context, cycled_prompts, timed_round_prompts
+    from .pass_clock import PassClock, measured_steps
+    from .predict import load_predictor
+
+    b = config.batch_sizes[0]
+    predictor = load_predictor(config.model_path, config.sampling, config.synthetic_acceptance)
+    context_len = attended_context_len(timed_round_prompts(prompts, b, config), config.max_new_tokens)
+    if config.table_path is not None:
+        policy = TableK(config.table_path)
+        strategy = table_strategy(policy, b, context_len)
+    elif config.trees:
+        strategy = Strategy(tree_from_spec(config.trees[0]), stage2=models.stage2 is not None)
+        policy = FixedStrategy(strategy)
+    else:
+        strategy, policy = Strategy.from_k(k), FixedK(k)
+    if strategy.k > 0 and models.draft is None:
+        raise BenchError("explain: a strategy with draft tokens needs a draft model (--draft)")
+    check_context(models, prompts, config, policy.max_k)
+    generator = SpeculativeGenerator(models.target, models.draft, eos_token_ids=(), stage2=models.stage2)
+    pooled = None
+    for round_index in range(-config.warmup_rounds, config.rounds):
+        batch_prompts = cycled_prompts(prompts, b, offset=(round_index + config.warmup_rounds) * b)
+        with PassClock({"draft": generator.draft, "target": generator.target}, generator.device) as clock:
+            result = generator.generate(batch_prompts, config.max_new_tokens, policy, config.sampling,
+                                        config.seed + round_index + config.warmup_rounds,
+                                        config.synthetic_acceptance)
+        steps = measured_steps(result.stats, clock, b) if round_index >= 0 else None
+        if steps is not None:
+            pooled = steps if pooled is None else pooled.merged(steps)
+    if pooled is None:
+        raise BenchError(f"explain: no full-batch steps with timed passes at batch size {b}; raise --max-new-tokens")
+    fitted = predictor.fitted
+    notes = [f"predictions use {predictor.acceptance_note}",
+             *fitted.extrapolation_notes(b, [context_len], strategy.k), *fitted.strategy_notes([strategy])]
+    return explain(step_model(fitted, predictor.acceptance), strategy, pooled, context_len), notes
