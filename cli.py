@@ -382,9 +382,10 @@ def table(
                            max_tree_nodes=max_tree_nodes)
     write_table(output, result, fmt)
     from console.model import render_table
+    from perfmodel.uncertainty import table_tie_notes
 
     render_table(result, fitted.extrapolation_notes(max_batch, [b.context_len for b in result.buckets],
-                                                    result.max_k), output)
+                                                    result.max_k) + table_tie_notes(result, chosen), output)
 
 
 @app.command()

@@ -123,6 +123,9 @@ class AcceptanceEntry:
     # position (R = "R or worse"). A tree's tokens per step are replayed on them exactly
     # (perfmodel.tree.simulate_tree_steps). Optional.
     rank_sequences: tuple[tuple[int, ...], ...] | None = None
+    # Standard error of each tokens_per_step value across prompts (the independent units), k = 0..max_k
+    # (perfmodel.uncertainty). Optional: older profiles and user values lack it.
+    tokens_per_step_se: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -186,6 +189,7 @@ def _acceptance_json(entry: AcceptanceEntry) -> dict:
     obj["per_position"] = list(entry.per_position)
     obj["trials"] = None if entry.trials is None else list(entry.trials)
     obj["tokens_per_step"] = None if entry.tokens_per_step is None else list(entry.tokens_per_step)
+    obj["tokens_per_step_se"] = None if entry.tokens_per_step_se is None else list(entry.tokens_per_step_se)
     obj["rank_acceptance"] = None if entry.rank_acceptance is None else [list(row) for row in entry.rank_acceptance]
     obj["rank_sequences"] = None if entry.rank_sequences is None else [list(row) for row in entry.rank_sequences]
     return obj
@@ -408,6 +412,18 @@ def stage2_from_json(obj: dict, where: str) -> Stage2Info:
     )
 
 
+def _tokens_per_step_se(obj: dict, where: str, tokens_per_step: tuple[float, ...] | None) -> tuple[float, ...] | None:
+    values = obj.get("tokens_per_step_se")
+    if values is None:
+        return None
+    at = _at(where, "tokens_per_step_se")
+    if tokens_per_step is None or not isinstance(values, list) or len(values) != len(tokens_per_step):
+        raise PerfModelError(f"{at}: expected one standard error per tokens_per_step value")
+    if not all((_is_int(v) or isinstance(v, float)) and v >= 0 for v in values):
+        raise PerfModelError(f"{at}: expected numbers >= 0")
+    return tuple(float(v) for v in values)
+
+
 def _acceptance(obj: dict, where: str) -> AcceptanceEntry:
     per_position = _list(obj, "per_position", where)
     if not per_position:
@@ -428,7 +444,7 @@ def _acceptance(obj: dict, where: str) -> AcceptanceEntry:
                 raise PerfModelError(f"{where_tokens}[{k}]: expected tokens per step in [1, {k + 1}], found {value!r}")
         tokens_per_step = tuple(float(value) for value in tokens_per_step)
     return AcceptanceEntry(
-        tokens_per_step=tokens_per_step,
+        tokens_per_step=tokens_per_step, tokens_per_step_se=_tokens_per_step_se(obj, where, tokens_per_step),
         rank_acceptance=_rank_acceptance(obj, where),
         rank_sequences=_rank_sequences(obj, where),
         mode=_str(obj, "mode", where, ACCEPTANCE_MODES),
