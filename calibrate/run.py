@@ -37,6 +37,7 @@ from .grid import (DEFAULT_BATCH_SIZES, DEFAULT_CONTEXT_LENS, DEFAULT_MAX_K, QUI
                    overhead_points, timing_points, tree_overhead_points)
 from .models import (LoadedPair, ModelSpec, check_memory, check_pair, display_path, load_pair, memory_need,
                      model_info, resolve_model)
+from .noise import NoiseMonitor, reference_sampler
 from .store import (check_resumable, csv_path_for, load_for_resume, measured_overhead_points,
                     measured_timing_points, measured_tree_overhead_points, new_profile, overhead_row,
                     tree_overhead_row, with_row, write_profile)
@@ -141,6 +142,8 @@ class CalibrationSummary:
     elapsed_s: float
     stage2: Stage2Summary | None = None
     tree_overheads: int = 0  # tree step-overhead rows in the profile
+    noise: dict | None = None  # perfmodel.noise.NoiseFigure.to_json(): the reference pass's drift and jitter
+    warnings: tuple[str, ...] = ()  # one line each, e.g. a machine too noisy for the ±3 % rule
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -339,7 +342,9 @@ def _summary(request: CalibrationRequest, profile: Profile, measured: int, resum
         points_infeasible=sum(not r.feasible for r in profile.timings), elapsed_s=round(clock() - started_s, 3),
         stage2=None if stage2 is None else Stage2Summary(stage2.file, stage2.guess_accuracy, stage2.query_overhead_ms,
                                                          stage2.query_ms_per_context),
-        tree_overheads=sum(row.tree_nodes is not None for row in profile.overheads))
+        tree_overheads=sum(row.tree_nodes is not None for row in profile.overheads),
+        noise=None if profile.noise is None else profile.noise.to_json(),
+        warnings=tuple(w for w in [None if profile.noise is None else profile.noise.warning()] if w))
 
 
 def _acceptance_done(entry: AcceptanceEntry, trees: bool) -> bool:
@@ -360,6 +365,8 @@ def calibrate(request: CalibrationRequest, on_progress: Callable[[ProgressEvent]
     grid = profile.grid  # on resume, the union of the old grid and the requested one
     write_profile(request.out, profile)
     pair = _load(plan)
+    monitor = _noise_monitor(pair, grid, plan.device, clock)
+    monitor.check(force=True)
 
     done_acceptance = {acc.entry_key(e) for e in profile.acceptance if _acceptance_done(e, plan.trees)}
     todo_acceptance = [s for s in plan.samplings if acc.sampling_key(s) not in done_acceptance]
@@ -384,6 +391,7 @@ def calibrate(request: CalibrationRequest, on_progress: Callable[[ProgressEvent]
         done += 1
         if on_progress is not None:
             on_progress(ProgressEvent(done, total, label))
+        monitor.check()  # between points, when its interval has passed
 
     prompts_source = display_path(request.prompts) if request.prompts is not None else None
     greedy_rows = None  # kept for the second stage's guesses: the same continuations
@@ -425,4 +433,13 @@ def calibrate(request: CalibrationRequest, on_progress: Callable[[ProgressEvent]
             continue
         row = _tree_overhead_row(pair, plan, point, rank_table, grid.max_k, encoded, clock)
         advance(label if row is not None else label + " (out of memory, not recorded)", row)
+    monitor.check(force=True)
+    profile = replace(profile, noise=monitor.figure())
+    write_profile(request.out, profile)
     return _summary(request, profile, done - resumed, resumed, started_s, clock)
+
+
+def _noise_monitor(pair: LoadedPair, grid: Grid, device: str, clock: Clock) -> NoiseMonitor:
+    """The reference pass: the target at the smallest batch size and context, one new token (cheap)."""
+    b, L = min(grid.batch_sizes), min(grid.context_lens)
+    return NoiseMonitor(reference_sampler(pair.target, b, L, device, clock), f"target b={b} n=1 L={L}", clock)

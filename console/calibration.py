@@ -59,5 +59,10 @@ def render_calibration(summary) -> None:
         counts += f", {summary.points_resumed} kept from the previous run"
     if summary.points_infeasible:
         counts += f", {summary.points_infeasible} out of memory"
+    if summary.noise is not None:
+        counts += (f"; noise (reference pass): drift ±{100 * summary.noise['drift']:.1f} %, "
+                   f"jitter ±{100 * summary.noise['jitter']:.1f} %")
     console.print(counts)
+    for warning in summary.warnings:
+        console.print(warning, style="bold yellow", markup=False, highlight=False)
     console.print(f"wrote {summary.profile_path} and {summary.csv_path}", markup=False, highlight=False)

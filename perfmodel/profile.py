@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from .errors import PerfModelError
+from .noise import NoiseFigure, noise_from_json
 from .jsonio import read_json, write_json_atomic
 
 PROFILE_SCHEMA = "specbatch.profile/1"
@@ -161,6 +162,7 @@ class Profile:
     overheads: tuple[OverheadRow, ...]
     acceptance: tuple[AcceptanceEntry, ...]
     stage2: Stage2Info | None = None  # optional: profiles measured without an n-gram model lack it
+    noise: NoiseFigure | None = None  # optional: how noisy the machine was (perfmodel.noise); older profiles lack it
 
     def model(self, role: str) -> ModelInfo:
         if role not in ROLES:
@@ -181,6 +183,7 @@ class Profile:
             "overheads": [asdict(row) for row in self.overheads],
             "acceptance": [_acceptance_json(entry) for entry in self.acceptance],
             "stage2": None if self.stage2 is None else self.stage2.to_json(),
+            **({} if self.noise is None else {"noise": self.noise.to_json()}),
         }
 
 
@@ -477,6 +480,7 @@ def profile_from_json(obj: dict, source: str = "profile") -> Profile:
         overheads=_rows(obj, "overheads", top, _overhead),
         acceptance=_rows(obj, "acceptance", top, _acceptance),
         stage2=None if obj.get("stage2") is None else stage2_from_json(obj["stage2"], f"{top} stage2"),
+        noise=None if obj.get("noise") is None else noise_from_json(obj["noise"], f"{top} noise"),
     )
     validate(profile, source)
     return profile

@@ -83,3 +83,15 @@ def test_pooling_rounds_adds_counts_and_refuses_other_batch_sizes():
     assert (both.steps, both.tokens, both.step_ms) == (8, 26, pytest.approx(22.0))
     with pytest.raises(PerfModelError, match="batch sizes 2 and 1"):
         one.merged(MeasuredSteps(1, 1, 0.01, 1, ()))
+
+
+def test_the_fidelity_modules_import_no_torch():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import perfmodel.explain, perfmodel.uncertainty, perfmodel.extrapolation, perfmodel.noise, sys; "
+            "assert 'torch' not in sys.modules, 'perfmodel imported torch'")
+    result = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
