@@ -405,16 +405,16 @@ def entry_from_rows(rows: list[ScoredRow], sampling: Sampling, max_k: int, promp
     agreement = [row.agreement for row in rows]
     per_position, reached = conditional_acceptance(agreement, max_k)
     per_step = tokens_per_step(agreement, max_k)
-    per_step_se = None
+    per_step_se = counts = None
     if any(np.isnan(per_step)):  # continuations shorter than max_k: no step-aligned figure for long k
         per_step = None
     elif len(agreement) > 1:  # the prompts are the independent units: E(k)'s standard error across them
-        per_step_se = tuple([0.0] + [ratio_standard_error(*zip(*(step_counts(row, k) for row in agreement)))
-                                     for k in range(1, max_k + 1)])
+        counts = tuple(tuple(step_counts(row, k) for row in agreement) for k in range(1, max_k + 1))
+        per_step_se = tuple([0.0] + [ratio_standard_error(*zip(*per_k)) for per_k in counts])
     table, depth_reached = rank_acceptance([row.ranks for row in rows], max_k)
     return AcceptanceEntry(**entry_fields(sampling), source="measured", per_position=tuple(per_position),
                            tokens_per_step=None if per_step is None else tuple(per_step),
-                           tokens_per_step_se=per_step_se,
+                           tokens_per_step_se=per_step_se, step_counts_by_prompt=counts,
                            rank_acceptance=tuple(tuple(r) for r in table) if depth_reached[0] > 0 else None,
                            rank_sequences=rank_sequences(rows) if sampling.greedy else None,
                            trials=tuple(int(round(r)) for r in reached), prompts=prompts_source,

@@ -127,6 +127,9 @@ class AcceptanceEntry:
     # Standard error of each tokens_per_step value across prompts (the independent units), k = 0..max_k
     # (perfmodel.uncertainty). Optional: older profiles and user values lack it.
     tokens_per_step_se: tuple[float, ...] | None = None
+    # Per k = 1..max_k, per prompt: [tokens, steps] behind tokens_per_step[k] (expectations when sampling),
+    # so two k can be compared prompt by prompt (perfmodel.uncertainty.paired_difference_se). Optional.
+    step_counts_by_prompt: tuple[tuple[tuple[float, float], ...], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -193,6 +196,8 @@ def _acceptance_json(entry: AcceptanceEntry) -> dict:
     obj["trials"] = None if entry.trials is None else list(entry.trials)
     obj["tokens_per_step"] = None if entry.tokens_per_step is None else list(entry.tokens_per_step)
     obj["tokens_per_step_se"] = None if entry.tokens_per_step_se is None else list(entry.tokens_per_step_se)
+    obj["step_counts_by_prompt"] = None if entry.step_counts_by_prompt is None else \
+        [[list(pair) for pair in per_k] for per_k in entry.step_counts_by_prompt]
     obj["rank_acceptance"] = None if entry.rank_acceptance is None else [list(row) for row in entry.rank_acceptance]
     obj["rank_sequences"] = None if entry.rank_sequences is None else [list(row) for row in entry.rank_sequences]
     return obj
@@ -427,6 +432,20 @@ def _tokens_per_step_se(obj: dict, where: str, tokens_per_step: tuple[float, ...
     return tuple(float(v) for v in values)
 
 
+def _step_counts_by_prompt(obj: dict, where: str, max_k: int) -> tuple | None:
+    values = obj.get("step_counts_by_prompt")
+    if values is None:
+        return None
+    at = _at(where, "step_counts_by_prompt")
+    try:
+        counts = tuple(tuple((float(t), float(n)) for t, n in per_k) for per_k in values)
+    except (TypeError, ValueError):
+        raise PerfModelError(f"{at}: expected per k a list of [tokens, steps] per prompt") from None
+    if len(counts) != max_k or len({len(per_k) for per_k in counts}) > 1 or min(min(p) for c in counts for p in c) < 0:
+        raise PerfModelError(f"{at}: expected {max_k} lists (k = 1..{max_k}) of equal length with counts >= 0")
+    return counts
+
+
 def _acceptance(obj: dict, where: str) -> AcceptanceEntry:
     per_position = _list(obj, "per_position", where)
     if not per_position:
@@ -448,6 +467,7 @@ def _acceptance(obj: dict, where: str) -> AcceptanceEntry:
         tokens_per_step = tuple(float(value) for value in tokens_per_step)
     return AcceptanceEntry(
         tokens_per_step=tokens_per_step, tokens_per_step_se=_tokens_per_step_se(obj, where, tokens_per_step),
+        step_counts_by_prompt=_step_counts_by_prompt(obj, where, len(per_position)),
         rank_acceptance=_rank_acceptance(obj, where),
         rank_sequences=_rank_sequences(obj, where),
         mode=_str(obj, "mode", where, ACCEPTANCE_MODES),

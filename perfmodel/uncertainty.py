@@ -9,12 +9,15 @@ on the alphas, treated as independent: dE/dalpha_j = sum_{i>=j} prod_{l<=i} alph
 
 Goodput G = b E / S: only E is uncertain here (the latency fit's error is reported by `fit`), so the
 relative standard error of G is SE(E) / E. Two strategies are a tie when their predicted goodputs differ
-by less than z * sqrt(se_1^2 + se_2^2).
+by less than z times the standard error of that difference: with the profile's per-prompt step counts,
+the paired one (`paired_difference_se`: both E(k) come from the same prompts, and a prompt that is easy
+for k = 4 is easy for k = 5, so most of their uncertainty cancels in the difference); without them,
+z * sqrt(se_1^2 + se_2^2), as if independent (wider: conservative).
 
 Assumptions and where they break: positions of one continuation overlap (a step's windows share tokens),
 so the per-position trials are not independent and the alpha interval is too narrow; the E(k) of two k
-come from the same continuations and are positively correlated, so their difference is surer than the
-combined interval says: a tie is called conservatively. Trees (replayed or from rank acceptance) carry no
+come from the same continuations and are positively correlated, which only the paired form accounts
+for; the unpaired fallback calls ties conservatively. Trees (replayed or from rank acceptance) carry no
 interval here and are never called a tie.
 """
 from __future__ import annotations
@@ -105,6 +108,40 @@ def is_tie(goodput_1: float, goodput_2: float, relative_se_1: float | None, rela
     return abs(goodput_1 - goodput_2) < combined
 
 
+def paired_difference_se(acceptance: AcceptanceModel, goodput_1: float, k_1: int, goodput_2: float,
+                         k_2: int) -> float | None:
+    """SE of G_1 - G_2 for two chains, prompt by prompt: with E_i = sum_u t_iu / sum_u s_iu (the prompts u),
+    G_i moves with prompt u by G_i / E_i * (t_iu - E_i s_iu) / sum_u s_iu, and the SE is
+    sqrt(n / (n - 1) * sum_u (that of G_1 - that of G_2)^2). None without per-prompt counts for both k."""
+    counts = acceptance.step_counts_by_prompt
+    if counts is None or not 1 <= min(k_1, k_2) or max(k_1, k_2) > len(counts):
+        return None
+    influence = np.zeros(len(counts[0]))
+    for goodput, k, sign in ((goodput_1, k_1, 1.0), (goodput_2, k_2, -1.0)):
+        tokens, steps = np.array(counts[k - 1], dtype=float).T
+        ratio = tokens.sum() / steps.sum()
+        influence += sign * goodput / ratio * (tokens - ratio * steps) / steps.sum()
+    n = len(influence)
+    return math.sqrt(n / (n - 1) * float((influence ** 2).sum())) if n > 1 else None
+
+
+def choices_tie(acceptance: AcceptanceModel, best: Strategy, goodput_best: float, other: Strategy,
+                goodput_other: float, z: float = Z95) -> tuple[bool, float | None]:
+    """(tie?, the difference's 95 % half-width relative to the best goodput): paired when the profile has
+    per-prompt counts for both chains, else as if independent (`is_tie`)."""
+    if best.kind != "tree" and other.kind != "tree" and best.k == other.k:
+        return False, None  # the same E (a chain with and without the second stage): acceptance cannot decide
+    if best.kind != "tree" and other.kind != "tree":
+        se = paired_difference_se(acceptance, goodput_best, best.k, goodput_other, other.k)
+        if se is not None:
+            return abs(goodput_best - goodput_other) < z * se, z * se / goodput_best
+    se_best, se_other = relative_goodput_se(acceptance, best), relative_goodput_se(acceptance, other)
+    if se_best is None or se_other is None:
+        return False, None
+    width = z * math.hypot(goodput_best * se_best, goodput_other * se_other)
+    return is_tie(goodput_best, goodput_other, se_best, se_other, z), width / goodput_best
+
+
 def table_tie_notes(table, acceptance: AcceptanceModel, z: float = Z95) -> list[str]:
     """One note per run of batch sizes whose chosen strategy and runner-up are within the combined
     acceptance uncertainty: 'b = 3-8: k = 4 or 5: indistinguishable ...'."""
@@ -116,14 +153,11 @@ def table_tie_notes(table, acceptance: AcceptanceModel, z: float = Z95) -> list[
                 continue
             best = entry.chosen()
             runner = entry.runner_up_strategy or Strategy.from_k(entry.runner_up_k)
-            if best.kind != "tree" and runner.kind != "tree" and best.k == runner.k:
-                continue  # the same E (a chain with and without the second stage): acceptance cannot decide
             g_best = entry.predicted_tokens_per_s
-            g_runner = g_best * (1.0 - entry.margin)
-            se_best, se_runner = relative_goodput_se(acceptance, best), relative_goodput_se(acceptance, runner)
-            if not is_tie(g_best, g_runner, se_best, se_runner, z):
+            tie, relative_width = choices_tie(acceptance, best, g_best, runner, g_best * (1.0 - entry.margin), z)
+            if not tie:
                 continue
-            width = 100 * z * math.hypot(g_best * se_best, g_runner * se_runner) / g_best
+            width = 100 * relative_width
             if runs and runs[-1][1] == entry.batch_size - 1 and runs[-1][2:4] == [best, runner]:
                 runs[-1][1], runs[-1][4] = entry.batch_size, max(runs[-1][4], width)
             else:

@@ -29,3 +29,10 @@ def test_tokens_per_step_se_shrinks_with_the_number_of_prompts():
     assert many.tokens_per_step == pytest.approx(entry.tokens_per_step)
     assert many.tokens_per_step_se[1] == pytest.approx(4 / 9 / 2 * math.sqrt((8 / 7) / 2))  # 1/sqrt(4), n/(n-1)
     assert entry_from_rows(pair[:1], Sampling(), 1, 1).tokens_per_step_se is None  # one prompt: no spread
+
+
+def test_per_prompt_counts_are_kept_for_paired_comparisons():
+    pair = [_row([1, 1, 1, 1]), _row([0, 0, 0, 0])]
+    entry = entry_from_rows(pair, Sampling(), 2, 2)
+    assert entry.step_counts_by_prompt == ((step_counts([1, 1, 1, 1], 1), (4.0, 4.0)),
+                                           (step_counts([1, 1, 1, 1], 2), step_counts([0, 0, 0, 0], 2)))

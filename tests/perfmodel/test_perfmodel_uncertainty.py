@@ -80,3 +80,21 @@ def test_table_notes_name_the_indistinguishable_choices():
     table = Table("t", "d", "cpu", "now", 3, acceptance.to_json(), (Bucket(128, entries),))
     notes = table_tie_notes(table, acceptance)
     assert notes == [notes[0]] and notes[0].startswith("b = 1-2: k = 3 or k = 2: indistinguishable")
+
+
+def test_the_paired_difference_uses_each_prompts_counts():
+    from perfmodel.uncertainty import choices_tie, paired_difference_se
+
+    # 3 prompts; k = 1: (tokens, steps) = (4, 2), (4, 4), (6, 4): E1 = 14/10; k = 2: (6, 2), (4, 4), (7, 4): E2 = 17/10
+    counts = (((4.0, 2.0), (4.0, 4.0), (6.0, 4.0)), ((6.0, 2.0), (4.0, 4.0), (7.0, 4.0)))
+    acceptance = _model((1.0, 1.4, 1.7), (0.0, 0.1, 0.1))
+    acceptance = AcceptanceModel(**{**acceptance.__dict__, "step_counts_by_prompt": counts})
+    g2, g1 = 110.0, 100.0  # k = 2 predicted best
+    d = [g2 / 1.7 * (t2 - 1.7 * s2) / 10 - g1 / 1.4 * (t1 - 1.4 * s1) / 10
+         for (t1, s1), (t2, s2) in zip(*counts)]
+    expected = math.sqrt(3 / 2 * sum(x * x for x in d))  # 13.15
+    assert paired_difference_se(acceptance, g2, 2, g1, 1) == pytest.approx(expected)
+    tie, width = choices_tie(acceptance, Strategy.from_k(2), g2, Strategy.from_k(1), g1)
+    assert tie and width == pytest.approx(Z95 * expected / g2)
+    assert choices_tie(acceptance, Strategy.from_k(2), g2, Strategy.from_k(2, True), g1) == (False, None)
+    assert paired_difference_se(_model(), g2, 2, g1, 1) is None  # no per-prompt counts: the unpaired fallback
