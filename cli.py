@@ -283,7 +283,8 @@ def explain(
     batch_size: Annotated[int, typer.Option("--batch-size", help="Sequences in the batch.")],
     k: Annotated[Optional[int], typer.Option("--k", help="Fixed speculation length (default 4).")] = None,
     table: Annotated[Optional[Path], typer.Option("--table", help="specbatch.table/1 file: its strategy at b.")] = None,
-    tree: Annotated[Optional[str], typer.Option("--tree", help="A draft tree: rank paths like 0,1,0.0 or chain:K.")] = None,
+    tree: Annotated[Optional[str], typer.Option(
+        "--tree", help="A draft tree: rank paths like 0,1,0.0 or chain:K.")] = None,
     stage2: Stage2Opt = None,
     target: TargetOpt = None,
     draft: DraftOpt = None,

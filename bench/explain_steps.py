@@ -85,6 +85,9 @@ def run_explain(config, models, prompts: Sequence[list[int]], k: int | None) -> 
     elif config.trees:
         strategy = Strategy(tree_from_spec(config.trees[0]), stage2=models.stage2 is not None)
         policy = FixedStrategy(strategy)
+    elif models.stage2 is not None and k > 0:  # a chain drafted with the second stage
+        strategy = Strategy.from_k(k, stage2=True)
+        policy = FixedStrategy(strategy)
     else:
         strategy, policy = Strategy.from_k(k), FixedK(k)
     if strategy.k > 0 and models.draft is None:

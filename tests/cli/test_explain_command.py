@@ -52,7 +52,8 @@ def test_bench_prints_the_paired_regret_and_the_decomposition():
     from console.explain import render_bench_fidelity
 
     explained = {"batch_size": 4, "context_len": 96, "strategy": "chain k=2", "steps": 10,
-                 "tokens_per_step": {"predicted": 1.75, "measured": 1.625}, "step_ms": {"predicted": 20.0, "measured": 22.0},
+                 "tokens_per_step": {"predicted": 1.75, "measured": 1.625},
+                 "step_ms": {"predicted": 20.0, "measured": 22.0},
                  "tokens_per_s": {"predicted": 350.0, "measured": 295.5}, "error": 0.184,
                  "terms": [{"name": "draft n=1", "role": "draft", "new_tokens": 1, "predicted_ms": 4.0,
                             "measured_ms": 5.0, "predicted_count": 2.0, "measured_count": 2.0,

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from perfmodel.acceptance import AcceptanceModel, acceptance_from_profile, acceptance_from_user
+from perfmodel.acceptance import AcceptanceModel, acceptance_from_user
 from perfmodel.table import Bucket, Table, TableEntry
 from perfmodel.tree import Strategy
 from perfmodel.uncertainty import (
