@@ -172,3 +172,14 @@ def table_tie_notes(table, acceptance: AcceptanceModel, z: float = Z95) -> list[
 
 def _name(strategy: Strategy) -> str:
     return f"k = {strategy.k}" if strategy.kind != "tree" and not strategy.stage2 else strategy.describe(30)
+
+
+def choice_tie_notes(choice, acceptance: AcceptanceModel, z: float = Z95) -> list[str]:
+    """For `query`: the candidates of a `strategy.StrategyChoice` indistinguishable from its best."""
+    best = choice.best
+    tied = [c.strategy for c in choice.ranked[1:]
+            if choices_tie(acceptance, best.strategy, best.tokens_per_s, c.strategy, c.tokens_per_s, z)[0]]
+    if not tied:
+        return []
+    names = " or ".join(_name(s) for s in [best.strategy] + tied)
+    return [f"b = {choice.batch_size}: {names}: indistinguishable (goodputs within the acceptance uncertainty)"]

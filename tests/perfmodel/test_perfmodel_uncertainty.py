@@ -98,3 +98,19 @@ def test_the_paired_difference_uses_each_prompts_counts():
     assert tie and width == pytest.approx(Z95 * expected / g2)
     assert choices_tie(acceptance, Strategy.from_k(2), g2, Strategy.from_k(2, True), g1) == (False, None)
     assert paired_difference_se(_model(), g2, 2, g1, 1) is None  # no per-prompt counts: the unpaired fallback
+
+
+def test_query_notes_list_every_candidate_tied_with_the_best():
+    from types import SimpleNamespace
+
+    from perfmodel.uncertainty import choice_tie_notes
+
+    acceptance = _model((1.0, 1.5, 1.75, 1.875), (0.0, 0.02, 0.03, 0.03))
+
+    def candidate(k, goodput):
+        return SimpleNamespace(strategy=Strategy.from_k(k), tokens_per_s=goodput)
+
+    ranked = (candidate(3, 100.0), candidate(2, 99.0), candidate(1, 80.0))
+    choice = SimpleNamespace(batch_size=4, best=ranked[0], ranked=ranked)
+    assert choice_tie_notes(choice, acceptance) == [
+        "b = 4: k = 3 or k = 2: indistinguishable (goodputs within the acceptance uncertainty)"]
