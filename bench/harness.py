@@ -29,7 +29,16 @@ from runtime.model import CausalLM
 
 from .config import TREE_AUTO, BenchConfig, BenchError, BenchModels, tree_from_spec
 from .peers import load_peers, time_peer
-from .policies import HF_ASSISTED, HF_GREEDY, BenchPolicy, bench_policies, table_strategy, tree_label
+from .policies import (
+    HF_ASSISTED,
+    HF_GREEDY,
+    TABLE_POLICY,
+    BenchPolicy,
+    bench_policies,
+    fixed_policy_name,
+    table_strategy,
+    tree_label,
+)
 from .predict import add_predictions, load_predictor, resolve_auto_tree
 from .results import BatchResult, BenchResult, RunRecord, most_frequent_k, summarize_batch, summarize_policy
 from .timing import time_ours
@@ -203,8 +212,15 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: Sequence[list[i
 
     batches = [_batch_result(b, contenders(b), runs, config, timed_round_prompts(prompts, b, config), policies)
                for b in config.batch_sizes]
+    if table is not None:
+        from .regret import add_paired_regret
+
+        add_paired_regret(batches, runs, {k: fixed_policy_name(k) for k in fixed_ks}, TABLE_POLICY)
     if predictor is not None:
+        from .explain_steps import add_explanations
+
         notes += add_predictions(batches, predictor, policies)
+        notes += add_explanations(batches, runs, predictor, policies)
     prompt_lens = [len(p) for p in prompts]
     return BenchResult(
         config=config, device=device_info(models.target),

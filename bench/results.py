@@ -37,6 +37,8 @@ class RunRecord:
     # tokens / seconds over the steps that ran with the full batch (no prefill, no thinning tail):
     # the steady state the performance model's G(b, k) describes; None for peers
     steady_tokens_per_s: float | None = None
+    # perfmodel.explain.MeasuredSteps: the full-batch steps with each pass timed (`explain`); None for peers
+    measured_steps: Any = None
 
     @property
     def warmup(self) -> bool:
@@ -96,6 +98,9 @@ class BatchResult:
     # best_chain | best_tree | best_staged -> {policy, strategy, steady_tokens_per_s, vs_plain, vs_best_chain}
     # or None when no such policy ran; see `strategy_comparison`
     strategy_comparison: dict[str, dict[str, Any] | None] = field(default_factory=dict)
+    # perfmodel.explain.Explanation.to_json() of the table's (else the best fixed k's) pooled rounds
+    explanation: dict[str, Any] | None = None
+    paired_regret: dict[str, Any] | None = None  # bench.regret.paired_regret(...).to_json()
 
     def policy(self, name: str) -> PolicyResult | None:
         return next((p for p in self.policies if p.policy == name), None)

@@ -10,6 +10,7 @@ import torch
 from runtime.generator import SpeculativeGenerator
 
 from .config import BenchConfig
+from .pass_clock import PassClock, measured_steps
 
 
 def wall_clock(device: torch.device) -> float:
@@ -23,8 +24,10 @@ def time_ours(generator: SpeculativeGenerator, prompts: list[list[int]], policy,
               seed: int) -> dict[str, Any]:
     """One generation with our runtime; the same outer wall clock as the peers."""
     start = wall_clock(generator.device)
-    result = generator.generate(prompts, config.max_new_tokens, policy, config.sampling, seed,
-                                config.synthetic_acceptance)
+    # each pass timed on its own for `explain` (the clock syncs where the generator's timer already does)
+    with PassClock({"draft": generator.draft, "target": generator.target}, generator.device) as clock:
+        result = generator.generate(prompts, config.max_new_tokens, policy, config.sampling, seed,
+                                    config.synthetic_acceptance)
     seconds = wall_clock(generator.device) - start
     stats, b = result.stats, len(prompts)
     full = [k for k, size in zip(stats.k_per_step, stats.batch_size_per_step) if size == b]
@@ -32,4 +35,5 @@ def time_ours(generator: SpeculativeGenerator, prompts: list[list[int]], policy,
     return dict(generated_tokens=stats.generated_tokens, seconds=seconds, steps=stats.steps,
                 full_batch_steps=len(full), accepted_per_position=list(stats.accepted_per_position),
                 trials_per_position=list(stats.trials_per_position), k_counts_full_batch=dict(Counter(full)),
-                nodes_counts_full_batch=dict(Counter(nodes)), steady_tokens_per_s=stats.steady_tokens_per_s(b))
+                nodes_counts_full_batch=dict(Counter(nodes)), steady_tokens_per_s=stats.steady_tokens_per_s(b),
+                measured_steps=measured_steps(stats, clock, b))

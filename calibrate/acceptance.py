@@ -76,6 +76,7 @@ import torch
 from perfmodel.acceptance import extend_alphas, parse_acceptance_option
 from perfmodel.errors import PerfModelError
 from perfmodel.profile import AcceptanceEntry
+from perfmodel.uncertainty import ratio_standard_error
 from runtime.generator import SpeculativeGenerator
 from runtime.model import CausalLM
 from runtime.policy import FixedK
@@ -205,25 +206,32 @@ def tokens_per_step(agreement_rows: Sequence[Sequence[float]], max_k: int) -> li
     """
     result = [1.0]
     for k in range(1, max_k + 1):
-        tokens = steps = 0.0
-        for row in agreement_rows:
-            m = np.asarray(row, dtype=np.float64)
-            start_mass = np.zeros(len(m) + k + 2)  # probability that a step starts at position t
-            start_mass[0] = 1.0
-            for t in range(len(m) - k + 1):
-                reach = start_mass[t]
-                if reach == 0.0:
-                    continue
-                steps += reach
-                for i in range(k):  # draft token i+1 rejected: i accepted, one from the target
-                    rejected = reach * (1.0 - m[t + i])
-                    start_mass[t + i + 1] += rejected
-                    tokens += rejected * (i + 1)
-                    reach *= m[t + i]
-                start_mass[t + k + 1] += reach  # all k accepted, plus the bonus token
-                tokens += reach * (k + 1)
+        counts = [step_counts(row, k) for row in agreement_rows]
+        tokens, steps = sum(c[0] for c in counts), sum(c[1] for c in counts)
         result.append(float(tokens / steps) if steps > 0 else float("nan"))
     return result
+
+
+def step_counts(row: Sequence[float], k: int) -> tuple[float, float]:
+    """(tokens, steps) of one continuation under step-aligned k-token steps (`tokens_per_step`): the
+    per-prompt figures whose spread gives E(k)'s standard error (perfmodel.uncertainty)."""
+    m = np.asarray(row, dtype=np.float64)
+    tokens = steps = 0.0
+    start_mass = np.zeros(len(m) + k + 2)  # probability that a step starts at position t
+    start_mass[0] = 1.0
+    for t in range(len(m) - k + 1):
+        reach = start_mass[t]
+        if reach == 0.0:
+            continue
+        steps += reach
+        for i in range(k):  # draft token i+1 rejected: i accepted, one from the target
+            rejected = reach * (1.0 - m[t + i])
+            start_mass[t + i + 1] += rejected
+            tokens += rejected * (i + 1)
+            reach *= m[t + i]
+        start_mass[t + k + 1] += reach  # all k accepted, plus the bonus token
+        tokens += reach * (k + 1)
+    return tokens, steps
 
 
 def rank_acceptance(rank_rows: Sequence[np.ndarray], depth: int) -> tuple[list[list[float]], list[float]]:
@@ -397,11 +405,16 @@ def entry_from_rows(rows: list[ScoredRow], sampling: Sampling, max_k: int, promp
     agreement = [row.agreement for row in rows]
     per_position, reached = conditional_acceptance(agreement, max_k)
     per_step = tokens_per_step(agreement, max_k)
+    per_step_se = counts = None
     if any(np.isnan(per_step)):  # continuations shorter than max_k: no step-aligned figure for long k
         per_step = None
+    elif len(agreement) > 1:  # the prompts are the independent units: E(k)'s standard error across them
+        counts = tuple(tuple(step_counts(row, k) for row in agreement) for k in range(1, max_k + 1))
+        per_step_se = tuple([0.0] + [ratio_standard_error(*zip(*per_k)) for per_k in counts])
     table, depth_reached = rank_acceptance([row.ranks for row in rows], max_k)
     return AcceptanceEntry(**entry_fields(sampling), source="measured", per_position=tuple(per_position),
                            tokens_per_step=None if per_step is None else tuple(per_step),
+                           tokens_per_step_se=per_step_se, step_counts_by_prompt=counts,
                            rank_acceptance=tuple(tuple(r) for r in table) if depth_reached[0] > 0 else None,
                            rank_sequences=rank_sequences(rows) if sampling.greedy else None,
                            trials=tuple(int(round(r)) for r in reached), prompts=prompts_source,

@@ -37,6 +37,7 @@ from .grid import (DEFAULT_BATCH_SIZES, DEFAULT_CONTEXT_LENS, DEFAULT_MAX_K, QUI
                    overhead_points, timing_points, tree_overhead_points)
 from .models import (LoadedPair, ModelSpec, check_memory, check_pair, display_path, load_pair, memory_need,
                      model_info, resolve_model)
+from .noise import NoiseMonitor, reference_sampler
 from .store import (check_resumable, csv_path_for, load_for_resume, measured_overhead_points,
                     measured_timing_points, measured_tree_overhead_points, new_profile, overhead_row,
                     tree_overhead_row, with_row, write_profile)
@@ -315,6 +316,8 @@ def _calibrate(request: CalibrationRequest, plan: _Plan, on_progress, on_estimat
     profile = _start_profile(request, plan)
     grid = profile.grid  # on resume, the union of the old grid and the requested one
     pair = _load(plan)
+    monitor = _noise_monitor(pair, grid, plan.device, clock)
+    monitor.check(force=True)
 
     done_acceptance = {acc.entry_key(e) for e in profile.acceptance if _acceptance_done(e, plan.trees)}
     done_timings, done_overheads = measured_timing_points(profile), measured_overhead_points(profile)
@@ -331,18 +334,17 @@ def _calibrate(request: CalibrationRequest, plan: _Plan, on_progress, on_estimat
     if on_estimate is not None and todo.count:
         on_estimate(todo.count, estimate_seconds(plan.effort, len(todo.acceptance) * (plan.user_acceptance is None),
                                                  len(todo.timings), len(todo.overheads), len(todo.trees)))
-    written = False
 
     def advance(label: str, row=None) -> None:
         """Save the row (if any), then report: a point counts as done only once it is on disk."""
-        nonlocal profile, done, written
+        nonlocal profile, done
         if row is not None:
             profile = with_row(profile, row)
             write_profile(request.out, profile)
-            written = True
         done += 1
         if on_progress is not None:
             on_progress(ProgressEvent(done, total, label))
+        monitor.check()  # between points, when its interval has passed
         if request.max_seconds is not None and clock() - started_s > request.max_seconds and done < total:
             raise _OutOfTime
 
@@ -350,8 +352,9 @@ def _calibrate(request: CalibrationRequest, plan: _Plan, on_progress, on_estimat
         _measure(pair, plan, grid, todo, request, clock, advance, lambda: profile)
     except _OutOfTime:
         pass
-    if not written:  # nothing new (a finished --resume): the profile as merged, so --out holds the grid asked for
-        write_profile(request.out, profile)
+    monitor.check(force=True)
+    profile = replace(profile, noise=monitor.figure())
+    write_profile(request.out, profile)  # with the noise figure (and, after a finished --resume, the merged grid)
     summary = summarize(request.out, profile, done - resumed, resumed, started_s, clock)
     return replace(summary, points_left=total - done, max_seconds=request.max_seconds)
 
@@ -414,3 +417,9 @@ def _measure(pair: LoadedPair, plan: _Plan, grid: Grid, todo: _Todo, request: Ca
             continue
         row = _tree_overhead_row(pair, plan, point, rank_table, grid.max_k, encoded, clock)
         advance(label if row is not None else label + " (out of memory, not recorded)", row)
+
+
+def _noise_monitor(pair: LoadedPair, grid: Grid, device: str, clock: Clock) -> NoiseMonitor:
+    """The reference pass: the target at the smallest batch size and context, one new token (cheap)."""
+    b, L = min(grid.batch_sizes), min(grid.context_lens)
+    return NoiseMonitor(reference_sampler(pair.target, b, L, device, clock), f"target b={b} n=1 L={L}", clock)

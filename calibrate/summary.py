@@ -62,6 +62,8 @@ class CalibrationSummary:
     tree_overheads: int = 0  # tree step-overhead rows in the profile
     points_left: int = 0  # not measured because --max-seconds ran out; --resume measures them
     max_seconds: float | None = None
+    noise: dict | None = None  # perfmodel.noise.NoiseFigure.to_json(): the reference pass's drift and jitter
+    warnings: tuple[str, ...] = ()  # one line each, e.g. a machine too noisy for the ±3 % rule
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -95,4 +97,6 @@ def summarize(out: Path, profile: Profile, measured: int, resumed: int, started_
         points_infeasible=sum(not r.feasible for r in profile.timings), elapsed_s=round(clock() - started_s, 3),
         stage2=None if stage2 is None else Stage2Summary(stage2.file, stage2.guess_accuracy, stage2.query_overhead_ms,
                                                          stage2.query_ms_per_context),
-        tree_overheads=sum(row.tree_nodes is not None for row in profile.overheads))
+        tree_overheads=sum(row.tree_nodes is not None for row in profile.overheads),
+        noise=None if profile.noise is None else profile.noise.to_json(),
+        warnings=tuple(w for w in [None if profile.noise is None else profile.noise.warning()] if w))

@@ -118,6 +118,9 @@ def render_bench(result, written: list[Path]) -> None:
                              f"({best['vs_plain']:.2f}x, {best['vs_best_chain']:.2f}x)")
             side.add_row(str(batch.batch_size), *cells)
         console.print(side)
+    from console.explain import render_bench_fidelity
+
+    render_bench_fidelity(console, result.batches)
     for note in result.notes:
         console.print(f"note: {note}", markup=False, highlight=False)
     console.print(f"wrote {', '.join(str(path) for path in written)}", markup=False, highlight=False)

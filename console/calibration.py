@@ -74,8 +74,13 @@ def render_calibration(summary) -> None:
         counts += f", {summary.points_resumed} kept from the previous run"
     if summary.points_infeasible:
         counts += f", {summary.points_infeasible} out of memory"
+    if summary.noise is not None:
+        counts += (f"; noise (reference pass): drift ±{100 * summary.noise['drift']:.1f} %, "
+                   f"jitter ±{100 * summary.noise['jitter']:.1f} %")
     console.print(counts)
     if summary.points_left:
         console.print(f"stopped after --max-seconds {summary.max_seconds:g}: {summary.points_left} points left; "
                       f"rerun with --resume to measure them", markup=False, highlight=False)
+    for warning in summary.warnings:
+        console.print(warning, style="bold yellow", markup=False, highlight=False)
     console.print(f"wrote {summary.profile_path} and {summary.csv_path}", markup=False, highlight=False)

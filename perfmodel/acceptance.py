@@ -128,6 +128,11 @@ class AcceptanceModel:
     rank_acceptance: tuple[tuple[float, ...], ...] | None = None
     # greedy: recorded ranks per continuation, on which tree steps are replayed exactly (preferred for E)
     rank_sequences: tuple[tuple[int, ...], ...] | None = None
+    # the sample behind the estimates (perfmodel.uncertainty): times each position was reached, and the
+    # standard error of each measured E(k) across prompts; None when not measured (user values, old files)
+    trials: tuple[int, ...] | None = None
+    tokens_per_step_se: tuple[float, ...] | None = None
+    step_counts_by_prompt: tuple[tuple[tuple[float, float], ...], ...] | None = None  # k = 1..max_k: [tokens, steps]
 
     def alphas(self, k: int) -> tuple[float, ...]:
         return extend_alphas(self.per_position, k)
@@ -151,6 +156,11 @@ class AcceptanceModel:
             "rank_acceptance": None if self.rank_acceptance is None
             else [[rounded(p) for p in row] for row in self.rank_acceptance],
             "rank_sequences": None if self.rank_sequences is None else [list(row) for row in self.rank_sequences],
+            "trials": None if self.trials is None else list(self.trials),
+            "tokens_per_step_se": None if self.tokens_per_step_se is None
+            else [rounded(se) for se in self.tokens_per_step_se],
+            "step_counts_by_prompt": None if self.step_counts_by_prompt is None
+            else [[[rounded(t), rounded(n)] for t, n in per_k] for per_k in self.step_counts_by_prompt],
         }
 
     @classmethod
@@ -166,7 +176,13 @@ class AcceptanceModel:
                         rank_acceptance=None if obj.get("rank_acceptance") is None
                         else tuple(tuple(float(p) for p in row) for row in obj["rank_acceptance"]),
                         rank_sequences=None if obj.get("rank_sequences") is None
-                        else tuple(tuple(int(r) for r in row) for row in obj["rank_sequences"]))
+                        else tuple(tuple(int(r) for r in row) for row in obj["rank_sequences"]),
+                        trials=None if obj.get("trials") is None else tuple(int(t) for t in obj["trials"]),
+                        tokens_per_step_se=None if obj.get("tokens_per_step_se") is None
+                        else tuple(float(se) for se in obj["tokens_per_step_se"]),
+                        step_counts_by_prompt=None if obj.get("step_counts_by_prompt") is None
+                        else tuple(tuple((float(t), float(n)) for t, n in per_k)
+                                   for per_k in obj["step_counts_by_prompt"]))
         except (KeyError, TypeError, ValueError) as error:
             raise PerfModelError(f"{where}: acceptance: malformed ({error!r})") from None
         if not per_position or not all(0.0 <= alpha <= 1.0 for alpha in per_position):
@@ -182,7 +198,9 @@ def acceptance_from_profile(entry: AcceptanceEntry) -> AcceptanceModel:
     return AcceptanceModel(source="profile", mode=entry.mode, temperature=entry.temperature,
                            per_position=entry.per_position, constant=fit_constant_alpha(entry.per_position),
                            tokens_per_step=entry.tokens_per_step, rank_acceptance=entry.rank_acceptance,
-                           rank_sequences=entry.rank_sequences)
+                           rank_sequences=entry.rank_sequences, trials=entry.trials,
+                           tokens_per_step_se=entry.tokens_per_step_se,
+                           step_counts_by_prompt=entry.step_counts_by_prompt)
 
 
 def acceptance_from_user(values: Sequence[float], option: str = "--acceptance") -> AcceptanceModel:

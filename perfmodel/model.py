@@ -27,6 +27,7 @@ import numpy as np
 from . import latency as lat
 from .acceptance import AcceptanceModel, acceptance_from_profile, acceptance_from_user
 from .errors import PerfModelError
+from .extrapolation import bounded_latency_ms
 from .jsonio import read_json, rounded, write_json_atomic
 from .overhead import OverheadModel
 from .profile import ROLES, DeviceInfo, Grid, ModelInfo, Profile, Stage2Info
@@ -78,8 +79,10 @@ class FittedModel:
         return {"target": self.target_info.fingerprint, "draft": self.draft_info.fingerprint}
 
     def latency_ms(self, role: str, batch_size: int, new_tokens: int, context_len: int) -> float:
-        """Predicted time of one forward pass; matches strategy.LatencyFn."""
-        return self.roles[role].model.latency_ms(batch_size, new_tokens, context_len)
+        """Predicted time of one forward pass; matches strategy.LatencyFn. Outside the measured grid the
+        fit's edge value grows as the roofline alone (perfmodel.extrapolation)."""
+        fit = self.roles[role]
+        return bounded_latency_ms(fit.model, fit.points, batch_size, new_tokens, context_len)
 
     def default_context_len(self) -> int:
         """The context length used when none is given: the middle of the profiled context lengths."""
@@ -90,11 +93,14 @@ class FittedModel:
         """Where a table or query asks the model beyond what the profile measured."""
         notes = []
         if max_batch > max(self.grid.batch_sizes):
-            notes.append(f"batch sizes above {max(self.grid.batch_sizes)} are extrapolated by the latency model")
+            notes.append(f"extrapolating: batch sizes above {max(self.grid.batch_sizes)} were not measured; there the "
+                         "fitted time at the grid's edge grows as the roofline alone (perfmodel.extrapolation); "
+                         "calibrate --batch-sizes up to the largest served to measure them")
         lo, hi = min(self.grid.context_lens), max(self.grid.context_lens)
         outside = [L for L in context_lens if not lo <= L <= hi]
         if outside:
-            notes.append(f"context lengths {outside} lie outside the profiled [{lo}, {hi}]")
+            notes.append(f"extrapolating: context lengths {outside} lie outside the profiled [{lo}, {hi}]; the "
+                         "roofline alone scales the time from the nearest profiled length")
         if max_k > self.grid.max_k:
             notes.append(f"k above the profiled max_k={self.grid.max_k} is extrapolated")
         if not self.overhead.measured:

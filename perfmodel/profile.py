@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from .errors import PerfModelError
+from .noise import NoiseFigure, noise_from_json
 from .jsonio import read_json, write_json_atomic
 
 PROFILE_SCHEMA = "specbatch.profile/1"
@@ -126,6 +127,12 @@ class AcceptanceEntry:
     # position (R = "R or worse"). A tree's tokens per step are replayed on them exactly
     # (perfmodel.tree.simulate_tree_steps). Optional.
     rank_sequences: tuple[tuple[int, ...], ...] | None = None
+    # Standard error of each tokens_per_step value across prompts (the independent units), k = 0..max_k
+    # (perfmodel.uncertainty). Optional: older profiles and user values lack it.
+    tokens_per_step_se: tuple[float, ...] | None = None
+    # Per k = 1..max_k, per prompt: [tokens, steps] behind tokens_per_step[k] (expectations when sampling),
+    # so two k can be compared prompt by prompt (perfmodel.uncertainty.paired_difference_se). Optional.
+    step_counts_by_prompt: tuple[tuple[tuple[float, float], ...], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -161,6 +168,7 @@ class Profile:
     overheads: tuple[OverheadRow, ...]
     acceptance: tuple[AcceptanceEntry, ...]
     stage2: Stage2Info | None = None  # optional: profiles measured without an n-gram model lack it
+    noise: NoiseFigure | None = None  # optional: how noisy the machine was (perfmodel.noise); older profiles lack it
 
     def model(self, role: str) -> ModelInfo:
         if role not in ROLES:
@@ -182,6 +190,7 @@ class Profile:
             "overheads": [asdict(row) for row in self.overheads],
             "acceptance": [_acceptance_json(entry) for entry in self.acceptance],
             "stage2": None if self.stage2 is None else self.stage2.to_json(),
+            **({} if self.noise is None else {"noise": self.noise.to_json()}),
         }
 
 
@@ -190,6 +199,9 @@ def _acceptance_json(entry: AcceptanceEntry) -> dict:
     obj["per_position"] = list(entry.per_position)
     obj["trials"] = None if entry.trials is None else list(entry.trials)
     obj["tokens_per_step"] = None if entry.tokens_per_step is None else list(entry.tokens_per_step)
+    obj["tokens_per_step_se"] = None if entry.tokens_per_step_se is None else list(entry.tokens_per_step_se)
+    obj["step_counts_by_prompt"] = None if entry.step_counts_by_prompt is None else \
+        [[list(pair) for pair in per_k] for per_k in entry.step_counts_by_prompt]
     obj["rank_acceptance"] = None if entry.rank_acceptance is None else [list(row) for row in entry.rank_acceptance]
     obj["rank_sequences"] = None if entry.rank_sequences is None else [list(row) for row in entry.rank_sequences]
     return obj
@@ -413,6 +425,32 @@ def stage2_from_json(obj: dict, where: str) -> Stage2Info:
     )
 
 
+def _tokens_per_step_se(obj: dict, where: str, tokens_per_step: tuple[float, ...] | None) -> tuple[float, ...] | None:
+    values = obj.get("tokens_per_step_se")
+    if values is None:
+        return None
+    at = _at(where, "tokens_per_step_se")
+    if tokens_per_step is None or not isinstance(values, list) or len(values) != len(tokens_per_step):
+        raise PerfModelError(f"{at}: expected one standard error per tokens_per_step value")
+    if not all((_is_int(v) or isinstance(v, float)) and v >= 0 for v in values):
+        raise PerfModelError(f"{at}: expected numbers >= 0")
+    return tuple(float(v) for v in values)
+
+
+def _step_counts_by_prompt(obj: dict, where: str, max_k: int) -> tuple | None:
+    values = obj.get("step_counts_by_prompt")
+    if values is None:
+        return None
+    at = _at(where, "step_counts_by_prompt")
+    try:
+        counts = tuple(tuple((float(t), float(n)) for t, n in per_k) for per_k in values)
+    except (TypeError, ValueError):
+        raise PerfModelError(f"{at}: expected per k a list of [tokens, steps] per prompt") from None
+    if len(counts) != max_k or len({len(per_k) for per_k in counts}) > 1 or min(min(p) for c in counts for p in c) < 0:
+        raise PerfModelError(f"{at}: expected {max_k} lists (k = 1..{max_k}) of equal length with counts >= 0")
+    return counts
+
+
 def _acceptance(obj: dict, where: str) -> AcceptanceEntry:
     per_position = _list(obj, "per_position", where)
     if not per_position:
@@ -435,7 +473,8 @@ def _acceptance(obj: dict, where: str) -> AcceptanceEntry:
                 raise PerfModelError(f"{where_tokens}[{k}]: expected tokens per step in [1, {k + 1}], found {value!r}")
         tokens_per_step = tuple(float(value) for value in tokens_per_step)
     return AcceptanceEntry(
-        tokens_per_step=tokens_per_step,
+        tokens_per_step=tokens_per_step, tokens_per_step_se=_tokens_per_step_se(obj, where, tokens_per_step),
+        step_counts_by_prompt=_step_counts_by_prompt(obj, where, len(per_position)),
         rank_acceptance=_rank_acceptance(obj, where),
         rank_sequences=_rank_sequences(obj, where),
         mode=_str(obj, "mode", where, ACCEPTANCE_MODES),
@@ -468,6 +507,7 @@ def profile_from_json(obj: dict, source: str = "profile") -> Profile:
         overheads=_rows(obj, "overheads", top, _overhead),
         acceptance=_rows(obj, "acceptance", top, _acceptance),
         stage2=None if obj.get("stage2") is None else stage2_from_json(obj["stage2"], f"{top} stage2"),
+        noise=None if obj.get("noise") is None else noise_from_json(obj["noise"], f"{top} noise"),
     )
     validate(profile, source)
     return profile

@@ -99,7 +99,7 @@ def test_chain_answer_is_every_k_in_order_with_the_models_notes(fitted):
     assert got.kind == "chains" and [c.k for c in got.candidates] == list(range(11))
     assert got.best_k == max(got.candidates, key=lambda c: c.tokens_per_s).k
     assert all(c.strategy.kind in ("none", "chain") and not c.strategy.stage2 for c in got.candidates)
-    assert any("batch sizes above 16 are extrapolated" in note for note in got.notes)
+    assert any("batch sizes above 16 were not measured" in note for note in got.notes)
     assert any("k above the profiled max_k=8" in note for note in got.notes)
 
 

@@ -1,0 +1,112 @@
+"""The prediction error of a bench run, term by term (`perfmodel.explain`), at every batch size.
+
+For each batch size the explained policy is the table's when a table ran (its strategy at that batch
+size and the run's mean context), else the best fixed k in hindsight; its timed rounds are pooled (the
+full-batch steps of every round, each pass timed by `bench.pass_clock`).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from perfmodel.errors import PerfModelError
+from perfmodel.explain import Explanation, explain
+from perfmodel.tree import Strategy
+
+from .policies import TABLE_POLICY, BenchPolicy, fixed_policy_name, table_strategy
+from .predict import Predictor
+from .results import BatchResult, RunRecord
+
+
+def pooled_steps(runs: Sequence[RunRecord], batch_size: int, policy: str):
+    """The measured full-batch steps of one policy's timed rounds at one batch size, pooled; None if none."""
+    pooled = None
+    for run in runs:
+        if run.batch_size == batch_size and run.policy == policy and not run.warmup and run.measured_steps:
+            pooled = run.measured_steps if pooled is None else pooled.merged(run.measured_steps)
+    return pooled
+
+
+def explained_policy(batch: BatchResult, policies: dict[str, BenchPolicy]) -> tuple[str, Strategy]:
+    """The table's policy and strategy at this batch size, else the best fixed k's."""
+    table = policies.get(TABLE_POLICY)
+    if table is not None:
+        return TABLE_POLICY, table_strategy(table.policy, batch.batch_size, batch.context_len)
+    return fixed_policy_name(batch.best_k), Strategy.from_k(batch.best_k)
+
+
+def explain_batch(batch: BatchResult, runs: Sequence[RunRecord], predictor: Predictor,
+                  policies: dict[str, BenchPolicy]) -> Explanation | None:
+    from perfmodel.model import step_model
+
+    name, strategy = explained_policy(batch, policies)
+    measured = pooled_steps(runs, batch.batch_size, name)
+    if measured is None:
+        return None
+    return explain(step_model(predictor.fitted, predictor.acceptance), strategy, measured, batch.context_len)
+
+
+def add_explanations(batches: list[BatchResult], runs: Sequence[RunRecord], predictor: Predictor,
+                     policies: dict[str, BenchPolicy]) -> list[str]:
+    """Set each batch's `explanation`; returns notes for the batch sizes that could not be explained."""
+    notes = []
+    for batch in batches:
+        try:
+            found = explain_batch(batch, runs, predictor, policies)
+        except PerfModelError as error:
+            notes.append(f"no decomposition at batch size {batch.batch_size}: {error}")
+            continue
+        if found is None:
+            notes.append(f"no decomposition at batch size {batch.batch_size}: no full-batch steps with timed passes")
+            continue
+        batch.explanation = found.to_json()
+    return notes
+
+
+def run_explain(config, models, prompts: Sequence[list[int]], k: int | None) -> tuple[Explanation, list[str]]:
+    """`specbatch explain`: one policy at `config.batch_sizes[0]` (the table's when `config.table_path`,
+    else the tree in `config.trees`, else the fixed `k`): `config.warmup_rounds` discarded generations,
+    then `config.rounds` timed ones, each on the next prompts, their full-batch steps pooled and set
+    against the model in `config.model_path` at the rounds' mean attended context."""
+    from perfmodel.model import step_model
+    from runtime.generator import SpeculativeGenerator
+    from runtime.policy import FixedK, FixedStrategy, TableK
+
+    from .config import BenchError, tree_from_spec
+    from .harness import attended_context_len, check_context, cycled_prompts, timed_round_prompts
+    from .pass_clock import PassClock, measured_steps
+    from .predict import load_predictor
+
+    b = config.batch_sizes[0]
+    predictor = load_predictor(config.model_path, config.sampling, config.synthetic_acceptance)
+    context_len = attended_context_len(timed_round_prompts(prompts, b, config), config.max_new_tokens)
+    if config.table_path is not None:
+        policy = TableK(config.table_path)
+        strategy = table_strategy(policy, b, context_len)
+    elif config.trees:
+        strategy = Strategy(tree_from_spec(config.trees[0]), stage2=models.stage2 is not None)
+        policy = FixedStrategy(strategy)
+    elif models.stage2 is not None and k > 0:  # a chain drafted with the second stage
+        strategy = Strategy.from_k(k, stage2=True)
+        policy = FixedStrategy(strategy)
+    else:
+        strategy, policy = Strategy.from_k(k), FixedK(k)
+    if strategy.k > 0 and models.draft is None:
+        raise BenchError("explain: a strategy with draft tokens needs a draft model (--draft)")
+    check_context(models, prompts, config, policy.max_k)
+    generator = SpeculativeGenerator(models.target, models.draft, eos_token_ids=(), stage2=models.stage2)
+    pooled = None
+    for round_index in range(-config.warmup_rounds, config.rounds):
+        batch_prompts = cycled_prompts(prompts, b, offset=(round_index + config.warmup_rounds) * b)
+        with PassClock({"draft": generator.draft, "target": generator.target}, generator.device) as clock:
+            result = generator.generate(batch_prompts, config.max_new_tokens, policy, config.sampling,
+                                        config.seed + round_index + config.warmup_rounds,
+                                        config.synthetic_acceptance)
+        steps = measured_steps(result.stats, clock, b) if round_index >= 0 else None
+        if steps is not None:
+            pooled = steps if pooled is None else pooled.merged(steps)
+    if pooled is None:
+        raise BenchError(f"explain: no full-batch steps with timed passes at batch size {b}; raise --max-new-tokens")
+    fitted = predictor.fitted
+    notes = [f"predictions use {predictor.acceptance_note}",
+             *fitted.extrapolation_notes(b, [context_len], strategy.k), *fitted.strategy_notes([strategy])]
+    return explain(step_model(fitted, predictor.acceptance), strategy, pooled, context_len), notes

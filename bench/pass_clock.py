@@ -1,0 +1,78 @@
+"""Every forward pass of a generation, timed one by one, without touching the generator.
+
+The generator records each pass's shape (`GenerationStats.draft_passes` / `target_passes`: batch, new
+tokens) and only the summed times. `PassClock` wraps the models' `forward` for the duration of one
+`generate()` call and records (batch, new tokens, seconds) per call; the first calls of each model are
+the prefill, so the step passes are the last `len(stats.<role>_passes)` records, which must have the
+same shapes (checked). The clock synchronizes CUDA around each pass, as the generator's own timer does,
+so it adds no synchronization the run did not already have.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from perfmodel.explain import MeasuredSteps, measured_from_stats
+
+
+class PassClock:
+    """`with PassClock({"draft": draft, "target": target}, device) as clock: generator.generate(...)`."""
+
+    def __init__(self, models: dict[str, Any], device: torch.device):
+        distinct: dict[int, str] = {}  # a model passed twice (draft = target) is wrapped once, under its first role
+        for role, model in models.items():
+            if isinstance(model, torch.nn.Module):
+                distinct.setdefault(id(model), role)
+        self.models = {role: models[role] for role in distinct.values()}
+        self.cuda = device.type == "cuda"
+        self.records: dict[str, list[tuple[int, int, float]]] = {role: [] for role in self.models}
+
+    def _now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def _timed(self, role: str, forward):
+        def timed_forward(tokens, *args, **kwargs):
+            started = self._now()
+            out = forward(tokens, *args, **kwargs)
+            self.records[role].append((int(tokens.shape[0]), int(tokens.shape[1]), self._now() - started))
+            return out
+        return timed_forward
+
+    def __enter__(self) -> "PassClock":
+        for role, model in self.models.items():
+            model.forward = self._timed(role, model.forward)  # an instance attribute shadows the method
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for model in self.models.values():
+            del model.forward  # the class's forward again
+
+    def step_pass_seconds(self, stats) -> dict[str, list[float]] | None:
+        """Seconds of each step pass, aligned with `stats.<role>_passes`; None when the records do not
+        line up with the generator's (then no per-pass figures are claimed)."""
+        out = {"draft": [], "target": []}
+        for role in out:
+            shapes = [tuple(s) for s in getattr(stats, f"{role}_passes")]
+            records = self.records.get(role, [])
+            if not shapes:
+                continue
+            if len(records) < len(shapes) or [r[:2] for r in records[-len(shapes):]] != shapes:
+                return None
+            out[role] = [r[2] for r in records[-len(shapes):]]
+        return out
+
+
+def measured_steps(stats, clock: PassClock, batch_size: int) -> MeasuredSteps | None:
+    """The run's full-batch steps with each pass's time (perfmodel.explain), or None."""
+    seconds = clock.step_pass_seconds(stats)
+    if seconds is None:
+        return None
+    record = {"batch_size_per_step": stats.batch_size_per_step, "step_s": stats.step_s,
+              "step_tokens": stats.step_tokens, "draft_passes": stats.draft_passes,
+              "target_passes": stats.target_passes, "draft_pass_s": seconds["draft"],
+              "target_pass_s": seconds["target"]}
+    return measured_from_stats(record, batch_size)

@@ -1,0 +1,94 @@
+"""The table's regret as a paired ratio with a bootstrap interval: is it the model, or the machine's noise?
+
+Within one round every policy runs on the same prompts and seed, back to back (`harness`), so a slow
+moment of a shared machine hits a round's policies alike. Pairing removes it: for every round r and
+fixed k the ratio table_r / k_r is taken first, then the rounds are summarized,
+
+    regret(k) = 1 - exp(mean_r log(table_r / k_r)),
+
+a geometric mean of paired ratios (symmetric: a round where the table is 10 % slow and one where it is
+10 % fast cancel). The headline is the regret against the best fixed k in hindsight (the policy the
+unpaired regret compares with). Its 95 % interval resamples whole rounds with replacement (the pairs
+stay together), BOOTSTRAP_SAMPLES times with a fixed seed, and takes the 2.5th and 97.5th percentiles.
+Verdict against the goal: "met" when the whole interval lies at or below it, "missed" when it lies
+above, "not resolved" when it straddles the goal (more rounds would decide).
+
+Assumption: rounds are exchangeable (no trend left after the rotation of policy order); with few
+rounds the percentile interval is too narrow rather than too wide, so "met" on 3 rounds is weak.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+REGRET_GOAL = 0.03  # the bench's goal: the table within 3 % of the best fixed k
+BOOTSTRAP_SAMPLES = 2000
+BOOTSTRAP_SEED = 0  # fixed: the same bench data gives the same interval
+
+
+@dataclass(frozen=True)
+class PairedRegret:
+    against: str  # the fixed-k policy of the headline (the best in hindsight)
+    rounds: int  # rounds where both ran
+    regret: float  # 1 - geometric mean of the paired ratios
+    low: float  # 95 % bootstrap interval of the regret
+    high: float
+    goal: float
+    per_k: dict[str, float]  # regret against every fixed k, paired the same way
+
+    @property
+    def verdict(self) -> str:
+        if self.high <= self.goal:
+            return "met"
+        if self.low > self.goal:
+            return "missed"
+        return "not resolved"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"against": self.against, "rounds": self.rounds, "regret": self.regret,
+                "ci95": [self.low, self.high], "goal": self.goal, "verdict": self.verdict,
+                "per_k": dict(self.per_k), "method": "1 - geometric mean of per-round table / k ratios; "
+                                                     f"bootstrap over rounds ({BOOTSTRAP_SAMPLES} samples)"}
+
+
+def _regret(log_ratios: np.ndarray) -> np.ndarray:
+    return 1.0 - np.exp(log_ratios.mean(axis=-1))
+
+
+def paired_regret(table_by_round: dict[int, float], fixed_by_round: dict[str, dict[int, float]], against: str,
+                  goal: float = REGRET_GOAL) -> PairedRegret | None:
+    """Regret of the table against each fixed-k policy from per-round goodputs ({round: tokens/s});
+    the interval is the headline's (`against`). None when no round has both the table and `against`."""
+    rounds = sorted(r for r in table_by_round if r in fixed_by_round.get(against, {}))
+    if not rounds:
+        return None
+    per_k = {}
+    for name, by_round in fixed_by_round.items():
+        common = [r for r in sorted(table_by_round) if r in by_round]
+        if common:
+            per_k[name] = float(_regret(np.log([table_by_round[r] / by_round[r] for r in common])))
+    logs = np.log([table_by_round[r] / fixed_by_round[against][r] for r in rounds])
+    rng = np.random.default_rng(BOOTSTRAP_SEED)
+    samples = _regret(logs[rng.integers(0, len(logs), size=(BOOTSTRAP_SAMPLES, len(logs)))])
+    low, high = np.percentile(samples, [2.5, 97.5])
+    return PairedRegret(against, len(rounds), float(_regret(logs)), float(low), float(high), goal, per_k)
+
+
+def rates_by_round(runs: Sequence[Any], batch_size: int, policy: str) -> dict[int, float]:
+    """{round: steady-state tokens/s (wall tokens/s where no steady state)} of one policy's timed rounds."""
+    return {r.round: (r.steady_tokens_per_s if r.steady_tokens_per_s is not None else r.tokens_per_s)
+            for r in runs if r.batch_size == batch_size and r.policy == policy and not r.warmup}
+
+
+def add_paired_regret(batches: Sequence[Any], runs: Sequence[Any], fixed_names: dict[int, str],
+                      table_name: str) -> None:
+    """Set each batch's `paired_regret` (when the table ran) against the best fixed k in hindsight."""
+    for batch in batches:
+        table = rates_by_round(runs, batch.batch_size, table_name)
+        if not table:
+            continue
+        fixed = {name: rates_by_round(runs, batch.batch_size, name) for name in fixed_names.values()}
+        found = paired_regret(table, fixed, fixed_names[batch.best_k])
+        batch.paired_regret = None if found is None else found.to_json()

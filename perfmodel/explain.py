@@ -1,0 +1,226 @@
+"""Why a prediction misses: one (batch size, strategy) run's predicted and measured step, term by term.
+
+A step is its draft passes (grouped by tokens fed per row: the catch-up pass of 2, the passes of 1, a
+tree's or a staged round's wider passes), its target verify pass, and the overhead outside passes.
+
+    predicted: `StepModel.schedule` (the expected passes, each at the fitted latency), the overhead
+               model plus the n-gram queries, and E(strategy);
+    measured:  the passes a generation really ran at the full batch size, each timed on its own
+               (`MeasuredSteps`, built from the generator's per-pass records), the wall time of the
+               full-batch steps and the tokens they added.
+
+For a pass group with predicted count c_p (per step) at the fitted time t_p, and measured count c_m at
+mean measured time t_m, the difference splits exactly in two:
+
+    c_p * t_p - c_m * t_m = (c_p - c_m) * t_p   ("mix": how many passes of that width ran)
+                          + c_m * (t_p - t_m)   ("pass time": how long each one took)
+
+so the terms' differences add up to S_p - S_m, and the goodput ratio is exactly
+
+    G_p / G_m = (E_p / E_m) / (1 + sum_terms (predicted_ms - measured_ms) / S_m).
+
+Each effect is given as how far it pushes the predicted goodput above the measured one, to first order:
+tokens per step +(E_p / E_m - 1), a step-time difference -(predicted_ms - measured_ms) / S_m. The term
+with the largest effect is the one that carries the error.
+
+Assumptions: the measured overhead is the steps' wall time minus their timed passes (so it also holds
+n-gram queries and the timing itself); the prediction is taken at one context length (the run's mean
+attended context) while the measured passes span the run's contexts.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from .errors import PerfModelError
+from .strategy import StepModel
+from .tree import Strategy
+
+OVERHEAD = "overhead"  # the term outside forward passes (n-gram queries included)
+TOKENS = "tokens per step"
+
+
+@dataclass(frozen=True)
+class PassTally:
+    """Measured passes of one role and width at the full batch size, over all the steps counted."""
+
+    role: str  # "draft" | "target"
+    new_tokens: int  # tokens fed per row
+    count: int
+    seconds: float  # summed
+
+
+@dataclass(frozen=True)
+class MeasuredSteps:
+    """The full-batch steps of one or more runs at one batch size: what the measured side needs."""
+
+    batch_size: int
+    steps: int
+    step_seconds: float  # summed wall time of those steps (passes and everything between them)
+    tokens: int  # tokens those steps added, all rows together
+    passes: tuple[PassTally, ...]
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Per row, as E is."""
+        return self.tokens / (self.steps * self.batch_size)
+
+    @property
+    def step_ms(self) -> float:
+        return self.step_seconds / self.steps * 1e3
+
+    def merged(self, other: "MeasuredSteps") -> "MeasuredSteps":
+        """Two runs (rounds) pooled: counts and seconds add."""
+        if other.batch_size != self.batch_size:
+            raise PerfModelError(f"explain: cannot pool steps at batch sizes {self.batch_size} and {other.batch_size}")
+        tally: dict[tuple[str, int], list] = defaultdict(lambda: [0, 0.0])
+        for p in self.passes + other.passes:
+            tally[(p.role, p.new_tokens)][0] += p.count
+            tally[(p.role, p.new_tokens)][1] += p.seconds
+        return MeasuredSteps(self.batch_size, self.steps + other.steps, self.step_seconds + other.step_seconds,
+                             self.tokens + other.tokens,
+                             tuple(PassTally(r, n, c, s) for (r, n), (c, s) in sorted(tally.items())))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"batch_size": self.batch_size, "steps": self.steps, "step_seconds": self.step_seconds,
+                "tokens": self.tokens,
+                "passes": [{"role": p.role, "new_tokens": p.new_tokens, "count": p.count, "seconds": p.seconds}
+                           for p in self.passes]}
+
+
+def measured_from_stats(stats: dict[str, Any], batch_size: int) -> MeasuredSteps | None:
+    """The full-batch steps of one generation, from its stats: the generator's per-step lists
+    (`batch_size_per_step`, `step_s`, `step_tokens`), its per-pass shapes (`draft_passes`, `target_passes`:
+    [batch, new tokens] per pass) and each pass's seconds (`draft_pass_s`, `target_pass_s`, same order).
+    A pass at batch b belongs to a full-batch step: the batch only shrinks. None without full-batch steps."""
+    full = [i for i, b in enumerate(stats["batch_size_per_step"]) if b == batch_size]
+    if not full:
+        return None
+    tally: dict[tuple[str, int], list] = defaultdict(lambda: [0, 0.0])
+    for role in ("draft", "target"):
+        shapes, seconds = stats[f"{role}_passes"], stats[f"{role}_pass_s"]
+        if len(shapes) != len(seconds):
+            raise PerfModelError(f"explain: {len(shapes)} {role} passes but {len(seconds)} pass times")
+        for (b, n), s in zip(shapes, seconds):
+            if b == batch_size:
+                tally[(role, int(n))][0] += 1
+                tally[(role, int(n))][1] += float(s)
+    return MeasuredSteps(batch_size, len(full), sum(stats["step_s"][i] for i in full),
+                         sum(stats["step_tokens"][i] for i in full),
+                         tuple(PassTally(r, n, c, s) for (r, n), (c, s) in sorted(tally.items())))
+
+
+@dataclass(frozen=True)
+class Term:
+    """One part of a step, per step: a pass group (role, width) or the overhead (role None)."""
+
+    name: str  # "draft n=1", "target n=5", "overhead"
+    predicted_ms: float
+    measured_ms: float
+    role: str | None = None
+    new_tokens: int | None = None
+    predicted_count: float | None = None  # passes per step
+    measured_count: float | None = None
+    predicted_pass_ms: float | None = None  # the fitted latency of one such pass
+    measured_pass_ms: float | None = None  # mean over the measured passes; None when none ran
+
+    @property
+    def mix_ms(self) -> float:
+        """(c_p - c_m) * t_p: the part of the difference due to how many such passes ran."""
+        if self.role is None:
+            return 0.0
+        return (self.predicted_count - self.measured_count) * self.predicted_pass_ms
+
+    @property
+    def time_ms(self) -> float:
+        """c_m * (t_p - t_m), or the whole difference for the overhead."""
+        return self.predicted_ms - self.measured_ms - self.mix_ms
+
+
+@dataclass(frozen=True)
+class Explanation:
+    batch_size: int
+    context_len: int
+    strategy: str  # Strategy.describe()
+    steps: int  # measured full-batch steps behind the figures
+    predicted_tokens_per_step: float
+    measured_tokens_per_step: float
+    predicted_step_ms: float
+    measured_step_ms: float
+    terms: tuple[Term, ...]
+
+    @property
+    def predicted_tokens_per_s(self) -> float:
+        return self.batch_size * self.predicted_tokens_per_step / self.predicted_step_ms * 1e3
+
+    @property
+    def measured_tokens_per_s(self) -> float:
+        return self.batch_size * self.measured_tokens_per_step / self.measured_step_ms * 1e3
+
+    @property
+    def error(self) -> float:
+        """Predicted / measured goodput - 1."""
+        return self.predicted_tokens_per_s / self.measured_tokens_per_s - 1.0
+
+    def effects(self) -> list[tuple[str, float]]:
+        """(label, first-order push of the predicted goodput above the measured one), largest first."""
+        found = [(TOKENS, self.predicted_tokens_per_step / self.measured_tokens_per_step - 1.0)]
+        for term in self.terms:
+            if term.role is None:
+                found.append((term.name, -term.time_ms / self.measured_step_ms))
+                continue
+            found.append((f"{term.name}: pass time", -term.time_ms / self.measured_step_ms))
+            found.append((f"{term.name}: mix", -term.mix_ms / self.measured_step_ms))
+        return sorted(found, key=lambda item: -abs(item[1]))
+
+    @property
+    def culprit(self) -> tuple[str, float]:
+        return self.effects()[0]
+
+    def to_json(self) -> dict[str, Any]:
+        name, effect = self.culprit
+        return {
+            "batch_size": self.batch_size, "context_len": self.context_len, "strategy": self.strategy,
+            "steps": self.steps,
+            "tokens_per_step": {"predicted": self.predicted_tokens_per_step, "measured": self.measured_tokens_per_step},
+            "step_ms": {"predicted": self.predicted_step_ms, "measured": self.measured_step_ms},
+            "tokens_per_s": {"predicted": self.predicted_tokens_per_s, "measured": self.measured_tokens_per_s},
+            "error": self.error,
+            "terms": [{"name": t.name, "role": t.role, "new_tokens": t.new_tokens, "predicted_ms": t.predicted_ms,
+                       "measured_ms": t.measured_ms, "predicted_count": t.predicted_count,
+                       "measured_count": t.measured_count, "predicted_pass_ms": t.predicted_pass_ms,
+                       "measured_pass_ms": t.measured_pass_ms, "mix_ms": t.mix_ms, "time_ms": t.time_ms}
+                      for t in self.terms],
+            "effects": [{"term": label, "effect": value} for label, value in self.effects()],
+            "culprit": {"term": name, "effect": effect},
+        }
+
+
+def explain(model: StepModel, strategy: Strategy, measured: MeasuredSteps, context_len: int) -> Explanation:
+    """Predicted against measured, term by term (see the module docstring)."""
+    b = measured.batch_size
+    if measured.steps < 1:
+        raise PerfModelError("explain: no full-batch steps were measured")
+    candidate = model.evaluate(strategy, b, context_len)
+    predicted_counts: dict[tuple[str, int], float] = defaultdict(float)
+    for p in model.schedule(strategy, b).passes:
+        predicted_counts[(p.role, p.new_tokens)] += p.weight
+    measured_by_key = {(p.role, p.new_tokens): p for p in measured.passes}
+    terms = []
+    for role, n in sorted(set(predicted_counts) | set(measured_by_key), key=lambda key: (key[0] != "draft", key)):
+        c_p = predicted_counts.get((role, n), 0.0)
+        tally = measured_by_key.get((role, n))
+        c_m = tally.count / measured.steps if tally else 0.0
+        t_p = float(model.latency_ms(role, b, n, context_len))
+        t_m = tally.seconds / tally.count * 1e3 if tally and tally.count else None
+        terms.append(Term(f"{role} n={n}", c_p * t_p, c_m * (t_m or 0.0), role, n, c_p, c_m, t_p, t_m))
+    passes_ms = sum(t.measured_ms for t in terms)
+    terms.append(Term(OVERHEAD, candidate.overhead_ms + candidate.ngram_ms, measured.step_ms - passes_ms))
+    return Explanation(b, context_len, strategy.describe(), measured.steps, candidate.tokens_per_step,
+                       measured.tokens_per_step, candidate.step_ms, measured.step_ms, tuple(terms))
+
+
+def explanation_lines(explanation: Explanation, top: int = 3) -> Sequence[str]:
+    """A few words per effect, for notes: 'draft n=1: pass time +12.3%'."""
+    return [f"{label} {100 * value:+.1f}%" for label, value in explanation.effects()[:top]]

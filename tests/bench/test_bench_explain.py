@@ -1,0 +1,50 @@
+"""A bench run with a model and a table: every pass is timed in place, each batch size carries the
+decomposition of the table's prediction and the paired regret (structure only: no wall-clock values)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.config import BenchConfig
+from bench.harness import run_bench
+from bench.outputs import write_outputs
+
+
+def _model_file(tmp_path):
+    from perfmodel.model import fit_profile, save_model
+    from perfmodel.profile import profile_from_json
+    from perfmodel_fixtures import build_profile, roofline_latency
+
+    obj = build_profile(roofline_latency(), batch_sizes=(1, 2, 4, 8), context_lens=(128, 512), max_k=4,
+                        acceptance=[0.7] * 4)
+    path = tmp_path / "model.json"
+    save_model(path, fit_profile(profile_from_json(obj)))
+    return path
+
+
+def test_bench_explains_the_tables_prediction_at_every_batch_size(tiny_pair, prompts, table_path, tmp_path):
+    config = BenchConfig(batch_sizes=(1, 3), ks=(1, 2), max_new_tokens=6, rounds=2, warmup_rounds=0,
+                         synthetic_acceptance=0.7, table_path=table_path, model_path=_model_file(tmp_path))
+    result = run_bench(config, tiny_pair, prompts)
+    for run in result.runs:  # k draft passes and one target pass per full-batch step of a fixed k
+        measured = run.measured_steps
+        if run.policy.startswith("k=") and measured is not None:
+            k = int(run.policy[2:])
+            counts = {(p.role, p.new_tokens): p.count for p in measured.passes}
+            assert sum(c for (role, _), c in counts.items() if role == "draft") == k * measured.steps
+            assert sum(c for (role, _), c in counts.items() if role == "target") == measured.steps
+            assert set(counts) <= {("draft", 1), ("draft", 2), ("target", k + 1)}
+    written = write_outputs(result, tmp_path / "out")
+    document = json.loads(written[0].read_text())
+    for entry in document["batch_sizes"]:
+        explained = entry["explanation"]
+        assert explained["batch_size"] == entry["batch_size"]
+        terms = explained["terms"]
+        assert sum(t["predicted_ms"] for t in terms) == pytest.approx(explained["step_ms"]["predicted"])
+        assert sum(t["measured_ms"] for t in terms) == pytest.approx(explained["step_ms"]["measured"])
+        assert explained["culprit"]["term"] == explained["effects"][0]["term"]
+        regret = entry["paired_regret"]
+        assert regret["rounds"] == 2 and regret["verdict"] in ("met", "missed", "not resolved")
+        assert regret["against"] == f"k={entry['best_k']}" and set(regret["per_k"]) == {"k=0", "k=1", "k=2"}
+        assert regret["ci95"][0] <= regret["regret"] + 1e-12 and regret["regret"] <= regret["ci95"][1] + 1e-12

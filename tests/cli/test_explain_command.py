@@ -1,0 +1,72 @@
+"""`specbatch explain` on the bundled demo pair (a short generation): the decomposition's contract."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cli_helpers import assert_one_line_error, invoke
+from perfmodel_fixtures import build_profile, roofline_latency, write_profile
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory):
+    root = tmp_path_factory.mktemp("explain")
+    profile = write_profile(root / "profile.json", build_profile(roofline_latency(), batch_sizes=(1, 2, 4),
+                                                                 context_lens=(64, 256), max_k=4, acceptance=[0.6]))
+    assert invoke("fit", profile, "-o", root / "model.json").exit_code == 0
+    return root / "model.json"
+
+
+def test_explain_json_terms_sum_to_both_step_times(model_file):
+    result = invoke("explain", model_file, "--batch-size", 2, "--k", 2, "--max-new-tokens", 6, "--rounds", 1,
+                    "--device", "cpu", "--json")
+    assert result.exit_code == 0, result.output
+    explained = json.loads(result.stdout)
+    assert explained["batch_size"] == 2 and explained["strategy"] == "chain k=2"
+    terms = explained["terms"]
+    assert [t["name"] for t in terms][-1] == "overhead" and "target n=3" in [t["name"] for t in terms]
+    assert sum(t["predicted_ms"] for t in terms) == pytest.approx(explained["step_ms"]["predicted"])
+    assert sum(t["measured_ms"] for t in terms) == pytest.approx(explained["step_ms"]["measured"])
+    assert explained["notes"][0].startswith("predictions use")
+
+
+def test_explain_refuses_two_strategies(model_file):
+    assert_one_line_error(invoke("explain", model_file, "--batch-size", 2, "--k", 2, "--tree", "0,1"),
+                          "one of --k, --table and --tree")
+
+
+def test_explain_prints_the_terms_and_names_the_largest(model_file):
+    result = invoke("explain", model_file, "--batch-size", 1, "--k", 1, "--max-new-tokens", 5, "--rounds", 1,
+                    "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    assert "draft n=1" in result.stdout and "overhead" in result.stdout
+    assert "the largest term is" in result.stdout
+
+
+def test_bench_prints_the_paired_regret_and_the_decomposition():
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from console.explain import render_bench_fidelity
+
+    explained = {"batch_size": 4, "context_len": 96, "strategy": "chain k=2", "steps": 10,
+                 "tokens_per_step": {"predicted": 1.75, "measured": 1.625},
+                 "step_ms": {"predicted": 20.0, "measured": 22.0},
+                 "tokens_per_s": {"predicted": 350.0, "measured": 295.5}, "error": 0.184,
+                 "terms": [{"name": "draft n=1", "role": "draft", "new_tokens": 1, "predicted_ms": 4.0,
+                            "measured_ms": 5.0, "predicted_count": 2.0, "measured_count": 2.0,
+                            "predicted_pass_ms": 2.0, "measured_pass_ms": 2.5, "mix_ms": 0.0, "time_ms": -1.0},
+                           {"name": "overhead", "role": None, "new_tokens": None, "predicted_ms": 16.0,
+                            "measured_ms": 17.0, "predicted_count": None, "measured_count": None,
+                            "predicted_pass_ms": None, "measured_pass_ms": None, "mix_ms": 0.0, "time_ms": -1.0}],
+                 "culprit": {"term": "tokens per step", "effect": 0.077}}
+    regret = {"against": "k=2", "rounds": 5, "regret": 0.021, "ci95": [-0.01, 0.05], "goal": 0.03,
+              "verdict": "not resolved"}
+    console = Console(record=True, width=200)
+    render_bench_fidelity(console, [SimpleNamespace(batch_size=4, explanation=explained, paired_regret=regret)])
+    text = console.export_text()
+    assert "not resolved" in text and "[-1.0%, 5.0%]" in text
+    assert "the largest term is tokens per step (+7.7% on the predicted goodput)" in text
+    assert "+4.5%" in text  # the draft pass time: -(-1.0) / 22 ms

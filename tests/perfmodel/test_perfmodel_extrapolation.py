@@ -1,0 +1,43 @@
+"""Honest extrapolation: beyond the measured grid the table cannot turn on structure no measurement shows,
+inside it the fit is untouched, and the notes say where the model extrapolates."""
+import pytest
+
+from perfmodel.extrapolation import Box, bounded_latency_ms
+from perfmodel.model import choose_acceptance, compute_table, fit_profile
+from perfmodel.profile import profile_from_json
+from perfmodel_fixtures import CPU_MODELS, build_profile, cpu_like_latency
+
+
+@pytest.fixture(scope="module")
+def fitted():
+    """A CPU-like profile measured up to batch size 32 (the fixture the refined fit bends beyond 32)."""
+    obj = build_profile(cpu_like_latency, models=CPU_MODELS, batch_sizes=(1, 2, 4, 8, 16, 32), context_lens=(64, 256),
+                        max_k=8, acceptance=[0.9])
+    model = fit_profile(profile_from_json(obj))
+    assert model.roles["target"].kind == "roofline+monotone"  # the refined form is what could invent structure
+    return model
+
+
+def test_the_table_never_rises_beyond_the_grid(fitted):
+    table = compute_table(fitted, choose_acceptance(fitted, None), 96, strategies="chain")
+    ks = [entry.k for entry in table.buckets[0].entries]
+    beyond = ks[31:]  # b = 32..96
+    assert all(later <= earlier for earlier, later in zip(beyond, beyond[1:])), beyond
+
+
+def test_inside_the_grid_the_fit_is_untouched_and_outside_the_roofline_scales_its_edge(fitted):
+    fit = fitted.roles["target"]
+    model, roofline, shape = fit.model, fit.model.roofline, fit.model.shape
+    assert fitted.latency_ms("target", 8, 3, 100) == model.latency_ms(8, 3, 100)
+    edge = model.latency_ms(32, 9, 256)  # b, n and L all clipped to the box's corner
+    expected = edge * roofline.latency_ms(shape, 64, 12, 1024) / roofline.latency_ms(shape, 32, 9, 256)
+    assert fitted.latency_ms("target", 64, 12, 1024) == pytest.approx(expected)
+    assert bounded_latency_ms(model, fit.points, 32, 9, 256) == pytest.approx(edge)  # continuous at the edge
+    assert Box.of(fit.points) == Box((1.0, 32.0), (1.0, 9.0), (64.0, 256.0))
+
+
+def test_notes_say_where_the_model_extrapolates(fitted):
+    notes = fitted.extrapolation_notes(64, [1024], 8)
+    assert notes[0].startswith("extrapolating: batch sizes above 32") and "roofline alone" in notes[0]
+    assert notes[1].startswith("extrapolating: context lengths [1024] lie outside the profiled [64, 256]")
+    assert fitted.extrapolation_notes(32, [128], 8) == []
