@@ -1123,13 +1123,17 @@ def loadtest_command(
     low, _, high = max_tokens.partition("-")
     if not (low.isdigit() and high.isdigit() and 0 < int(low) <= int(high)):
         raise UsageError(f"--max-tokens {max_tokens!r}: expected MIN-MAX, e.g. 64-128")
+    try:
+        rates_per_s, cv_values = tuple(float(x) for x in rates.split(",")), tuple(float(x) for x in cvs.split(","))
+    except ValueError:
+        raise UsageError(f"--rates {rates!r} / --cvs {cvs!r}: expected comma lists of numbers") from None
     server_args = ["--max-batch-size", str(max_batch_size), "--threads", str(threads)]
     for flag, value in (("--target", target), ("--draft", draft), ("--table", table), ("--profile", profile)):
         if value is not None:
             server_args += [flag, str(value)]
     config = LoadtestConfig(
         policies=tuple(p.strip() for p in policies.split(",") if p.strip()),
-        rates_per_s=tuple(float(x) for x in rates.split(",")), cvs=tuple(float(x) for x in cvs.split(",")),
+        rates_per_s=rates_per_s, cvs=cv_values,
         requests=requests, max_duration_s=max_duration_s, max_tokens=(int(low), int(high)), seed=seed,
         slo=Slo(slo_ttft_ms, slo_tpot_ms, slo_e2e_ms),
         prompts=tuple(read_prompts_file(prompts_file or DEMO_PROMPTS)), server_args=tuple(server_args),

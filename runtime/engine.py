@@ -117,6 +117,7 @@ class Engine:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = False
+        self._cancel_everything = False
         self.metrics = EngineMetrics()
 
     # ------------------------------------------------------------------ any thread
@@ -154,6 +155,12 @@ class Engine:
             self._cancelled.add(request_id)
         self._wake.set()
 
+    def cancel_all_soon(self) -> None:
+        """Ask the engine's thread to end every request (shutdown) at its next iteration."""
+        with self._lock:
+            self._cancel_everything = True
+        self._wake.set()
+
     def close(self) -> None:
         """Take no new requests (running and waiting ones go on until `cancel_all` or their end)."""
         with self._lock:
@@ -184,12 +191,15 @@ class Engine:
             if not worked:
                 self._wake.wait(idle_wait_s)
                 self._wake.clear()
+        if self._cancel_everything:
+            self.cancel_all()
 
     def cancel_all(self, reason: str = "cancelled") -> None:
         """End every waiting and running request now (shutdown); call from the engine's thread or when
         it has stopped."""
         with self._lock:
             waiting, self._waiting = list(self._waiting), deque()
+            self._cancel_everything = False
         for request in waiting:
             self._emit(request, [], "", reason, 0)
         self._finish_all(reason)
@@ -197,6 +207,9 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> bool:
         """One iteration; False when there was nothing to do."""
+        if self._cancel_everything:
+            self.cancel_all()
+            return False
         self._drop_cancelled()
         joined = self._admit()
         if joined:

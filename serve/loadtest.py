@@ -135,6 +135,14 @@ class ServerProcess:
         line = next((x for x in status.splitlines() if x.startswith("VmRSS:")), None)
         return int(line.split()[1]) / 1024 if line else None
 
+    def cpu_s(self) -> float | None:
+        """User + system CPU seconds the server process has used (all its threads)."""
+        try:
+            fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def stop(self) -> int | None:
         if self.process is None:
             return None
@@ -251,11 +259,12 @@ def run_policy(config: LoadtestConfig, policy: str, traces: dict, out: Path, ref
 
         model = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
         for (rate, cv), trace in traces.items():
-            rss_before = server.rss_mb()
+            rss_before, counters, cpu = server.rss_mb(), _scrape(server.url), (server.cpu_s(), _own_cpu_s())
             records = asyncio.run(replay_http(server.url, model, trace, config.prompts, config.max_duration_s,
                                               references is not None))
             run = _summary(policy, "http", rate, cv, trace, records, config, references)
-            run.update(rss_before_mb=rss_before, rss_after_mb=server.rss_mb())
+            run.update(rss_before_mb=rss_before, rss_after_mb=server.rss_mb(), server_cpu_s=server.cpu_s() - cpu[0],
+                       client_cpu_s=_own_cpu_s() - cpu[1], **_engine_use(counters, _scrape(server.url), run))
             runs.append(run)
             if on_run:
                 on_run(run)
@@ -276,8 +285,12 @@ def run_in_process(config: LoadtestConfig, policy: str, traces: dict, references
     runs = []
     try:
         for (rate, cv), trace in traces.items():
+            counters, cpu = _counters(runner.engine.metrics.snapshot()), _own_cpu_s()
             records = asyncio.run(replay_engine(runner, served.encode, trace, config.prompts, config.max_duration_s))
-            runs.append(_summary(policy, "in-process", rate, cv, trace, records, config, references))
+            run = _summary(policy, "in-process", rate, cv, trace, records, config, references)
+            run.update(server_cpu_s=_own_cpu_s() - cpu, client_cpu_s=None,
+                       **_engine_use(counters, _counters(runner.engine.metrics.snapshot()), run))
+            runs.append(run)
             if on_run:
                 on_run(runs[-1])
     finally:
@@ -311,6 +324,32 @@ def _summary(policy, mode, rate, cv, trace, records, config, references) -> dict
                          references(trace[r.index].prompt_index, trace[r.index].max_tokens))
     return {"policy": policy, "mode": mode, "rate_per_s": rate, "cv": cv,
             **summarize(records, len(trace), config.slo, mismatched)}
+
+
+def _own_cpu_s() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
+def _counters(snapshot: dict) -> dict:
+    return {"steps": snapshot["steps_total"], "step_s": snapshot["step_seconds_sum"]}
+
+
+def _scrape(url: str) -> dict:
+    """The engine's step counters from a server's /metrics."""
+    import httpx
+
+    samples = dict(line.rsplit(" ", 1) for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
+                   if line and not line.startswith("#"))
+    return {"steps": float(samples["specbatch_steps_total"]), "step_s": float(samples["specbatch_step_seconds_sum"])}
+
+
+def _engine_use(before: dict, after: dict, run: dict) -> dict:
+    """How the engine spent the run: mean step time, and the share of the run's span spent in steps
+    (below 1 at saturation: time lost between steps, to prefill, or to the HTTP side holding the GIL)."""
+    steps, step_s = after["steps"] - before["steps"], after["step_s"] - before["step_s"]
+    return {"engine_steps": steps, "engine_step_ms_mean": 1000 * step_s / steps if steps else None,
+            "engine_busy_fraction": step_s / run["span_s"] if run["span_s"] else None}
 
 
 def _slug(text: str) -> str:

@@ -95,7 +95,8 @@ CSV_COLUMNS = ["policy", "mode", "rate_per_s", "cv", "requests", "ok", "errors",
                "ttft_ms_mean", "ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99", "tpot_ms_mean", "tpot_ms_p50",
                "tpot_ms_p90", "tpot_ms_p99", "e2e_ms_mean", "e2e_ms_p50", "e2e_ms_p90", "e2e_ms_p99",
                "throughput_tokens_per_s", "goodput_requests_per_s", "goodput_tokens_per_s", "rss_before_mb",
-               "rss_after_mb"]
+               "rss_after_mb", "engine_steps", "engine_step_ms_mean", "engine_busy_fraction", "server_cpu_s",
+               "client_cpu_s"]
 
 
 def to_csv(runs: list[dict]) -> str:
@@ -142,24 +143,22 @@ def plot_latency(runs: list[dict], path) -> None:
 
 
 def render_runs(runs: list[dict]) -> None:
-    """One row per run on the terminal (the CLI's view; the files hold everything)."""
+    """One row per run on the terminal (the CLI's view; the files hold every figure)."""
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="load test (latencies in ms: mean / p50 / p99)")
-    for column in ("policy", "mode", "rate/s", "CV", "ok", "err", "unfin", "mismatch", "TTFT", "TPOT", "E2E",
-                   "tok/s", "goodput req/s"):
-        table.add_column(column, justify="right")
+    table = Table(title="load test: latencies in ms (means; E2E p99), throughput in tokens/s")
+    for column in ("policy", "mode", "rate/s", "CV", "ok", "failed", "mismatch", "TTFT", "TPOT", "E2E", "E2E p99",
+                   "tok/s", "goodput/s"):
+        table.add_column(column, justify="right", no_wrap=True)
 
-    def triple(d: dict) -> str:
-        return "-" if d["mean"] is None else f"{d['mean']:.0f} / {d['p50']:.0f} / {d['p99']:.0f}"
-
-    def number(value, fmt="{:.1f}") -> str:
+    def number(value, fmt="{:.0f}") -> str:
         return "-" if value is None else fmt.format(value)
 
     for run in runs:
         table.add_row(run["policy"], run["mode"], f"{run['rate_per_s']:g}", f"{run['cv']:g}", str(run["ok"]),
-                      str(run["errors"]), str(run["unfinished"]), number(run["mismatched"], "{}"),
-                      triple(run["ttft_ms"]), triple(run["tpot_ms"]), triple(run["e2e_ms"]),
-                      number(run["throughput_tokens_per_s"], "{:.0f}"), number(run["goodput_requests_per_s"], "{:.2f}"))
-    Console().print(table)
+                      str(run["errors"] + run["unfinished"]), number(run["mismatched"], "{}"),
+                      number(run["ttft_ms"]["mean"]), number(run["tpot_ms"]["mean"], "{:.1f}"),
+                      number(run["e2e_ms"]["mean"]), number(run["e2e_ms"]["p99"]),
+                      number(run["throughput_tokens_per_s"]), number(run["goodput_requests_per_s"], "{:.2f}"))
+    Console(width=200).print(table)
