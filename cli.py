@@ -137,7 +137,7 @@ def calibrate_command(
         resume=resume, quick=quick, stage2=stage2_for_calibration(stage2, no_stage2, draft, acceptance),
         force=force, max_seconds=max_seconds,
     )
-    set_threads(threads)  # before the run: the profile records torch's thread count
+    set_threads(threads, resumed_profile=out if resume else None)  # the profile records torch's thread count
     summary = calibrate_with_progress(request, show=not json_output)
     if json_output:
         typer.echo(json.dumps(summary.to_json()))
@@ -439,6 +439,13 @@ def demo(
     from console.demo import run_demo
 
     run_demo(out, tuple(race_sizes), prompts_shown, max_new_tokens, rounds, max_batch, device)
+
+
+
+from console.serve_commands import loadtest_command, serve_command  # noqa: E402 - registered below
+
+app.command("serve")(one_line_errors(serve_command))
+app.command("loadtest")(one_line_errors(loadtest_command))
 
 
 if __name__ == "__main__":

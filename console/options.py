@@ -86,18 +86,24 @@ def read_prompts_file(path: Path, option: str = "--prompts-file") -> list[str]:
     return read_prompts(path, option)
 
 
-def set_threads(threads: int | None) -> None:
+def set_threads(threads: int | None, resumed_profile: Path | None = None) -> None:
     """--threads: torch's intra-op threads for this run (recorded in every profile and bench file).
 
     Without --threads, a machine whose other processes already keep all but one core busy (1-minute load
     average >= cores - 1, read before our own run starts) gets one thread, and a note says so: on the
     2-core development VM with two busy processes, a demo-target decode pass (1 x 8 tokens) took 464 ms
     on torch's default 2 threads and 7.3 ms on one (5.8 ms on 2 threads when idle). The bounded spin of
-    runtime/__init__.py limits the damage when the load arrives after the choice."""
+    runtime/__init__.py limits the damage when the load arrives after the choice. A resumed calibration
+    keeps the thread count its profile recorded (its timings must stay comparable)."""
     if threads is not None and threads < 1:
         raise UsageError(f"--threads must be >= 1, got {threads}")
     import torch
 
+    if threads is None and resumed_profile is not None and Path(resumed_profile).is_file():
+        try:
+            threads = int(json.loads(Path(resumed_profile).read_text())["device"]["cpu_threads"])
+        except (ValueError, KeyError, TypeError, OSError):
+            pass  # calibrate's own reader says what is wrong with the file
     if threads is None:
         cores, load = os.cpu_count() or 1, os.getloadavg()[0]
         if cores > 1 and load >= cores - 1 and torch.get_num_threads() > 1:

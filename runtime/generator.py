@@ -28,8 +28,8 @@ from perfmodel.errors import SpecbatchError
 from perfmodel.tree import chain
 
 from .model import CausalLM, TreeAttention
-from .sampling import Sampling, probabilities, sample
-from .tree_decoding import compact, draft_tree, ngram_tree, plan_for, verify_and_accept
+from .sampling import Sampling, probabilities, sample, uniform
+from .tree_decoding import catch_up_input, compact, draft_tree, ngram_tree, plan_for, verify_and_accept
 
 
 class GenerationError(SpecbatchError):
@@ -133,6 +133,12 @@ class SpeculativeGenerator:
         self.eos_token_ids = tuple(eos_token_ids)
         self.device = target.lm_head.weight.device
 
+    @property
+    def context_limit(self) -> int:
+        """Positions both models can address: prompt + generated + draft tokens of a step must fit."""
+        return min(self.target.config.max_position_embeddings,
+                   self.draft.config.max_position_embeddings if self.draft_is_model else 10**9)
+
     # ------------------------------------------------------------------ public
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, policy, sampling: Sampling = Sampling(),
@@ -158,16 +164,8 @@ class SpeculativeGenerator:
         target_cache = self.target.new_cache(b, buffer_len)
         draft_cache = self.draft.new_cache(b, buffer_len) if self.draft_is_model else None
 
-        # prefill: right-padded prompts; each row's length is then set to its own prompt length
         t0 = timer.now()
-        width = max(prompt_lens)
-        last_logits = self.target(tokens[:, :width], target_cache)[torch.arange(b), committed - 1]
-        target_cache.lengths = committed.clone()
-        if draft_cache is not None:
-            self.draft(tokens[:, :width], draft_cache)
-            draft_cache.lengths = committed.clone()
-        first = last_logits.argmax(-1) if sampling.greedy else sample(probabilities(last_logits, sampling), rng)
-        tokens[torch.arange(b), committed] = first
+        first = self.prefill(tokens, committed, target_cache, draft_cache, sampling, rng)
         committed = committed + 1
         stats.prefill_s = timer.now() - t0
 
@@ -175,7 +173,8 @@ class SpeculativeGenerator:
         generated = [1] * b
         outputs: list[list[int] | None] = [None] * b
         stats.first_tokens = b
-        done = self._finished_rows(first[:, None], torch.ones(b, dtype=torch.long), [1] * b, generated, max_new_tokens)
+        done = self.finished_rows(first[:, None], torch.ones(b, dtype=torch.long), [1] * b, generated,
+                                  [max_new_tokens] * b)
         while True:
             if done:
                 keep = [i for i in range(len(rows)) if i not in done]
@@ -192,35 +191,16 @@ class SpeculativeGenerator:
                 rows = [rows[i] for i in keep]
                 generated = [generated[i] for i in keep]
             step_start = timer.now()
-            batch = len(rows)
             # the context a step pays for: attention spans the longest row (shorter rows are masked)
-            tree, staged = self._strategy(policy(batch, int(committed.max())) if self.draft is not None else 0)
-            k = 0 if tree is None else tree.depth
-            if tree is not None and tree.num_nodes > max_k:
-                raise GenerationError(f"policy asked for {tree.num_nodes} draft tokens per step, above the "
-                                      f"{max_k} the KV cache was sized for")
-            if tree is not None and (staged or not tree.is_chain or not self.draft_is_model):
-                if synthetic_acceptance is not None:
-                    raise GenerationError("synthetic acceptance applies to chains of the draft model only")
-                new, counts = self._tree_step(tree, staged, tokens, committed, target_cache, draft_cache,
-                                              sampling, rng, stats, timer)
-            else:
-                new, counts = self._step(k, tokens, committed, target_cache, draft_cache, sampling, rng,
-                                         synthetic_acceptance, stats, timer)
-            stats.nodes_per_step.append(0 if tree is None else tree.num_nodes)
-            # write the step's tokens after each row's committed prefix (beyond `counts` is scratch)
-            positions = committed[:, None] + torch.arange(new.shape[1], device=self.device)
-            tokens.scatter_(1, positions, new)
+            choice = policy(len(rows), int(committed.max())) if self.draft is not None else 0
+            new, counts = self.step(choice, max_k, tokens, committed, target_cache, draft_cache, sampling, rng,
+                                    stats, timer, synthetic_acceptance)
             committed = committed + counts
-            target_cache.lengths = committed - 1
-            stats.steps += 1
-            stats.k_per_step.append(k)
-            stats.batch_size_per_step.append(batch)
             counts_list = counts.tolist()
             stats.step_tokens.append(sum(min(c, max_new_tokens - g) for c, g in zip(counts_list, generated)))
             for i, c in enumerate(counts_list):
                 generated[i] += c
-            done = self._finished_rows(new, counts, counts_list, generated, max_new_tokens)
+            done = self.finished_rows(new, counts, counts_list, generated, [max_new_tokens] * len(rows))
             stats.step_s.append(timer.now() - step_start)
             stats.other_s += stats.step_s[-1]
         stats.generated_tokens = sum(len(o) for o in outputs)
@@ -228,7 +208,53 @@ class SpeculativeGenerator:
         stats.total_s = time.perf_counter() - started
         return GenerationResult(token_ids=outputs, stats=stats)
 
-    # ------------------------------------------------------------------ one step
+    # ------------------------------------------------------------------ the steps (the engine's too)
+    def prefill(self, tokens, prompt_lens, target_cache, draft_cache, sampling, rng) -> torch.Tensor:
+        """Feed right-padded prompts `tokens[:, :max(prompt_lens)]` (b rows) into caches whose rows are
+        empty; set each row's cache length to its own prompt length (the padding's entries lie beyond
+        it, masked and later overwritten), write the target's first token after each prompt in `tokens`
+        and return it (b,)."""
+        b = tokens.shape[0]
+        width = int(prompt_lens.max())
+        last_logits = self.target(tokens[:, :width], target_cache)[torch.arange(b), prompt_lens - 1]
+        target_cache.lengths = prompt_lens.clone()
+        if draft_cache is not None:
+            self.draft(tokens[:, :width], draft_cache)
+            draft_cache.lengths = prompt_lens.clone()
+        first = last_logits.argmax(-1) if sampling.greedy else sample(probabilities(last_logits, sampling), rng)
+        tokens[torch.arange(b), prompt_lens] = first
+        return first
+
+    def step(self, choice, max_k, tokens, committed, target_cache, draft_cache, sampling, rng, stats,
+             timer=None, synthetic_acceptance=None):
+        """One speculative step for every row of `tokens` (b, buffer) with the policy's `choice` (k or a
+        Strategy): returns the new tokens (b, w) and how many of them each row keeps (b,), written after
+        each row's `committed` prefix in `tokens` (beyond the count is scratch); the target cache is left
+        at committed + counts - 1. The rows may be a different set at every call (runtime.engine)."""
+        timer = timer or _Timer(self.device)
+        tree, staged = self._strategy(choice)
+        k = 0 if tree is None else tree.depth
+        if tree is not None and tree.num_nodes > max_k:
+            raise GenerationError(f"policy asked for {tree.num_nodes} draft tokens per step, above the "
+                                  f"{max_k} the KV cache was sized for")
+        if tree is not None and (staged or not tree.is_chain or not self.draft_is_model):
+            if synthetic_acceptance is not None:
+                raise GenerationError("synthetic acceptance applies to chains of the draft model only")
+            new, counts = self._tree_step(tree, staged, tokens, committed, target_cache, draft_cache,
+                                          sampling, rng, stats, timer)
+        else:
+            new, counts = self._step(k, tokens, committed, target_cache, draft_cache, sampling, rng,
+                                     synthetic_acceptance, stats, timer)
+        stats.nodes_per_step.append(0 if tree is None else tree.num_nodes)
+        # write the step's tokens after each row's committed prefix (beyond `counts` is scratch)
+        positions = committed[:, None] + torch.arange(new.shape[1], device=self.device)
+        tokens.scatter_(1, positions, new)
+        target_cache.lengths = committed + counts - 1
+        stats.steps += 1
+        stats.k_per_step.append(k)
+        stats.batch_size_per_step.append(tokens.shape[0])
+        return new, counts
+
     def _strategy(self, choice):
         """A policy's answer (an int k or a perfmodel.tree.Strategy) -> (tree or None, staged)."""
         if isinstance(choice, int):
@@ -296,10 +322,7 @@ class SpeculativeGenerator:
     def _draft(self, k, tokens, committed, draft_cache, sampling, rng, stats, timer):
         """k draft tokens per row (b, k) and, when sampling, their distributions q (b, k, vocab)."""
         b = tokens.shape[0]
-        lag = committed - draft_cache.lengths
-        width = int(lag.max())
-        draft_cache.lengths = committed - width
-        catch_up = tokens.gather(1, (committed - width)[:, None] + torch.arange(width, device=tokens.device))
+        catch_up = catch_up_input(self.draft, draft_cache, tokens, committed, _PassRecorder(timer, stats))
         proposed, dists = [], []
         step_input = catch_up
         for _ in range(k):
@@ -329,8 +352,7 @@ class SpeculativeGenerator:
         max_k = policy.max_k if self.draft is not None else 0
         if max_k < 0:
             raise GenerationError(f"k must be >= 0, got {max_k}")
-        limit = min(self.target.config.max_position_embeddings,
-                    self.draft.config.max_position_embeddings if self.draft_is_model else 10**9)
+        limit = self.context_limit
         longest = max(len(p) for p in prompts)
         if longest >= limit:
             raise GenerationError(f"a prompt has {longest} tokens; the model's context is {limit} positions")
@@ -341,21 +363,21 @@ class SpeculativeGenerator:
                 f"k or the tree's size"
             )
 
-    def _finished_rows(self, new, counts, counts_list, generated, max_new_tokens) -> dict[int, int]:
-        """Rows that hit EOS or max_new_tokens in this step -> how many generated tokens they keep.
-        `counts_list` is `counts` already on the host (the step needed it anyway)."""
+    def finished_rows(self, new, counts, counts_list, generated, max_new_tokens: list[int]) -> dict[int, int]:
+        """Rows that hit EOS or their own max_new_tokens in this step -> how many generated tokens they
+        keep. `counts_list` is `counts` already on the host (the step needed it anyway)."""
         eos_hits = None
         if self.eos_token_ids:
             is_eos = torch.isin(new, torch.tensor(self.eos_token_ids, device=new.device))
             is_eos &= torch.arange(new.shape[1], device=new.device) < counts[:, None].to(new.device)
             eos_hits = torch.where(is_eos.any(1), is_eos.float().argmax(1), -1).tolist()
         done = {}
-        for i, total in enumerate(generated):
+        for i, (total, limit) in enumerate(zip(generated, max_new_tokens)):
             before = total - counts_list[i]
-            keep = min(total, max_new_tokens)
+            keep = min(total, limit)
             if eos_hits is not None and eos_hits[i] >= 0:
                 keep = min(keep, before + eos_hits[i] + 1)
-            if keep < total or total >= max_new_tokens or (eos_hits is not None and eos_hits[i] >= 0):
+            if keep < total or total >= limit or (eos_hits is not None and eos_hits[i] >= 0):
                 done[i] = keep
         return done
 
@@ -378,13 +400,13 @@ def accept(draft_tokens, draft_probs, target_logits, sampling: Sampling, rng, sy
         if synthetic is None:
             agree = draft_tokens == target_choice[:, :k]
         else:
-            agree = torch.rand((b, k), generator=rng, device=rows.device) < synthetic
+            agree = uniform((b, k), rng, rows.device) < synthetic
         accepted = agree.long().cumprod(1).sum(1)
         return accepted, target_choice[rows, accepted]
     p = probabilities(target_logits, sampling)  # (b, k+1, vocab)
     if k == 0:
         return torch.zeros(b, dtype=torch.long, device=rows.device), sample(p[:, 0], rng)
-    u = torch.rand((b, k), generator=rng, device=rows.device)
+    u = uniform((b, k), rng, rows.device)
     if synthetic is None:
         p_draft = p[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)
         q_draft = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)

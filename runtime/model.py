@@ -42,6 +42,23 @@ class KVCache:
         self.values = self.values.index_select(1, rows)
         self.lengths = self.lengths.index_select(0, rows)
 
+    def rows(self, start: int, count: int) -> KVCache:
+        """Rows start..start+count-1 as a cache of their own whose keys and values are views of this
+        one's (a forward pass through it writes here; no copy). Its `lengths` are its own copy: the
+        serving engine's slots (runtime.engine) store them back after the pass."""
+        view = KVCache.__new__(KVCache)
+        view.keys, view.values = self.keys.narrow(1, start, count), self.values.narrow(1, start, count)
+        view.lengths = self.lengths[start:start + count].clone()
+        view.max_len = self.max_len
+        return view
+
+    def move_row(self, source: int, destination: int) -> None:
+        """Copy row `source` (its first lengths[source] entries, all that is live) onto `destination`."""
+        live = int(self.lengths[source])
+        self.keys[:, destination, :, :live] = self.keys[:, source, :, :live]
+        self.values[:, destination, :, :live] = self.values[:, source, :, :live]
+        self.lengths[destination] = self.lengths[source]
+
 
 def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     dim = config.head_dim

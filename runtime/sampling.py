@@ -68,8 +68,41 @@ def parse_sampling(text: str) -> Sampling:
         raise SamplingError(f"--sampling {text!r}: {error}") from None
 
 
-def probabilities(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
-    """Softmax of `logits` (..., vocab) after temperature, top-k and top-p; float32."""
+@dataclass(frozen=True)
+class RowSampling:
+    """Settings per row of a batch whose rows come from different requests (the serving engine): row r
+    of every logits tensor (batch first) follows `rows[r]`. A greedy row (T = 0) gets the one-hot
+    distribution at its argmax: through speculative sampling, one-hot p and q accept exactly the draft
+    tokens that equal the target's argmax and resample the argmax otherwise, so a greedy row in a
+    sampling batch produces its greedy tokens."""
+
+    rows: tuple[Sampling, ...]
+    greedy = False  # a batch in which every row is greedy runs with a plain Sampling() instead
+
+    def select(self, rows: list[int]) -> RowSampling:
+        return RowSampling(tuple(self.rows[r] for r in rows))
+
+    def describe(self) -> str:
+        return "per request"
+
+
+class RowGenerators:
+    """One torch.Generator per row: a seeded request draws its own random numbers whoever shares the
+    batch (as long as it draws the same amount per step: true of chain steps, see runtime.engine)."""
+
+    def __init__(self, generators: list[torch.Generator]):
+        self.generators = list(generators)
+
+    def select(self, rows: list[int]) -> RowGenerators:
+        return RowGenerators([self.generators[r] for r in rows])
+
+
+def probabilities(logits: torch.Tensor, sampling) -> torch.Tensor:
+    """Softmax of `logits` (..., vocab) after temperature, top-k and top-p; float32. With a RowSampling,
+    row r of `logits` (batch first) follows the row's own settings."""
+    if isinstance(sampling, RowSampling):
+        return torch.stack([_one_hot_argmax(row) if setting.greedy else probabilities(row, setting)
+                            for row, setting in zip(logits, sampling.rows)])
     logits = logits.float() / sampling.temperature
     if sampling.top_k and sampling.top_k < logits.shape[-1]:
         kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
@@ -85,7 +118,21 @@ def probabilities(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     return probs
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per distribution: probs (..., vocab) -> ids (...)."""
+def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+
+
+def sample(probs: torch.Tensor, generator) -> torch.Tensor:
+    """One token per distribution: probs (..., vocab) -> ids (...). `generator`: a torch.Generator (or
+    None) for the whole batch, or RowGenerators (row r of `probs`, batch first, draws from its own)."""
+    if isinstance(generator, RowGenerators):
+        return torch.stack([sample(row, g) for row, g in zip(probs, generator.generators)])
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+def uniform(shape: tuple[int, ...], generator, device) -> torch.Tensor:
+    """Uniform [0, 1) numbers of `shape` (batch first) from one generator or from RowGenerators."""
+    if isinstance(generator, RowGenerators):
+        return torch.stack([torch.rand(tuple(shape[1:]), generator=g, device=device) for g in generator.generators])
+    return torch.rand(tuple(shape), generator=generator, device=device)

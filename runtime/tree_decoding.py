@@ -37,7 +37,7 @@ import torch
 from perfmodel.tree import Tree, tree_buffers
 
 from .model import CausalLM, KVCache, TreeAttention
-from .sampling import Sampling, probabilities
+from .sampling import Sampling, probabilities, sample, uniform
 
 
 # Greedy steps of at most this many (row, node) cells keep their bookkeeping on the host (_HostState).
@@ -119,7 +119,7 @@ def pick_children(scores: torch.Tensor, count: int, sampling: Sampling, rng):
     the distribution had fewer than `count` tokens with probability > 0."""
     if sampling.greedy:
         return scores.topk(count, dim=-1).indices, None
-    u = torch.rand(scores.shape, generator=rng, device=scores.device).clamp_(1e-20, 1.0)
+    u = uniform(scores.shape, rng, scores.device).clamp_(1e-20, 1.0)
     keys = scores.log() - (-u.log()).log()
     values, picks = keys.topk(count, dim=-1)
     return picks, values == float("-inf")
@@ -295,10 +295,8 @@ def draft_tree(plan: TreePlan, draft: CausalLM, cache: KVCache, tokens: torch.Te
         state = _TreeState(plan, root_tokens, sampling, draft.config.vocab_size)
     before_root = torch.where(committed >= 2, tokens[rows, (committed - 2).clamp(min=0)], -1)
     inner = list(plan.inner)
-    lag = committed - cache.lengths
-    width = int(lag.max())
-    cache.lengths = committed - width
-    catch_up = tokens.gather(1, (committed - width)[:, None] + torch.arange(width, device=device))
+    catch_up = catch_up_input(draft, cache, tokens, committed, on_pass)
+    width = catch_up.shape[1]
     if stage2 is not None and inner:
         state.guess(stage2, before_root, inner)
         fed = state.fed_tokens(inner)
@@ -329,6 +327,24 @@ def draft_tree(plan: TreePlan, draft: CausalLM, cache: KVCache, tokens: torch.Te
         rounds += 1
     cache.lengths = base + len(inner)
     return state.result(rounds)
+
+
+def catch_up_input(draft: CausalLM, cache: KVCache, tokens: torch.Tensor, committed: torch.Tensor,
+                   on_pass=None) -> torch.Tensor:
+    """The draft's catch-up input (b, width): each row's last `width` committed tokens, width = the
+    largest lag of the draft behind `committed`, with the cache rolled back to committed - width (rows
+    that lag less re-feed tokens they hold: same KV, one shape). A row can re-feed at most its whole
+    prefix: when the largest lag exceeds the shortest row (serving: a newcomer beside a row that ran
+    k = 0 for a while), passes of min(committed) - 1 tokens first bring the laggards closer."""
+    steps = lambda n: torch.arange(n, device=tokens.device)  # noqa: E731
+    while int((committed - cache.lengths).max()) > int(committed.min()):
+        width = int(committed.min()) - 1  # >= 1: a row holds its prompt and a first token
+        start = torch.minimum(cache.lengths, committed - 1 - width)
+        cache.lengths = start
+        _timed(draft, tokens.gather(1, start[:, None] + steps(width)), cache, None, on_pass)
+    width = int((committed - cache.lengths).max())
+    cache.lengths = committed - width
+    return tokens.gather(1, (committed - width)[:, None] + steps(width))
 
 
 def _timed(model, inputs, cache, attention, on_pass):
@@ -419,7 +435,7 @@ def verify_and_accept(plan: TreePlan, drafted: DraftedTree, target_logits: torch
                 break
             x = drafted.tokens.gather(1, child[:, None])
             px, qx = p.gather(1, x).squeeze(1), q.gather(1, x).squeeze(1)
-            ok = can & (torch.rand(b, generator=rng, device=device) * qx < px)
+            ok = can & (uniform((b,), rng, device) * qx < px)
             nxt = torch.where(ok, child, nxt)
             moved |= ok
             rejected = (can & ~ok)[:, None]
@@ -430,7 +446,7 @@ def verify_and_accept(plan: TreePlan, drafted: DraftedTree, target_logits: torch
             q = torch.where(rejected, q_left / q_left.sum(-1, keepdim=True).clamp_min(1e-30), q)
         stop = alive & ~moved
         if bool(stop.any()):
-            bonus = torch.where(stop, torch.multinomial(p, 1, generator=rng).squeeze(1), bonus)
+            bonus = torch.where(stop, sample(p, rng), bonus)
         if level < depth:
             path[:, level] = torch.where(moved, nxt, 0)
         accepted += moved.long()

@@ -1,0 +1,109 @@
+"""`specbatch serve` and `specbatch loadtest`: thin commands (options, then one library call); the engine
+is runtime/engine.py, the HTTP server and the load test live in serve/. cli.py registers them."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from perfmodel.errors import UsageError
+from runtime.assembly import DEMO_PROMPTS
+
+from .options import DeviceOpt, DraftOpt, DtypeOpt, TargetOpt, read_prompts_file
+
+
+def serve_command(
+    target: TargetOpt = None,
+    draft: DraftOpt = None,
+    table: Annotated[Optional[Path], typer.Option(
+        "--table", help="specbatch.table/1 file (default: computed at start-up from a quick profile).")] = None,
+    k: Annotated[Optional[int], typer.Option(
+        "--k", help="Fixed speculation length instead of a table (0: none).")] = None,
+    tree: Annotated[Optional[str], typer.Option(
+        "--tree", help="A fixed draft tree (rank paths like 0,1,0.0) instead of a table.")] = None,
+    host: Annotated[str, typer.Option(
+        "--host", help="Address to bind (loopback by default; there is no authentication).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port")] = 8000,
+    max_batch_size: Annotated[int, typer.Option(
+        "--max-batch-size", help="Running requests at most (the table's largest batch).")] = 32,
+    kv_budget_tokens: Annotated[Optional[int], typer.Option(
+        "--kv-budget-tokens",
+        help="KV tokens running requests may reserve (prompt + max_tokens + draft margin each).")] = None,
+    max_waiting: Annotated[int, typer.Option(
+        "--max-waiting", help="Queued requests beyond which new ones get 429.")] = 1024,
+    max_tokens_limit: Annotated[int, typer.Option(
+        "--max-tokens-limit", help="The largest max_tokens a request may ask for.")] = 1024,
+    profile: Annotated[Optional[Path], typer.Option(
+        "--profile", help="Quick-profile file to reuse or write (default: the user cache directory).")] = None,
+    threads: Annotated[Optional[int], typer.Option(
+        "--threads", help="torch intra-op threads (default: torch's).")] = None,
+    model_name: Annotated[Optional[str], typer.Option(
+        "--model-name", help="Model name clients send (default: the target directory's name).")] = None,
+    drain_s: Annotated[float, typer.Option(
+        "--drain-s", help="Seconds in-flight requests get at SIGINT/SIGTERM before they are cancelled.")] = 30.0,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = None,
+):
+    """Serve the pair over an OpenAI-compatible HTTP API with continuous batching; the table picks k every step."""
+    from serve.server import ServeOptions, serve
+
+    serve(ServeOptions(target=target, draft=draft, table=table, k=k, tree=tree, host=host, port=port,
+                       max_batch_size=max_batch_size, kv_budget_tokens=kv_budget_tokens, max_waiting=max_waiting,
+                       max_tokens_limit=max_tokens_limit, device=device, dtype=dtype, profile=profile,
+                       threads=threads, model_name=model_name, drain_s=drain_s))
+
+
+def loadtest_command(
+    policies: Annotated[str, typer.Option("--policies", help="Comma list: table, k=K, tree=SPEC.")] = "table,k=0",
+    rates: Annotated[str, typer.Option("--rates", help="Arrival rates, requests/s, comma list.")] = "1,2,4",
+    cvs: Annotated[str, typer.Option("--cvs", help="Coefficients of variation of the Gamma gaps (1 = Poisson).")] = "1",
+    requests: Annotated[int, typer.Option("--requests", help="Requests per (policy, rate, CV).")] = 100,
+    max_duration_s: Annotated[float, typer.Option(
+        "--max-duration-s", help="Bound on each run; later arrivals are not sent.")] = 120.0,
+    max_tokens: Annotated[str, typer.Option(
+        "--max-tokens", help="MIN-MAX new tokens per request (uniform).")] = "64-128",
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    slo_ttft_ms: Annotated[Optional[float], typer.Option("--slo-ttft-ms")] = None,
+    slo_tpot_ms: Annotated[Optional[float], typer.Option("--slo-tpot-ms")] = None,
+    slo_e2e_ms: Annotated[Optional[float], typer.Option("--slo-e2e-ms")] = None,
+    prompts_file: Annotated[Optional[Path], typer.Option(
+        "--prompts-file", help="Default: the bundled held-out prompts.")] = None,
+    out: Annotated[Path, typer.Option("--out")] = Path("specbatch-loadtest"),
+    in_process: Annotated[bool, typer.Option(
+        "--in-process", help="Also replay each trace on the engine in this process (HTTP overhead).")] = False,
+    check_greedy: Annotated[bool, typer.Option(
+        "--check-greedy", help="Compare every response with its solo greedy output.")] = False,
+    target: TargetOpt = None,
+    draft: DraftOpt = None,
+    table: Annotated[Optional[Path], typer.Option(
+        "--table", help="Table for the 'table' policy (default: the server's quick profile).")] = None,
+    max_batch_size: Annotated[int, typer.Option("--max-batch-size")] = 32,
+    threads: Annotated[int, typer.Option("--threads", help="torch threads of each server.")] = 1,
+    profile: Annotated[Optional[Path], typer.Option("--profile", help="Quick-profile file the servers share.")] = None,
+):
+    """Open-loop load test: the same Poisson/Gamma arrival trace against a server per policy (loopback)."""
+    from serve.loadtest import LoadtestConfig, run_loadtest
+    from serve.loadtest_report import Slo, render_runs
+
+    low, _, high = max_tokens.partition("-")
+    if not (low.isdigit() and high.isdigit() and 0 < int(low) <= int(high)):
+        raise UsageError(f"--max-tokens {max_tokens!r}: expected MIN-MAX, e.g. 64-128")
+    try:
+        rates_per_s, cv_values = tuple(float(x) for x in rates.split(",")), tuple(float(x) for x in cvs.split(","))
+    except ValueError:
+        raise UsageError(f"--rates {rates!r} / --cvs {cvs!r}: expected comma lists of numbers") from None
+    server_args = ["--max-batch-size", str(max_batch_size), "--threads", str(threads)]
+    for flag, value in (("--target", target), ("--draft", draft), ("--table", table), ("--profile", profile)):
+        if value is not None:
+            server_args += [flag, str(value)]
+    config = LoadtestConfig(
+        policies=tuple(p.strip() for p in policies.split(",") if p.strip()),
+        rates_per_s=rates_per_s, cvs=cv_values,
+        requests=requests, max_duration_s=max_duration_s, max_tokens=(int(low), int(high)), seed=seed,
+        slo=Slo(slo_ttft_ms, slo_tpot_ms, slo_e2e_ms),
+        prompts=tuple(read_prompts_file(prompts_file or DEMO_PROMPTS)), server_args=tuple(server_args),
+        in_process=in_process, check_greedy=check_greedy)
+    report = run_loadtest(config, out)
+    render_runs(report["runs"])
+    typer.echo(f"wrote {out / 'loadtest.json'}, {out / 'loadtest.csv'} and {out / 'latency.png'}")

@@ -1,0 +1,381 @@
+"""Continuous batching: requests join and leave the running batch between speculative steps.
+
+Every iteration (`Engine.step`): drop cancelled requests, admit waiting ones (first come, first served,
+up to `max_batch_size` rows and the KV token budget), prefill the newcomers in one pass, then run ONE
+speculative step for every running row with the strategy the policy gives for the *current* batch size
+and longest context, hand each request its new tokens (and text), and free the slots of finished rows.
+The prefill and the step are `SpeculativeGenerator.prefill` / `.step`: the offline generator's own.
+
+Slots. Both models own one preallocated cache of `max_batch_size` rows; running request i sits in row i,
+so the running rows are always rows 0..b-1 and a step works on views of them (`KVCache.rows`, no copy).
+A leaving row is replaced by the last running row (one row's live entries copied), and a newcomer takes
+the next free row: a slot is reused as soon as it is freed.
+
+Assumptions: one thread calls `step` (the torch work); `submit` and `cancel` may be called from any
+thread. Greedy rows give exactly their solo greedy tokens whoever shares the batch (the step is
+lossless for each row; only float rounding of batched passes could move a near-tie). Sampled rows draw
+from their own generator (seed per request); a seeded request is reproducible for a given sequence of
+strategies (with a fixed chain, whatever shares its batch; trees draw a batch-dependent amount).
+"""
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from perfmodel.errors import SpecbatchError
+
+from .engine_metrics import EngineMetrics, describe_choice
+from .generator import GenerationStats, SpeculativeGenerator
+from .sampling import RowGenerators, RowSampling, Sampling
+
+log = logging.getLogger("specbatch.engine")
+
+
+class EngineError(SpecbatchError):
+    """A request the engine cannot take (too long, over the KV budget, bad settings)."""
+
+
+class QueueFull(EngineError):
+    """The waiting queue is at its bound: try again later (HTTP 429)."""
+
+
+class EngineClosed(EngineError):
+    """The engine is shutting down and takes no new requests (HTTP 503)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch_size: int = 32  # running rows; the largest batch size of the table is the natural bound
+    kv_budget_tokens: int | None = None  # tokens reserved by running requests; None: every slot full
+    max_waiting: int = 1024  # queued requests beyond which submit raises QueueFull
+    max_context_tokens: int | None = None  # prompt + max_tokens of one request; None: the models' context
+
+
+@dataclass(frozen=True)
+class Event:
+    """What a request got from one iteration: new tokens and text since its last event."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str  # '' when the engine has no decoder
+    finish_reason: str | None  # 'stop' (EOS or a stop string), 'length', 'cancelled', 'error'; None: more comes
+    prompt_tokens: int
+    completion_tokens: int  # so far
+
+
+@dataclass(frozen=True)
+class Request:
+    id: str
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    sampling: Sampling = Sampling()
+    seed: int | None = None  # None: a random seed (sampling only)
+    stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one (needs a decoder)
+    on_event: Callable[[Event], None] | None = None  # called from the engine's thread
+
+
+@dataclass
+class _Row:
+    request: Request
+    reserved_tokens: int
+    rng: torch.Generator
+    generated: list[int] = field(default_factory=list)
+    emitted_tokens: int = 0
+    emitted_chars: int = 0
+
+
+class Engine:
+    def __init__(self, generator: SpeculativeGenerator, policy, config: EngineConfig = EngineConfig(),
+                 decode: Callable[[list[int]], str] | None = None):
+        self.generator, self.policy, self.config, self.decode = generator, policy, config, decode
+        self.max_k = policy.max_k if generator.draft is not None else 0
+        limit = generator.context_limit
+        self.max_context_tokens = config.max_context_tokens or limit - self.max_k
+        if config.max_batch_size < 1 or config.max_waiting < 0:
+            raise EngineError("max_batch_size must be >= 1 and max_waiting >= 0")
+        if self.max_context_tokens + self.max_k > limit:
+            raise EngineError(f"max_context_tokens {self.max_context_tokens} + {self.max_k} draft tokens per "
+                              f"step exceed the models' context of {limit} positions")
+        slot_len = self.max_context_tokens + self.max_k + 1  # generated tokens + one step's draft margin
+        b = config.max_batch_size
+        self.kv_budget_tokens = config.kv_budget_tokens or b * slot_len
+        device = generator.device
+        self._tokens = torch.zeros(b, slot_len, dtype=torch.long, device=device)
+        self._committed = torch.zeros(b, dtype=torch.long, device=device)
+        self._target_pool = generator.target.new_cache(b, slot_len)
+        self._draft_pool = generator.draft.new_cache(b, slot_len) if generator.draft_is_model else None
+        self._rows: list[_Row] = []
+        self._waiting: deque[Request] = deque()
+        self._cancelled: set[str] = set()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closed = False
+        self._cancel_everything = False
+        self.metrics = EngineMetrics()
+
+    # ------------------------------------------------------------------ any thread
+    def reservation(self, prompt_len: int, max_tokens: int) -> int:
+        """KV tokens a request reserves: prompt, every token it may generate, one step's draft margin."""
+        return prompt_len + max_tokens + self.max_k + 1
+
+    def check(self, prompt_len: int, max_tokens: int, stop: tuple[str, ...] = ()) -> None:
+        """Raise EngineError when a request of this shape can never run here."""
+        if prompt_len == 0:
+            raise EngineError("the prompt encodes to zero tokens")
+        if max_tokens < 1:
+            raise EngineError(f"max_tokens must be >= 1, got {max_tokens}")
+        if prompt_len + max_tokens > self.max_context_tokens:
+            raise EngineError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context of "
+                              f"{self.max_context_tokens} tokens")
+        if self.reservation(prompt_len, max_tokens) > self.kv_budget_tokens:
+            raise EngineError(f"the request needs {self.reservation(prompt_len, max_tokens)} KV tokens, above the "
+                              f"budget of {self.kv_budget_tokens}")
+        if stop and self.decode is None:
+            raise EngineError("stop strings need a tokenizer to decode text")
+
+    def submit(self, request: Request) -> None:
+        self.check(len(request.prompt_ids), request.max_tokens, request.stop)
+        with self._lock:
+            if self._closed:
+                raise EngineClosed("the server is shutting down")
+            if len(self._waiting) >= self.config.max_waiting:
+                raise QueueFull(f"{len(self._waiting)} requests are waiting (the bound is {self.config.max_waiting})")
+            self._waiting.append(request)
+        self._wake.set()
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            self._cancelled.add(request_id)
+        self._wake.set()
+
+    def cancel_all_soon(self) -> None:
+        """Ask the engine's thread to end every request (shutdown) at its next iteration."""
+        with self._lock:
+            self._cancel_everything = True
+        self._wake.set()
+
+    def close(self) -> None:
+        """Take no new requests (running and waiting ones go on until `cancel_all` or their end)."""
+        with self._lock:
+            self._closed = True
+
+    @property
+    def running(self) -> int:
+        return len(self._rows)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def reserved_tokens(self) -> int:
+        return sum(row.reserved_tokens for row in list(self._rows))
+
+    # ------------------------------------------------------------------ the engine's thread
+    def run(self, stop: threading.Event, idle_wait_s: float = 0.05) -> None:
+        """Iterate until `stop` is set; a failing iteration ends its requests with 'error', not the loop."""
+        while not stop.is_set():
+            try:
+                worked = self.step()
+            except Exception:  # noqa: BLE001 - the server must outlive a bad step; the requests learn of it
+                log.exception("engine step failed; its requests end with finish_reason 'error'")
+                self._finish_all("error")
+                worked = True
+            if not worked:
+                self._wake.wait(idle_wait_s)
+                self._wake.clear()
+        if self._cancel_everything:
+            self.cancel_all()
+
+    def cancel_all(self, reason: str = "cancelled") -> None:
+        """End every waiting and running request now (shutdown); call from the engine's thread or when
+        it has stopped."""
+        with self._lock:
+            waiting, self._waiting = list(self._waiting), deque()
+            self._cancel_everything = False
+        for request in waiting:
+            self._emit(request, [], "", reason, 0)
+        self._finish_all(reason)
+
+    @torch.inference_mode()
+    def step(self) -> bool:
+        """One iteration; False when there was nothing to do."""
+        if self._cancel_everything:
+            self.cancel_all()
+            return False
+        self._drop_cancelled()
+        joined = self._admit()
+        if joined:
+            self._prefill(joined)
+        if not self._rows:
+            return bool(joined)
+        self._speculative_step()
+        return True
+
+    def _drop_cancelled(self) -> None:
+        with self._lock:
+            if not self._cancelled:
+                return
+            cancelled, self._cancelled = self._cancelled, set()
+            dropped = [r for r in self._waiting if r.id in cancelled]
+            self._waiting = deque(r for r in self._waiting if r.id not in cancelled)
+        for request in dropped:
+            self._emit(request, [], "", "cancelled", 0)
+        gone = [i for i, row in enumerate(self._rows) if row.request.id in cancelled]
+        for i in gone:
+            self._emit(self._rows[i].request, [], "", "cancelled", len(self._rows[i].generated))
+        self._remove(gone, "cancelled")
+
+    def _admit(self) -> list[_Row]:
+        joined: list[_Row] = []
+        reserved = self.reserved_tokens
+        with self._lock:
+            while self._waiting and len(self._rows) + len(joined) < self.config.max_batch_size:
+                request = self._waiting[0]
+                need = self.reservation(len(request.prompt_ids), request.max_tokens)
+                if reserved + need > self.kv_budget_tokens:
+                    break  # first come, first served: the head waits for room, nobody overtakes it
+                self._waiting.popleft()
+                reserved += need
+                seed = request.seed if request.seed is not None else secrets.randbits(63)
+                rng = torch.Generator(device=self.generator.device).manual_seed(seed)
+                joined.append(_Row(request, need, rng))
+        return joined
+
+    def _batch_sampling(self, rows: list[_Row]):
+        """(Sampling, rng) for a set of rows: the plain greedy path when every row is greedy."""
+        if all(row.request.sampling.greedy for row in rows):
+            return Sampling(), None
+        return RowSampling(tuple(row.request.sampling for row in rows)), RowGenerators([row.rng for row in rows])
+
+    def _prefill(self, joined: list[_Row]) -> None:
+        start, n = len(self._rows), len(joined)
+        lens = [len(row.request.prompt_ids) for row in joined]
+        for j, row in enumerate(joined):
+            self._tokens[start + j, :lens[j]] = torch.tensor(row.request.prompt_ids, dtype=torch.long)
+        prompt_lens = torch.tensor(lens, dtype=torch.long, device=self.generator.device)
+        caches = self._views(start, n, fresh=True)
+        sampling, rng = self._batch_sampling(joined)
+        first = self.generator.prefill(self._tokens[start:start + n], prompt_lens, *caches, sampling, rng)
+        self._store_lengths(start, caches)
+        self._committed[start:start + n] = prompt_lens + 1
+        self._rows.extend(joined)
+        self.metrics.observe_prefill(sum(lens))
+        ones = torch.ones(n, dtype=torch.long, device=first.device)
+        self._deliver(list(range(start, start + n)), first[:, None], ones, [[t] for t in first.tolist()], [1] * n)
+
+    def _speculative_step(self) -> None:
+        b = len(self._rows)
+        committed = self._committed[:b].clone()
+        caches = self._views(0, b, fresh=False)
+        sampling, rng = self._batch_sampling(self._rows)
+        choice = self.policy(b, int(committed.max())) if self.generator.draft is not None else 0
+        stats = GenerationStats()
+        started = time.perf_counter()
+        new, counts = self.generator.step(choice, self.max_k, self._tokens[:b], committed, *caches, sampling, rng,
+                                          stats)
+        self._store_lengths(0, caches)
+        self._committed[:b] = committed + counts
+        counts_list = counts.tolist()
+        new_list = new.tolist()
+        self.metrics.observe_step(describe_choice(choice), stats, b, time.perf_counter() - started)
+        self._deliver(list(range(b)), new, counts, [t[:c] for t, c in zip(new_list, counts_list)], counts_list)
+
+    def _views(self, start: int, count: int, fresh: bool):
+        caches = [self._target_pool.rows(start, count),
+                  self._draft_pool.rows(start, count) if self._draft_pool is not None else None]
+        if fresh:  # a newcomer's slot: whatever its last occupant left is beyond length 0, masked
+            for cache in caches:
+                if cache is not None:
+                    cache.lengths.zero_()
+        return caches
+
+    def _store_lengths(self, start: int, caches) -> None:
+        for pool, cache in zip((self._target_pool, self._draft_pool), caches):
+            if cache is not None:
+                pool.lengths[start:start + cache.lengths.shape[0]] = cache.lengths
+
+    def _deliver(self, indices: list[int], new, counts, kept_tokens: list[list[int]], counts_list: list[int]) -> None:
+        """Add each row's new tokens, find the rows that finished, emit events, free finished slots."""
+        rows = [self._rows[i] for i in indices]
+        for row, tokens in zip(rows, kept_tokens):
+            row.generated.extend(tokens)
+        generated = [len(row.generated) for row in rows]
+        done = self.generator.finished_rows(new, counts, counts_list, generated,
+                                            [row.request.max_tokens for row in rows])
+        finished, emitted = [], 0
+        for j, row in enumerate(rows):
+            reason = None
+            if j in done:
+                keep = done[j]
+                reason = "length" if keep >= row.request.max_tokens and not self._ends_with_eos(row, keep) else "stop"
+                del row.generated[keep:]
+            text, stopped = self._text(row, final=reason is not None)
+            if stopped:
+                reason = "stop"
+            fresh = row.generated[row.emitted_tokens:]
+            row.emitted_tokens = len(row.generated)
+            emitted += len(fresh)
+            if fresh or text or reason:
+                self._emit(row.request, fresh, text, reason, len(row.generated))
+            if reason:
+                finished.append(indices[j])
+                self.metrics.observe_finish(reason)
+        self.metrics.observe_tokens(emitted)
+        self._remove(finished, None)
+
+    def _ends_with_eos(self, row: _Row, keep: int) -> bool:
+        return keep > 0 and row.generated[keep - 1] in self.generator.eos_token_ids
+
+    def _text(self, row: _Row, final: bool) -> tuple[str, bool]:
+        """New text for a row and whether a stop string ended it. Text that could still become a stop
+        string, or that ends inside a multi-byte character, is held back until it cannot."""
+        if self.decode is None:
+            return "", False
+        text = self.decode(row.generated)
+        hits = [i for i in (text.find(s) for s in row.request.stop) if i >= 0]
+        stopped = bool(hits)
+        if stopped:
+            text = text[:min(hits)]
+        elif not final:
+            held = max([n for s in row.request.stop for n in range(1, len(s)) if text.endswith(s[:n])], default=0)
+            text = text[:len(text) - held].rstrip("\ufffd")
+        fresh = text[row.emitted_chars:]
+        row.emitted_chars = max(row.emitted_chars, len(text))
+        return fresh, stopped
+
+    def _emit(self, request: Request, tokens: list[int], text: str, reason: str | None, completion: int) -> None:
+        if request.on_event is None:
+            return
+        try:
+            request.on_event(Event(request.id, tokens, text, reason, len(request.prompt_ids), completion))
+        except Exception:  # noqa: BLE001 - a listener's bug must not stop the other requests
+            log.exception("event listener of request %s failed", request.id)
+
+    def _remove(self, indices: list[int], reason: str | None) -> None:
+        """Free the slots of rows `indices`: the last running row moves into each freed slot."""
+        for i in sorted(indices, reverse=True):
+            last = len(self._rows) - 1
+            if i != last:
+                self._target_pool.move_row(last, i)
+                if self._draft_pool is not None:
+                    self._draft_pool.move_row(last, i)
+                self._tokens[i] = self._tokens[last]
+                self._committed[i] = self._committed[last]
+                self._rows[i] = self._rows[last]
+            self._rows.pop()
+        if reason and indices:
+            for _ in indices:
+                self.metrics.observe_finish(reason)
+
+    def _finish_all(self, reason: str) -> None:
+        for row in self._rows:
+            self._emit(row.request, [], "", reason, len(row.generated))
+        self._remove(list(range(len(self._rows))), reason)

@@ -1,0 +1,420 @@
+"""`specbatch loadtest`: an open-loop client (the synergy paper's serving experiment).
+
+Arrivals: Gamma inter-arrival times with mean 1/rate and coefficient of variation CV (shape 1/CV^2;
+CV = 1 is Poisson), drawn once per (rate, CV, seed): every policy gets the same trace. Each request
+takes a held-out prompt (in file order, cycling) and a max_tokens drawn uniformly from the range, greedy.
+Open loop: a request is sent at its arrival time whether or not earlier ones finished.
+
+For each policy a server is started as a subprocess (`specbatch serve`, loopback, one torch thread by
+default), the trace is replayed over HTTP with httpx (streaming, to time the first token), and the
+server is stopped with SIGTERM. Bounds: `requests` per run and `max_duration_s` per run (arrivals after
+it are not sent; requests still running at the end are cancelled and counted as unfinished).
+Optionally the same trace runs against the engine in this process (no HTTP) for the HTTP overhead, and
+each greedy response is compared with its prompt's solo greedy output (crossed or lost responses).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from perfmodel.errors import SpecbatchError
+
+from .loadtest_report import RequestRecord, Slo, summarize
+
+LOOPBACK = "127.0.0.1"
+
+
+class LoadtestError(SpecbatchError):
+    """Options or a server the load test cannot use."""
+
+
+@dataclass(frozen=True)
+class TraceItem:
+    arrival_s: float
+    prompt_index: int
+    max_tokens: int
+
+
+def arrival_times(count: int, rate_per_s: float, cv: float, seed: int) -> np.ndarray:
+    """Cumulative arrival times (s) of `count` requests: Gamma gaps, mean 1/rate, coefficient of variation cv."""
+    if rate_per_s <= 0 or cv <= 0 or count < 1:
+        raise LoadtestError(f"rate ({rate_per_s}) and CV ({cv}) must be > 0 and requests ({count}) >= 1")
+    shape = 1.0 / cv**2
+    gaps = np.random.default_rng(seed).gamma(shape, 1.0 / (rate_per_s * shape), size=count)
+    return np.cumsum(gaps)
+
+
+def make_trace(count: int, rate_per_s: float, cv: float, seed: int, prompts: int,
+               max_tokens: tuple[int, int]) -> list[TraceItem]:
+    times = arrival_times(count, rate_per_s, cv, seed)
+    lengths = np.random.default_rng(seed + 1).integers(max_tokens[0], max_tokens[1] + 1, size=count)
+    return [TraceItem(float(t), i % prompts, int(n)) for i, (t, n) in enumerate(zip(times, lengths))]
+
+
+@dataclass(frozen=True)
+class LoadtestConfig:
+    policies: tuple[str, ...]  # 'table', 'k=K', 'tree=SPEC'
+    rates_per_s: tuple[float, ...]
+    cvs: tuple[float, ...] = (1.0,)
+    requests: int = 100
+    max_duration_s: float = 120.0
+    max_tokens: tuple[int, int] = (64, 128)
+    seed: int = 0
+    slo: Slo = Slo()
+    prompts: tuple[str, ...] = ()
+    server_args: tuple[str, ...] = ()  # passed to every `specbatch serve` (--target, --table, --threads, ...)
+    in_process: bool = False  # also replay each trace on the engine in this process
+    check_greedy: bool = False  # compare every response with its prompt's solo greedy output
+    startup_timeout_s: float = 600.0  # a server without --table measures a quick profile first
+
+
+def policy_args(policy: str) -> list[str]:
+    if policy == "table":
+        return []
+    if policy.startswith("k="):
+        return ["--k", policy[2:]]
+    if policy.startswith("tree="):
+        return ["--tree", policy[5:]]
+    raise LoadtestError(f"policy {policy!r}: expected table, k=K or tree=SPEC")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind((LOOPBACK, 0))
+        return probe.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    """`specbatch serve` in a subprocess on a loopback port; its log goes to `log_path`."""
+
+    args: list[str]
+    log_path: Path
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}"
+
+    def start(self, timeout_s: float) -> None:
+        import httpx
+
+        command = [sys.executable, "-c", "from cli import app; app()", "serve", "--host", LOOPBACK,
+                   "--port", str(self.port), *self.args]
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - a server log, appended while it runs
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise LoadtestError(f"the server exited with code {self.process.returncode}; see {self.log_path}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise LoadtestError(f"the server did not answer /health within {timeout_s:.0f} s; see {self.log_path}")
+
+    def rss_mb(self) -> float | None:
+        try:
+            status = Path(f"/proc/{self.process.pid}/status").read_text()
+        except OSError:
+            return None
+        line = next((x for x in status.splitlines() if x.startswith("VmRSS:")), None)
+        return int(line.split()[1]) / 1024 if line else None
+
+    def cpu_s(self) -> float | None:
+        """User + system CPU seconds the server process has used (all its threads)."""
+        try:
+            fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def stop(self) -> int | None:
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+        return self.process.returncode
+
+
+async def replay_http(url: str, model: str, trace: list[TraceItem], prompts: tuple[str, ...],
+                      max_duration_s: float, want_ids: bool) -> list[RequestRecord]:
+    """Send the trace open-loop (streaming completions) and time each request."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(max_duration_s + 60), limits=limits) as client:
+        start = time.perf_counter()
+
+        async def one(item: TraceItem, record: RequestRecord) -> None:
+            await asyncio.sleep(max(0.0, start + item.arrival_s - time.perf_counter()))
+            record.sent_s = time.perf_counter() - start
+            body = {"model": model, "prompt": prompts[item.prompt_index], "max_tokens": item.max_tokens,
+                    "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+                    "return_token_ids": want_ids}
+            ids: list[int] = []
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                if response.status_code != 200:
+                    record.error = f"HTTP {response.status_code}"
+                    return
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        record.completion_tokens = chunk["usage"]["completion_tokens"]
+                    for choice in chunk["choices"]:
+                        if record.first_token_s is None and (choice["text"] or choice.get("token_ids")):
+                            record.first_token_s = time.perf_counter() - start
+                        ids.extend(choice.get("token_ids") or [])
+                        record.finish_reason = choice["finish_reason"] or record.finish_reason
+            record.finished_s = time.perf_counter() - start
+            record.token_ids = ids if want_ids else None
+
+        return await _run_all(trace, one, start, max_duration_s)
+
+
+async def _run_all(trace, one, start: float, max_duration_s: float) -> list[RequestRecord]:
+    """Run `one(item, record)` for every arrival within the duration; cut what is left at the end."""
+    records = [RequestRecord(i, None) for i, item in enumerate(trace) if item.arrival_s <= max_duration_s]
+
+    async def guarded(item, record):
+        try:
+            await one(item, record)
+        except asyncio.CancelledError:
+            record.error = "unfinished"
+            raise
+        except Exception as error:  # noqa: BLE001 - a failed request is a figure of the run, not a crash
+            record.error = f"{type(error).__name__}: {error}"
+
+    tasks = [asyncio.create_task(guarded(item, record)) for item, record in zip(trace, records)]
+    _done, pending = await asyncio.wait(tasks, timeout=max(0.0, start + max_duration_s - time.perf_counter()))
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    for record in records:
+        if record.error is None and record.finished_s is None:
+            record.error = "unfinished"
+    return records
+
+
+async def replay_engine(runner, encode, trace: list[TraceItem], prompts: tuple[str, ...],
+                        max_duration_s: float) -> list[RequestRecord]:
+    """The same trace straight into an engine in this process (no HTTP): the HTTP layer's cost."""
+    from runtime.engine import Request
+
+    loop = asyncio.get_running_loop()
+    encoded = {i: tuple(encode(p)) for i, p in enumerate(prompts)}
+    start = time.perf_counter()
+
+    async def one(item: TraceItem, record: RequestRecord) -> None:
+        await asyncio.sleep(max(0.0, start + item.arrival_s - time.perf_counter()))
+        record.sent_s = time.perf_counter() - start
+        stream = runner.submit(Request(f"r{record.index}", encoded[item.prompt_index], item.max_tokens), loop)
+        ids: list[int] = []
+        try:
+            while True:
+                event = await stream.next()
+                if event.token_ids and record.first_token_s is None:
+                    record.first_token_s = time.perf_counter() - start
+                ids.extend(event.token_ids)
+                if event.finish_reason:
+                    break
+        except asyncio.CancelledError:
+            runner.engine.cancel(f"r{record.index}")
+            raise
+        record.finished_s = time.perf_counter() - start
+        record.completion_tokens, record.token_ids, record.finish_reason = len(ids), ids, event.finish_reason
+
+    return await _run_all(trace, one, start, max_duration_s)
+
+
+def run_policy(config: LoadtestConfig, policy: str, traces: dict, out: Path, references, on_run=None) -> list[dict]:
+    """Start the policy's server, replay every trace through it, stop it; one summary per trace."""
+    server = ServerProcess([*config.server_args, *policy_args(policy)], out / f"server-{_slug(policy)}.log")
+    server.start(config.startup_timeout_s)
+    runs = []
+    try:
+        import httpx
+
+        model = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
+        for (rate, cv), trace in traces.items():
+            rss_before, counters, cpu = server.rss_mb(), _scrape(server.url), (server.cpu_s(), _own_cpu_s())
+            records = asyncio.run(replay_http(server.url, model, trace, config.prompts, config.max_duration_s,
+                                              references is not None))
+            run = _summary(policy, "http", rate, cv, trace, records, config, references)
+            run.update(rss_before_mb=rss_before, rss_after_mb=server.rss_mb(), server_cpu_s=server.cpu_s() - cpu[0],
+                       client_cpu_s=_own_cpu_s() - cpu[1], **_engine_use(counters, _scrape(server.url), run))
+            runs.append(run)
+            if on_run:
+                on_run(run)
+    finally:
+        code = server.stop()
+    for run in runs:
+        run["server_exit_code"] = code
+    return runs
+
+
+def run_in_process(config: LoadtestConfig, policy: str, traces: dict, references, on_run=None) -> list[dict]:
+    """The same traces on the engine in this process, built as `serve` builds it."""
+    from .server import build
+
+    options = _serve_options(config.server_args, policy)
+    runner, served = build(options)
+    runner.start()
+    runs = []
+    try:
+        for (rate, cv), trace in traces.items():
+            counters, cpu = _counters(runner.engine.metrics.snapshot()), _own_cpu_s()
+            records = asyncio.run(replay_engine(runner, served.encode, trace, config.prompts, config.max_duration_s))
+            run = _summary(policy, "in-process", rate, cv, trace, records, config, references)
+            run.update(server_cpu_s=_own_cpu_s() - cpu, client_cpu_s=None,
+                       **_engine_use(counters, _counters(runner.engine.metrics.snapshot()), run))
+            runs.append(run)
+            if on_run:
+                on_run(runs[-1])
+    finally:
+        runner.stop()
+    return runs
+
+
+def _serve_options(server_args: tuple[str, ...], policy: str):
+    """ServeOptions from the same argument list a server subprocess gets (the flags loadtest passes on)."""
+    from .server import ServeOptions
+
+    names = {"--target": ("target", str), "--draft": ("draft", str), "--table": ("table", Path),
+             "--k": ("k", int), "--tree": ("tree", str), "--max-batch-size": ("max_batch_size", int),
+             "--kv-budget-tokens": ("kv_budget_tokens", int), "--threads": ("threads", int),
+             "--device": ("device", str), "--dtype": ("dtype", str), "--profile": ("profile", Path),
+             "--max-waiting": ("max_waiting", int)}
+    args = [*server_args, *policy_args(policy)]
+    values = {}
+    for flag, value in zip(args[::2], args[1::2]):
+        if flag not in names:
+            raise LoadtestError(f"{flag} is not passed on to the in-process engine")
+        name, kind = names[flag]
+        values[name] = kind(value)
+    return ServeOptions(**values)
+
+
+def _summary(policy, mode, rate, cv, trace, records, config, references) -> dict:
+    mismatched = None
+    if references is not None:
+        mismatched = sum(1 for r in records if r.ok and r.token_ids !=
+                         references(trace[r.index].prompt_index, trace[r.index].max_tokens))
+    return {"policy": policy, "mode": mode, "rate_per_s": rate, "cv": cv,
+            **summarize(records, len(trace), config.slo, mismatched)}
+
+
+def _own_cpu_s() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
+def _counters(snapshot: dict) -> dict:
+    return {"steps": snapshot["steps_total"], "step_s": snapshot["step_seconds_sum"]}
+
+
+def _scrape(url: str) -> dict:
+    """The engine's step counters from a server's /metrics."""
+    import httpx
+
+    samples = dict(line.rsplit(" ", 1) for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
+                   if line and not line.startswith("#"))
+    return {"steps": float(samples["specbatch_steps_total"]), "step_s": float(samples["specbatch_step_seconds_sum"])}
+
+
+def _engine_use(before: dict, after: dict, run: dict) -> dict:
+    """How the engine spent the run: mean step time, and the share of the run's span spent in steps
+    (below 1 at saturation: time lost between steps, to prefill, or to the HTTP side holding the GIL)."""
+    steps, step_s = after["steps"] - before["steps"], after["step_s"] - before["step_s"]
+    return {"engine_steps": steps, "engine_step_ms_mean": 1000 * step_s / steps if steps else None,
+            "engine_busy_fraction": step_s / run["span_s"] if run["span_s"] else None}
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "=-_." else "_" for c in text)
+
+
+def machine_note() -> dict:
+    return {"loadavg_1m": os.getloadavg()[0], "cpu_count": os.cpu_count()}
+
+
+def solo_references(config: LoadtestConfig):
+    """prompt index, max_tokens -> the prompt's solo greedy output (the target alone, one prompt at a time,
+    generated once per prompt at the largest max_tokens: greedy outputs of fewer tokens are its prefixes)."""
+    import torch
+
+    from runtime.checkpoint import load_checkpoint, parse_dtype
+    from runtime.generator import SpeculativeGenerator
+    from runtime.policy import FixedK
+
+    from .server import DEMO_TARGET
+
+    options = _serve_options(config.server_args, "k=0")
+    device = options.device or "cpu"
+    target = load_checkpoint(options.target or DEMO_TARGET, device, parse_dtype(options.dtype, device))
+    generator = SpeculativeGenerator(target.model, None, target.eos_token_ids)
+    cache: dict[int, list[int]] = {}
+
+    def reference(prompt_index: int, max_tokens: int) -> list[int]:
+        if prompt_index not in cache:
+            with torch.inference_mode():
+                ids = target.tokenizer.encode(config.prompts[prompt_index])
+                cache[prompt_index] = generator.generate([ids], config.max_tokens[1], FixedK(0)).token_ids[0]
+        return cache[prompt_index][:max_tokens]
+
+    return reference
+
+
+def run_loadtest(config: LoadtestConfig, out: Path, on_run=None) -> dict:
+    """Every policy against the same traces; writes loadtest.json, loadtest.csv and latency.png in `out`."""
+    import torch
+
+    from perfmodel.jsonio import write_json_atomic, write_text_atomic
+
+    from .loadtest_report import plot_latency, to_csv
+
+    if not config.prompts:
+        raise LoadtestError("no prompts")
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)  # this process shares the machine with the server it measures
+    traces = {(rate, cv): make_trace(config.requests, rate, cv, config.seed, len(config.prompts), config.max_tokens)
+              for cv in config.cvs for rate in config.rates_per_s}
+    references = solo_references(config) if config.check_greedy else None
+    machine_before = machine_note()
+    runs = []
+    for policy in config.policies:
+        runs += run_policy(config, policy, traces, out, references, on_run)
+        if config.in_process:
+            runs += run_in_process(config, policy, traces, references, on_run)
+    report = {"schema": "specbatch.loadtest/1", "machine_before": machine_before, "machine_after": machine_note(),
+              "config": {"policies": list(config.policies), "rates_per_s": list(config.rates_per_s),
+                         "cvs": list(config.cvs), "requests": config.requests, "max_duration_s": config.max_duration_s,
+                         "max_tokens": list(config.max_tokens), "seed": config.seed, "slo": config.slo.describe(),
+                         "server_args": list(config.server_args), "torch_threads_client": 1},
+              "runs": runs}
+    write_json_atomic(out / "loadtest.json", report, "--out")
+    write_text_atomic(out / "loadtest.csv", to_csv(runs), "--out")
+    plot_latency(runs, out / "latency.png")
+    return report

@@ -1,0 +1,164 @@
+"""Load-test records -> per-run figures (TTFT, TPOT, end-to-end latency, throughput, goodput), and
+their JSON, CSV and PNG. No HTTP, no torch: the numbers of a run can be recomputed from its records.
+
+Definitions (per request): TTFT = first token's arrival - send time; TPOT = (last - first token's
+arrival) / (completion tokens - 1), for requests of 2+ tokens; end-to-end = last arrival - send time.
+Per run: throughput = completion tokens / (last finish - first send); goodput = requests that met every
+SLO given (and their tokens) per second of the same span (DistServe's definition).
+"""
+from __future__ import annotations
+
+import csv
+import io
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class RequestRecord:
+    index: int  # position in the trace
+    sent_s: float  # times relative to the run's start
+    first_token_s: float | None = None
+    finished_s: float | None = None
+    completion_tokens: int = 0
+    token_ids: list[int] | None = None
+    finish_reason: str | None = None
+    error: str | None = None  # an HTTP status or exception; None when the request succeeded
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.finished_s is not None
+
+    @property
+    def ttft_ms(self) -> float | None:
+        return None if self.first_token_s is None else 1000 * (self.first_token_s - self.sent_s)
+
+    @property
+    def e2e_ms(self) -> float | None:
+        return None if self.finished_s is None else 1000 * (self.finished_s - self.sent_s)
+
+    @property
+    def tpot_ms(self) -> float | None:
+        if self.finished_s is None or self.first_token_s is None or self.completion_tokens < 2:
+            return None
+        return 1000 * (self.finished_s - self.first_token_s) / (self.completion_tokens - 1)
+
+
+@dataclass(frozen=True)
+class Slo:
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2e_ms: float | None = None
+
+    def met(self, record: RequestRecord) -> bool:
+        limits = ((self.ttft_ms, record.ttft_ms), (self.tpot_ms, record.tpot_ms), (self.e2e_ms, record.e2e_ms))
+        return record.ok and all(limit is None or (value is not None and value <= limit) for limit, value in limits)
+
+    def describe(self) -> str:
+        parts = [f"{name}<={value:g}ms" for name, value in
+                 (("TTFT", self.ttft_ms), ("TPOT", self.tpot_ms), ("E2E", self.e2e_ms)) if value is not None]
+        return ", ".join(parts) or "none"
+
+
+def distribution(values: list[float]) -> dict:
+    if not values:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    array = np.asarray(values, dtype=float)
+    return {"mean": float(array.mean()), "p50": float(np.percentile(array, 50)),
+            "p90": float(np.percentile(array, 90)), "p99": float(np.percentile(array, 99))}
+
+
+def summarize(records: list[RequestRecord], trace_len: int, slo: Slo, mismatched: int | None) -> dict:
+    ok = [r for r in records if r.ok]
+    sent = [r for r in records if r.sent_s is not None]
+    span_s = (max(r.finished_s for r in ok) - min(r.sent_s for r in sent)) if ok else None
+    tokens = sum(r.completion_tokens for r in ok)
+    good = [r for r in ok if slo.met(r)]
+    return {
+        "requests": trace_len, "sent": len(sent), "ok": len(ok),
+        "errors": sum(1 for r in records if r.error is not None and r.error != "unfinished"),
+        "unfinished": sum(1 for r in records if r.error == "unfinished") + trace_len - len(records),
+        "mismatched": mismatched,
+        "ttft_ms": distribution([r.ttft_ms for r in ok if r.ttft_ms is not None]),
+        "tpot_ms": distribution([r.tpot_ms for r in ok if r.tpot_ms is not None]),
+        "e2e_ms": distribution([r.e2e_ms for r in ok]),
+        "completion_tokens": tokens, "span_s": span_s,
+        "throughput_tokens_per_s": tokens / span_s if span_s else None,
+        "goodput_requests_per_s": len(good) / span_s if span_s else None,
+        "goodput_tokens_per_s": sum(r.completion_tokens for r in good) / span_s if span_s else None,
+        "slo": slo.describe(),
+    }
+
+
+CSV_COLUMNS = ["policy", "mode", "rate_per_s", "cv", "requests", "ok", "errors", "unfinished", "mismatched",
+               "ttft_ms_mean", "ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99", "tpot_ms_mean", "tpot_ms_p50",
+               "tpot_ms_p90", "tpot_ms_p99", "e2e_ms_mean", "e2e_ms_p50", "e2e_ms_p90", "e2e_ms_p99",
+               "throughput_tokens_per_s", "goodput_requests_per_s", "goodput_tokens_per_s", "rss_before_mb",
+               "rss_after_mb", "engine_steps", "engine_step_ms_mean", "engine_busy_fraction", "server_cpu_s",
+               "client_cpu_s"]
+
+
+def to_csv(runs: list[dict]) -> str:
+    out = io.StringIO()
+    writer = csv.DictWriter(out, CSV_COLUMNS, extrasaction="ignore")
+    writer.writeheader()
+    for run in runs:
+        row = dict(run)
+        for name in ("ttft_ms", "tpot_ms", "e2e_ms"):
+            for stat, value in run[name].items():
+                row[f"{name}_{stat}"] = value
+        writer.writerow(row)
+    return out.getvalue()
+
+
+def plot_latency(runs: list[dict], path) -> None:
+    """Mean end-to-end latency vs arrival rate, one line per policy, one panel per CV (the paper's figure)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from perfmodel.jsonio import atomic_output
+
+    http = [r for r in runs if r["mode"] == "http"]
+    cvs = sorted({r["cv"] for r in http})
+    figure, axes = plt.subplots(1, len(cvs), figsize=(5 * len(cvs), 4), squeeze=False)
+    for axis, cv in zip(axes[0], cvs):
+        for policy in sorted({r["policy"] for r in http if r["cv"] == cv}):
+            points = sorted((r["rate_per_s"], r["e2e_ms"]["mean"]) for r in http
+                            if r["cv"] == cv and r["policy"] == policy and r["e2e_ms"]["mean"] is not None)
+            if points:
+                axis.plot(*zip(*points), marker="o", label=policy)
+        axis.set_title(f"Gamma arrivals, CV {cv:g}")
+        axis.set_xlabel("arrival rate (requests/s)")
+        axis.set_ylabel("mean end-to-end latency (ms)")
+        axis.set_yscale("log")
+        axis.grid(True, alpha=0.3)
+        axis.legend()
+    figure.tight_layout()
+    with atomic_output(path, "--out") as temporary:
+        figure.savefig(temporary, format="png", dpi=120)
+    plt.close(figure)
+
+
+def render_runs(runs: list[dict]) -> None:
+    """One row per run on the terminal (the CLI's view; the files hold every figure)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="load test: latencies in ms (means; E2E p99), throughput in tokens/s")
+    for column in ("policy", "mode", "rate/s", "CV", "ok", "failed", "mismatch", "TTFT", "TPOT", "E2E", "E2E p99",
+                   "tok/s", "goodput/s"):
+        table.add_column(column, justify="right", no_wrap=True)
+
+    def number(value, fmt="{:.0f}") -> str:
+        return "-" if value is None else fmt.format(value)
+
+    for run in runs:
+        table.add_row(run["policy"], run["mode"], f"{run['rate_per_s']:g}", f"{run['cv']:g}", str(run["ok"]),
+                      str(run["errors"] + run["unfinished"]), number(run["mismatched"], "{}"),
+                      number(run["ttft_ms"]["mean"]), number(run["tpot_ms"]["mean"], "{:.1f}"),
+                      number(run["e2e_ms"]["mean"]), number(run["e2e_ms"]["p99"]),
+                      number(run["throughput_tokens_per_s"]), number(run["goodput_requests_per_s"], "{:.2f}"))
+    Console(width=200).print(table)

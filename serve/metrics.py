@@ -1,0 +1,59 @@
+"""GET /metrics: the engine's counters in the Prometheus text exposition format (version 0.0.4)."""
+from __future__ import annotations
+
+from runtime.engine_metrics import STEP_BUCKETS_S
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\"", "\\\"").replace("\n", "\\n")
+
+
+def render_metrics(snapshot: dict, running: int, waiting: int, reserved_tokens: int, budget_tokens: int,
+                   model: str) -> str:
+    """`snapshot` is EngineMetrics.snapshot(); the gauges are read from the engine at the same moment."""
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
+        lines.append(f"# HELP specbatch_{name} {help_text}")
+        lines.append(f"# TYPE specbatch_{name} {kind}")
+        for labels, value in samples:
+            lines.append(f"specbatch_{name}{labels} {value:.10g}")
+
+    model_label = f'model="{_label(model)}"'
+    metric("requests_running", "gauge", "Requests in the running batch.", [(f"{{{model_label}}}", running)])
+    metric("requests_waiting", "gauge", "Requests queued for admission.", [(f"{{{model_label}}}", waiting)])
+    metric("kv_reserved_tokens", "gauge", "KV-cache tokens reserved by running requests.", [("", reserved_tokens)])
+    metric("kv_budget_tokens", "gauge", "KV-cache token budget for admission.", [("", budget_tokens)])
+    metric("prompt_tokens_total", "counter", "Prompt tokens prefilled.", [("", snapshot["prompt_tokens_total"])])
+    metric("generated_tokens_total", "counter", "Completion tokens delivered.",
+           [("", snapshot["generated_tokens_total"])])
+    metric("steps_total", "counter", "Speculative steps run.", [("", snapshot["steps_total"])])
+    metric("requests_finished_total", "counter", "Requests ended, by finish reason.",
+           [(f'{{reason="{_label(reason)}"}}', count) for reason, count in sorted(snapshot["finished_total"].items())])
+    positions = range(1, len(snapshot["trials_per_position"]) + 1)
+    metric("draft_accepted_total", "counter", "Draft tokens accepted at each position of a step.",
+           [(f'{{position="{i}"}}', a) for i, a in zip(positions, snapshot["accepted_per_position"])])
+    metric("draft_proposed_total", "counter", "Draft tokens verified at each position (all before it accepted).",
+           [(f'{{position="{i}"}}', t) for i, t in zip(positions, snapshot["trials_per_position"])])
+    metric("acceptance_rate", "gauge", "Accepted / proposed draft tokens at each position, since start.",
+           [(f'{{position="{i}"}}', a / t if t else 0.0)
+            for i, a, t in zip(positions, snapshot["accepted_per_position"], snapshot["trials_per_position"])])
+    metric("speculation_k", "gauge", "Draft depth of the last step (a chain's k; 0: no speculation).",
+           [("", snapshot["k"])])
+    metric("draft_tokens_per_step", "gauge", "Draft tokens verified per row in the last step.",
+           [("", snapshot["draft_tokens"])])
+    metric("batch_size", "gauge", "Rows in the last step.", [("", snapshot["batch_size"])])
+    metric("strategy_info", "gauge", "The strategy of the last step, as a label.",
+           [(f'{{strategy="{_label(snapshot["strategy"])}"}}', 1)])
+    lines.append("# HELP specbatch_step_seconds Wall time of one speculative step (all rows).")
+    lines.append("# TYPE specbatch_step_seconds histogram")
+    cumulative = 0
+    for bound, count in zip(list(STEP_BUCKETS_S) + [float("inf")], snapshot["step_bucket_counts"]):
+        cumulative += count
+        le = "+Inf" if bound == float("inf") else f"{bound:g}"
+        lines.append(f'specbatch_step_seconds_bucket{{le="{le}"}} {cumulative}')
+    lines.append(f"specbatch_step_seconds_sum {snapshot['step_seconds_sum']:.10g}")
+    lines.append(f"specbatch_step_seconds_count {cumulative}")
+    return "\n".join(lines) + "\n"

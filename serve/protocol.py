@@ -1,0 +1,189 @@
+"""The OpenAI completions protocol: request validation, error objects, response bodies.
+
+Pure functions on JSON values (no FastAPI, no torch), so every rule is testable on its own. Rules follow
+the OpenAI API reference for /v1/completions: `model` and `prompt` are required; `max_tokens` defaults
+to 16 and `temperature` to 1; one prompt and one choice per request (n = 1); fields this server cannot
+honour (logprobs, echo, suffix, best_of > 1, penalties, logit_bias) are refused, not silently ignored.
+Extension: `return_token_ids: true` adds each choice's (or chunk's) token ids, for clients that check
+outputs token by token (the load test does).
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+
+from perfmodel.errors import SpecbatchError
+
+
+class RequestError(SpecbatchError):
+    """A request the server refuses, with what the OpenAI error object needs."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.param, self.code, self.status, self.kind = message, param, code, status, kind
+
+    def body(self) -> dict:
+        return error_body(self.message, self.kind, self.param, self.code)
+
+
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+@dataclass(frozen=True)
+class CompletionParams:
+    model: str
+    prompt_text: str | None  # exactly one of prompt_text and prompt_ids is set
+    prompt_ids: tuple[int, ...] | None
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool
+
+
+MAX_STOP_STRINGS = 4  # as OpenAI
+
+
+def parse_json_object(body: bytes) -> dict:
+    try:
+        value = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise RequestError(f"the request body is not valid JSON ({error})", code="invalid_json") from None
+    if not isinstance(value, dict):
+        raise RequestError("the request body must be a JSON object", code="invalid_json")
+    return value
+
+
+def check_model(value: dict, served: str) -> str:
+    model = value.get("model")
+    if model is None:
+        raise RequestError("you must provide a model parameter", param="model", code="missing_required_parameter")
+    if not isinstance(model, str):
+        raise RequestError("model must be a string", param="model", code="invalid_type")
+    if model != served:
+        raise RequestError(f"the model `{model}` does not exist; this server serves `{served}`", param="model",
+                           code="model_not_found", status=404)
+    return model
+
+
+def _number(value: dict, name: str, default, low: float, high: float, low_open: bool = False, integer=False):
+    got = value.get(name, default)
+    if got is None:
+        return default
+    kinds = (int,) if integer else (int, float)
+    if isinstance(got, bool) or not isinstance(got, kinds):
+        raise RequestError(f"{name} must be {'an integer' if integer else 'a number'}, got {json.dumps(got)}",
+                           param=name, code="invalid_type")
+    if got < low or got > high or (low_open and got == low):
+        interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+        raise RequestError(f"{name} must be in {interval}, got {got}", param=name, code="invalid_value")
+    return got
+
+
+def _prompt(value: dict):
+    """(text, None) or (None, token ids): a string, a list of one string, token ids, or a list of one list."""
+    prompt = value.get("prompt")
+    if prompt is None:
+        raise RequestError("you must provide a prompt parameter", param="prompt", code="missing_required_parameter")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return None, tuple(prompt)
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise RequestError("one prompt per request: send several requests (they are batched together)",
+                           param="prompt", code="invalid_value")
+    raise RequestError("prompt must be a string, a list of token ids, or a list holding one of them",
+                       param="prompt", code="invalid_type")
+
+
+def _refuse_unsupported(value: dict) -> None:
+    neutral = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logprobs": (None,),
+               "suffix": (None, ""), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+               "logit_bias": (None, {})}
+    for name, accepted in neutral.items():
+        if name in value and not any(value[name] == a and type(value[name]) is type(a) for a in accepted):
+            raise RequestError(f"{name}={json.dumps(value[name])} is not supported by this server",
+                               param=name, code="unsupported_parameter")
+
+
+def parse_completion(value: dict, served_model: str, max_tokens_limit: int) -> CompletionParams:
+    """Validate a /v1/completions body (already a JSON object); raises RequestError naming the field."""
+    model = check_model(value, served_model)
+    text, ids = _prompt(value)
+    _refuse_unsupported(value)
+    max_tokens = _number(value, "max_tokens", 16, 1, 10**9, integer=True)
+    if max_tokens > max_tokens_limit:
+        raise RequestError(f"max_tokens is {max_tokens}, above this server's limit of {max_tokens_limit}",
+                           param="max_tokens", code="invalid_value")
+    temperature = _number(value, "temperature", 1.0, 0.0, 2.0)
+    top_p = _number(value, "top_p", 1.0, 0.0, 1.0, low_open=True)
+    seed = _number(value, "seed", None, -(2**63), 2**63 - 1, integer=True)
+    stop = value.get("stop")
+    if stop is None:
+        stop = ()
+    elif isinstance(stop, str):
+        stop = (stop,)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stop = tuple(stop)
+    else:
+        raise RequestError("stop must be a string or a list of strings", param="stop", code="invalid_type")
+    if len(stop) > MAX_STOP_STRINGS or any(s == "" for s in stop):
+        raise RequestError(f"stop takes up to {MAX_STOP_STRINGS} non-empty strings", param="stop",
+                           code="invalid_value")
+    flags = {}
+    for name in ("stream", "return_token_ids"):
+        flags[name] = value.get(name, False)
+        if flags[name] is None:
+            flags[name] = False
+        if not isinstance(flags[name], bool):
+            raise RequestError(f"{name} must be a boolean", param=name, code="invalid_type")
+    options = value.get("stream_options")
+    if options is not None and (not isinstance(options, dict)
+                                or not isinstance(options.get("include_usage", False), bool)):
+        raise RequestError("stream_options must be an object like {\"include_usage\": true}", param="stream_options",
+                           code="invalid_type")
+    if options is not None and not flags["stream"]:
+        raise RequestError("stream_options is only allowed with stream: true", param="stream_options",
+                           code="invalid_value")
+    return CompletionParams(model, text, ids, max_tokens, float(temperature), float(top_p),
+                            None if seed is None else int(seed), stop, flags["stream"],
+                            bool(options and options.get("include_usage")), flags["return_token_ids"])
+
+
+def new_completion_id() -> str:
+    return f"cmpl-{uuid.uuid4().hex}"
+
+
+def completion_body(completion_id: str, created: int, model: str, text: str, finish_reason: str | None,
+                    token_ids: list[int] | None, usage: dict | None) -> dict:
+    """A completion object, or (usage None, text a delta) one streamed chunk of one."""
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    body = {"id": completion_id, "object": "text_completion", "created": created, "model": model,
+            "choices": [choice]}
+    if usage is not None:
+        body["usage"] = usage
+    return body
+
+
+def usage_body(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def models_body(model: str, created: int) -> dict:
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "specbatch"}]}
+
+
+def now_s() -> int:
+    return int(time.time())

@@ -1,0 +1,218 @@
+"""`specbatch serve`: load the pair, choose the policy, build the engine and run uvicorn.
+
+The policy: --table FILE, --k K, --tree SPEC, or (none of them) a chain table computed at start-up from
+a quick calibration profile of this machine (`calibrate --quick`), cached under --profile or in the user
+cache directory so the next start reuses it. Which one runs is logged.
+
+Shutdown: SIGINT/SIGTERM stop new requests (503), give in-flight ones `drain_s` seconds, then cancel
+what is left with a final event (streams end with a finish_reason and [DONE]); uvicorn then closes.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from perfmodel.errors import SpecbatchError
+
+log = logging.getLogger("specbatch.serve")
+
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+DEMO_TARGET = DATA_DIR / "models" / "demo-target"
+DEMO_DRAFT = DATA_DIR / "models" / "demo-draft"
+DEMO_PROMPTS = DATA_DIR / "prompts" / "heldout.jsonl"
+
+
+class ServeError(SpecbatchError):
+    """Options `serve` cannot use."""
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    target: str | None = None  # None: the bundled demo pair
+    draft: str | None = None
+    table: Path | None = None
+    k: int | None = None
+    tree: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_batch_size: int = 32
+    kv_budget_tokens: int | None = None
+    max_waiting: int = 1024
+    max_tokens_limit: int = 1024  # the largest max_tokens a request may ask for
+    device: str | None = None
+    dtype: str | None = None
+    profile: Path | None = None  # the quick profile's file (default: in the user cache directory)
+    threads: int | None = None  # torch intra-op threads (None: torch's default)
+    model_name: str | None = None  # what clients send as "model" (default: the target directory's name)
+    drain_s: float = 30.0
+
+
+def default_profile_path(target: Path, draft: Path, device: str, dtype: str, threads: int) -> Path:
+    """A cache file per (pair, device, dtype, threads, torch version): timings depend on all of them."""
+    import torch
+
+    key = "|".join([str(target.resolve()), str(draft.resolve()), device, dtype, str(threads), torch.__version__])
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specbatch"
+    return root / f"quick-profile-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def quick_table(target: Path, draft: Path, device: str, dtype: str | None, threads: int, max_batch: int,
+                profile: Path | None):
+    """A chain table for b = 1..max_batch from a quick profile of this machine (measured once, cached)."""
+    from calibrate.run import CalibrationRequest, calibrate
+    from perfmodel.model import choose_acceptance, compute_table, fit_profile
+    from perfmodel.profile import load_profile
+    from runtime.checkpoint import parse_dtype
+
+    dtype_label = str(parse_dtype(dtype, device)).removeprefix("torch.")
+    path = profile or default_profile_path(target, draft, device, dtype_label, threads)
+    if path.is_file():
+        log.info("no --table/--k/--tree: computing the table from the cached quick profile %s", path)
+    else:
+        log.info("no --table/--k/--tree: measuring a quick calibration profile of this machine into %s "
+                 "(once; about a minute on a CPU), then computing the table from it", path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # acceptance is measured on the bundled held-out prompts whatever the pair: generic text and code
+        calibrate(CalibrationRequest(target=str(target), draft=str(draft), out=path, device=device, dtype=dtype,
+                                     prompts=DEMO_PROMPTS, quick=True))
+    fitted = fit_profile(load_profile(path))
+    return compute_table(fitted, choose_acceptance(fitted, None, str(path)), max_batch, strategies="chain")
+
+
+def choose_policy(options: ServeOptions, target_dir: Path, draft_dir: Path | None, device: str, threads: int):
+    from perfmodel.tree import Strategy, parse_tree
+    from runtime.policy import FixedK, FixedStrategy, TableK
+
+    if sum(x is not None for x in (options.table, options.k, options.tree)) > 1:
+        raise ServeError("--table, --k and --tree are mutually exclusive")
+    if options.k is not None:
+        if options.k < 0:
+            raise ServeError(f"--k must be >= 0, got {options.k}")
+        policy = FixedK(options.k)
+    elif options.tree is not None:
+        policy = FixedStrategy(Strategy(parse_tree(options.tree)))
+    elif options.table is not None:
+        if not options.table.is_file():
+            raise ServeError(f"--table {options.table}: no such file")
+        policy = TableK(options.table)
+    elif draft_dir is None:
+        policy = FixedK(0)
+    else:
+        policy = TableK(quick_table(target_dir, draft_dir, device, options.dtype, threads, options.max_batch_size,
+                                    options.profile))
+    if getattr(policy, "needs_stage2", False):
+        raise ServeError(f"{policy.describe()} uses the n-gram second stage, which serve does not load yet")
+    if policy.max_k > 0 and draft_dir is None:
+        raise ServeError("speculation (k > 0, a tree or a table) needs a draft model: --draft DIR")
+    return policy
+
+
+def build(options: ServeOptions):
+    """(runner, served model) ready for `create_app`; loads the models and chooses the policy."""
+    import torch
+
+    from runtime.checkpoint import load_checkpoint, parse_dtype
+    from runtime.engine import Engine, EngineConfig
+    from runtime.generator import SpeculativeGenerator
+
+    from .app import ServedModel
+    from .runner import EngineRunner
+
+    if options.threads is not None:
+        torch.set_num_threads(options.threads)
+    device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    target_dir = Path(options.target) if options.target else DEMO_TARGET
+    draft_dir = Path(options.draft) if options.draft else (DEMO_DRAFT if options.target is None else None)
+    torch_dtype = parse_dtype(options.dtype, device)
+    target = load_checkpoint(target_dir, device, torch_dtype)
+    if target.tokenizer is None:
+        raise ServeError(f"{target_dir}: no tokenizer.json; serve needs one to encode prompts")
+    draft = load_checkpoint(draft_dir, device, torch_dtype) if draft_dir is not None else None
+    policy = choose_policy(options, target_dir, draft_dir, device, torch.get_num_threads())
+    generator = SpeculativeGenerator(target.model, draft.model if draft else None, target.eos_token_ids)
+    config = EngineConfig(max_batch_size=options.max_batch_size, kv_budget_tokens=options.kv_budget_tokens,
+                          max_waiting=options.max_waiting)
+    engine = Engine(generator, policy, config, decode=target.tokenizer.decode)
+    name = options.model_name or target_dir.name
+    log.info("serving %s (draft %s) as model %r with %s; max batch %d, KV budget %d tokens, context %d tokens",
+             target_dir, draft_dir, name, policy.describe(), options.max_batch_size, engine.kv_budget_tokens,
+             engine.max_context_tokens)
+    template = _chat_template(target_dir)
+    served = ServedModel(name, target.tokenizer.encode, target.tokenizer.decode,
+                         min(options.max_tokens_limit, engine.max_context_tokens - 1), template)
+    return EngineRunner(engine), served
+
+
+def _chat_template(directory: Path) -> str | None:
+    import json
+
+    config = directory / "tokenizer_config.json"
+    try:
+        return json.loads(config.read_text()).get("chat_template") if config.is_file() else None
+    except (OSError, ValueError):
+        return None
+
+
+def configure_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def serve(options: ServeOptions) -> None:
+    """Run until SIGINT/SIGTERM (uvicorn installs the handlers; shutdown drains, see the module doc)."""
+    import uvicorn
+
+    configure_logging()
+    from .app import create_app
+
+    if options.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("binding %s: the server has no authentication; anyone who can reach it can use it", options.host)
+    runner, served = build(options)
+    app = create_app(runner, served)
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            runner.begin_shutdown(options.drain_s)
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=options.host, port=options.port, log_level="info",
+                            timeout_graceful_shutdown=int(options.drain_s) + 5)
+    DrainingServer(config).run()
+
+
+class BackgroundServer:
+    """uvicorn in a thread of this process, on a loopback port (tests, the in-process load test)."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0):
+        import socket
+        import threading
+
+        import uvicorn
+
+        self._socket = socket.socket()
+        self._socket.bind((host, port))  # port 0: the OS picks a free one, and nobody takes it meanwhile
+        self.host, self.port = host, self._socket.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._socket]}, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def __enter__(self) -> BackgroundServer:
+        import time
+
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise ServeError("the background server did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self._thread.join(15)
+        self._socket.close()

@@ -1,0 +1,83 @@
+"""The load test: the arrival generator's statistics, the duration bound, one short end-to-end run, and
+a server subprocess that drains and exits on SIGTERM."""
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from serve.loadtest import (LoadtestConfig, ServerProcess, TraceItem, arrival_times, make_trace, replay_engine,
+                            run_loadtest)
+
+
+@pytest.mark.parametrize("rate, cv", [(2.0, 1.0), (10.0, 3.0), (0.5, 0.5)])
+def test_arrivals_have_the_asked_mean_and_cv(rate, cv):
+    gaps = np.diff(np.concatenate([[0.0], arrival_times(40000, rate, cv, seed=1)]))
+    assert gaps.mean() == pytest.approx(1 / rate, rel=0.03)
+    assert gaps.std() / gaps.mean() == pytest.approx(cv, rel=0.05)
+    assert np.array_equal(arrival_times(50, rate, cv, seed=1), arrival_times(50, rate, cv, seed=1))
+
+
+def test_trace_is_the_same_for_every_policy_and_within_bounds():
+    trace = make_trace(200, 3.0, 3.0, seed=5, prompts=7, max_tokens=(64, 128))
+    assert trace == make_trace(200, 3.0, 3.0, seed=5, prompts=7, max_tokens=(64, 128))
+    assert all(64 <= item.max_tokens <= 128 for item in trace)
+    assert [item.prompt_index for item in trace[:9]] == [0, 1, 2, 3, 4, 5, 6, 0, 1]
+
+
+def test_a_run_is_bounded_in_time():
+    from serve_helpers import demo_server
+
+    with demo_server(k=0) as server:
+        server.runner.engine.generator.eos_token_ids = ()
+        trace = [TraceItem(0.0, 0, 900), TraceItem(0.1, 0, 4), TraceItem(60.0, 0, 4)]
+        records = asyncio.run(replay_engine(server.runner, server.served.encode, trace, ("def f(x):",), 1.5))
+        assert len(records) == 2  # the arrival after the bound is never sent
+        assert records[0].error == "unfinished" and records[1].ok
+        engine = server.runner.engine  # the cut request was cancelled: its slot comes free
+        deadline = time.monotonic() + 20
+        while engine.running and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert engine.running == 0 and engine.metrics.snapshot()["finished_total"]["cancelled"] == 1
+
+
+@pytest.mark.slow
+def test_short_loadtest_over_http_and_in_process(tmp_path):
+    prompts = ("def eggs(b):\n    return", "import os\n", "class A:\n")
+    config = LoadtestConfig(policies=("k=2",), rates_per_s=(20.0,), requests=5, max_duration_s=60,
+                            max_tokens=(4, 12), prompts=prompts, server_args=("--max-batch-size", "4"),
+                            in_process=True, check_greedy=True)
+    report = run_loadtest(config, tmp_path)
+    assert [(r["mode"], r["ok"], r["errors"], r["unfinished"], r["mismatched"]) for r in report["runs"]] == [
+        ("http", 5, 0, 0, 0), ("in-process", 5, 0, 0, 0)]
+    for run in report["runs"]:
+        assert run["ttft_ms"]["p50"] <= run["e2e_ms"]["p50"] and run["throughput_tokens_per_s"] > 0
+    assert json.loads((tmp_path / "loadtest.json").read_text())["schema"] == "specbatch.loadtest/1"
+    assert (tmp_path / "loadtest.csv").read_text().startswith("policy,mode,rate_per_s")
+    assert (tmp_path / "latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_sigterm_drains_then_cancels_and_the_server_exits(tmp_path):
+    server = ServerProcess(["--k", "2", "--threads", "1", "--drain-s", "1", "--max-tokens-limit", "1000"],
+                           tmp_path / "server.log")
+    server.start(timeout_s=120)
+    try:
+        body = {"model": "demo-target", "prompt": "def eggs(b):\n", "max_tokens": 1000, "temperature": 0,
+                "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            server.process.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"  # nothing half-written: a final chunk, then [DONE]
+        assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] in ("stop", "length", "cancelled")
+        server.process.wait(60)
+    finally:
+        server.stop()
+    assert "Finished server process" in (tmp_path / "server.log").read_text()

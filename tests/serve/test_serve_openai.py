@@ -1,0 +1,53 @@
+"""The official `openai` client against the server on a free loopback port: completions (plain and
+streaming), the model list and errors. Oracle: the prompt's solo greedy output."""
+from __future__ import annotations
+
+import openai
+import pytest
+
+from serve_helpers import demo_server, solo_greedy_ids
+
+PROMPT = "def add(a, b):\n"
+
+
+@pytest.fixture(scope="module")
+def client_and_server():
+    with demo_server(k=2) as server:
+        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0), server
+
+
+def test_completion_and_streaming_equal_solo_greedy(client_and_server):
+    client, server = client_and_server
+    ids = solo_greedy_ids(server.runner, server.served.encode(PROMPT), 20)
+    expected = server.served.decode(ids)
+    completion = client.completions.create(model=server.served.name, prompt=PROMPT, max_tokens=20, temperature=0)
+    assert completion.choices[0].text == expected
+    assert completion.usage.completion_tokens == len(ids)
+    assert completion.usage.prompt_tokens == len(server.served.encode(PROMPT))
+    assert completion.choices[0].finish_reason in ("stop", "length")
+    stream = client.completions.create(model=server.served.name, prompt=PROMPT, max_tokens=20, temperature=0,
+                                       stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+    assert chunks[-1].usage.completion_tokens == completion.usage.completion_tokens
+
+
+def test_models_and_errors(client_and_server):
+    client, server = client_and_server
+    assert [m.id for m in client.models.list()] == [server.served.name]
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=4)
+    assert missing.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as too_long:
+        client.completions.create(model=server.served.name, prompt=PROMPT, max_tokens=100000)
+    assert too_long.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as chat:
+        client.chat.completions.create(model=server.served.name, messages=[{"role": "user", "content": "hi"}])
+    assert chat.value.body["code"] == "no_chat_template"
+
+
+def test_seeded_sampling_is_reproducible_through_the_client(client_and_server):
+    client, server = client_and_server
+    draws = [client.completions.create(model=server.served.name, prompt=PROMPT, max_tokens=16, temperature=1.0,
+                                       top_p=0.9, seed=seed).choices[0].text for seed in (3, 3, 4)]
+    assert draws[0] == draws[1]
