@@ -219,52 +219,6 @@ def bench(
 
 @app.command()
 @one_line_errors
-def explain(
-    model: ModelFileArg,
-    batch_size: Annotated[int, typer.Option("--batch-size", help="Sequences in the batch.")],
-    k: Annotated[Optional[int], typer.Option("--k", help="Fixed speculation length (default 4).")] = None,
-    table: Annotated[Optional[Path], typer.Option("--table", help="specbatch.table/1 file: its strategy at b.")] = None,
-    tree: Annotated[Optional[str], typer.Option(
-        "--tree", help="A draft tree: rank paths like 0,1,0.0 or chain:K.")] = None,
-    stage2: Stage2Opt = None,
-    target: TargetOpt = None,
-    draft: DraftOpt = None,
-    prompts: Annotated[Optional[Path], typer.Option(
-        "--prompts", help="One JSON string (or plain line) per line (default: bundled held-out prompts).")] = None,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Per row; EOS is ignored.")] = 64,
-    rounds: Annotated[int, typer.Option("--rounds", help="Timed generations, pooled.")] = 3,
-    synthetic_acceptance: Annotated[Optional[float], typer.Option("--synthetic-acceptance", help=(
-        "Accept each draft token with probability α instead of verifying (SYNTHETIC; for presets)."))] = None,
-    seed: Annotated[int, typer.Option("--seed")] = 0,
-    device: DeviceOpt = None,
-    dtype: DtypeOpt = None,
-    json_output: JsonOpt = False,
-):
-    """Predicted vs measured step at one batch size, term by term (tokens per step, draft passes by width,
-    verify pass, overhead): which term carries the prediction error."""
-    check_counts(batch_size=batch_size, max_k=k)
-    if sum(option is not None for option in (k, table, tree)) > 1:
-        raise UsageError("give one of --k, --table and --tree")
-    from bench.assembly import check_input_files, load_bench_inputs
-    from bench.config import BenchConfig
-    from bench.explain_steps import run_explain
-
-    config = BenchConfig(batch_sizes=(batch_size,), ks=(4 if k is None else k,), max_new_tokens=max_new_tokens,
-                         rounds=rounds, synthetic_acceptance=synthetic_acceptance, seed=seed, table_path=table,
-                         model_path=model, trees=(tree,) if tree else (), stage2_path=stage2)
-    check_input_files(model=model, table=table, prompts=prompts, stage2=stage2)
-    inputs = load_bench_inputs(config, target, draft, prompts, device, dtype)
-    explained, notes = run_explain(config, inputs.models, inputs.token_prompts, 4 if k is None else k)
-    if json_output:
-        typer.echo(json.dumps({**explained.to_json(), "notes": inputs.notes + notes}))
-        return
-    from console.explain import render_explanation
-
-    render_explanation(explained.to_json(), inputs.notes + notes)
-
-
-@app.command()
-@one_line_errors
 def fit(
     profile: Annotated[Path, typer.Argument(help="specbatch.profile/1 file written by `specbatch calibrate`.")],
     output: Annotated[Path, typer.Option("-o", "--output", help="Where to write the specbatch.model/1 file.")],
@@ -442,7 +396,10 @@ def demo(
 
 
 
-from console.serve_commands import loadtest_command, serve_command  # noqa: E402 - registered below
+from console.explain_command import explain  # noqa: E402 - registered below
+from console.serve_commands import loadtest_command, serve_command  # noqa: E402
+
+app.command()(one_line_errors(explain))
 
 app.command("serve")(one_line_errors(serve_command))
 app.command("loadtest")(one_line_errors(loadtest_command))
