@@ -16,26 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from perfmodel.errors import SpecbatchError
-
 from .loadtest_report import RequestRecord, Slo, summarize
-
-LOOPBACK = "127.0.0.1"
-
-
-class LoadtestError(SpecbatchError):
-    """Options or a server the load test cannot use."""
+from .loadtest_servers import (LoadtestError, ServerProcess, engine_counters, engine_use, machine_note, own_cpu_s,
+                               scrape_counters)
 
 
 @dataclass(frozen=True)
@@ -86,75 +75,6 @@ def policy_args(policy: str) -> list[str]:
     if policy.startswith("tree="):
         return ["--tree", policy[5:]]
     raise LoadtestError(f"policy {policy!r}: expected table, k=K or tree=SPEC")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind((LOOPBACK, 0))
-        return probe.getsockname()[1]
-
-
-@dataclass
-class ServerProcess:
-    """`specbatch serve` in a subprocess on a loopback port; its log goes to `log_path`."""
-
-    args: list[str]
-    log_path: Path
-    port: int = field(default_factory=free_port)
-    process: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://{LOOPBACK}:{self.port}"
-
-    def start(self, timeout_s: float) -> None:
-        import httpx
-
-        command = [sys.executable, "-c", "from cli import app; app()", "serve", "--host", LOOPBACK,
-                   "--port", str(self.port), *self.args]
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - a server log, appended while it runs
-        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise LoadtestError(f"the server exited with code {self.process.returncode}; see {self.log_path}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise LoadtestError(f"the server did not answer /health within {timeout_s:.0f} s; see {self.log_path}")
-
-    def rss_mb(self) -> float | None:
-        try:
-            status = Path(f"/proc/{self.process.pid}/status").read_text()
-        except OSError:
-            return None
-        line = next((x for x in status.splitlines() if x.startswith("VmRSS:")), None)
-        return int(line.split()[1]) / 1024 if line else None
-
-    def cpu_s(self) -> float | None:
-        """User + system CPU seconds the server process has used (all its threads)."""
-        try:
-            fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            return None
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    def stop(self) -> int | None:
-        if self.process is None:
-            return None
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self._log.close()
-        return self.process.returncode
 
 
 async def replay_http(url: str, model: str, trace: list[TraceItem], prompts: tuple[str, ...],
@@ -259,12 +179,12 @@ def run_policy(config: LoadtestConfig, policy: str, traces: dict, out: Path, ref
 
         model = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
         for (rate, cv), trace in traces.items():
-            rss_before, counters, cpu = server.rss_mb(), _scrape(server.url), (server.cpu_s(), _own_cpu_s())
+            rss_before, counters, cpu = server.rss_mb(), scrape_counters(server.url), (server.cpu_s(), own_cpu_s())
             records = asyncio.run(replay_http(server.url, model, trace, config.prompts, config.max_duration_s,
                                               references is not None))
             run = _summary(policy, "http", rate, cv, trace, records, config, references)
             run.update(rss_before_mb=rss_before, rss_after_mb=server.rss_mb(), server_cpu_s=server.cpu_s() - cpu[0],
-                       client_cpu_s=_own_cpu_s() - cpu[1], **_engine_use(counters, _scrape(server.url), run))
+                       client_cpu_s=own_cpu_s() - cpu[1], **engine_use(counters, scrape_counters(server.url), run))
             runs.append(run)
             if on_run:
                 on_run(run)
@@ -285,11 +205,11 @@ def run_in_process(config: LoadtestConfig, policy: str, traces: dict, references
     runs = []
     try:
         for (rate, cv), trace in traces.items():
-            counters, cpu = _counters(runner.engine.metrics.snapshot()), _own_cpu_s()
+            counters, cpu = engine_counters(runner.engine.metrics.snapshot()), own_cpu_s()
             records = asyncio.run(replay_engine(runner, served.encode, trace, config.prompts, config.max_duration_s))
             run = _summary(policy, "in-process", rate, cv, trace, records, config, references)
-            run.update(server_cpu_s=_own_cpu_s() - cpu, client_cpu_s=None,
-                       **_engine_use(counters, _counters(runner.engine.metrics.snapshot()), run))
+            run.update(server_cpu_s=own_cpu_s() - cpu, client_cpu_s=None,
+                       **engine_use(counters, engine_counters(runner.engine.metrics.snapshot()), run))
             runs.append(run)
             if on_run:
                 on_run(runs[-1])
@@ -326,38 +246,8 @@ def _summary(policy, mode, rate, cv, trace, records, config, references) -> dict
             **summarize(records, len(trace), config.slo, mismatched)}
 
 
-def _own_cpu_s() -> float:
-    times = os.times()
-    return times.user + times.system
-
-
-def _counters(snapshot: dict) -> dict:
-    return {"steps": snapshot["steps_total"], "step_s": snapshot["step_seconds_sum"]}
-
-
-def _scrape(url: str) -> dict:
-    """The engine's step counters from a server's /metrics."""
-    import httpx
-
-    samples = dict(line.rsplit(" ", 1) for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
-                   if line and not line.startswith("#"))
-    return {"steps": float(samples["specbatch_steps_total"]), "step_s": float(samples["specbatch_step_seconds_sum"])}
-
-
-def _engine_use(before: dict, after: dict, run: dict) -> dict:
-    """How the engine spent the run: mean step time, and the share of the run's span spent in steps
-    (below 1 at saturation: time lost between steps, to prefill, or to the HTTP side holding the GIL)."""
-    steps, step_s = after["steps"] - before["steps"], after["step_s"] - before["step_s"]
-    return {"engine_steps": steps, "engine_step_ms_mean": 1000 * step_s / steps if steps else None,
-            "engine_busy_fraction": step_s / run["span_s"] if run["span_s"] else None}
-
-
 def _slug(text: str) -> str:
     return "".join(c if c.isalnum() or c in "=-_." else "_" for c in text)
-
-
-def machine_note() -> dict:
-    return {"loadavg_1m": os.getloadavg()[0], "cpu_count": os.cpu_count()}
 
 
 def solo_references(config: LoadtestConfig):

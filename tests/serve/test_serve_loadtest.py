@@ -11,8 +11,8 @@ import httpx
 import numpy as np
 import pytest
 
-from serve.loadtest import (LoadtestConfig, ServerProcess, TraceItem, arrival_times, make_trace, replay_engine,
-                            run_loadtest)
+from serve.loadtest import LoadtestConfig, TraceItem, arrival_times, make_trace, replay_engine, run_loadtest
+from serve.loadtest_servers import ServerProcess
 
 
 @pytest.mark.parametrize("rate, cv", [(2.0, 1.0), (10.0, 3.0), (0.5, 0.5)])

@@ -1,0 +1,120 @@
+"""The load test's servers and what it reads from them: `specbatch serve` as a subprocess on a
+loopback port (its log in a file, stopped with SIGTERM), its memory and CPU time from /proc, and the
+engine's step counters from /metrics (or from an engine in this process)."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from perfmodel.errors import SpecbatchError
+
+LOOPBACK = "127.0.0.1"
+
+
+class LoadtestError(SpecbatchError):
+    """Options or a server the load test cannot use."""
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind((LOOPBACK, 0))
+        return probe.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    """`specbatch serve` in a subprocess on a loopback port; its log goes to `log_path`."""
+
+    args: list[str]
+    log_path: Path
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}"
+
+    def start(self, timeout_s: float) -> None:
+        import httpx
+
+        command = [sys.executable, "-c", "from cli import app; app()", "serve", "--host", LOOPBACK,
+                   "--port", str(self.port), *self.args]
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - a server log, appended while it runs
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise LoadtestError(f"the server exited with code {self.process.returncode}; see {self.log_path}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise LoadtestError(f"the server did not answer /health within {timeout_s:.0f} s; see {self.log_path}")
+
+    def rss_mb(self) -> float | None:
+        try:
+            status = Path(f"/proc/{self.process.pid}/status").read_text()
+        except OSError:
+            return None
+        line = next((x for x in status.splitlines() if x.startswith("VmRSS:")), None)
+        return int(line.split()[1]) / 1024 if line else None
+
+    def cpu_s(self) -> float | None:
+        """User + system CPU seconds the server process has used (all its threads)."""
+        try:
+            fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def stop(self) -> int | None:
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+        return self.process.returncode
+
+
+def own_cpu_s() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
+def engine_counters(snapshot: dict) -> dict:
+    return {"steps": snapshot["steps_total"], "step_s": snapshot["step_seconds_sum"]}
+
+
+def scrape_counters(url: str) -> dict:
+    """The engine's step counters from a server's /metrics."""
+    import httpx
+
+    samples = dict(line.rsplit(" ", 1) for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
+                   if line and not line.startswith("#"))
+    return {"steps": float(samples["specbatch_steps_total"]), "step_s": float(samples["specbatch_step_seconds_sum"])}
+
+
+def engine_use(before: dict, after: dict, run: dict) -> dict:
+    """How the engine spent the run: mean step time, and the share of the run's span spent in steps
+    (below 1 at saturation: time lost between steps, to prefill, or to the HTTP side holding the GIL)."""
+    steps, step_s = after["steps"] - before["steps"], after["step_s"] - before["step_s"]
+    return {"engine_steps": steps, "engine_step_ms_mean": 1000 * step_s / steps if steps else None,
+            "engine_busy_fraction": step_s / run["span_s"] if run["span_s"] else None}
+
+
+def machine_note() -> dict:
+    return {"loadavg_1m": os.getloadavg()[0], "cpu_count": os.cpu_count()}
