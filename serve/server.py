@@ -16,13 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from perfmodel.errors import SpecbatchError
+from runtime.assembly import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET
 
 log = logging.getLogger("specbatch.serve")
 
-DATA_DIR = Path(__file__).resolve().parent.parent / "data"
-DEMO_TARGET = DATA_DIR / "models" / "demo-target"
-DEMO_DRAFT = DATA_DIR / "models" / "demo-draft"
-DEMO_PROMPTS = DATA_DIR / "prompts" / "heldout.jsonl"
 
 
 class ServeError(SpecbatchError):
