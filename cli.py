@@ -193,7 +193,6 @@ def bench(
 
     from perfmodel.jsonio import writable_dir
 
-    set_threads(threads)
     config = BenchConfig(  # every option is checked before a model is loaded
         batch_sizes=tuple(parse_int_list("--batch-sizes", batch_sizes)), ks=tuple(parse_int_list("--ks", ks, 0)),
         max_new_tokens=max_new_tokens, rounds=rounds, sampling=parse_sampling(sampling),
@@ -201,6 +200,7 @@ def bench(
         trees=tuple(tree or ()), stage2_path=stage2)
     check_input_files(table=table, model=model, prompts=prompts, stage2=stage2)
     writable_dir(out, "--out")  # before measuring: a file in the way would lose every measurement
+    set_threads(threads)  # after the checks: a note must not come before a one-line error
     inputs = load_bench_inputs(config, target, draft, prompts, device, dtype, force)
     config = inputs.config  # with the table's own n-gram when it names one
     from bench.harness import run_bench

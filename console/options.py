@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import time
 import warnings
 from pathlib import Path
 from typing import Annotated, Optional
@@ -86,28 +87,48 @@ def read_prompts_file(path: Path, option: str = "--prompts-file") -> list[str]:
     return read_prompts(path, option)
 
 
+def busy_cores_elsewhere(interval_s: float = 0.2) -> float | None:
+    """Cores kept busy right now by other processes: /proc/stat's non-idle share over `interval_s`, while
+    this process sleeps. (Not the load average: on 2 cores our own previous command keeps it near 1 for
+    a minute.) None where /proc/stat cannot be read."""
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as stat:
+            values = [int(v) for v in stat.readline().split()[1:]]
+        return sum(values), values[3] + values[4]  # all jiffies, idle + iowait
+
+    try:
+        total0, idle0 = sample()
+        time.sleep(interval_s)
+        total1, idle1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    if total1 <= total0:
+        return None
+    return (os.cpu_count() or 1) * (1 - (idle1 - idle0) / (total1 - total0))
+
+
 def set_threads(threads: int | None, resumed_profile: Path | None = None) -> None:
     """--threads: torch's intra-op threads for this run (recorded in every profile and bench file).
 
-    Without --threads, a machine whose other processes already keep all but one core busy (1-minute load
-    average >= cores - 1, read before our own run starts) gets one thread, and a note says so: on the
-    2-core development VM with two busy processes, a demo-target decode pass (1 x 8 tokens) took 464 ms
-    on torch's default 2 threads and 7.3 ms on one (5.8 ms on 2 threads when idle). The bounded spin of
+    Without --threads (and without OMP_NUM_THREADS, an explicit choice too), a machine whose other
+    processes keep all but one core busy right now gets one thread, and a note says so: on the 2-core
+    development VM with two busy processes, a demo-target decode pass (1 x 8 tokens) took 464 ms on
+    torch's default 2 threads and 7.3 ms on one (5.8 ms on 2 threads when idle). The bounded spin of
     runtime/__init__.py limits the damage when the load arrives after the choice. A resumed calibration
     keeps the thread count its profile recorded (its timings must stay comparable)."""
     if threads is not None and threads < 1:
         raise UsageError(f"--threads must be >= 1, got {threads}")
-    import torch
-
     if threads is None and resumed_profile is not None and Path(resumed_profile).is_file():
         try:
             threads = int(json.loads(Path(resumed_profile).read_text())["device"]["cpu_threads"])
         except (ValueError, KeyError, TypeError, OSError):
             pass  # calibrate's own reader says what is wrong with the file
-    if threads is None:
-        cores, load = os.cpu_count() or 1, os.getloadavg()[0]
-        if cores > 1 and load >= cores - 1 and torch.get_num_threads() > 1:
-            typer.echo(f"note: the machine is busy (load {load:.1f} on {cores} cores): torch runs on 1 thread "
+    import torch
+
+    if threads is None and "OMP_NUM_THREADS" not in os.environ and torch.get_num_threads() > 1:
+        cores, busy = os.cpu_count() or 1, busy_cores_elsewhere()
+        if busy is not None and cores > 1 and busy >= cores - 1 - 0.25:
+            typer.echo(f"note: other processes keep {busy:.1f} of {cores} cores busy: torch runs on 1 thread "
                        "(--threads N overrides)", err=True)
             threads = 1
     if threads is not None:

@@ -12,6 +12,9 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# An explicit thread count (torch's own default): the CLI's busy-machine choice of one thread
+# (console/options.set_threads) would otherwise depend on what else runs beside the tests.
+os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
 
 # The repository root first: test folders are named like the packages they test (tests/perfmodel, ...),
 # and must never shadow them. This folder second: its shared helper modules.
