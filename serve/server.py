@@ -100,8 +100,6 @@ def choose_policy(options: ServeOptions, target_dir: Path, draft_dir: Path | Non
     else:
         policy = TableK(quick_table(target_dir, draft_dir, device, options.dtype, threads, options.max_batch_size,
                                     options.profile))
-    if getattr(policy, "needs_stage2", False):
-        raise ServeError(f"{policy.describe()} uses the n-gram second stage, which serve does not load yet")
     if policy.max_k > 0 and draft_dir is None:
         raise ServeError("speculation (k > 0, a tree or a table) needs a draft model: --draft DIR")
     return policy
@@ -111,6 +109,7 @@ def build(options: ServeOptions):
     """(runner, served model) ready for `create_app`; loads the models and chooses the policy."""
     import torch
 
+    from runtime.assembly import second_stage_for
     from runtime.checkpoint import load_checkpoint, parse_dtype
     from runtime.engine import Engine, EngineConfig
     from runtime.generator import SpeculativeGenerator
@@ -129,7 +128,9 @@ def build(options: ServeOptions):
         raise ServeError(f"{target_dir}: no tokenizer.json; serve needs one to encode prompts")
     draft = load_checkpoint(draft_dir, device, torch_dtype) if draft_dir is not None else None
     policy = choose_policy(options, target_dir, draft_dir, device, torch.get_num_threads())
-    generator = SpeculativeGenerator(target.model, draft.model if draft else None, target.eos_token_ids)
+    stage2 = second_stage_for(policy, None, target)  # a table's staged entries: the n-gram it names (by sha256)
+    generator = SpeculativeGenerator(target.model, draft.model if draft else None, target.eos_token_ids,
+                                     stage2=stage2)
     config = EngineConfig(max_batch_size=options.max_batch_size, kv_budget_tokens=options.kv_budget_tokens,
                           max_waiting=options.max_waiting)
     engine = Engine(generator, policy, config, decode=target.tokenizer.decode)

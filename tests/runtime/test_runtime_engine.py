@@ -186,3 +186,26 @@ def test_tree_strategy_with_staggered_arrivals_equals_solo_greedy(greedy_target,
     events = drive(engine, {0: requests[:2], 3: requests[2:4], 5: requests[4:]})
     for r, p in zip(requests, prompts8):
         assert tokens_of(events[r.id]) == solo_greedy(greedy_target, p, r.max_tokens), r.id
+
+
+@pytest.mark.filterwarnings("ignore:table. context length")
+@pytest.mark.parametrize("spec", ["chain:4", "0,1,0.0,0.1,1.0"])
+def test_staged_strategy_with_staggered_arrivals_equals_solo_greedy(greedy_target, greedy_draft_sometimes, prompts8,
+                                                                   spec):
+    """The n-gram second stage (what a table's staged entries run) under joins and leaves."""
+    import torch
+
+    from perfmodel.tree import Strategy, parse_tree
+    from runtime.ngram import NGramModel
+    from runtime.policy import FixedStrategy
+
+    vocab = greedy_target.config.vocab_size
+    corpus = torch.randint(0, vocab, (20, 30), generator=torch.Generator().manual_seed(9)).tolist()
+    stage2 = NGramModel.fit(corpus, vocab)
+    policy = FixedStrategy(Strategy(parse_tree(spec), stage2=True))
+    generator = SpeculativeGenerator(greedy_target, greedy_draft_sometimes, stage2=stage2)
+    engine = Engine(generator, policy, EngineConfig(max_batch_size=3))
+    requests = [Request(f"r{i}", tuple(p), 10 + i) for i, p in enumerate(prompts8[:5])]
+    events = drive(engine, {0: requests[:2], 3: requests[2:4], 5: requests[4:]})
+    for r, p in zip(requests, prompts8):
+        assert tokens_of(events[r.id]) == solo_greedy(greedy_target, p, r.max_tokens), r.id
