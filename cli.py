@@ -311,12 +311,15 @@ def query(
     max_k: MaxKOpt = None,
     tree: TreeOpt = None,
     stage2: Stage2Opt = None,
+    strategies: Annotated[str, typer.Option("--strategies", help=(
+        "all | tree | chain: the family ranked, as `table --strategies` (default all: the best is the table's "
+        "choice at this point)."))] = "all",
     json_output: JsonOpt = False,
 ):
-    """Step time, tokens per step and goodput of every k at one batch size, and the best k.
+    """Step time, tokens per step and goodput of every strategy at one batch size, and the best one.
 
-    --tree auto ranks every strategy (chains, grown trees, and with the second stage when the model has
-    its measurements); --tree SPEC [--stage2 FILE] predicts that one tree (a what-if)."""
+    --strategies chain lists every k in order; --tree SPEC [--stage2 FILE] predicts that one tree (a
+    what-if); --tree auto is --strategies all."""
     check_counts(batch_size=batch_size, context_len=context_len, max_k=max_k)
     if (model is None) == (table_path is None):
         raise UsageError("give either a model file or --table, not both or neither")
@@ -324,16 +327,19 @@ def query(
         raise UsageError("--acceptance, --max-k and --tree need a model file: a table was computed with fixed values")
     if stage2 is not None and tree is None:
         raise UsageError("--stage2 needs --tree (a chain is --tree chain:K)")
+    if strategies not in ("all", "tree", "chain"):
+        raise UsageError(f"--strategies: {strategies!r} is not one of all, tree, chain")
     if model is not None:
         from perfmodel.model import choose_acceptance, load_model
         from perfmodel.query import chain_answer, strategy_answer
 
         fitted = load_model(model)
         chosen = choose_acceptance(fitted, acceptance_override(acceptance), str(model))
-        if tree is None:
+        if tree is None and strategies == "chain":
             answer = chain_answer(fitted, chosen, batch_size, context_len, max_k)
         else:
-            answer = strategy_answer(fitted, chosen, batch_size, tree, context_len, max_k, stage2, str(model))
+            answer = strategy_answer(fitted, chosen, batch_size, tree or "auto", context_len, max_k, stage2,
+                                     str(model), strategies)
     else:
         from perfmodel.query import table_answer
         from perfmodel.table import load_table

@@ -99,17 +99,18 @@ def check_stage2_file(fitted: FittedModel, path: str | os.PathLike, source: str 
 
 def strategy_answer(fitted: FittedModel, acceptance: AcceptanceModel, batch_size: int, tree: str,
                     context_len: int | None = None, max_k: int | None = None,
-                    stage2: str | os.PathLike | None = None, source: str = "model") -> QueryAnswer:
+                    stage2: str | os.PathLike | None = None, source: str = "model",
+                    strategies: str = "all") -> QueryAnswer:
     """`tree` "auto": every candidate strategy ranked (chains, grown trees, and with the second stage when
-    the model measured it); a tree spec (`tree.parse_tree`): no speculation and that strategy, with the
-    second stage when `stage2` (the n-gram file, checked against the model's) is given. `source` names
-    the model in errors."""
+    the model measured it; `strategies` "tree" leaves the second stage out, as `table --strategies` does,
+    so the best here is the table's choice at this point); a tree spec (`tree.parse_tree`): no speculation
+    and that strategy, with the second stage when `stage2` (the n-gram file, checked against the model's)
+    is given. `source` names the model in errors."""
     context = fitted.default_context_len() if context_len is None else context_len
     if stage2 is not None:
         check_stage2_file(fitted, stage2, source)
     if tree == "auto":
-        family = "all" if fitted.stage2 is not None else "tree"
-        ranked = query_strategies(fitted, acceptance, batch_size, context, max_k, family).ranked
+        ranked = query_strategies(fitted, acceptance, batch_size, context, max_k, strategies).ranked
     else:
         strategy = Strategy(parse_tree(tree), stage2=stage2 is not None)
         model = step_model(fitted, acceptance)
@@ -123,11 +124,17 @@ def strategy_answer(fitted: FittedModel, acceptance: AcceptanceModel, batch_size
 def table_answer(table: Table, batch_size: int, context_len: int | None = None) -> QueryAnswer:
     """The table's own choice with the goodput it predicted (None beyond its largest batch size, whose
     numbers belong to another batch size). The step time follows from G = b * E / S when E is known:
-    chains, from the table's per-position acceptance; trees leave it None."""
+    chains, from the E(k) the table was computed with (measured, else from per-position acceptance, as
+    the model does); trees leave it None."""
     strategy = table.strategy(batch_size, context_len)
     bucket = table.bucket_for(context_len)
     per_position = table.acceptance.get("per_position")
-    tokens = expected_tokens(per_position, strategy.k) if per_position and strategy.kind != "tree" else None
+    measured = table.acceptance.get("tokens_per_step") or ()
+    tokens = None
+    if strategy.kind != "tree" and strategy.k < len(measured):
+        tokens = measured[strategy.k]
+    elif strategy.kind != "tree" and per_position:
+        tokens = expected_tokens(per_position, strategy.k)
     goodput = step_ms = None
     if batch_size <= bucket.max_batch:
         goodput = bucket.entries[batch_size - 1].predicted_tokens_per_s

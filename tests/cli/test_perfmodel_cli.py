@@ -113,7 +113,8 @@ def test_table_with_context_buckets_and_what_if_acceptance(files, tmp_path):
 
 
 def test_query_json(files):
-    result = invoke("query", files["model"], "--batch-size", "4", "--context-len", "512", "--json")
+    result = invoke("query", files["model"], "--batch-size", "4", "--context-len", "512", "--strategies", "chain",
+                    "--json")
     assert result.exit_code == 0, result.output
     answer = json.loads(result.stdout)
     assert set(answer) == {"batch_size", "context_len", "best_k", "candidates"}
@@ -132,7 +133,7 @@ def test_query_a_table_gives_the_tables_choice(files, tmp_path):
     answer = json.loads(result.stdout)
     assert answer["best_k"] == load_table(out).lookup(3)
     [candidate] = answer["candidates"]
-    direct = json.loads(invoke("query", files["model"], "--batch-size", "3", "--json").stdout)
+    direct = json.loads(invoke("query", files["model"], "--batch-size", "3", "--strategies", "chain", "--json").stdout)
     same = direct["candidates"][candidate["k"]]
     assert candidate["tokens_per_s"] == pytest.approx(same["tokens_per_s"], rel=1e-5)
     assert candidate["step_ms"] == pytest.approx(same["step_ms"], rel=1e-5)

@@ -89,6 +89,8 @@ def test_the_cli_prints_the_golden_json(name):
     args = ["query", MODEL] if case["source"] == "model" else ["query", "--table", TABLE]
     for key, value in case["query"].items():
         args += [FLAGS[key], value]
+    if case["source"] == "model" and "tree" not in case["query"]:
+        args += ["--strategies", "chain"]  # the chain answers (the default ranks every strategy, as `table`)
     result = invoke(*args, "--json")
     assert result.exit_code == 0, result.output
     assert_close(json.loads(result.stdout), case["json"])
@@ -125,3 +127,22 @@ def test_what_if_lists_no_speculation_then_the_strategy(fitted):
 def test_unknown_answer_kind_is_refused():
     with pytest.raises(PerfModelError, match="kind 'chain' is not one of chains, strategies, table"):
         QueryAnswer("chain", 1, 0, Strategy(None), ())
+
+
+@pytest.mark.filterwarnings("ignore::perfmodel.table.TableRangeWarning")
+def test_one_answer_per_point_query_ranks_what_the_table_chooses_from(fitted, tmp_path):
+    """`query` by default and `table` pick the same strategy at every batch size (issue 15)."""
+    from perfmodel.model import compute_table
+    from perfmodel.table import save_table
+
+    table = compute_table(fitted, choose_acceptance(fitted, None), 8)
+    assert any(entry.chosen().kind == "tree" or entry.chosen().stage2 for entry in table.buckets[0].entries)
+    save_table(tmp_path / "t.json", table)
+    for batch_size in range(1, 9):
+        result = invoke("query", MODEL, "--batch-size", batch_size, "--json")
+        assert result.exit_code == 0, result.output
+        chosen = table.strategy(batch_size)
+        assert json.loads(result.stdout)["best_strategy"] == chosen.to_json(), batch_size
+        from_table = json.loads(invoke("query", "--table", tmp_path / "t.json", "--batch-size", batch_size,
+                                       "--json").stdout)
+        assert from_table["best_strategy"] == chosen.to_json()
