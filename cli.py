@@ -174,8 +174,10 @@ def bench(
     synthetic_acceptance: Annotated[Optional[float], typer.Option("--synthetic-acceptance", help=(
         "Accept each draft token with probability α in (0, 1] instead of verifying (SYNTHETIC; for "
         "presets)."))] = None,
-    peers: Annotated[bool, typer.Option(
-        "--peers", help="Also time transformers generate (plain, and assisted at batch size 1).")] = False,
+    peers: Annotated[Optional[str], typer.Option(
+        "--peers", help="Comma list: transformers (its generate, plain and assisted at batch size 1), vllm (vLLM "
+                        "plain and with the exported --table, interleaved with ours; bash bench/vllm/setup.sh "
+                        "first).")] = None,
     out: Annotated[Path, typer.Option(
         "--out", help="Output folder for bench.json, bench.csv and plots.")] = Path("specbatch-bench"),
     seed: Annotated[int, typer.Option("--seed")] = 0,
@@ -196,7 +198,8 @@ def bench(
     config = BenchConfig(  # every option is checked before a model is loaded
         batch_sizes=tuple(parse_int_list("--batch-sizes", batch_sizes)), ks=tuple(parse_int_list("--ks", ks, 0)),
         max_new_tokens=max_new_tokens, rounds=rounds, sampling=parse_sampling(sampling),
-        synthetic_acceptance=synthetic_acceptance, seed=seed, table_path=table, model_path=model, peers=peers,
+        synthetic_acceptance=synthetic_acceptance, seed=seed, table_path=table, model_path=model,
+        peers=tuple(name.strip() for name in peers.split(",") if name.strip()) if peers else (),
         trees=tuple(tree or ()), stage2_path=stage2)
     check_input_files(table=table, model=model, prompts=prompts, stage2=stage2)
     writable_dir(out, "--out")  # before measuring: a file in the way would lose every measurement
