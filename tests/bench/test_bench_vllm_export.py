@@ -96,3 +96,17 @@ def test_bench_peers_vllm_runs_vllm_beside_our_policies(tmp_path):
     bench = json.loads((tmp_path / "b" / "bench.json").read_text())
     assert bench["config"]["peers"] == ["vllm"]
     _check_comparison(bench["vllm"]["results"], [1, 3], rounds=1)
+
+
+def test_loadtest_serves_the_same_trace_through_vllm_with_our_table(tmp_path):
+    """`specbatch loadtest --policies vllm:table`: vLLM's own server runs our export; every greedy response
+    equals the target's solo greedy output."""
+    from serve.loadtest import LoadtestConfig, run_loadtest
+
+    save_table(tmp_path / "t.json", table_of([3, 2, 2, 1]))
+    prompts = ("def fibonacci(n):\n", "import os\n\n\ndef main():\n", "class Stack:\n    def push(self, item):\n")
+    config = LoadtestConfig(policies=("vllm:table",), rates_per_s=(4.0,), requests=4, max_duration_s=120,
+                            max_tokens=(8, 16), prompts=prompts, check_greedy=True, vllm_target=TARGET,
+                            vllm_draft=DRAFT, vllm_table=tmp_path / "t.json", vllm_max_num_seqs=4)
+    (run,) = run_loadtest(config, tmp_path / "out")["runs"]
+    assert (run["policy"], run["ok"], run["errors"], run["mismatched"]) == ("vllm:table", 4, 0, 0), run
