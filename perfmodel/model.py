@@ -22,7 +22,7 @@ source (isolated, in-situ, both) and the one that predicts the measured steps be
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from typing import Sequence
 
@@ -216,13 +216,17 @@ def fit_sources(profile: Profile, holdout: bool, overhead: OverheadModel,
         return isolated, None
     fits = {ISOLATED: isolated}
     for source in SOURCES[1:]:
-        try:
-            fits[source] = {role: fit_role(profile, role, holdout, source) for role in ROLES}
+        try:  # their held-out errors per batch size are in the source report; the role's own only if chosen
+            fits[source] = {role: fit_role(profile, role, False, source) for role in ROLES}
         except PerfModelError:
             continue  # too few rows of that source: it is not a candidate
     choice = choose_source([source_report(profile, source, role_fits, overhead, acceptance)
                             for source, role_fits in fits.items()])
-    return fits[choice.chosen], choice
+    chosen = fits[choice.chosen]
+    if holdout and choice.chosen != ISOLATED:
+        chosen = {role: replace(fit, holdout=_role_holdout(fit.model.shape, fit.points, role, choice.chosen))
+                  for role, fit in chosen.items()}
+    return chosen, choice
 
 
 def fit_profile(profile: Profile, holdout: bool = False) -> FittedModel:

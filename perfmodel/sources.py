@@ -167,9 +167,10 @@ def _pass_mape(models, train, points_at_b: dict[str, lat.Points]) -> float | Non
     return _mape(np.array(predicted), np.array(measured))
 
 
-def held_out_by_batch_size(profile: Profile, source: str, kinds: dict[str, str], overhead: OverheadModel,
+def held_out_by_batch_size(profile: Profile, source: str, full: dict[str, lat.LatencyModel], overhead: OverheadModel,
                            acceptance: AcceptanceModel) -> tuple[tuple[BatchSizeError, ...], np.ndarray]:
-    """Per batch size with measured steps: refit each role (kind as given) without the source's rows at b,
+    """Per batch size with measured steps: refit each role (the kind of its `full` fit, starting from that
+    fit's roofline: the optimum moves little when one batch size leaves) without the source's rows at b,
     predict the steps at b and the rows at b. Returns the errors and the held-out prediction of every step
     (nan where a refit was impossible), aligned with `profile.insitu_steps`."""
     steps = profile.insitu_steps
@@ -183,8 +184,8 @@ def held_out_by_batch_size(profile: Profile, source: str, kinds: dict[str, str],
         if min(len(p) for p in train.values()) < lat.MIN_POINTS:
             errors.append(BatchSizeError(b, len(at_b), None, None, None))
             continue
-        models = {role: lat.fit_latency_model(lat.RoleShape.from_model_info(profile.model(role)), train[role],
-                                              kinds[role]) for role in ROLES}
+        models = {role: lat.fit_latency_model(full[role].shape, train[role], full[role].kind, full[role].roofline)
+                  for role in ROLES}
         predicted[at_b] = predict_steps(_bounded(models, train), overhead, acceptance, [steps[i] for i in at_b])
         own = {role: _rows_at(p, b) for role, p in points.items()}
         in_situ = {role: _rows_at(insitu_points(profile, role), b) for role in ROLES}
@@ -201,7 +202,7 @@ def source_report(profile: Profile, source: str, fits: dict, overhead: OverheadM
                          overhead, acceptance, steps)
     measured = np.array([s.median_ms for s in steps])
     kinds = {role: fit.model.kind for role, fit in fits.items()}
-    by_b, held = held_out_by_batch_size(profile, source, kinds, overhead, acceptance)
+    by_b, held = held_out_by_batch_size(profile, source, {r: f.model for r, f in fits.items()}, overhead, acceptance)
     heldout = None if np.isnan(held).any() else lat.mape_pct(held, measured)
     return SourceReport(source, {role: len(fit.points) for role, fit in fits.items()}, kinds,
                         lat.mape_pct(full, measured), heldout, by_b,
