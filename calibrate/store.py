@@ -75,7 +75,7 @@ def measured_tree_overhead_points(profile: Profile) -> set[TreeOverheadPoint]:
 
 
 def measured_insitu_points(profile: Profile) -> set[InSituPoint]:
-    """A point is measured once its step row is there (its pass rows were written with it)."""
+    """A point is measured once its step rows are there (its pass rows were written with them)."""
     return {InSituPoint(r.batch_size, r.k) for r in profile.insitu_steps}
 
 
@@ -89,7 +89,7 @@ def with_row(profile: Profile, row: TimingRow | OverheadRow | AcceptanceEntry | 
     rows and its step row together."""
     if isinstance(row, InSituResult):
         return replace(profile, insitu_timings=profile.insitu_timings + row.passes,
-                       insitu_steps=profile.insitu_steps + (row.step,))
+                       insitu_steps=profile.insitu_steps + row.steps)
     if isinstance(row, TimingRow):
         return replace(profile, timings=profile.timings + (row,))
     if isinstance(row, OverheadRow):

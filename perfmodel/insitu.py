@@ -11,9 +11,10 @@ optional sections of `specbatch.profile/1`:
   width are grouped by context in bins of CONTEXT_BIN_TOKENS, `context_len` being the bin's mean context
   (the longest row's cached tokens before the pass: what its attention spans) and `k` the chain length
   of the steps they ran in;
-- `insitu_steps`: one row per (b, k), `{batch_size, k, context_len, tokens_per_step, median_ms, p10_ms,
-  p90_ms, reps}` over the full-batch steps (the batch thins out in the last steps; those are left out),
-  `context_len` the mean context the steps paid for and `tokens_per_step` per row, as E(k) is.
+- `insitu_steps`: rows `{batch_size, k, context_len, tokens_per_step, median_ms, p10_ms, p90_ms, reps}`
+  over the full-batch steps of one generation (the batch thins out in the last steps; those are left
+  out), `context_len` the mean context the steps paid for and `tokens_per_step` per row, as E(k) is;
+  a (b, k) point has one row per context it was generated at.
 
 `perfmodel.sources` fits the latency model from either kind of pass row and keeps the one that predicts
 these measured steps better. Profiles without the sections load unchanged and mean "isolated only".
@@ -64,7 +65,7 @@ class InSituStepRow:
     reps: int  # full-batch steps
 
     def key(self) -> tuple:
-        return (self.batch_size, self.k)
+        return (self.batch_size, self.k, self.context_len)
 
 
 def _spread(values_ms: Sequence[float]) -> tuple[float, float, float]:
@@ -165,7 +166,7 @@ def sections_from_json(obj: dict, top: str) -> tuple[tuple[InSituPassRow, ...], 
 
 def check_unique(passes: Sequence[InSituPassRow], steps: Sequence[InSituStepRow], where: str) -> None:
     for key, rows, fields in (("insitu_timings", passes, "(model, batch_size, new_tokens, context_len, k)"),
-                              ("insitu_steps", steps, "(batch_size, k)")):
+                              ("insitu_steps", steps, "(batch_size, k, context_len)")):
         seen = set()
         for index, row in enumerate(rows):
             if row.key() in seen:

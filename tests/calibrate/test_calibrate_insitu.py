@@ -27,18 +27,21 @@ def generator_and_prompts():
 def test_a_point_accounts_for_every_pass_of_its_full_batch_steps(generator_and_prompts):
     generator, prompts = generator_and_prompts
     result = measure_insitu(generator, InSituPoint(2, 4), prompts, NEW_TOKENS, rounds=2)
-    step, passes = result.step, result.passes
-    assert (step.batch_size, step.k) == (2, 4) and all((r.batch_size, r.k) == (2, 4) for r in passes)
-    assert 1.5 < step.tokens_per_step <= 5  # the demo pair agrees often (E(4) about 3 on these prompts)
-    assert step.reps * step.tokens_per_step <= 2 * NEW_TOKENS  # full-batch steps only, two rounds
+    steps, passes = result.steps, result.passes
+    assert all((r.batch_size, r.k) == (2, 4) for r in steps + passes)
+    assert all(1.5 < r.tokens_per_step <= 5 for r in steps)  # the demo pair agrees often (E(4) about 3)
+    step_count = sum(r.reps for r in steps)
+    assert all(r.reps * r.tokens_per_step <= NEW_TOKENS for r in steps)  # full-batch steps only, one round each
     target = [r for r in passes if r.model == "target"]
     draft = [r for r in passes if r.model == "draft"]
-    assert {r.new_tokens for r in target} == {5} and sum(r.reps for r in target) == step.reps
-    assert {r.new_tokens for r in draft} <= {1, 2} and sum(r.reps for r in draft) == 4 * step.reps
-    # rounds 1 and 2 run prompts 2-3 and 4-5 (the warm-up ran 0-1): the longest of each pair, then the generation
-    longest = [max(len(prompts[2]), len(prompts[3])), max(len(prompts[4]), len(prompts[5]))]
-    assert all(min(longest) - 1 <= r.context_len <= max(longest) + NEW_TOKENS for r in passes)
-    assert min(longest) <= step.context_len <= max(longest) + NEW_TOKENS
+    assert {r.new_tokens for r in target} == {5} and sum(r.reps for r in target) == step_count
+    assert {r.new_tokens for r in draft} <= {1, 2} and sum(r.reps for r in draft) == 4 * step_count
+    # the rounds ran the two shortest and the two longest prompts: the longest row sets the context
+    ordered = sorted(len(p) for p in prompts)
+    short, long = ordered[1], ordered[-1]
+    assert [r.context_len for r in steps] == sorted(r.context_len for r in steps) and len(steps) == 2
+    assert short <= steps[0].context_len <= short + NEW_TOKENS and long <= steps[1].context_len <= long + NEW_TOKENS
+    assert all(short - 1 <= r.context_len <= long + NEW_TOKENS for r in passes)
     assert all(r.in_situ and 0 < r.p10_ms <= r.median_ms <= r.p90_ms for r in passes)
 
 

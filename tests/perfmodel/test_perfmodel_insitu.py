@@ -101,7 +101,8 @@ def test_missing_fields_and_duplicates_are_named(tmp_path):
         load_profile(write(tmp_path, obj))
     obj = constructed(1.0, 1.0)
     obj["insitu_steps"].append(copy.deepcopy(obj["insitu_steps"][0]))
-    with pytest.raises(PerfModelError, match=r"insitu_steps\[12\]: duplicate \(batch_size, k\) row \(1, 0\)"):
+    duplicate = r"insitu_steps\[12\]: duplicate \(batch_size, k, context_len\) row \(1, 0, 130\)"
+    with pytest.raises(PerfModelError, match=duplicate):
         load_profile(write(tmp_path, obj))
     obj = constructed(1.0, 1.0)
     obj["insitu_timings"] = {"not": "a list"}
