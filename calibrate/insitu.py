@@ -1,8 +1,8 @@
 """In-situ timing: generate with a fixed chain k at one batch size on held-out prompts, and time every
 forward pass (`calibrate.pass_clock.PassClock`) and every step (the generator's own step clock).
 
-One point (b, k) is one warm-up generation (discarded: the first use of a batch size's shapes pays the
-allocator) and then `rounds` timed generations with EOS ignored, so every row runs `new_tokens` tokens.
+One point (b, k) is one short warm-up generation (discarded: the first use of a batch size's shapes pays
+the allocator) and then `rounds` timed generations with EOS ignored, so every row runs `new_tokens` tokens.
 Only full-batch steps count (the batch thins out in the last steps), and only their passes. The rows
 are `perfmodel.insitu`'s: passes grouped by width and context, one step row per round.
 
@@ -24,6 +24,9 @@ from runtime.policy import FixedK
 from runtime.sampling import Sampling
 
 from .pass_clock import PassClock
+
+
+WARMUP_TOKENS = 8  # new tokens per row of a point's warm-up generation
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,8 @@ def measure_insitu(generator: SpeculativeGenerator, point: InSituPoint, prompts:
     """The point's rows; None when no full-batch step had its passes timed (too few new tokens)."""
     b = point.batch_size
     batches = spread_batches(prompts, b, rounds)
-    generator.generate(batches[len(batches) // 2], new_tokens, FixedK(point.k), Sampling(), seed)  # warm-up
+    # warm-up: a few steps meet every shape of the point (the first use of a shape pays the allocator)
+    generator.generate(batches[len(batches) // 2], min(new_tokens, WARMUP_TOKENS), FixedK(point.k), Sampling(), seed)
     records, by_context = [], {}  # rounded mean context -> [step seconds, contexts, tokens]
     for round_index, batch in enumerate(batches, start=1):
         policy = _ContextLog(point.k)

@@ -83,7 +83,7 @@ QUICK_EFFORT = Effort(RepetitionRule(warmup_reps=1, min_reps=3, budget_s=0.06),
                       RepetitionRule(warmup_reps=1, min_reps=3, budget_s=0.1),
                       overhead_steps=2, prompt_count=16, continuation_tokens=32,
                       tree_rule=RepetitionRule(warmup_reps=0, min_reps=3, budget_s=0.06), tree_steps=2,
-                      tree_nodes=(12, 32), insitu_ks=(0, 2, 4, 6), insitu_tokens=32, insitu_rounds=2,
+                      tree_nodes=(12, 32), insitu_ks=(0, 2, 4, 6), insitu_tokens=24, insitu_rounds=2,
                       insitu_every_other_batch_size=True)
 
 
@@ -283,12 +283,14 @@ def _tree_overhead_row(pair: LoadedPair, plan: _Plan, point: TreeOverheadPoint, 
 
 
 def _insitu_prompts(pair: LoadedPair, plan: _Plan) -> list[list[int]]:
-    """The prompts after the acceptance ones (all of them when there are no more), leaving room for the
-    generation and the longest chain in both models' positions."""
+    """The prompts after the acceptance ones (all of them when there are no more), cut so that the contexts
+    stay within the grid's largest (the steps the table is computed for, and little time spent beyond)
+    and within both models' positions with room for the generation and the longest chain."""
     effort = plan.effort
     texts = list(plan.prompts[effort.prompt_count:]) or list(plan.prompts)
     limit = min(plan.target.config.max_position_embeddings, plan.draft.config.max_position_embeddings)
-    return acc.encode_prompts(pair.tokenizer, texts, limit - effort.insitu_tokens - plan.grid.max_k - 2)
+    room = min(limit - plan.grid.max_k - 2, max(plan.grid.context_lens)) - effort.insitu_tokens
+    return acc.encode_prompts(pair.tokenizer, texts, max(1, room))
 
 
 def _insitu_row(pair: LoadedPair, plan: _Plan, generator, point: InSituPoint, prompts: list[list[int]]):
