@@ -321,7 +321,7 @@ def _acceptance_done(entry: AcceptanceEntry, trees: bool) -> bool:
     return entry.source == "user" or not trees or entry.rank_acceptance is not None
 
 
-INSITU_POINT_S = 0.5  # an in-situ point on the demo pair on a 2-core CPU: its generations, about
+INSITU_POINT_S = 1.0  # an in-situ point of --quick on the demo pair on a 2-core CPU: about (b = 16: 2.5 s)
 
 
 def estimate_seconds(effort: Effort, acceptance_runs: int, timings: int, overheads: int, trees: int,
