@@ -107,6 +107,6 @@ def run_explain(config, models, prompts: Sequence[list[int]], k: int | None) -> 
     if pooled is None:
         raise BenchError(f"explain: no full-batch steps with timed passes at batch size {b}; raise --max-new-tokens")
     fitted = predictor.fitted
-    notes = [f"predictions use {predictor.acceptance_note}",
+    notes = [f"predictions use {predictor.acceptance_note}", *fitted.timing_source_notes(),
              *fitted.extrapolation_notes(b, [context_len], strategy.k), *fitted.strategy_notes([strategy])]
     return explain(step_model(fitted, predictor.acceptance), strategy, pooled, context_len), notes

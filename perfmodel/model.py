@@ -102,7 +102,9 @@ class FittedModel:
             notes.append(f"extrapolating: batch sizes above {max(self.grid.batch_sizes)} were not measured; there the "
                          "fitted time at the grid's edge grows as the roofline alone (perfmodel.extrapolation); "
                          "calibrate --batch-sizes up to the largest served to measure them")
-        lo, hi = min(self.grid.context_lens), max(self.grid.context_lens)
+        # the contexts the fit saw (the grid's; in-situ rows add the contexts real steps ran at)
+        lo = int(min(fit.points.context_len.min() for fit in self.roles.values()))
+        hi = int(max(fit.points.context_len.max() for fit in self.roles.values()))
         outside = [L for L in context_lens if not lo <= L <= hi]
         if outside:
             notes.append(f"extrapolating: context lengths {outside} lie outside the profiled [{lo}, {hi}]; the "
@@ -112,6 +114,16 @@ class FittedModel:
         if not self.overhead.measured:
             notes.append("the profile has no step-overhead rows: overhead taken as 0 ms")
         return notes
+
+    def timing_source_notes(self) -> list[str]:
+        """Which pass timings the latency was fitted to, when the profile offered a choice (perfmodel.sources)."""
+        choice = self.timing_source
+        if choice is None:
+            return []
+        report = choice.report(choice.chosen)
+        held = "" if report.heldout_step_mape_pct is None else f", {report.heldout_step_mape_pct:.1f} % held out"
+        return [f"pass latency fitted to the {choice.chosen} timings (chosen by {choice.criterion}: "
+                f"{report.step_mape_pct:.1f} % on the profile's measured steps{held})"]
 
     def strategy_notes(self, strategies: Sequence[Strategy]) -> list[str]:
         """Where trees and the second stage ask the model beyond what the profile measured."""

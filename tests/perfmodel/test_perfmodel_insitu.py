@@ -146,6 +146,9 @@ def test_in_situ_is_chosen_when_its_passes_are_the_steps_passes(tmp_path):
     assert {r.source for r in choice.reports} == {ISOLATED, INSITU, COMBINED}
     assert fitted.roles["target"].points.latency_ms.size == in_situ.points["target"]  # the chosen rows
     assert fitted.latency_ms("target", 4, 3, 130) == pytest.approx(1.25 * TRUE_MS("target", 4, 3, 130), rel=1e-3)
+    assert fitted.timing_source_notes() == [f"pass latency fitted to the in-situ timings (chosen by held-out step "
+                                            f"MAPE: {in_situ.step_mape_pct:.1f} % on the profile's measured steps, "
+                                            f"{in_situ.heldout_step_mape_pct:.1f} % held out)"]
 
 
 def test_isolated_is_kept_when_it_predicts_the_steps_and_the_choice_survives_the_file(tmp_path):
