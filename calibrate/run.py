@@ -67,7 +67,7 @@ class Effort:
     tree_nodes: tuple[int, ...]  # sizes of the grown trees whose overheads are measured
     insitu_ks: tuple[int, ...] = (0, 2, 4, 6, 8)  # chain lengths generated with for in-situ timing (<= max_k)
     insitu_tokens: int = 48  # new tokens per row of each in-situ generation
-    insitu_rounds: int = 3  # timed generations per in-situ point (after one warm-up), each on new prompts
+    insitu_rounds: int = 3  # timed generations per in-situ point (after a warm-up), shortest to longest prompts
     insitu_every_other_batch_size: bool = False  # in-situ at the grid's 1st, 3rd, ... batch sizes (and its last)
 
 
@@ -293,7 +293,7 @@ def _insitu_prompts(pair: LoadedPair, plan: _Plan) -> list[list[int]]:
     return acc.encode_prompts(pair.tokenizer, texts, max(1, room))
 
 
-def _insitu_row(pair: LoadedPair, plan: _Plan, generator, point: InSituPoint, prompts: list[list[int]]):
+def _insitu_row(plan: _Plan, generator, point: InSituPoint, prompts: list[list[int]]):
     """The point's in-situ rows; None when its generation runs out of memory or has no full-batch step."""
     try:
         return measure_insitu(generator, point, prompts, plan.effort.insitu_tokens, plan.effort.insitu_rounds)
@@ -461,7 +461,7 @@ def _measure(pair: LoadedPair, plan: _Plan, grid: Grid, todo: _Todo, request: Ca
     generator = SpeculativeGenerator(pair.target, pair.draft, eos_token_ids=()) if todo.insitu else None
     insitu_prompts = _insitu_prompts(pair, plan) if todo.insitu else []
     for point in todo.insitu:
-        row = _insitu_row(pair, plan, generator, point, insitu_prompts)
+        row = _insitu_row(plan, generator, point, insitu_prompts)
         label = f"in-situ b={point.batch_size} k={point.k}"
         advance(label if row is not None else label + " (out of memory or no full-batch step, not recorded)", row)
 
