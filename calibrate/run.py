@@ -66,8 +66,9 @@ class Effort:
     tree_steps: int  # generation steps per tree overhead sample
     tree_nodes: tuple[int, ...]  # sizes of the grown trees whose overheads are measured
     insitu_ks: tuple[int, ...] = (0, 2, 4, 6, 8)  # chain lengths generated with for in-situ timing (<= max_k)
-    insitu_tokens: int = 48  # new tokens per row of each in-situ generation
-    insitu_rounds: int = 3  # timed generations per in-situ point (after a warm-up), shortest to longest prompts
+    # the default's in-situ stage (30 points) takes about 100 s on the demo pair at load 2, half of it at b = 32
+    insitu_tokens: int = 32  # new tokens per row of each in-situ generation
+    insitu_rounds: int = 2  # timed generations per in-situ point (after a warm-up), shortest to longest prompts
     insitu_every_other_batch_size: bool = False  # in-situ at the grid's 1st, 3rd, ... batch sizes (and its last)
 
 
