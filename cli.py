@@ -230,7 +230,8 @@ def fit(
                           "error on those.")] = False,
     json_output: JsonOpt = False,
 ):
-    """Fit each role's pass latency T(b, n, L) from a profile; report parameters and errors."""
+    """Fit each role's pass latency T(b, n, L) from a profile; report parameters and errors. With in-situ
+    rows in the profile, from the timing source (isolated, in-situ, both) that predicts measured steps best."""
     from perfmodel.jsonio import check_not_input, writable_path
     from perfmodel.model import fit_profile, model_to_json, save_model
     from perfmodel.profile import load_profile
@@ -242,11 +243,12 @@ def fit(
     if json_output:
         roles = {role: {key: value for key, value in obj.items() if key != "points"}
                  for role, obj in model_to_json(fitted)["roles"].items()}
-        typer.echo(json.dumps({"model": str(output), "roles": roles}))
+        source = None if fitted.timing_source is None else fitted.timing_source.to_json()
+        typer.echo(json.dumps({"model": str(output), "roles": roles, "timing_source": source}))
         return
     from console.model import render_fit
 
-    render_fit(fitted, output)
+    render_fit(fitted, output, holdout)
 
 
 @app.command()
