@@ -1,0 +1,103 @@
+"""Draft-side early stop: a chain step stops proposing when the next token no longer pays for itself.
+
+While a plain chain step drafts (runtime.generator `_draft`), each draft pass j yields the draft's
+distribution q_j over the j-th token of every row. Before token j is sampled, `DraftStop.propose(j, top)`
+decides for the whole batch (the batch shares one shape) whether to propose it:
+  * each row's chance of accepting token j is c(top_rj), the draft's top probability mapped through an
+    online calibration (`SignalCalibration`): ten bins of top probability, each a Beta posterior whose
+    prior mean is the bin's centre (a calibrated draft: accepted as often as it is sure) worth 4
+    pseudo-trials, updated after every step with what the target really accepted at that position;
+  * the expected gain is dE_j = sum over rows of P(row reached j) * c(top_rj), with P(reached j) the
+    product of c over the row's earlier positions in this step;
+  * its marginal cost is dS_j = one more draft pass T_d(b, 1, L) plus the wider verify
+    T_t(b, j + 1, L) - T_t(b, j, L), from the step model;
+  * token j is proposed iff dE_j / dS_j >= E_{j-1} / S_{j-1}: it raises the step's goodput, where
+    E_{j-1} is the batch's expected tokens with j - 1 draft tokens and S_{j-1} the model's step time of a
+    chain of j - 1. The policy's k is the ceiling; the stop only shortens a step.
+
+Lossless. The decision to propose token j uses only what is known before token j is drawn: the
+committed prefix, the draft tokens 1..j-1 (each row's context before j), the draft's distribution q_j
+(a function of that context) and the calibration learnt from earlier steps. It never looks at the
+sampled token j nor at the acceptance draws. So, conditionally on everything before position j, the
+target's rejection sampling at j sees a draft token drawn from q_j (proposed) or none (the target's own
+token from p): either way the committed token at j is distributed as p(. | prefix) — the same argument
+that makes any k chosen before a step lossless, applied position by position. Greedy: the committed
+tokens are the target's argmaxes whatever the draft proposed. When the stop comes after pass j, that
+pass fed token j - 1 to the draft; its cache keeps it (runtime.generator sets the draft cache length).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import numpy as np
+
+from perfmodel.strategy import StepModel
+
+SIGNAL_BINS = 10  # bins of the draft's top probability
+SIGNAL_PRIOR_TRIALS = 4.0  # pseudo-trials per bin, prior mean = the bin's centre
+
+
+class SignalCalibration:
+    """P(the target accepts a draft token | the draft's top probability there), per bin, learnt online."""
+
+    def __init__(self, bins: int = SIGNAL_BINS, prior_trials: float = SIGNAL_PRIOR_TRIALS):
+        centres = (np.arange(bins) + 0.5) / bins
+        self.bins = bins
+        self.hits = centres * prior_trials
+        self.trials = np.full(bins, prior_trials)
+        self.rate = self.hits / self.trials
+
+    def index(self, top: np.ndarray) -> np.ndarray:
+        return np.minimum((top * self.bins).astype(int), self.bins - 1)
+
+    def update(self, bins: np.ndarray, accepted: np.ndarray) -> None:
+        np.add.at(self.trials, bins, 1.0)
+        np.add.at(self.hits, bins, accepted.astype(float))
+        self.rate = self.hits / self.trials
+
+
+class DraftStop:
+    """The batch-level stop rule of one chain step at a time (see the module docstring)."""
+
+    def __init__(self, model: StepModel, chain_step_ms: Callable[[int, int, int], float],
+                 calibration: SignalCalibration | None = None):
+        self.model, self.chain_step_ms = model, chain_step_ms
+        self.calibration = calibration or SignalCalibration()
+        self.decision_s = 0.0  # this step's time spent in `propose`
+        self.plan(1, 1, 0)
+
+    def plan(self, batch_size: int, context_len: int, k: int) -> None:
+        """A new step of at most k draft tokens over `batch_size` rows at context `context_len`."""
+        self.batch_size, self.context_len, self.k = batch_size, context_len, k
+        self.signal_bins: list[np.ndarray] = []  # per proposed position: each row's bin
+        self.reach = np.ones(batch_size)
+        self.expected_tokens = float(batch_size)
+        self.decision_s = 0.0
+
+    def propose(self, position: int, top_probabilities) -> bool:
+        """Whether to propose draft token `position` (1-based), given each row's top probability of q_j."""
+        started = time.perf_counter()
+        bins = self.calibration.index(np.asarray(top_probabilities.tolist(), dtype=float))
+        chance = self.calibration.rate[bins]
+        gain = float((self.reach * chance).sum())
+        b, L = self.batch_size, self.context_len
+        latency = self.model._latency
+        marginal_ms = (latency("draft", b, 1, L) + latency("target", b, position + 1, L)
+                       - latency("target", b, position, L))
+        worth = gain * self.chain_step_ms(b, L, position - 1) >= self.expected_tokens * marginal_ms
+        if worth:
+            self.signal_bins.append(bins)
+            self.reach = self.reach * chance
+            self.expected_tokens += gain
+        self.decision_s += time.perf_counter() - started
+        return worth
+
+    def observe(self, accepted) -> None:
+        """After the step: row i accepted `accepted[i]` of the proposed tokens; teach the calibration."""
+        accepted = np.asarray(accepted)
+        if self.signal_bins and accepted.shape[0] == self.signal_bins[0].shape[0]:
+            for position, bins in enumerate(self.signal_bins, start=1):
+                reached = accepted >= position - 1
+                self.calibration.update(bins[reached], accepted[reached] >= position)
+        self.signal_bins = []
