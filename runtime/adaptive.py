@@ -12,11 +12,17 @@ The estimator (`RequestAcceptance`). Each request r has a Beta posterior on its 
 alpha_r: prior Beta(alpha_0 * n_0, (1 - alpha_0) * n_0), i.e. the calibrated alpha_0 worth n_0 = 8
 pseudo-trials by default (`PRIOR_TRIALS`); a step in which the row was shown k draft tokens and accepted
 a of them adds a successes and, when a < k, one failure (the geometric likelihood of i.i.d. tokens).
-The point estimate is the posterior mean (alpha_0 n_0 + s) / (n_0 + s + f): a new request starts at the
-calibrated value, and after ~n_0 observed tokens its own history weighs as much as the prior (a prose
-request at alpha ~ 0.4 is recognised after two or three k = 4 steps). `interval` is the central Beta
-credible interval. alpha_0 is the constant alpha whose E(k) = (1 - alpha^(k+1)) / (1 - alpha) best fits
-the profile's measured step-aligned E(k) (`matching_alpha`): the same per-token rate the runtime observes.
+Acceptance drifts along a sequence (code, then a comment), so older evidence is forgotten: before a
+step's t = a + [a < k] trials are added, the counts AND the prior's weight are multiplied by
+(1 - 1 / m)^t with a memory of m = 64 tokens (`MEMORY_TOKENS`). The point estimate is the posterior mean
+(alpha_0 n_0 w + s) / (n_0 w + s + f), w the prior's remaining weight (1 at the start): a new request
+starts at the calibrated value, after ~n_0 observed tokens its own history weighs as much as the prior
+(a base64 request at alpha ~ 0.2 is recognised after two or three k = 4 steps), and a long request is
+judged on its last ~m tokens alone, without a lasting pull toward alpha_0. `interval` is the central
+Beta credible interval of that posterior: for a stationary alpha its half-width settles near
+1.96 * sqrt(alpha (1 - alpha) / m) (+-0.12 at alpha = 0.35), the floor that forgetting buys tracking with.
+alpha_0 is the constant alpha whose E(k) = (1 - alpha^(k+1)) / (1 - alpha) best fits the profile's
+measured step-aligned E(k) (`matching_alpha`): the same per-token rate the runtime observes.
 
 From alpha_r to E_r. The calibrated E_cal(k) has a position shape that a constant alpha lacks (the first
 token after a disagreement is harder), so a row's E is the calibrated one with its extra tokens scaled:
@@ -56,6 +62,7 @@ from perfmodel.tree import Strategy, chain
 from .draft_stop import DraftStop
 
 PRIOR_TRIALS = 8.0  # pseudo-trials of the calibrated alpha: ~2 steps of k = 4 weigh as much as the prior
+MEMORY_TOKENS = 64.0  # a request's evidence saturates at this many draft tokens (older ones are forgotten)
 SWITCH_MARGIN = 0.03  # relative predicted gain a challenger needs
 PERSIST_STEPS = 2  # consecutive steps it needs it for, at an unchanged batch size
 HORIZON_STEPS = 8  # steps a one-time catch-up cost is spread over
@@ -80,34 +87,40 @@ def matching_alpha(tokens_per_step: Sequence[float]) -> float:
 class RequestAcceptance:
     """Per-request Beta posteriors of the per-token acceptance (see the module docstring)."""
 
-    def __init__(self, prior_alpha: float, prior_trials: float = PRIOR_TRIALS):
-        if not 0.0 <= prior_alpha <= 1.0 or prior_trials <= 0:
-            raise UsageError(f"adaptive: need a prior alpha in [0, 1] and a positive strength, got {prior_alpha}, "
-                             f"{prior_trials}")
+    def __init__(self, prior_alpha: float, prior_trials: float = PRIOR_TRIALS, memory_tokens: float = MEMORY_TOKENS):
+        if not 0.0 <= prior_alpha <= 1.0 or prior_trials <= 0 or memory_tokens < 1:
+            raise UsageError(f"adaptive: need a prior alpha in [0, 1], a positive strength and a memory >= 1 token, "
+                             f"got {prior_alpha}, {prior_trials}, {memory_tokens}")
         self.prior_alpha, self.prior_trials = prior_alpha, prior_trials
-        self.counts: dict[Hashable, list[float]] = {}  # request id -> [accepted tokens, rejected tokens]
+        self.keep_per_trial = 1.0 - 1.0 / memory_tokens
+        # request id -> [accepted tokens, rejected tokens, the prior's remaining weight], all forgotten alike
+        self.counts: dict[Hashable, list[float]] = {}
 
     def observe(self, request_ids: Sequence[Hashable], proposed: int, accepted: Sequence[int]) -> None:
         if proposed <= 0:
             return
         for request_id, a in zip(request_ids, accepted):
-            counts = self.counts.setdefault(request_id, [0.0, 0.0])
-            counts[0] += a
-            counts[1] += a < proposed
+            counts = self.counts.setdefault(request_id, [0.0, 0.0, 1.0])
+            missed = a < proposed
+            keep = self.keep_per_trial ** (a + missed)
+            counts[0] = counts[0] * keep + a
+            counts[1] = counts[1] * keep + missed
+            counts[2] *= keep
 
     def release(self, request_ids: Sequence[Hashable]) -> None:
         for request_id in request_ids:
             self.counts.pop(request_id, None)
 
     def _beta(self, request_id: Hashable) -> tuple[float, float]:
-        hits, misses = self.counts.get(request_id, (0.0, 0.0))
-        return self.prior_alpha * self.prior_trials + hits, (1.0 - self.prior_alpha) * self.prior_trials + misses
+        hits, misses, weight = self.counts.get(request_id, (0.0, 0.0, 1.0))
+        prior = self.prior_trials * weight
+        return self.prior_alpha * prior + hits, (1.0 - self.prior_alpha) * prior + misses
 
     def means(self, request_ids: Sequence[Hashable]) -> np.ndarray:
         """Posterior mean per request (the prior's alpha_0 for a request never observed)."""
-        prior_hits, n0, unseen = self.prior_alpha * self.prior_trials, self.prior_trials, (0.0, 0.0)
+        alpha0, n0, unseen = self.prior_alpha, self.prior_trials, (0.0, 0.0, 1.0)
         get = self.counts.get
-        return np.array([(prior_hits + h) / (n0 + h + m) for h, m in (get(r, unseen) for r in request_ids)])
+        return np.array([(alpha0 * n0 * w + h) / (n0 * w + h + m) for h, m, w in (get(r, unseen) for r in request_ids)])
 
     def interval(self, request_id: Hashable, level: float = 0.95) -> tuple[float, float]:
         """The central `level` Beta credible interval of a request's alpha."""
