@@ -22,6 +22,9 @@ def serve_command(
         "--k", help="Fixed speculation length instead of a table (0: none).")] = None,
     tree: Annotated[Optional[str], typer.Option(
         "--tree", help="A fixed draft tree (rank paths like 0,1,0.0) instead of a table.")] = None,
+    adaptive: Annotated[Optional[Path], typer.Option(
+        "--adaptive", help="specbatch.model/1 file: choose k every step from the model and each request's "
+                           "acceptance learned online, instead of a table.")] = None,
     host: Annotated[str, typer.Option(
         "--host", help="Address to bind (loopback by default; there is no authentication).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port")] = 8000,
@@ -48,7 +51,7 @@ def serve_command(
     """Serve the pair over an OpenAI-compatible HTTP API with continuous batching; the table picks k every step."""
     from serve.server import ServeOptions, serve
 
-    serve(ServeOptions(target=target, draft=draft, table=table, k=k, tree=tree, host=host, port=port,
+    serve(ServeOptions(target=target, draft=draft, table=table, k=k, tree=tree, adaptive=adaptive, host=host, port=port,
                        max_batch_size=max_batch_size, kv_budget_tokens=kv_budget_tokens, max_waiting=max_waiting,
                        max_tokens_limit=max_tokens_limit, device=device, dtype=dtype, profile=profile,
                        threads=threads, model_name=model_name, drain_s=drain_s))

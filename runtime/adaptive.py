@@ -268,5 +268,6 @@ def adaptive_policy(model_file: Path, max_k: int | None = None, staged: bool = F
                             name=f"adaptive {Path(model_file).name}")
     policy.stage2_record = {"file": fitted.stage2.file, "sha256": fitted.stage2.sha256} \
         if policy.needs_stage2 else None
-    policy.fitted = fitted
+    policy.made_for = {"target": (fitted.target_info.source, fitted.target_info.fingerprint),
+                       "draft": (fitted.draft_info.source, fitted.draft_info.fingerprint)}
     return policy
