@@ -8,27 +8,30 @@ chains with the n-gram second stage when the model measured one and the generato
     computed once and every later decision is a table look-up plus a few vector operations);
   * E_batch(s) is the mean over the batch's rows of each row's own E_r(s), from its acceptance estimate.
 
-The estimator (`RequestAcceptance`). Each request r has a Beta posterior on its per-token acceptance
-alpha_r: prior Beta(alpha_0 * n_0, (1 - alpha_0) * n_0), i.e. the calibrated alpha_0 worth n_0 = 8
-pseudo-trials by default (`PRIOR_TRIALS`); a step in which the row was shown k draft tokens and accepted
-a of them adds a successes and, when a < k, one failure (the geometric likelihood of i.i.d. tokens).
-Acceptance drifts along a sequence (code, then a comment), so older evidence is forgotten: before a
-step's t = a + [a < k] trials are added, the counts AND the prior's weight are multiplied by
-(1 - 1 / m)^t with a memory of m = 64 tokens (`MEMORY_TOKENS`). The point estimate is the posterior mean
-(alpha_0 n_0 w + s) / (n_0 w + s + f), w the prior's remaining weight (1 at the start): a new request
-starts at the calibrated value, after ~n_0 observed tokens its own history weighs as much as the prior
-(a base64 request at alpha ~ 0.2 is recognised after two or three k = 4 steps), and a long request is
-judged on its last ~m tokens alone, without a lasting pull toward alpha_0. `interval` is the central
-Beta credible interval of that posterior: for a stationary alpha its half-width settles near
-1.96 * sqrt(alpha (1 - alpha) / m) (+-0.12 at alpha = 0.35), the floor that forgetting buys tracking with.
-alpha_0 is the constant alpha whose E(k) = (1 - alpha^(k+1)) / (1 - alpha) best fits the profile's
-measured step-aligned E(k) (`matching_alpha`): the same per-token rate the runtime observes.
-
-From alpha_r to E_r. The calibrated E_cal(k) has a position shape that a constant alpha lacks (the first
-token after a disagreement is harder), so a row's E is the calibrated one with its extra tokens scaled:
-    E_r(k) = 1 + (E_cal(k) - 1) * sum_{i<=k} alpha_r^i / sum_{i<=k} alpha_0^i
-which equals E_cal(k) when alpha_r = alpha_0: with nothing to adapt to the policy predicts what the
-table predicted (up to the context, which the table fixes at one bucket and the policy reads each step).
+The estimator (`RequestAcceptance`). What a row accepts per step depends on where steps start (the
+first token after a disagreement is harder: 0.70 at position 1 of a k = 8 chain on the demo pair, 0.79
+for k = 1), so a per-token rate observed at one k predicts another k badly, and an online estimate
+learnt at small k would talk the policy into ever smaller k. The calibrated profile measured the
+step-aligned E_cal(k) at every k instead, so each request r carries one number, the ratio
+    rho_r = accepted draft tokens / what E_cal predicts at the k actually run (E_cal(k) - 1 per step),
+with a Gamma posterior (the conjugate of a Poisson-like count against its expectation): prior
+Gamma(n_0, n_0), i.e. rho = 1 (exactly the calibrated pair) worth n_0 = 8 expected tokens by default
+(`PRIOR_TOKENS`: about three k = 4 steps of the demo pair); a step of k proposed tokens of which a
+were accepted adds a to the shape and E_cal(k) - 1 to the rate. Acceptance drifts along a sequence
+(code, then a comment), so older evidence is forgotten: before a step's t = a + [a < k] draft tokens
+are added, both sums AND the prior's weight w are multiplied by (1 - 1 / m)^t, m = 64 tokens
+(`MEMORY_TOKENS`). The point estimate is the posterior mean (n_0 w + A) / (n_0 w + X): a new request
+starts at the calibrated pair, after ~n_0 expected tokens its own history weighs as much as the prior
+(a base64 request at rho ~ 0.25 is recognised after three or four steps), and a long request is
+judged on its last ~m draft tokens alone, with no lasting pull toward 1. `interval` is the central
+Gamma credible interval; for a stationary row it narrows to about +-1.96 sqrt(rho / X), X the expected
+tokens still in memory (a few tens: the floor that forgetting buys tracking with). Then, per candidate s of depth k,
+    E_r(s) = min(k + 1, 1 + rho_r * (E_cal(s) - 1)),
+which is E_cal(s) when rho_r = 1: with nothing to adapt to the policy predicts what the table predicted
+(up to the context, which the table fixes at one bucket and the policy reads each step). Assumption: a
+row's extra tokens scale by one factor at every k; for a row that agrees geometrically less (constant
+per-token alpha below the pair's) the factor falls with k, so rho learnt at small k over-predicts
+long chains (the hysteresis and the draft stop bound what that costs).
 
 Hysteresis. The current strategy is kept unless a challenger's predicted goodput beats it by more than
 `switch_margin` (3 %: about the acceptance uncertainty of a calibrated E(k)) on `persist_steps`
@@ -61,89 +64,71 @@ from perfmodel.tree import Strategy, chain
 
 from .draft_stop import DraftStop
 
-PRIOR_TRIALS = 8.0  # pseudo-trials of the calibrated alpha: ~2 steps of k = 4 weigh as much as the prior
-MEMORY_TOKENS = 64.0  # a request's evidence saturates at this many draft tokens (older ones are forgotten)
+PRIOR_TOKENS = 8.0  # the prior rho = 1 is worth this many expected accepted tokens (~3 demo steps at k = 4)
+MEMORY_TOKENS = 64.0  # a request's evidence fades with each draft token: (1 - 1/64) per token
 SWITCH_MARGIN = 0.03  # relative predicted gain a challenger needs
 PERSIST_STEPS = 2  # consecutive steps it needs it for, at an unchanged batch size
 HORIZON_STEPS = 8  # steps a one-time catch-up cost is spread over
 CONTEXT_BUCKET = 64  # context lengths are rounded up to this many tokens for the step-time cache
 
 
-def matching_alpha(tokens_per_step: Sequence[float]) -> float:
-    """The constant alpha whose (1 - alpha^(k+1)) / (1 - alpha) best fits E(k), k = 1..K (least squares).
-
-    >>> round(matching_alpha([1.0, 1.5, 1.75, 1.875]), 3)
-    0.5
-    """
-    measured = np.asarray(tokens_per_step[1:], dtype=float)
-    if measured.size == 0:
-        raise UsageError("adaptive: the acceptance has no E(k) for k >= 1 to derive alpha_0 from")
-    alphas = np.linspace(0.0, 0.999, 1999)[:, None]
-    ks = np.arange(1, measured.size + 1)[None, :]
-    curves = (1.0 - alphas ** (ks + 1)) / (1.0 - alphas)
-    return float(alphas[np.argmin(((curves - measured) ** 2).sum(1)), 0])
-
-
 class RequestAcceptance:
-    """Per-request Beta posteriors of the per-token acceptance (see the module docstring)."""
+    """Per-request Gamma posteriors of rho = accepted / calibrated expectation (module docstring)."""
 
-    def __init__(self, prior_alpha: float, prior_trials: float = PRIOR_TRIALS, memory_tokens: float = MEMORY_TOKENS):
-        if not 0.0 <= prior_alpha <= 1.0 or prior_trials <= 0 or memory_tokens < 1:
-            raise UsageError(f"adaptive: need a prior alpha in [0, 1], a positive strength and a memory >= 1 token, "
-                             f"got {prior_alpha}, {prior_trials}, {memory_tokens}")
-        self.prior_alpha, self.prior_trials = prior_alpha, prior_trials
-        self.keep_per_trial = 1.0 - 1.0 / memory_tokens
-        # request id -> [accepted tokens, rejected tokens, the prior's remaining weight], all forgotten alike
+    def __init__(self, expected_accepted: Sequence[float], prior_tokens: float = PRIOR_TOKENS,
+                 memory_tokens: float = MEMORY_TOKENS):
+        """`expected_accepted[k]` = E_cal(k) - 1, the calibrated accepted tokens of a chain step of k."""
+        if prior_tokens <= 0 or memory_tokens < 1 or not expected_accepted:
+            raise UsageError(f"adaptive: need a positive prior strength, a memory >= 1 token and E(k) values, got "
+                             f"{prior_tokens}, {memory_tokens}")
+        self.expected_accepted = tuple(float(x) for x in expected_accepted)
+        self.prior_tokens = prior_tokens
+        self.keep_per_token = 1.0 - 1.0 / memory_tokens
+        # request id -> [accepted tokens A, expected tokens X, the prior's remaining weight w], forgotten alike
         self.counts: dict[Hashable, list[float]] = {}
 
     def observe(self, request_ids: Sequence[Hashable], proposed: int, accepted: Sequence[int]) -> None:
         if proposed <= 0:
             return
+        expected = self.expected_accepted[min(proposed, len(self.expected_accepted) - 1)]
         for request_id, a in zip(request_ids, accepted):
             counts = self.counts.setdefault(request_id, [0.0, 0.0, 1.0])
-            missed = a < proposed
-            keep = self.keep_per_trial ** (a + missed)
+            keep = self.keep_per_token ** (a + (a < proposed))
             counts[0] = counts[0] * keep + a
-            counts[1] = counts[1] * keep + missed
+            counts[1] = counts[1] * keep + expected
             counts[2] *= keep
 
     def release(self, request_ids: Sequence[Hashable]) -> None:
         for request_id in request_ids:
             self.counts.pop(request_id, None)
 
-    def _beta(self, request_id: Hashable) -> tuple[float, float]:
-        hits, misses, weight = self.counts.get(request_id, (0.0, 0.0, 1.0))
-        prior = self.prior_trials * weight
-        return self.prior_alpha * prior + hits, (1.0 - self.prior_alpha) * prior + misses
-
     def means(self, request_ids: Sequence[Hashable]) -> np.ndarray:
-        """Posterior mean per request (the prior's alpha_0 for a request never observed)."""
-        alpha0, n0, unseen = self.prior_alpha, self.prior_trials, (0.0, 0.0, 1.0)
+        """Posterior mean of rho per request (1 for a request never observed)."""
+        n0, unseen = self.prior_tokens, (0.0, 0.0, 1.0)
         get = self.counts.get
-        return np.array([(alpha0 * n0 * w + h) / (n0 * w + h + m) for h, m, w in (get(r, unseen) for r in request_ids)])
+        return np.array([(n0 * w + a) / (n0 * w + x) for a, x, w in (get(r, unseen) for r in request_ids)])
 
     def interval(self, request_id: Hashable, level: float = 0.95) -> tuple[float, float]:
-        """The central `level` Beta credible interval of a request's alpha."""
-        from scipy.stats import beta
+        """The central `level` Gamma credible interval of a request's rho."""
+        from scipy.stats import gamma
 
-        a, b = self._beta(request_id)
-        return float(beta.ppf((1 - level) / 2, a, b)), float(beta.ppf((1 + level) / 2, a, b))
+        accepted, expected, weight = self.counts.get(request_id, (0.0, 0.0, 1.0))
+        shape, rate = self.prior_tokens * weight + accepted, self.prior_tokens * weight + expected
+        return (float(gamma.ppf((1 - level) / 2, shape, scale=1 / rate)),
+                float(gamma.ppf((1 + level) / 2, shape, scale=1 / rate)))
 
 
 class AdaptivePolicy:
     """A policy (`runtime.policy`) that evaluates the step model every step with online acceptance."""
 
     def __init__(self, model: StepModel, max_k: int = 8, *, staged: bool = False,
-                 prior_trials: float = PRIOR_TRIALS, switch_margin: float = SWITCH_MARGIN,
-                 persist_steps: int = PERSIST_STEPS, horizon_steps: int = HORIZON_STEPS,
-                 context_bucket: int = CONTEXT_BUCKET, early_stop: bool = True, name: str = "adaptive"):
+                 prior_tokens: float = PRIOR_TOKENS, memory_tokens: float = MEMORY_TOKENS,
+                 switch_margin: float = SWITCH_MARGIN, persist_steps: int = PERSIST_STEPS,
+                 horizon_steps: int = HORIZON_STEPS, context_bucket: int = CONTEXT_BUCKET,
+                 early_stop: bool = True, name: str = "adaptive"):
         if max_k < 0 or switch_margin < 0 or persist_steps < 1 or horizon_steps < 1 or context_bucket < 1:
             raise UsageError("adaptive: need max_k >= 0, switch_margin >= 0, persist_steps, horizon_steps and "
                              "context_bucket >= 1")
-        if model.acceptance.tokens_per_step is not None and len(model.acceptance.tokens_per_step) > 1:
-            prior_alpha = matching_alpha(model.acceptance.tokens_per_step)
-        else:
-            prior_alpha = model.acceptance.constant.alpha
         self.model, self.name = model, name
         self.candidates = [Strategy(None)] + [Strategy(chain(k)) for k in range(1, max_k + 1)]
         if staged:
@@ -152,18 +137,14 @@ class AdaptivePolicy:
             self.candidates += [Strategy(chain(k), stage2=True) for k in range(1, max_k + 1)]
         self.max_k = max_k
         self.needs_stage2 = staged
-        self.acceptance = RequestAcceptance(prior_alpha, prior_trials)
+        chains = [Strategy(chain(k)) if k else Strategy(None) for k in range(max_k + 1)]
+        self.acceptance = RequestAcceptance([model.tokens_per_step(s) - 1.0 for s in chains], prior_tokens,
+                                            memory_tokens)
         self.switch_margin, self.persist_steps, self.horizon_steps = switch_margin, persist_steps, horizon_steps
         self.context_bucket = context_bucket
-        depth = np.array([s.k for s in self.candidates])
-        self._depth = depth
-        self._exponents = np.arange(1, max_k + 1, dtype=float)
-        self._sums = np.zeros(max_k + 1)  # scratch: mean over rows of sum_{i<=k} alpha_r^i, k = 0..max_k
-        self._is_chain = depth > 0
-        prior_extra = np.array([model.tokens_per_step(s) - 1.0 for s in self.candidates])
-        prior_sum = np.array([sum(prior_alpha ** i for i in range(1, d + 1)) for d in depth])
-        # E_r(s) - 1 = scale[s] * sum_{i<=k} alpha_r^i  (0 for no speculation)
-        self._scale = np.where(prior_sum > 0, prior_extra / np.maximum(prior_sum, 1e-12), 0.0)
+        self._depth = np.array([s.k for s in self.candidates])
+        self._is_chain = self._depth > 0
+        self._prior_extra = np.array([model.tokens_per_step(s) - 1.0 for s in self.candidates])  # E_cal(s) - 1
         self._step_ms: dict[tuple[int, int], np.ndarray] = {}
         self.draft_stop = DraftStop(model, self._chain_step_ms) if early_stop else None
         self._reset()
@@ -175,8 +156,8 @@ class AdaptivePolicy:
 
     def describe(self) -> str:
         stop = ", draft early stop" if self.draft_stop is not None else ""
-        return (f"{self.name} (prior alpha {self.acceptance.prior_alpha:.3f} x {self.acceptance.prior_trials:g} "
-                f"trials, margin {self.switch_margin:.0%}{stop})")
+        return (f"{self.name} (per-request acceptance vs the calibrated E(k), prior {self.acceptance.prior_tokens:g} "
+                f"tokens, margin {self.switch_margin:.0%}{stop})")
 
     def choose(self, request_ids: Sequence[Hashable], context_len: int):
         started = time.perf_counter()
@@ -218,10 +199,9 @@ class AdaptivePolicy:
     def predicted_goodput(self, request_ids: Sequence[Hashable], context_len: int) -> np.ndarray:
         """Predicted tokens/s of every candidate for these rows (the hysteresis aside)."""
         b, bucket = len(request_ids), self._bucket(context_len)
-        alphas = self.acceptance.means(request_ids)
-        # mean over rows of sum_{i<=k} alpha_r^i for k = 1..max_k, then per candidate by its depth
-        self._sums[1:] = np.power.outer(alphas, self._exponents).cumsum(1).mean(0)
-        tokens = 1.0 + self._scale * self._sums[self._depth]
+        ratios = self.acceptance.means(request_ids)
+        # mean over rows of E_r(s) = min(k + 1, 1 + rho_r (E_cal(s) - 1)), per candidate s of depth k
+        tokens = 1.0 + np.minimum(self._depth, np.multiply.outer(ratios, self._prior_extra)).mean(0)
         step_ms = self._step_times(b, bucket)
         if self._lag_steps > 0 and self.candidates[self._current].tree is None:
             catch_up_ms = (self._latency("draft", b, self._lag_steps + 1, bucket)

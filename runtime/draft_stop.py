@@ -65,6 +65,7 @@ class DraftStop:
         self.model, self.chain_step_ms = model, chain_step_ms
         self.calibration = calibration or SignalCalibration()
         self.decision_s = 0.0  # this step's time spent in `propose`
+        self._costs: dict[tuple[int, int, int], list[tuple[float, float]]] = {}
         self.plan(1, 1, 0)
 
     def plan(self, batch_size: int, context_len: int, k: int) -> None:
@@ -74,18 +75,25 @@ class DraftStop:
         self.reach = np.ones(batch_size)
         self.expected_tokens = float(batch_size)
         self.decision_s = 0.0
+        key = (batch_size, context_len, k)
+        if k > 0 and key not in self._costs:  # (S_{j-1}, dS_j) for j = 1..k, from the step model, once
+            if len(self._costs) > 4096:
+                self._costs.clear()
+            latency = self.model._latency
+            self._costs[key] = [(self.chain_step_ms(batch_size, context_len, j - 1),
+                                 latency("draft", batch_size, 1, context_len)
+                                 + latency("target", batch_size, j + 1, context_len)
+                                 - latency("target", batch_size, j, context_len)) for j in range(1, k + 1)]
+        self._step_costs = self._costs.get(key)
 
     def propose(self, position: int, top_probabilities) -> bool:
         """Whether to propose draft token `position` (1-based), given each row's top probability of q_j."""
         started = time.perf_counter()
         bins = self.calibration.index(np.asarray(top_probabilities.tolist(), dtype=float))
         chance = self.calibration.rate[bins]
-        gain = float((self.reach * chance).sum())
-        b, L = self.batch_size, self.context_len
-        latency = self.model._latency
-        marginal_ms = (latency("draft", b, 1, L) + latency("target", b, position + 1, L)
-                       - latency("target", b, position, L))
-        worth = gain * self.chain_step_ms(b, L, position - 1) >= self.expected_tokens * marginal_ms
+        gain = float(self.reach @ chance)
+        step_ms, marginal_ms = self._step_costs[position - 1]
+        worth = gain * step_ms >= self.expected_tokens * marginal_ms
         if worth:
             self.signal_bins.append(bins)
             self.reach = self.reach * chance

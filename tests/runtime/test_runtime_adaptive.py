@@ -55,10 +55,8 @@ def test_adaptive_greedy_equals_target_only(kind, size, early_stop, greedy_targe
     assert len(stats.decision_s) == len(stats.planned_k_per_step) == stats.steps
     assert all(ran <= planned for ran, planned in zip(stats.k_per_step, stats.planned_k_per_step))
     assert policy.acceptance.counts == {}  # every request was released at its end
-    if kind == "never":  # the estimate falls and the policy shortens its chains
-        assert stats.planned_k_per_step[-1] < stats.planned_k_per_step[0]
-    if kind == "always" and size == 1:  # it grows toward the longest chain
-        assert stats.planned_k_per_step[-1] > stats.planned_k_per_step[0]
+    if kind == "never" and early_stop:  # the draft is sure and always wrong: the calibration learns to stop
+        assert stats.k_per_step[-1] < stats.k_per_step[0]
 
 
 def test_early_stop_really_shortens_steps(greedy_target, greedy_draft_sometimes, prompts8, reference):
