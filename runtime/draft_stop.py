@@ -30,8 +30,6 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-import numpy as np
-
 from perfmodel.strategy import StepModel
 
 SIGNAL_BINS = 10  # bins of the draft's top probability
@@ -39,22 +37,24 @@ SIGNAL_PRIOR_TRIALS = 4.0  # pseudo-trials per bin, prior mean = the bin's centr
 
 
 class SignalCalibration:
-    """P(the target accepts a draft token | the draft's top probability there), per bin, learnt online."""
+    """P(the target accepts a draft token | the draft's top probability there), per bin, learnt online.
+    Plain Python lists: a step touches a few dozen (row, position) pairs, where numpy's per-call cost
+    would dominate."""
 
     def __init__(self, bins: int = SIGNAL_BINS, prior_trials: float = SIGNAL_PRIOR_TRIALS):
-        centres = (np.arange(bins) + 0.5) / bins
         self.bins = bins
-        self.hits = centres * prior_trials
-        self.trials = np.full(bins, prior_trials)
-        self.rate = self.hits / self.trials
+        self.hits = [(i + 0.5) / bins * prior_trials for i in range(bins)]
+        self.trials = [prior_trials] * bins
+        self.rate = [h / t for h, t in zip(self.hits, self.trials)]
 
-    def index(self, top: np.ndarray) -> np.ndarray:
-        return np.minimum((top * self.bins).astype(int), self.bins - 1)
+    def index(self, top: list[float]) -> list[int]:
+        last = self.bins - 1
+        return [min(int(p * self.bins), last) for p in top]
 
-    def update(self, bins: np.ndarray, accepted: np.ndarray) -> None:
-        np.add.at(self.trials, bins, 1.0)
-        np.add.at(self.hits, bins, accepted.astype(float))
-        self.rate = self.hits / self.trials
+    def update(self, bin_index: int, accepted: bool) -> None:
+        self.trials[bin_index] += 1.0
+        self.hits[bin_index] += accepted
+        self.rate[bin_index] = self.hits[bin_index] / self.trials[bin_index]
 
 
 class DraftStop:
@@ -71,8 +71,8 @@ class DraftStop:
     def plan(self, batch_size: int, context_len: int, k: int) -> None:
         """A new step of at most k draft tokens over `batch_size` rows at context `context_len`."""
         self.batch_size, self.context_len, self.k = batch_size, context_len, k
-        self.signal_bins: list[np.ndarray] = []  # per proposed position: each row's bin
-        self.reach = np.ones(batch_size)
+        self.signal_bins: list[list[int]] = []  # per proposed position: each row's bin
+        self.reach = [1.0] * batch_size  # P(the row accepted every token proposed so far)
         self.expected_tokens = float(batch_size)
         self.decision_s = 0.0
         key = (batch_size, context_len, k)
@@ -89,23 +89,26 @@ class DraftStop:
     def propose(self, position: int, top_probabilities) -> bool:
         """Whether to propose draft token `position` (1-based), given each row's top probability of q_j."""
         started = time.perf_counter()
-        bins = self.calibration.index(np.asarray(top_probabilities.tolist(), dtype=float))
-        chance = self.calibration.rate[bins]
-        gain = float(self.reach @ chance)
+        bins = self.calibration.index(top_probabilities.tolist())
+        rate = self.calibration.rate
+        reach = [r * rate[i] for r, i in zip(self.reach, bins)]  # P(row reaches and accepts token j)
+        gain = sum(reach)
         step_ms, marginal_ms = self._step_costs[position - 1]
         worth = gain * step_ms >= self.expected_tokens * marginal_ms
         if worth:
             self.signal_bins.append(bins)
-            self.reach = self.reach * chance
+            self.reach = reach
             self.expected_tokens += gain
         self.decision_s += time.perf_counter() - started
         return worth
 
     def observe(self, accepted) -> None:
         """After the step: row i accepted `accepted[i]` of the proposed tokens; teach the calibration."""
-        accepted = np.asarray(accepted)
-        if self.signal_bins and accepted.shape[0] == self.signal_bins[0].shape[0]:
+        accepted = list(accepted)
+        if self.signal_bins and len(accepted) == len(self.signal_bins[0]):
+            update = self.calibration.update
             for position, bins in enumerate(self.signal_bins, start=1):
-                reached = accepted >= position - 1
-                self.calibration.update(bins[reached], accepted[reached] >= position)
+                for a, bin_index in zip(accepted, bins):
+                    if a >= position - 1:  # the row reached this token: every earlier one was accepted
+                        update(bin_index, a >= position)
         self.signal_bins = []
