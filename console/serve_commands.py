@@ -58,7 +58,8 @@ def serve_command(
 
 
 def loadtest_command(
-    policies: Annotated[str, typer.Option("--policies", help="Comma list: table, k=K, tree=SPEC.")] = "table,k=0",
+    policies: Annotated[str, typer.Option(
+        "--policies", help="Comma list: table, k=K, tree=SPEC, adaptive=MODEL.json.")] = "table,k=0",
     rates: Annotated[str, typer.Option("--rates", help="Arrival rates, requests/s, comma list.")] = "1,2,4",
     cvs: Annotated[str, typer.Option("--cvs", help="Coefficients of variation of the Gamma gaps (1 = Poisson).")] = "1",
     requests: Annotated[int, typer.Option("--requests", help="Requests per (policy, rate, CV).")] = 100,
