@@ -15,8 +15,10 @@ learnt at small k would talk the policy into ever smaller k. The calibrated prof
 step-aligned E_cal(k) at every k instead, so each request r carries one number, the ratio
     rho_r = accepted draft tokens / what E_cal predicts at the k actually run (E_cal(k) - 1 per step),
 with a Gamma posterior (the conjugate of a Poisson-like count against its expectation): prior
-Gamma(n_0, n_0), i.e. rho = 1 (exactly the calibrated pair) worth n_0 = 8 expected tokens by default
-(`PRIOR_TOKENS`: about three k = 4 steps of the demo pair); a step of k proposed tokens of which a
+Gamma(n_0, n_0), i.e. rho = 1 (exactly the calibrated pair) worth n_0 = 4 expected tokens by default
+(`PRIOR_TOKENS`: under two k = 4 steps of the demo pair; 8 halved the gain on base64 prompts at b = 1,
+where every step learning at the prior's k = 8 costs eight draft passes, and did not help held-out);
+a step of k proposed tokens of which a
 were accepted adds a to the shape and E_cal(k) - 1 to the rate. Acceptance drifts along a sequence
 (code, then a comment), so older evidence is forgotten: before a step's t = a + [a < k] draft tokens
 are added, both sums AND the prior's weight w are multiplied by (1 - 1 / m)^t, m = 64 tokens
@@ -64,7 +66,7 @@ from perfmodel.tree import Strategy, chain
 
 from .draft_stop import DraftStop
 
-PRIOR_TOKENS = 8.0  # the prior rho = 1 is worth this many expected accepted tokens (~3 demo steps at k = 4)
+PRIOR_TOKENS = 4.0  # the prior rho = 1 is worth this many expected accepted tokens (<2 demo steps at k = 4)
 MEMORY_TOKENS = 64.0  # a request's evidence fades with each draft token: (1 - 1/64) per token
 SWITCH_MARGIN = 0.03  # relative predicted gain a challenger needs
 PERSIST_STEPS = 2  # consecutive steps it needs it for, at an unchanged batch size

@@ -79,16 +79,16 @@ def test_policy_picks_what_the_model_says_on_a_constructed_profile():
     assert policy.predicted_goodput(["new"], 100) == pytest.approx(expected)
     assert expected[:3] == pytest.approx([100.0, 120.0, 116.667], abs=1e-3) and int(np.argmax(expected)) == 1
     assert policy.choose(["new"], 100) == 1
-    # a request that accepted 40 tokens where the pair predicted 20: rho = (8 + 40) / (8 + 20)
+    # a request that accepted 40 tokens where the pair predicted 20: rho = (4 + 40) / (4 + 20)
     high = AdaptivePolicy(model, max_k=8, early_stop=False)
     high.acceptance.counts["hot"] = [40.0, 20.0, 1.0]
-    rho = 48 / 28
+    rho = 44 / 24
     expected = [hand_goodput([rho], k) for k in range(9)]
     assert high.predicted_goodput(["hot"], 100) == pytest.approx(expected)
     assert high.choose(["hot"], 100) == int(np.argmax(expected)) == 2
     # two rows, one hot and one cold (0 accepted where 20 were expected): the batch's E is the rows' mean
     high.acceptance.counts["cold"] = [0.0, 20.0, 1.0]
-    expected = [hand_goodput([rho, 8 / 28], k, b=2) for k in range(9)]
+    expected = [hand_goodput([rho, 4 / 24], k, b=2) for k in range(9)]
     assert high.predicted_goodput(["hot", "cold"], 100) == pytest.approx(expected)
 
 
