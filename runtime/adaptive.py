@@ -24,7 +24,7 @@ the shape and E_cal(k) - 1 to the rate. Acceptance drifts along a sequence
 are added, both sums AND the prior's weight w are multiplied by (1 - 1 / m)^t, m = 64 tokens
 (`MEMORY_TOKENS`). The point estimate is the posterior mean (n_0 w + A) / (n_0 w + X): a new request
 starts at the calibrated pair, after ~n_0 expected tokens its own history weighs as much as the prior
-(a base64 request at rho ~ 0.25 is recognised after three or four steps), and a long request is
+(a base64 request at rho ~ 0.25 is recognised within two or three steps), and a long request is
 judged on its last ~m draft tokens alone, with no lasting pull toward 1. `interval` is the central
 Gamma credible interval; for a stationary row it narrows to about +-1.96 sqrt(rho / X), X the expected
 tokens still in memory (a few tens: the floor that forgetting buys tracking with). Then, per candidate s of depth k,
