@@ -184,8 +184,10 @@ def bench(
     synthetic_acceptance: Annotated[Optional[float], typer.Option("--synthetic-acceptance", help=(
         "Accept each draft token with probability α in (0, 1] instead of verifying (SYNTHETIC; for "
         "presets)."))] = None,
-    peers: Annotated[bool, typer.Option(
-        "--peers", help="Also time transformers generate (plain, and assisted at batch size 1).")] = False,
+    peers: Annotated[Optional[str], typer.Option(
+        "--peers", help="Comma list: transformers (its generate, plain and assisted at batch size 1), vllm (vLLM "
+                        "plain and with the exported --table, interleaved with ours; bash bench/vllm/setup.sh "
+                        "first).")] = None,
     out: Annotated[Path, typer.Option(
         "--out", help="Output folder for bench.json, bench.csv and plots.")] = Path("specbatch-bench"),
     seed: Annotated[int, typer.Option("--seed")] = 0,
@@ -206,7 +208,8 @@ def bench(
     config = BenchConfig(  # every option is checked before a model is loaded
         batch_sizes=tuple(parse_int_list("--batch-sizes", batch_sizes)), ks=tuple(parse_int_list("--ks", ks, 0)),
         max_new_tokens=max_new_tokens, rounds=rounds, sampling=parse_sampling(sampling),
-        synthetic_acceptance=synthetic_acceptance, seed=seed, table_path=table, model_path=model, peers=peers,
+        synthetic_acceptance=synthetic_acceptance, seed=seed, table_path=table, model_path=model,
+        peers=tuple(name.strip() for name in peers.split(",") if name.strip()) if peers else (),
         trees=tuple(tree or ()), stage2_path=stage2, adaptive_path=adaptive, workload=workload,
         second_prompts_path=second_prompts)
     check_input_files(table=table, model=model, prompts=prompts, stage2=stage2, adaptive=adaptive,
@@ -239,7 +242,8 @@ def fit(
                           "error on those.")] = False,
     json_output: JsonOpt = False,
 ):
-    """Fit each role's pass latency T(b, n, L) from a profile; report parameters and errors."""
+    """Fit each role's pass latency T(b, n, L) from a profile; report parameters and errors. With in-situ
+    rows in the profile, from the timing source (isolated, in-situ, both) that predicts measured steps best."""
     from perfmodel.jsonio import check_not_input, writable_path
     from perfmodel.model import fit_profile, model_to_json, save_model
     from perfmodel.profile import load_profile
@@ -251,11 +255,12 @@ def fit(
     if json_output:
         roles = {role: {key: value for key, value in obj.items() if key != "points"}
                  for role, obj in model_to_json(fitted)["roles"].items()}
-        typer.echo(json.dumps({"model": str(output), "roles": roles}))
+        source = None if fitted.timing_source is None else fitted.timing_source.to_json()
+        typer.echo(json.dumps({"model": str(output), "roles": roles, "timing_source": source}))
         return
     from console.model import render_fit
 
-    render_fit(fitted, output)
+    render_fit(fitted, output, holdout)
 
 
 @app.command()

@@ -19,6 +19,7 @@ from runtime.model import CausalLM
 from runtime.sampling import Sampling
 
 TREE_AUTO = "auto"  # --tree auto: the performance model's best tree at batch size 1
+PEERS = ("transformers", "vllm")  # --peers: Hugging Face generate; vLLM's CPU build (bench/vllm/)
 
 
 class BenchError(SpecbatchError):
@@ -37,7 +38,9 @@ class BenchConfig:
     seed: int = 0
     table_path: Path | None = None  # specbatch.table/1: adds the "table" policy
     model_path: Path | None = None  # specbatch.model/1: adds predicted tokens/s (and resolves --tree auto)
-    peers: bool = False  # also time Hugging Face generate (plain, and assisted at b = 1)
+    # "transformers": also time Hugging Face generate (plain, and assisted at b = 1); "vllm": vLLM plain and
+    # with our exported table, interleaved with ours (bench/vllm/compare.py)
+    peers: tuple[str, ...] = ()
     trees: tuple[str, ...] = ()  # parse_tree specs ("0,1,0.0", "chain:8") or "auto": adds tree:SPEC policies
     stage2_path: Path | None = None  # specbatch.ngram/1 file (loaded into BenchModels.stage2): adds +ngram policies
     adaptive_path: Path | None = None  # specbatch.model/1: adds the "adaptive" policy (runtime.adaptive)
@@ -72,9 +75,16 @@ def check_config(config: BenchConfig) -> None:
     alpha = config.synthetic_acceptance
     if alpha is not None and not 0.0 < alpha <= 1.0:
         raise BenchError(f"--synthetic-acceptance must be in (0, 1], got {alpha}")
+    for peer in config.peers:
+        if peer not in PEERS:
+            raise BenchError(f"--peers: unknown peer {peer!r} (choose from {', '.join(PEERS)})")
     if alpha is not None and config.peers:
-        raise BenchError("--peers cannot be combined with --synthetic-acceptance: transformers verifies for real, "
+        raise BenchError("--peers cannot be combined with --synthetic-acceptance: the peers verify for real, "
                          "so the ratio would compare a fake acceptance with a real one")
+    if "vllm" in config.peers and config.table_path is None:
+        raise BenchError("--peers vllm needs --table FILE (a chains-only table: vLLM runs it from our export)")
+    if "vllm" in config.peers and not config.sampling.greedy:
+        raise BenchError("--peers vllm compares greedy outputs token for token: use --sampling greedy")
     for spec in config.trees:
         if spec.strip() != TREE_AUTO:
             tree_from_spec(spec)

@@ -2,7 +2,7 @@
 
 For each batch size the explained policy is the table's when a table ran (its strategy at that batch
 size and the run's mean context), else the best fixed k in hindsight; its timed rounds are pooled (the
-full-batch steps of every round, each pass timed by `bench.pass_clock`).
+full-batch steps of every round, each pass timed by `calibrate.pass_clock`).
 """
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def run_explain(config, models, prompts: Sequence[list[int]], k: int | None) -> 
 
     from .config import BenchError, tree_from_spec
     from .harness import attended_context_len, check_context, cycled_prompts, timed_round_prompts
-    from .pass_clock import PassClock, measured_steps
+    from calibrate.pass_clock import PassClock, measured_steps
     from .predict import load_predictor
 
     b = config.batch_sizes[0]
@@ -107,6 +107,6 @@ def run_explain(config, models, prompts: Sequence[list[int]], k: int | None) -> 
     if pooled is None:
         raise BenchError(f"explain: no full-batch steps with timed passes at batch size {b}; raise --max-new-tokens")
     fitted = predictor.fitted
-    notes = [f"predictions use {predictor.acceptance_note}",
+    notes = [f"predictions use {predictor.acceptance_note}", *fitted.timing_source_notes(),
              *fitted.extrapolation_notes(b, [context_len], strategy.k), *fitted.strategy_notes([strategy])]
     return explain(step_model(fitted, predictor.acceptance), strategy, pooled, context_len), notes

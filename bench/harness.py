@@ -13,6 +13,9 @@ How the measurement is kept honest:
     run really ran at b, and the table's k is read from the full-batch steps only.
   * Common random numbers. Within a round all policies use the same seed (sampling and synthetic
     acceptance draw from it); rounds use different seeds so the spread covers that randomness.
+  * Peers. transformers' generate joins the rounds as another contender; vLLM (`--peers vllm`) runs
+    after them, in its own environment, interleaved with our k = 0 and table round by round on the
+    same prompts (bench/vllm/compare.py).
 """
 from __future__ import annotations
 
@@ -162,6 +165,8 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: Sequence[list[i
         raise BenchError("--table needs a draft model (--draft)")
     if table is not None:
         check_table(table, models, config)
+    if "vllm" in config.peers:
+        check_vllm_peer(table, models, config)
     predictor = None
     if config.model_path is not None:  # read before measuring: a bad file should fail in a second, not an hour
         predictor = load_predictor(config.model_path, config.sampling, config.synthetic_acceptance)
@@ -192,7 +197,7 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: Sequence[list[i
     check_context(models, prompts, config, max(p.policy.max_k for p in policies.values()))
     device = models.target.lm_head.weight.device
     peers = None
-    if config.peers:
+    if "transformers" in config.peers:
         peers, note = load_peers(models, device)
         if note:
             notes.append(note)
@@ -242,6 +247,15 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: Sequence[list[i
 
         notes += add_predictions(batches, predictor, policies)
         notes += add_explanations(batches, runs, predictor, policies)
+    vllm = None
+    if "vllm" in config.peers:
+        from .vllm.compare import VllmError, compare
+
+        try:
+            vllm = compare(config.table_path, list(prompts), list(config.batch_sizes), config.max_new_tokens,
+                           config.rounds, models.target_dir, models.draft_dir, generator=generator)
+        except VllmError as error:
+            raise BenchError(f"--peers vllm: {error}") from None
     prompt_lens = [len(p) for p in prompts]
     return BenchResult(
         config=config, device=device_info(models.target),
@@ -250,7 +264,7 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: Sequence[list[i
                 "peers": {"transformers_version": peers.transformers_version} if peers else None,
                 "stage2": _stage2_info(models.stage2, config.stage2_path)},
         prompts={"count": len(prompts), "min_tokens": min(prompt_lens), "max_tokens": max(prompt_lens)},
-        batches=batches, runs=runs, notes=notes,
+        batches=batches, runs=runs, notes=notes, vllm=vllm,
     )
 
 
@@ -267,6 +281,21 @@ def _adaptive_policy(config: BenchConfig, models: BenchModels):
             return adaptive_policy(config.adaptive_path, staged=False)
         check_stage2_file(config.stage2_path, policy.stage2_record["sha256"], "--adaptive's model measured")
     return policy
+
+
+def check_vllm_peer(table, models: BenchModels, config: BenchConfig) -> None:
+    """--peers vllm: refused before measuring when vLLM is not set up or cannot run what we would compare."""
+    from .vllm.compare import vllm_missing
+
+    if models.target_dir is None or models.draft_dir is None:
+        raise BenchError("--peers vllm needs model directories for --target and --draft (vLLM loads the "
+                         "checkpoints; shape presets have no weights)")
+    strategies = [e.chosen() for bucket in table.table.buckets for e in bucket.entries]
+    if any(s.kind == "tree" or s.stage2 for s in strategies):
+        raise BenchError(f"--peers vllm: --table {config.table_path} has trees or the n-gram second stage, which vLLM "
+                         "runs as plain chains: build it with `specbatch table --strategies chain`")
+    if (missing := vllm_missing()) is not None:
+        raise BenchError(f"--peers vllm: {missing}")
 
 
 def device_info(model: CausalLM) -> dict[str, Any]:

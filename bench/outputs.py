@@ -35,7 +35,7 @@ def bench_json(result: BenchResult) -> dict[str, Any]:
         "rounds": config.rounds, "warmup_rounds": config.warmup_rounds, "sampling": config.sampling.describe(),
         "synthetic_acceptance": config.synthetic_acceptance, "seed": config.seed,
         "table": str(config.table_path) if config.table_path else None,
-        "model": str(config.model_path) if config.model_path else None, "peers": config.peers,
+        "model": str(config.model_path) if config.model_path else None, "peers": list(config.peers),
         "trees": list(config.trees), "stage2": str(config.stage2_path) if config.stage2_path else None,
         "adaptive": str(config.adaptive_path) if config.adaptive_path else None, "workload": config.workload,
         "second_prompts": str(config.second_prompts_path) if config.second_prompts_path else None,
@@ -55,7 +55,7 @@ def bench_json(result: BenchResult) -> dict[str, Any]:
             for i, r in enumerate(result.runs)]
     return {"schema": BENCH_SCHEMA, "synthetic": result.synthetic, "config": config_json, "device": result.device,
             "models": result.models, "prompts": result.prompts, "batch_sizes": batches, "runs": runs,
-            "notes": result.notes}
+            "notes": result.notes, "vllm": asdict(result.vllm) if result.vllm is not None else None}
 
 
 def bench_csv(result: BenchResult) -> str:

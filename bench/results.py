@@ -117,6 +117,7 @@ class BenchResult:
     batches: list[BatchResult]
     runs: list[RunRecord]  # every generation, warm-ups included, in execution order
     notes: list[str]
+    vllm: Any = None  # bench.vllm.compare.Comparison with --peers vllm
 
     @property
     def synthetic(self) -> str | None:

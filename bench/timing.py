@@ -10,7 +10,7 @@ import torch
 from runtime.generator import SpeculativeGenerator
 
 from .config import BenchConfig
-from .pass_clock import PassClock, measured_steps
+from calibrate.pass_clock import PassClock, measured_steps
 
 
 def wall_clock(device: torch.device) -> float:

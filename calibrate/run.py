@@ -4,7 +4,11 @@ Order of work: every input is checked before anything heavy happens (bad input f
 not after minutes of measuring); then acceptance (its greedy value sets how many drafts the chain
 overhead runs accept, its rank acceptance grows the trees whose overheads are measured), the n-gram
 second stage when one is given (guess accuracy on the greedy continuations, query cost), forward-pass
-timings, chain step overheads, and tree step overheads. The profile is written after every point.
+timings, chain step overheads, in-situ timing (passes and steps timed inside real generation with fixed
+k, calibrate/insitu.py), and tree step overheads. The profile is written after every point.
+
+In-situ timing needs real prompts and real acceptance: with --acceptance (random weights) it is skipped
+and the performance model uses the isolated timings alone.
 
 Tree overheads are measured at every batch size for trees grown from the measured rank acceptance
 (`perfmodel.tree.grow_tree`, depth up to max_k) at the Effort's `tree_nodes` sizes, with and without
@@ -25,6 +29,7 @@ from perfmodel.jsonio import exclusive_lock, file_sha256, writable_path
 from perfmodel.profile import AcceptanceEntry, Grid, OverheadRow, Profile
 from perfmodel.tree import Strategy, expected_tree_tokens, grow_tree
 from runtime.checkpoint import CheckpointError, parse_dtype
+from runtime.generator import SpeculativeGenerator
 from runtime.sampling import Sampling
 
 from . import acceptance as acc
@@ -35,10 +40,11 @@ from .errors import CalibrationError
 from .grid import (DEFAULT_BATCH_SIZES, DEFAULT_CONTEXT_LENS, DEFAULT_MAX_K, QUICK_BATCH_SIZES, QUICK_CONTEXT_LENS,
                    OverheadPoint, TreeOverheadPoint, check_grid_fits, fit_wide_passes, make_grid, merge_grids,
                    overhead_points, timing_points, tree_overhead_points)
+from .insitu import InSituPoint, insitu_points, measure_insitu
 from .models import (LoadedPair, ModelSpec, check_memory, check_pair, display_path, load_pair, memory_need,
                      model_info, resolve_model)
 from .noise import NoiseMonitor, reference_sampler
-from .store import (check_resumable, csv_path_for, load_for_resume, measured_overhead_points,
+from .store import (check_resumable, csv_path_for, load_for_resume, measured_insitu_points, measured_overhead_points,
                     measured_timing_points, measured_tree_overhead_points, new_profile, overhead_row,
                     tree_overhead_row, with_row, write_profile)
 from .summary import CalibrationSummary, ProgressEvent, summarize
@@ -59,6 +65,11 @@ class Effort:
     tree_rule: RepetitionRule  # tree step overheads: their samples run the widest passes of the run
     tree_steps: int  # generation steps per tree overhead sample
     tree_nodes: tuple[int, ...]  # sizes of the grown trees whose overheads are measured
+    insitu_ks: tuple[int, ...] = (0, 2, 4, 6, 8)  # chain lengths generated with for in-situ timing (<= max_k)
+    # the default's in-situ stage (30 points) takes about 100 s on the demo pair at load 2, half of it at b = 32
+    insitu_tokens: int = 32  # new tokens per row of each in-situ generation
+    insitu_rounds: int = 2  # timed generations per in-situ point (after a warm-up), shortest to longest prompts
+    insitu_every_other_batch_size: bool = False  # in-situ at the grid's 1st, 3rd, ... batch sizes (and its last)
 
 
 # Tree sizes above the default max_k (8): a grown tree of at most max_k nodes may be a plain chain.
@@ -73,7 +84,8 @@ QUICK_EFFORT = Effort(RepetitionRule(warmup_reps=1, min_reps=3, budget_s=0.06),
                       RepetitionRule(warmup_reps=1, min_reps=3, budget_s=0.1),
                       overhead_steps=2, prompt_count=16, continuation_tokens=32,
                       tree_rule=RepetitionRule(warmup_reps=0, min_reps=3, budget_s=0.06), tree_steps=2,
-                      tree_nodes=(12, 32))
+                      tree_nodes=(12, 32), insitu_ks=(0, 2, 4, 6), insitu_tokens=24, insitu_rounds=2,
+                      insitu_every_other_batch_size=True)
 
 
 @dataclass(frozen=True)
@@ -116,6 +128,11 @@ class _Plan:
     @property
     def trees(self) -> bool:
         """Whether tree overheads are measured: they need a measured rank acceptance."""
+        return self.user_acceptance is None
+
+    @property
+    def insitu(self) -> bool:
+        """Whether passes are timed inside real generation: it needs real prompts and real acceptance."""
         return self.user_acceptance is None
 
 
@@ -266,6 +283,28 @@ def _tree_overhead_row(pair: LoadedPair, plan: _Plan, point: TreeOverheadPoint, 
     return None
 
 
+def _insitu_prompts(pair: LoadedPair, plan: _Plan) -> list[list[int]]:
+    """The prompts after the acceptance ones (all of them when there are no more), cut so that the contexts
+    stay within the grid's largest (the steps the table is computed for, and little time spent beyond)
+    and within both models' positions with room for the generation and the longest chain."""
+    effort = plan.effort
+    texts = list(plan.prompts[effort.prompt_count:]) or list(plan.prompts)
+    limit = min(plan.target.config.max_position_embeddings, plan.draft.config.max_position_embeddings)
+    room = min(limit - plan.grid.max_k - 2, max(plan.grid.context_lens)) - effort.insitu_tokens
+    return acc.encode_prompts(pair.tokenizer, texts, max(1, room))
+
+
+def _insitu_row(plan: _Plan, generator, point: InSituPoint, prompts: list[list[int]]):
+    """The point's in-situ rows; None when its generation runs out of memory or has no full-batch step."""
+    try:
+        return measure_insitu(generator, point, prompts, plan.effort.insitu_tokens, plan.effort.insitu_rounds)
+    except Exception as error:  # noqa: BLE001 - only out-of-memory is survivable
+        if not is_out_of_memory(error):
+            raise
+    release_memory(plan.device)
+    return None
+
+
 def _greedy_entry(profile: Profile) -> AcceptanceEntry | None:
     return next((entry for entry in profile.acceptance if entry.mode == "greedy"), None)
 
@@ -283,12 +322,18 @@ def _acceptance_done(entry: AcceptanceEntry, trees: bool) -> bool:
     return entry.source == "user" or not trees or entry.rank_acceptance is not None
 
 
-def estimate_seconds(effort: Effort, acceptance_runs: int, timings: int, overheads: int, trees: int) -> float:
+INSITU_POINT_S = 1.0  # an in-situ point of --quick on the demo pair on a 2-core CPU: about (b = 16: 2.5 s)
+
+
+def estimate_seconds(effort: Effort, acceptance_runs: int, timings: int, overheads: int, trees: int,
+                     insitu: int = 0) -> float:
     """A first estimate of a run, before anything is measured: the repetition budgets of its points, plus
-    about a second per acceptance prompt. A lower bound where one pass is slower than its point's budget
-    (large models, a busy machine): the progress bar's ETA takes over once points are timed."""
+    about a second per acceptance prompt and INSITU_POINT_S per in-situ point. A lower bound where one pass
+    is slower than its point's budget (large models, a busy machine): the progress bar's ETA takes over
+    once points are timed."""
     return (acceptance_runs * effort.prompt_count * 1.0 + timings * effort.forward_rule.budget_s
-            + overheads * effort.overhead_rule.budget_s + trees * effort.tree_rule.budget_s)
+            + overheads * effort.overhead_rule.budget_s + trees * effort.tree_rule.budget_s
+            + insitu * INSITU_POINT_S)
 
 
 class _OutOfTime(Exception):
@@ -323,17 +368,22 @@ def _calibrate(request: CalibrationRequest, plan: _Plan, on_progress, on_estimat
     done_timings, done_overheads = measured_timing_points(profile), measured_overhead_points(profile)
     all_trees = tree_overhead_points(grid, plan.effort.tree_nodes, plan.stage2 is not None) if plan.trees else []
     done_trees = measured_tree_overhead_points(profile)
+    effort = plan.effort
+    all_insitu = insitu_points(grid, effort.insitu_ks, effort.insitu_every_other_batch_size) if plan.insitu else []
+    done_insitu = measured_insitu_points(profile)
     todo = _Todo(acceptance=[s for s in plan.samplings if acc.sampling_key(s) not in done_acceptance],
                  stage2=plan.stage2 is not None and profile.stage2 is None,
                  timings=[p for p in timing_points(grid) if p not in done_timings],
                  overheads=[p for p in overhead_points(grid) if p not in done_overheads],
-                 trees=[p for p in all_trees if p not in done_trees])
+                 trees=[p for p in all_trees if p not in done_trees],
+                 insitu=[p for p in all_insitu if p not in done_insitu])
     total = (len(plan.samplings) + int(plan.stage2 is not None) + len(timing_points(grid)) + len(overhead_points(grid))
-             + len(all_trees))
+             + len(all_trees) + len(all_insitu))
     resumed = done = total - todo.count
     if on_estimate is not None and todo.count:
         on_estimate(todo.count, estimate_seconds(plan.effort, len(todo.acceptance) * (plan.user_acceptance is None),
-                                                 len(todo.timings), len(todo.overheads), len(todo.trees)))
+                                                 len(todo.timings), len(todo.overheads), len(todo.trees),
+                                                 len(todo.insitu)))
 
     def advance(label: str, row=None) -> None:
         """Save the row (if any), then report: a point counts as done only once it is on disk."""
@@ -368,10 +418,12 @@ class _Todo:
     timings: list
     overheads: list[OverheadPoint]
     trees: list[TreeOverheadPoint]
+    insitu: list[InSituPoint]
 
     @property
     def count(self) -> int:
-        return len(self.acceptance) + int(self.stage2) + len(self.timings) + len(self.overheads) + len(self.trees)
+        return (len(self.acceptance) + int(self.stage2) + len(self.timings) + len(self.overheads) + len(self.trees)
+                + len(self.insitu))
 
 
 def _measure(pair: LoadedPair, plan: _Plan, grid: Grid, todo: _Todo, request: CalibrationRequest, clock: Clock,
@@ -406,6 +458,13 @@ def _measure(pair: LoadedPair, plan: _Plan, grid: Grid, todo: _Todo, request: Ca
         row = _overhead_row(pair, plan, point, synthetic, clock)
         label = f"overhead b={point.batch_size} k={point.k}"
         advance(label if row is not None else label + " (out of memory, not recorded)", row)
+
+    generator = SpeculativeGenerator(pair.target, pair.draft, eos_token_ids=()) if todo.insitu else None
+    insitu_prompts = _insitu_prompts(pair, plan) if todo.insitu else []
+    for point in todo.insitu:
+        row = _insitu_row(plan, generator, point, insitu_prompts)
+        label = f"in-situ b={point.batch_size} k={point.k}"
+        advance(label if row is not None else label + " (out of memory or no full-batch step, not recorded)", row)
 
     greedy = _greedy_entry(current())
     rank_table = greedy.rank_acceptance if greedy is not None else None

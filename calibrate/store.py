@@ -20,6 +20,7 @@ from perfmodel.profile import (AcceptanceEntry, DeviceInfo, Grid, ModelInfo, Ove
 
 from .errors import CalibrationError
 from .grid import OverheadPoint, TimingPoint, TreeOverheadPoint
+from .insitu import InSituPoint, InSituResult
 from .timing import Measurement
 
 CSV_COLUMNS = ("model", "batch_size", "new_tokens", "context_len", "feasible", "median_ms", "p10_ms", "p90_ms", "reps")
@@ -73,13 +74,22 @@ def measured_tree_overhead_points(profile: Profile) -> set[TreeOverheadPoint]:
             if r.tree_nodes is not None}
 
 
+def measured_insitu_points(profile: Profile) -> set[InSituPoint]:
+    """A point is measured once its step rows are there (its pass rows were written with them)."""
+    return {InSituPoint(r.batch_size, r.k) for r in profile.insitu_steps}
+
+
 def _same_setting(a: AcceptanceEntry, b: AcceptanceEntry) -> bool:
     return (a.mode, a.temperature, a.top_k, a.top_p) == (b.mode, b.temperature, b.top_k, b.top_p)
 
 
-def with_row(profile: Profile, row: TimingRow | OverheadRow | AcceptanceEntry | Stage2Info) -> Profile:
+def with_row(profile: Profile, row: TimingRow | OverheadRow | AcceptanceEntry | Stage2Info | InSituResult) -> Profile:
     """The profile with `row` added; an acceptance entry replaces one of the same setting (an older
-    profile's entry measured again with rank acceptance keeps its place)."""
+    profile's entry measured again with rank acceptance keeps its place); an in-situ point adds its pass
+    rows and its step row together."""
+    if isinstance(row, InSituResult):
+        return replace(profile, insitu_timings=profile.insitu_timings + row.passes,
+                       insitu_steps=profile.insitu_steps + row.steps)
     if isinstance(row, TimingRow):
         return replace(profile, timings=profile.timings + (row,))
     if isinstance(row, OverheadRow):

@@ -64,6 +64,8 @@ class CalibrationSummary:
     max_seconds: float | None = None
     noise: dict | None = None  # perfmodel.noise.NoiseFigure.to_json(): the reference pass's drift and jitter
     warnings: tuple[str, ...] = ()  # one line each, e.g. a machine too noisy for the ±3 % rule
+    insitu_passes: int = 0  # in-situ pass rows in the profile (passes timed inside real steps)
+    insitu_steps: int = 0  # in-situ step rows
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -99,4 +101,5 @@ def summarize(out: Path, profile: Profile, measured: int, resumed: int, started_
                                                          stage2.query_ms_per_context),
         tree_overheads=sum(row.tree_nodes is not None for row in profile.overheads),
         noise=None if profile.noise is None else profile.noise.to_json(),
+        insitu_passes=len(profile.insitu_timings), insitu_steps=len(profile.insitu_steps),
         warnings=tuple(w for w in [None if profile.noise is None else profile.noise.warning()] if w))

@@ -121,6 +121,10 @@ def render_bench(result, written: list[Path]) -> None:
     from console.explain import render_bench_fidelity
 
     render_bench_fidelity(console, result.batches)
+    if result.vllm is not None:
+        from bench.vllm.compare import render
+
+        console.print(render(result.vllm), markup=False, highlight=False, soft_wrap=True)
     for note in result.notes:
         console.print(f"note: {note}", markup=False, highlight=False)
     console.print(f"wrote {', '.join(str(path) for path in written)}", markup=False, highlight=False)

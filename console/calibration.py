@@ -78,6 +78,10 @@ def render_calibration(summary) -> None:
         counts += (f"; noise (reference pass): drift ±{100 * summary.noise['drift']:.1f} %, "
                    f"jitter ±{100 * summary.noise['jitter']:.1f} %")
     console.print(counts)
+    if summary.insitu_steps:
+        console.print(f"in-situ: {summary.insitu_passes} pass rows and {summary.insitu_steps} step rows timed inside "
+                      "real speculative steps (`specbatch fit` chooses between them and the isolated passes)",
+                      markup=False, highlight=False)
     if summary.points_left:
         console.print(f"stopped after --max-seconds {summary.max_seconds:g}: {summary.points_left} points left; "
                       f"rerun with --resume to measure them", markup=False, highlight=False)

@@ -4,7 +4,33 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def render_fit(fitted, output: Path) -> None:
+def render_sources(console, choice, holdout: bool) -> None:
+    """Every timing source's step error (perfmodel.sources), and with --holdout its held-out pass and step
+    MAPE per batch size."""
+    from rich.table import Table
+
+    view = Table(title=f"timing source: {choice.chosen} (lowest {choice.criterion}; measured steps)")
+    for column in ("source", "rows (target, draft)", "step MAPE", "held-out step MAPE"):
+        view.add_column(column, justify="right")
+    for r in choice.reports:
+        held = "-" if r.heldout_step_mape_pct is None else f"{r.heldout_step_mape_pct:.1f}%"
+        view.add_row(r.source, f"{r.points['target']}, {r.points['draft']}", f"{r.step_mape_pct:.1f}%", held,
+                     style="bold green" if r.source == choice.chosen else None)
+    console.print(view)
+    if not holdout:
+        return
+    pct = lambda value: "-" if value is None else f"{value:.1f}%"  # noqa: E731
+    per_b = Table(title="held-out MAPE per batch size (refitted without the source's rows at b)")
+    for column in ("source", "b", "steps", "step MAPE", "pass MAPE", "pass MAPE, in-situ rows"):
+        per_b.add_column(column, justify="right")
+    for r in choice.reports:
+        for e in r.by_batch_size:
+            per_b.add_row(r.source, str(e.batch_size), str(e.steps), pct(e.step_mape_pct), pct(e.pass_mape_pct),
+                          pct(e.insitu_pass_mape_pct))
+    console.print(per_b)
+
+
+def render_fit(fitted, output: Path, holdout: bool = False) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -41,6 +67,8 @@ def render_fit(fitted, output: Path) -> None:
         console.print(points)
         for note in fit.notes:
             console.print(f"[yellow]note:[/] {role}: {note}")
+    if fitted.timing_source is not None:
+        render_sources(console, fitted.timing_source, holdout)
     if not fitted.overhead.measured:
         console.print("[yellow]note:[/] the profile has no step-overhead rows: overhead taken as 0 ms")
     if not fitted.acceptance:

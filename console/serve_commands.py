@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from perfmodel.errors import UsageError
-from runtime.assembly import DEMO_PROMPTS
+from runtime.assembly import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET
 
 from .options import DeviceOpt, DraftOpt, DtypeOpt, TargetOpt, read_prompts_file
 
@@ -58,8 +58,9 @@ def serve_command(
 
 
 def loadtest_command(
-    policies: Annotated[str, typer.Option(
-        "--policies", help="Comma list: table, k=K, tree=SPEC, adaptive=MODEL.json.")] = "table,k=0",
+    policies: Annotated[str, typer.Option("--policies", help=(
+        "Comma list: table, k=K, tree=SPEC, adaptive=MODEL.json; vllm:table, vllm:k=K (vLLM's own server on the "
+        "pair, our table exported; bash bench/vllm/setup.sh first)."))] = "table,k=0",
     rates: Annotated[str, typer.Option("--rates", help="Arrival rates, requests/s, comma list.")] = "1,2,4",
     cvs: Annotated[str, typer.Option("--cvs", help="Coefficients of variation of the Gamma gaps (1 = Poisson).")] = "1",
     requests: Annotated[int, typer.Option("--requests", help="Requests per (policy, rate, CV).")] = 100,
@@ -107,7 +108,9 @@ def loadtest_command(
         requests=requests, max_duration_s=max_duration_s, max_tokens=(int(low), int(high)), seed=seed,
         slo=Slo(slo_ttft_ms, slo_tpot_ms, slo_e2e_ms),
         prompts=tuple(read_prompts_file(prompts_file or DEMO_PROMPTS)), server_args=tuple(server_args),
-        in_process=in_process, check_greedy=check_greedy)
+        in_process=in_process, check_greedy=check_greedy,
+        vllm_target=Path(target) if target else DEMO_TARGET, vllm_draft=Path(draft) if draft else DEMO_DRAFT,
+        vllm_table=table, vllm_max_num_seqs=max_batch_size)
     report = run_loadtest(config, out)
     render_runs(report["runs"])
     typer.echo(f"wrote {out / 'loadtest.json'}, {out / 'loadtest.csv'} and {out / 'latency.png'}")

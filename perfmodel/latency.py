@@ -152,6 +152,11 @@ def _params_from_log(theta: np.ndarray) -> RooflineParams:
     return RooflineParams(float(overhead), float(bandwidth), float(flops), 1.0 + float(exponent_minus_one))
 
 
+def _log_params(params: RooflineParams) -> np.ndarray:
+    theta = np.log([params.overhead_ms, params.bandwidth_GBps, params.flops_TFLOPs, params.overlap_exponent - 1.0])
+    return np.clip(theta, _LOWER + 1e-9, _UPPER - 1e-9)
+
+
 def _initial_guesses(shape: RoleShape, points: Points) -> list[np.ndarray]:
     """A few starting points from the data's extremes: the cheapest pass bounds overhead and
     memory time, the pass with the most tokens bounds the FLOP rate."""
@@ -170,8 +175,9 @@ def _initial_guesses(shape: RoleShape, points: Points) -> list[np.ndarray]:
     return starts
 
 
-def fit_roofline(shape: RoleShape, points: Points) -> RooflineParams:
-    """Least squares on log(predicted / measured), from several starts; the best fit wins."""
+def fit_roofline(shape: RoleShape, points: Points, start: RooflineParams | None = None) -> RooflineParams:
+    """Least squares on log(predicted / measured), from several starts; the best fit wins. `start` (a fit
+    of nearly the same points, e.g. before one batch size was left out) replaces the starts with one."""
     from scipy.optimize import least_squares
 
     require_points(points, MIN_POINTS, "the roofline fit")
@@ -180,8 +186,8 @@ def fit_roofline(shape: RoleShape, points: Points) -> RooflineParams:
     def residuals(theta: np.ndarray) -> np.ndarray:
         return np.log(_params_from_log(theta).latency_ms(shape, b, n, L)) - log_measured
 
-    fits = [least_squares(residuals, start, bounds=(_LOWER, _UPPER), x_scale=1.0, max_nfev=400)
-            for start in _initial_guesses(shape, points)]
+    starts = _initial_guesses(shape, points) if start is None else [_log_params(start)]
+    fits = [least_squares(residuals, theta, bounds=(_LOWER, _UPPER), x_scale=1.0, max_nfev=400) for theta in starts]
     return _params_from_log(min(fits, key=lambda fit: fit.cost).x)
 
 
@@ -287,10 +293,10 @@ class LatencyModel:
         return float(value.reshape(-1)[0]) if np.ndim(b) == np.ndim(n) == np.ndim(L) == 0 else value
 
 
-def fit_latency_model(shape: RoleShape, points: Points, kind: str) -> LatencyModel:
+def fit_latency_model(shape: RoleShape, points: Points, kind: str, start: RooflineParams | None = None) -> LatencyModel:
     if kind not in KINDS:
         raise PerfModelError(f"unknown latency model kind {kind!r}; valid kinds: {', '.join(KINDS)}")
-    roofline = fit_roofline(shape, points)
+    roofline = fit_roofline(shape, points, start)
     correction = fit_monotone(shape, roofline, points) if kind == MONOTONE else None
     return LatencyModel(kind, shape, roofline, correction)
 

@@ -14,11 +14,15 @@ overhead rows of tree steps (`tree_overheads`).
 
 A model file carries the measured points it was fitted to, so `specbatch plot` can draw fitted
 against measured latency without the profile.
+
+When the profile has in-situ rows (`perfmodel.insitu`), the latency model is fitted from each timing
+source (isolated, in-situ, both) and the one that predicts the measured steps better is kept
+(`perfmodel.sources`); `timing_source` (optional in the file) reports every source's step errors.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from typing import Sequence
 
@@ -31,6 +35,7 @@ from .extrapolation import bounded_latency_ms
 from .jsonio import read_json, rounded, write_json_atomic
 from .overhead import OverheadModel
 from .profile import ROLES, DeviceInfo, Grid, ModelInfo, Profile, Stage2Info
+from .sources import ISOLATED, SOURCES, SourceChoice, choose_source, source_points, source_report
 from .strategy import MAX_TREE_NODES, StepModel, StrategyCandidate, StrategyChoice, candidate_strategies
 from .table import Bucket, Table, TableEntry
 from .tree import Strategy
@@ -71,6 +76,7 @@ class FittedModel:
     overhead: OverheadModel
     acceptance: tuple[AcceptanceModel, ...]  # from the profile; the first is the default
     stage2: Stage2Info | None = None  # the n-gram second stage, when the profile measured one
+    timing_source: SourceChoice | None = None  # which pass timings `roles` were fitted to, when there was a choice
 
     def fingerprints(self) -> dict | None:
         """{"target", "draft"} content fingerprints of the pair (None when the profile predates them)."""
@@ -96,7 +102,9 @@ class FittedModel:
             notes.append(f"extrapolating: batch sizes above {max(self.grid.batch_sizes)} were not measured; there the "
                          "fitted time at the grid's edge grows as the roofline alone (perfmodel.extrapolation); "
                          "calibrate --batch-sizes up to the largest served to measure them")
-        lo, hi = min(self.grid.context_lens), max(self.grid.context_lens)
+        # the contexts the fit saw (the grid's; in-situ rows add the contexts real steps ran at)
+        lo = int(min(fit.points.context_len.min() for fit in self.roles.values()))
+        hi = int(max(fit.points.context_len.max() for fit in self.roles.values()))
         outside = [L for L in context_lens if not lo <= L <= hi]
         if outside:
             notes.append(f"extrapolating: context lengths {outside} lie outside the profiled [{lo}, {hi}]; the "
@@ -106,6 +114,16 @@ class FittedModel:
         if not self.overhead.measured:
             notes.append("the profile has no step-overhead rows: overhead taken as 0 ms")
         return notes
+
+    def timing_source_notes(self) -> list[str]:
+        """Which pass timings the latency was fitted to, when the profile offered a choice (perfmodel.sources)."""
+        choice = self.timing_source
+        if choice is None:
+            return []
+        report = choice.report(choice.chosen)
+        held = "" if report.heldout_step_mape_pct is None else f", {report.heldout_step_mape_pct:.1f} % held out"
+        return [f"pass latency fitted to the {choice.chosen} timings (chosen by {choice.criterion}: "
+                f"{report.step_mape_pct:.1f} % on the profile's measured steps{held})"]
 
     def strategy_notes(self, strategies: Sequence[Strategy]) -> list[str]:
         """Where trees and the second stage ask the model beyond what the profile measured."""
@@ -147,13 +165,25 @@ def _role_notes(memory_bound_points: int, total_points: int) -> tuple[str, ...]:
     return tuple(notes)
 
 
-def fit_role(profile: Profile, role: str, holdout: bool) -> RoleFit:
-    """Cross-validate both kinds, fit the chosen one on every point, optionally evaluate a holdout."""
+def _role_holdout(shape: lat.RoleShape, points: lat.Points, role: str, source: str) -> lat.HoldoutReport | None:
+    """Every other interior batch size and context left out; the in-situ rows' many contexts may leave too
+    few to fit (None then: their held-out errors per batch size are in the source report instead)."""
+    try:
+        return lat.evaluate_holdout(shape, points, role)
+    except PerfModelError:
+        if source == ISOLATED:
+            raise
+    return None
+
+
+def fit_role(profile: Profile, role: str, holdout: bool, source: str = ISOLATED) -> RoleFit:
+    """Cross-validate both kinds, fit the chosen one on every point of `source` (perfmodel.sources),
+    optionally evaluate a holdout."""
     rows = profile.timings_of(role, feasible_only=False)
-    points = lat.Points.from_rows(rows)
+    points = source_points(profile, role, source)
     if len(points) < lat.MIN_POINTS:
         raise PerfModelError(f"{role}: the latency fit needs at least {lat.MIN_POINTS} feasible timing rows, "
-                             f"the profile has {len(points)}")
+                             f"the profile has {len(points)} ({source})")
     shape = lat.RoleShape.from_model_info(profile.model(role))
     cv = lat.cross_validate(shape, points)
     model = lat.fit_latency_model(shape, points, lat.select_kind(cv))
@@ -166,10 +196,10 @@ def fit_role(profile: Profile, role: str, holdout: bool) -> RoleFit:
     if not cv:
         notes += ("too few (batch size, context length) cells to cross-validate: roofline used",)
     return RoleFit(
-        role=role, model=model, points=points, infeasible_rows=len(rows) - len(points),
+        role=role, model=model, points=points, infeasible_rows=sum(not row.feasible for row in rows),
         in_sample_mape_pct=lat.mape_pct(predicted, points.latency_ms), cv_mape_pct=cv,
         worst=lat.worst_points(model, points),
-        holdout=lat.evaluate_holdout(shape, points, role) if holdout else None,
+        holdout=_role_holdout(shape, points, role, source) if holdout else None,
         memory_bound_share=memory_share, notes=notes,
     )
 
@@ -184,16 +214,44 @@ def overhead_model(profile: Profile) -> OverheadModel:
     return OverheadModel(chain_rows, tree_rows)
 
 
+def _step_acceptance(acceptance: Sequence[AcceptanceModel]) -> AcceptanceModel | None:
+    """The acceptance the in-situ steps ran with: greedy (calibrate generates greedily)."""
+    return next((a for a in acceptance if a.mode == "greedy"), None)
+
+
+def fit_sources(profile: Profile, holdout: bool, overhead: OverheadModel,
+                acceptance: AcceptanceModel | None) -> tuple[dict[str, RoleFit], SourceChoice | None]:
+    """The isolated fit alone without in-situ steps to judge by; else every source that has enough rows,
+    judged on the measured steps (perfmodel.sources), and the chosen one's fits."""
+    isolated = {role: fit_role(profile, role, holdout) for role in ROLES}
+    if not profile.insitu_steps or acceptance is None:
+        return isolated, None
+    fits = {ISOLATED: isolated}
+    for source in SOURCES[1:]:
+        try:  # their held-out errors per batch size are in the source report; the role's own only if chosen
+            fits[source] = {role: fit_role(profile, role, False, source) for role in ROLES}
+        except PerfModelError:
+            continue  # too few rows of that source: it is not a candidate
+    choice = choose_source([source_report(profile, source, role_fits, overhead, acceptance)
+                            for source, role_fits in fits.items()])
+    chosen = fits[choice.chosen]
+    if holdout and choice.chosen != ISOLATED:
+        chosen = {role: replace(fit, holdout=_role_holdout(fit.model.shape, fit.points, role, choice.chosen))
+                  for role, fit in chosen.items()}
+    return chosen, choice
+
+
 def fit_profile(profile: Profile, holdout: bool = False) -> FittedModel:
-    """Fit both roles' latency, keep the overhead rows and the acceptance; `holdout` adds held-out errors."""
+    """Fit both roles' latency (from the timing source that predicts measured steps best, when the profile
+    has in-situ rows), keep the overhead rows and the acceptance; `holdout` adds held-out errors."""
+    overhead = overhead_model(profile)
+    acceptance = tuple(acceptance_from_profile(entry) for entry in profile.acceptance)
+    roles, choice = fit_sources(profile, holdout, overhead, _step_acceptance(acceptance))
     return FittedModel(
         created_utc=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         profile_created_utc=profile.created_utc,
         device=profile.device, target_info=profile.target, draft_info=profile.draft, grid=profile.grid,
-        roles={role: fit_role(profile, role, holdout) for role in ROLES},
-        overhead=overhead_model(profile),
-        acceptance=tuple(acceptance_from_profile(entry) for entry in profile.acceptance),
-        stage2=profile.stage2,
+        roles=roles, overhead=overhead, acceptance=acceptance, stage2=profile.stage2, timing_source=choice,
     )
 
 
@@ -327,6 +385,7 @@ def model_to_json(fitted: FittedModel) -> dict:
                            for b, nodes, stage2, ms in fitted.overhead.tree_rows],
         "acceptance": [model.to_json() for model in fitted.acceptance],
         "stage2": None if fitted.stage2 is None else fitted.stage2.to_json(),
+        **({} if fitted.timing_source is None else {"timing_source": fitted.timing_source.to_json()}),
     }
 
 
@@ -388,12 +447,13 @@ def model_from_json(obj: dict, source: str = "model") -> FittedModel:
                                        for row in obj["overheads"]), tree_rows)
         acceptance = tuple(AcceptanceModel.from_json(entry, source) for entry in obj["acceptance"])
         created = str(obj["created_utc"])
+        timing_source = None if obj.get("timing_source") is None else SourceChoice.from_json(obj["timing_source"])
     except (KeyError, TypeError, ValueError, IndexError) as error:
         if isinstance(error, PerfModelError):
             raise
         raise PerfModelError(f"{source}: malformed model file ({type(error).__name__}: {error})") from None
     return FittedModel(created, stub.created_utc, stub.device, stub.target, stub.draft, stub.grid, roles,
-                       overhead, acceptance, stage2)
+                       overhead, acceptance, stage2, timing_source)
 
 
 def save_model(path: str | os.PathLike, fitted: FittedModel) -> None:

@@ -11,17 +11,22 @@ profiles without them still load and mean "chains only":
 - `overheads[i].tree_nodes` / `.stage2`: overhead rows of tree steps (chain rows: null / false);
 - `stage2`: the n-gram model file, how often its guesses match the draft, and what a query costs.
 
+Optional in-situ timing (`perfmodel.insitu`): `insitu_timings`, passes timed inside real speculative
+steps, and `insitu_steps`, those steps' measured times; profiles without them mean "isolated only".
+
 Reading is strict: a missing or mistyped field is a PerfModelError that names the file and the
 field (`profile.json: timings[3].median_ms: expected a number, found 'fast'`).
 """
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from .errors import PerfModelError
+from .fields import at as _at, boolean as _bool, get as _get, int_list as _int_list, integer as _int
+from .fields import is_int as _is_int, listed as _list, number as _number, string as _str
+from .insitu import InSituPassRow, InSituStepRow, check_unique, rows_json, sections_from_json
 from .noise import NoiseFigure, noise_from_json
 from .jsonio import read_json, write_json_atomic
 
@@ -169,6 +174,9 @@ class Profile:
     acceptance: tuple[AcceptanceEntry, ...]
     stage2: Stage2Info | None = None  # optional: profiles measured without an n-gram model lack it
     noise: NoiseFigure | None = None  # optional: how noisy the machine was (perfmodel.noise); older profiles lack it
+    # optional (perfmodel.insitu): passes and steps timed inside real speculative generation
+    insitu_timings: tuple[InSituPassRow, ...] = ()
+    insitu_steps: tuple[InSituStepRow, ...] = ()
 
     def model(self, role: str) -> ModelInfo:
         if role not in ROLES:
@@ -191,6 +199,8 @@ class Profile:
             "acceptance": [_acceptance_json(entry) for entry in self.acceptance],
             "stage2": None if self.stage2 is None else self.stage2.to_json(),
             **({} if self.noise is None else {"noise": self.noise.to_json()}),
+            **({"insitu_timings": rows_json(self.insitu_timings)} if self.insitu_timings else {}),
+            **({"insitu_steps": rows_json(self.insitu_steps)} if self.insitu_steps else {}),
         }
 
 
@@ -205,86 +215,6 @@ def _acceptance_json(entry: AcceptanceEntry) -> dict:
     obj["rank_acceptance"] = None if entry.rank_acceptance is None else [list(row) for row in entry.rank_acceptance]
     obj["rank_sequences"] = None if entry.rank_sequences is None else [list(row) for row in entry.rank_sequences]
     return obj
-
-
-# ---------------------------------------------------------------- field readers
-# Each reader takes the enclosing object, the key and `where` (the file and the path to the object)
-# so that an error names exactly the field at fault.
-
-def _at(where: str, key: str) -> str:
-    """'profile.json:' + 'grid' -> 'profile.json: grid'; 'profile.json: grid' + 'max_k' -> '... grid.max_k'."""
-    return f"{where} {key}" if where.endswith(":") else f"{where}.{key}"
-
-
-def _get(obj: dict, key: str, where: str) -> Any:
-    if not isinstance(obj, dict):
-        raise PerfModelError(f"{where.rstrip(':')}: expected a JSON object, found {type(obj).__name__}")
-    if key not in obj:
-        raise PerfModelError(f"{_at(where, key)}: missing")
-    return obj[key]
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _int(obj: dict, key: str, where: str, minimum: int | None = None, nullable: bool = False) -> int | None:
-    value = _get(obj, key, where)
-    if value is None and nullable:
-        return None
-    if not _is_int(value):
-        raise PerfModelError(f"{_at(where, key)}: expected an integer, found {value!r}")
-    if minimum is not None and value < minimum:
-        raise PerfModelError(f"{_at(where, key)}: must be >= {minimum}, found {value}")
-    return value
-
-
-def _number(obj: dict, key: str, where: str, minimum: float | None = None, nullable: bool = False) -> float | None:
-    value = _get(obj, key, where)
-    if value is None and nullable:
-        return None
-    if not (_is_int(value) or isinstance(value, float)) or not math.isfinite(value):
-        raise PerfModelError(f"{_at(where, key)}: expected a number, found {value!r}")
-    if minimum is not None and value < minimum:
-        raise PerfModelError(f"{_at(where, key)}: must be >= {minimum}, found {value}")
-    return float(value)
-
-
-def _str(obj: dict, key: str, where: str, choices: tuple[str, ...] | None = None, nullable: bool = False) -> str | None:
-    value = _get(obj, key, where)
-    if value is None and nullable:
-        return None
-    if not isinstance(value, str):
-        raise PerfModelError(f"{_at(where, key)}: expected a string, found {value!r}")
-    if choices is not None and value not in choices:
-        raise PerfModelError(f"{_at(where, key)}: {value!r} is not one of {', '.join(choices)}")
-    return value
-
-
-def _bool(obj: dict, key: str, where: str) -> bool:
-    value = _get(obj, key, where)
-    if not isinstance(value, bool):
-        raise PerfModelError(f"{_at(where, key)}: expected true or false, found {value!r}")
-    return value
-
-
-def _list(obj: dict, key: str, where: str, nullable: bool = False) -> list | None:
-    value = _get(obj, key, where)
-    if value is None and nullable:
-        return None
-    if not isinstance(value, list):
-        raise PerfModelError(f"{_at(where, key)}: expected a list, found {type(value).__name__}")
-    return value
-
-
-def _int_list(obj: dict, key: str, where: str, minimum: int, nullable: bool = False) -> tuple[int, ...] | None:
-    values = _list(obj, key, where, nullable)
-    if values is None:
-        return None
-    for index, value in enumerate(values):
-        if not _is_int(value) or value < minimum:
-            raise PerfModelError(f"{_at(where, key)}[{index}]: expected an integer >= {minimum}, found {value!r}")
-    return tuple(values)
 
 
 # ---------------------------------------------------------------- sections
@@ -497,6 +427,7 @@ def profile_from_json(obj: dict, source: str = "profile") -> Profile:
     """Build a Profile from its parsed JSON (schema already checked); `source` (the file) prefixes errors."""
     top = f"{source}:"
     models = _get(obj, "models", top)
+    insitu_timings, insitu_steps = sections_from_json(obj, top)
     profile = Profile(
         created_utc=_str(obj, "created_utc", top),
         device=_device(_get(obj, "device", top), f"{top} device"),
@@ -508,6 +439,7 @@ def profile_from_json(obj: dict, source: str = "profile") -> Profile:
         acceptance=_rows(obj, "acceptance", top, _acceptance),
         stage2=None if obj.get("stage2") is None else stage2_from_json(obj["stage2"], f"{top} stage2"),
         noise=None if obj.get("noise") is None else noise_from_json(obj["noise"], f"{top} noise"),
+        insitu_timings=insitu_timings, insitu_steps=insitu_steps,
     )
     validate(profile, source)
     return profile
@@ -525,6 +457,7 @@ def validate(profile: Profile, where: str = "profile") -> None:
     overhead_keys = [(row.batch_size, row.k, row.tree_nodes, row.stage2) for row in profile.overheads]
     if len(set(overhead_keys)) != len(overhead_keys):
         raise PerfModelError(f"{where}: overheads: duplicate (batch_size, k, tree_nodes, stage2) rows")
+    check_unique(profile.insitu_timings, profile.insitu_steps, where)
     for role in ROLES:
         info = profile.model(role)
         if info.kv_heads > info.heads:

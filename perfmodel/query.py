@@ -18,9 +18,10 @@ from .acceptance import AcceptanceModel, expected_tokens
 from .errors import PerfModelError
 from .jsonio import file_sha256
 from .model import FittedModel, query_strategies, step_model
-from .strategy import StrategyCandidate
+from .strategy import StrategyCandidate, StrategyChoice
 from .table import Table
 from .tree import Strategy, parse_tree
+from .uncertainty import choice_tie_notes
 
 KINDS = ("chains", "strategies", "table")  # no --tree | --tree auto or SPEC | --table
 
@@ -57,7 +58,7 @@ class QueryAnswer:
     context_len: int
     best_strategy: Strategy
     candidates: tuple[QueryCandidate, ...]  # chains: k = 0..max_k; strategies: ranked, or none and the one
-    notes: tuple[str, ...] = ()  # where the model is asked beyond what the profile measured; not in to_json
+    notes: tuple[str, ...] = ()  # beyond what the profile measured, and ties (as `table`'s); not in to_json
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -85,7 +86,8 @@ def chain_answer(fitted: FittedModel, acceptance: AcceptanceModel, batch_size: i
     by_k = sorted(choice.ranked, key=lambda c: c.k)
     return QueryAnswer("chains", batch_size, context, choice.best.strategy,
                        tuple(QueryCandidate.predicted(c) for c in by_k),
-                       tuple(fitted.extrapolation_notes(batch_size, [context], max_k)))
+                       tuple(fitted.extrapolation_notes(batch_size, [context], max_k)
+                             + choice_tie_notes(choice, acceptance)))
 
 
 def check_stage2_file(fitted: FittedModel, path: str | os.PathLike, source: str = "model") -> None:
@@ -110,15 +112,18 @@ def strategy_answer(fitted: FittedModel, acceptance: AcceptanceModel, batch_size
     if stage2 is not None:
         check_stage2_file(fitted, stage2, source)
     if tree == "auto":
-        ranked = query_strategies(fitted, acceptance, batch_size, context, max_k, strategies).ranked
+        choice = query_strategies(fitted, acceptance, batch_size, context, max_k, strategies)
+        ranked = choice.ranked
     else:
         strategy = Strategy(parse_tree(tree), stage2=stage2 is not None)
         model = step_model(fitted, acceptance)
         ranked = (model.evaluate(Strategy(None), batch_size, context), model.evaluate(strategy, batch_size, context))
+        by_goodput = tuple(sorted(ranked, key=lambda c: -c.tokens_per_s))  # stable: equals keep their order
+        choice = StrategyChoice(batch_size, context, by_goodput, ranked[0].tokens_per_s)
     best = max(ranked, key=lambda c: c.tokens_per_s)  # the first of equals: the simpler strategy
+    notes = fitted.strategy_notes([c.strategy for c in ranked]) + choice_tie_notes(choice, acceptance)
     return QueryAnswer("strategies", batch_size, context, best.strategy,
-                       tuple(QueryCandidate.predicted(c) for c in ranked),
-                       tuple(fitted.strategy_notes([c.strategy for c in ranked])))
+                       tuple(QueryCandidate.predicted(c) for c in ranked), tuple(notes))
 
 
 def table_answer(table: Table, batch_size: int, context_len: int | None = None) -> QueryAnswer:

@@ -179,7 +179,8 @@ class SpeculativeGenerator:
             tokens[r, :len(prompt)] = torch.tensor(prompt, dtype=torch.long)
         committed = torch.tensor(prompt_lens, dtype=torch.long, device=self.device)
         target_cache = self.target.new_cache(b, buffer_len)
-        draft_cache = self.draft.new_cache(b, buffer_len) if self.draft_is_model else None
+        # a policy that never drafts (k = 0 throughout) gets no draft cache and no draft prefill: plain decoding
+        draft_cache = self.draft.new_cache(b, buffer_len) if self.draft_is_model and max_k > 0 else None
 
         t0 = timer.now()
         first = self.prefill(tokens, committed, target_cache, draft_cache, sampling, rng)

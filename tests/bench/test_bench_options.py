@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from bench.config import BenchConfig, BenchError
 from bench.outputs import BENCH_SCHEMA
+from runtime.sampling import Sampling
 
 
 # ---------------------------------------------------------------------------------------------- bad input
@@ -19,7 +20,10 @@ from bench.outputs import BENCH_SCHEMA
     (dict(ks=()), "--ks"),
     (dict(ks=(-1,)), "--ks"),
     (dict(rounds=0), "--rounds"),
-    (dict(synthetic_acceptance=0.5, peers=True), "--peers"),
+    (dict(synthetic_acceptance=0.5, peers=("transformers",)), "--peers"),
+    (dict(peers=("sglang",)), "--peers: unknown peer 'sglang'"),
+    (dict(peers=("vllm",)), "--peers vllm needs --table"),
+    (dict(peers=("vllm",), table_path=Path("t.json"), sampling=Sampling(temperature=0.8)), "use --sampling greedy"),
 ])
 def test_config_refuses_bad_values(changes, message):
     with pytest.raises(BenchError, match=message):
@@ -65,6 +69,8 @@ def _invoke(args):
     (["--batch-sizes", "0"], "--batch-sizes"),
     (["--rounds", "0"], "--rounds"),
     (["--sampling", "warm"], "--sampling"),
+    (["--peers", "transformers,tgi"], "--peers: unknown peer 'tgi'"),
+    (["--peers", "vllm"], "--peers vllm needs --table"),
     (["--table", "/no/such/table.json"], "--table"),
     (["--target", "no-such-preset", "--synthetic-acceptance", "0.8"], "--target"),
     (["--target", "gpt2", "--draft", "gpt2"], "--synthetic-acceptance"),  # random weights need α
@@ -74,6 +80,18 @@ def test_cli_bad_input_is_one_line_exit_2(args, message):
     assert result.exit_code == 2, result.output
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0]
+
+
+def test_cli_peers_vllm_without_its_environment_is_one_line(cli_pair, write_table, tmp_path, monkeypatch):
+    """Refused before anything is measured, saying how to set vLLM up."""
+    monkeypatch.setenv("SPECBATCH_VLLM_VENV", str(tmp_path / "no-venv"))
+    target, draft = cli_pair
+    result = _invoke(["--target", target, "--draft", draft, "--table", write_table({1: 2}), "--ks", "0",
+                      "--batch-sizes", "1", "--max-new-tokens", "3", "--peers", "vllm", "--out", str(tmp_path)])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--peers vllm: vLLM is not set up" in lines[0] and "setup.sh" in lines[0]
+    assert not (tmp_path / "bench.json").exists()
 
 
 def test_cli_refuses_table_beyond_the_cache_margin(cli_pair, write_table, tmp_path):

@@ -136,7 +136,8 @@ def test_sampling_mode_runs_with_synthetic_acceptance(tiny_pair, prompts):
 def test_peers_skipped_cleanly_without_transformers(tiny_pair, prompts, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` now raises ImportError
     models = BenchModels(tiny_pair.target, tiny_pair.draft, "t", "d", target_dir=tmp_path, draft_dir=tmp_path)
-    config = BenchConfig(batch_sizes=(1,), ks=(1,), max_new_tokens=3, rounds=1, warmup_rounds=0, peers=True)
+    config = BenchConfig(batch_sizes=(1,), ks=(1,), max_new_tokens=3, rounds=1, warmup_rounds=0,
+                         peers=("transformers",))
     result = run_bench(config, models, prompts)
     assert any("transformers is not installed" in note for note in result.notes)
     assert {r.policy for r in result.runs} == {"k=0", "k=1"}
@@ -169,7 +170,8 @@ def test_peers_generate_exactly_max_new_tokens(tmp_path, prompts, vocab_size):
         directories.append(tmp_path / name)
     target, draft = (load_checkpoint(d) for d in directories)
     models = BenchModels(target.model, draft.model, "t", "d", target_dir=directories[0], draft_dir=directories[1])
-    config = BenchConfig(batch_sizes=(1, 2), ks=(2,), max_new_tokens=5, rounds=1, warmup_rounds=0, peers=True)
+    config = BenchConfig(batch_sizes=(1, 2), ks=(2,), max_new_tokens=5, rounds=1, warmup_rounds=0,
+                         peers=("transformers",))
     result = run_bench(config, models, prompts)
     ran = {(r.batch_size, r.policy): r.generated_tokens for r in result.runs}
     # ...unless EOS is ignored (ours) or suppressed with min_new_tokens (theirs)

@@ -73,6 +73,7 @@ def measured(pair, tmp_path_factory):
 
 TIMINGS = 2 * ((3 + 3) + (2 + 5))  # b = 1, 2: target n = 1..3 and 16, 32, 64; draft n = 1, 2 and 4..64
 TREE_ROWS = 2 * 2 * 2  # b = 1, 2 x trees of 12 and 32 nodes x without and with the second stage
+INSITU = 2 * 2  # b = 1 (every other) and 2 (the largest) x k = 0, 2 (the quick k up to max_k)
 
 
 # ---------------------------------------------------------------- the profile
@@ -91,7 +92,7 @@ def test_profile_has_every_point_and_round_trips(measured):
     assert all(len(e.per_position) == 2 and 0 <= min(e.per_position) for e in profile.acceptance)
     assert profile.target.layers == 2 and profile.draft.layers == 1 and not profile.target.random_weights
     assert profile.device.kind == "cpu" and profile.device.dtype == "float32"
-    assert summary.points_measured == 2 + 1 + TIMINGS + 6 + TREE_ROWS and summary.points_resumed == 0
+    assert summary.points_measured == 2 + 1 + TIMINGS + 6 + TREE_ROWS + INSITU and summary.points_resumed == 0
 
 
 def test_profile_has_what_trees_and_the_second_stage_need(pair, measured):
@@ -165,7 +166,7 @@ def test_an_interrupted_run_resumes_with_only_the_rest(pair, tmp_path):
     resumed = StopAfter(n=-1)
     summary = calibrate(request(pair, out, resume=True, stage2=pair / "ngram.safetensors"), on_progress=resumed)
     complete = load_profile(out)
-    total = 1 + 1 + TIMINGS + 6 + TREE_ROWS
+    total = 1 + 1 + TIMINGS + 6 + TREE_ROWS + INSITU
     assert len(resumed.labels) == total - 6 and summary.points_resumed == 6
     assert complete.timings[:4] == partial.timings and complete.stage2 == partial.stage2  # measured once
     assert len(complete.timings) == TIMINGS and len(complete.overheads) == 6 + TREE_ROWS
@@ -183,7 +184,7 @@ def test_resume_extends_a_profile_of_before_trees(pair, measured, tmp_path):
     old["overheads"] = [{k: v for k, v in r.items() if k not in ("tree_nodes", "stage2")}
                         for r in old["overheads"] if r["tree_nodes"] is None]
     old["acceptance"] = [{k: v for k, v in e.items() if k != "rank_acceptance"} for e in old["acceptance"]][:1]
-    del old["stage2"]
+    del old["stage2"], old["insitu_timings"], old["insitu_steps"]
     out = tmp_path / "profile.json"
     out.write_text(json.dumps(old))
     before = load_profile(out)
@@ -191,12 +192,55 @@ def test_resume_extends_a_profile_of_before_trees(pair, measured, tmp_path):
     summary = calibrate(request(pair, out, resume=True), on_progress=labels)
     after = load_profile(out)
     wide = TIMINGS - 2 * (3 + 2)
-    assert summary.points_measured == 1 + wide + TREE_ROWS // 2  # no --stage2 now: trees without it only
+    assert summary.points_measured == 1 + wide + TREE_ROWS // 2 + INSITU  # no --stage2 now: trees without it only
     assert labels.labels[0] == "acceptance greedy" and after.acceptance[0].rank_acceptance is not None
     assert after.acceptance[0].per_position == before.acceptance[0].per_position  # the same measurement
     assert after.timings[:len(before.timings)] == before.timings and after.stage2 is None
     assert after.overheads[:len(before.overheads)] == before.overheads
     assert after.grid.target_new_tokens == (1, 2, 3, 16, 32, 64)
+    assert {(r.batch_size, r.k) for r in after.insitu_steps} == {(1, 0), (1, 2), (2, 0), (2, 2)}
+
+
+def test_in_situ_rows_are_the_passes_of_real_steps(measured):
+    profile = load_profile(measured[0])
+    assert {(r.batch_size, r.k) for r in profile.insitu_steps} == {(1, 0), (1, 2), (2, 0), (2, 2)}
+    for b, k in {(1, 0), (1, 2), (2, 0), (2, 2)}:
+        steps = [r for r in profile.insitu_steps if (r.batch_size, r.k) == (b, k)]
+        passes = [r for r in profile.insitu_timings if (r.batch_size, r.k) == (b, k)]
+        assert all(1.0 <= r.tokens_per_step <= k + 1 and r.p10_ms <= r.median_ms <= r.p90_ms for r in steps)
+        assert all(r.in_situ and r.p10_ms <= r.median_ms <= r.p90_ms for r in passes)
+        # per full-batch step: one verify pass of k + 1 tokens, and k draft passes (the first of 1 or 2 tokens)
+        assert {(r.model, r.new_tokens) for r in passes if r.model == "target"} == {("target", k + 1)}
+        assert sum(r.reps for r in passes if r.model == "target") == sum(r.reps for r in steps)
+        draft = [r for r in passes if r.model == "draft"]
+        assert sum(r.reps for r in draft) == k * sum(r.reps for r in steps)
+        assert all(r.new_tokens in (1, 2) for r in draft) and (k > 0) == bool(draft)
+        # what the step paid for: the prompt (at least its last token) and the tokens generated so far
+        assert all(0 < r.context_len < 160 for r in passes + steps)
+
+
+def test_an_interrupted_in_situ_stage_keeps_its_points(pair, tmp_path):
+    class StopAtSecondInSitu:
+        def __init__(self):
+            self.labels = []
+
+        def __call__(self, event):
+            self.labels.append(event.label)
+            if sum(label.startswith("in-situ") for label in self.labels) == 2:
+                raise KeyboardInterrupt
+
+    out = tmp_path / "profile.json"
+    with pytest.raises(KeyboardInterrupt):
+        calibrate(request(pair, out), on_progress=StopAtSecondInSitu())
+    partial = load_profile(out)
+    assert {(r.batch_size, r.k) for r in partial.insitu_steps} == {(1, 0), (1, 2)}  # both on disk
+    resumed = StopAfter(n=-1)
+    calibrate(request(pair, out, resume=True), on_progress=resumed)
+    complete = load_profile(out)
+    assert [label for label in resumed.labels if label.startswith("in-situ")] == ["in-situ b=2 k=0", "in-situ b=2 k=2"]
+    assert complete.insitu_steps[:len(partial.insitu_steps)] == partial.insitu_steps
+    assert len({(r.batch_size, r.k) for r in complete.insitu_steps}) == INSITU
+    assert complete.insitu_timings[:len(partial.insitu_timings)] == partial.insitu_timings
 
 
 def test_resume_refuses_another_second_stage(pair, measured, tmp_path):
@@ -285,7 +329,8 @@ def test_cli_json_prints_one_object(pair, tmp_path):
     summary = json.loads(result.stdout)
     timings = (2 + 3) + (2 + 5)  # b = 1, max_k = 1: target n = 1, 2 and 16, 32, 64; draft n = 1, 2 and 4..64
     trees = len(QUICK_EFFORT.tree_nodes)  # no second stage: the bundled n-gram is the bundled draft's only
-    assert summary["profile_path"] == str(out) and summary["points_measured"] == 1 + timings + 2 + trees
+    insitu = 1  # b = 1, k = 0 (the quick k up to max_k)
+    assert summary["profile_path"] == str(out) and summary["points_measured"] == 1 + timings + 2 + trees + insitu
 
 
 @pytest.fixture

@@ -146,3 +146,17 @@ def test_one_answer_per_point_query_ranks_what_the_table_chooses_from(fitted, tm
         from_table = json.loads(invoke("query", "--table", tmp_path / "t.json", "--batch-size", batch_size,
                                        "--json").stdout)
         assert from_table["best_strategy"] == chosen.to_json()
+
+
+def test_query_notes_the_ties_that_table_notes():
+    """With a wide standard error on the measured E(k) the best chain and its runner-up tie (as `table` says);
+    with none measured (the golden model's, an older profile's) nothing is claimed."""
+    fitted = load_model(MODEL)
+    measured = choose_acceptance(fitted, None)
+    wide = dataclasses.replace(measured, tokens_per_step_se=(0.0,) + (1.0,) * (len(measured.tokens_per_step) - 1))
+    answer = chain_answer(fitted, wide, 4)
+    ties = [note for note in answer.notes if "indistinguishable" in note]
+    assert len(ties) == 1 and ties[0].startswith(f"b = 4: k = {answer.best_k} or k = ")
+    assert not any("indistinguishable" in note for note in chain_answer(fitted, measured, 4).notes)
+    auto = strategy_answer(fitted, wide, 4, "auto", strategies="chain")
+    assert [note for note in auto.notes if "indistinguishable" in note] == ties

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from serve.loadtest import LoadtestConfig, TraceItem, arrival_times, make_trace, replay_engine, run_loadtest
-from serve.loadtest_servers import ServerProcess
+from serve.loadtest_servers import LoadtestError, ServerProcess
 
 
 @pytest.mark.parametrize("rate, cv", [(2.0, 1.0), (10.0, 3.0), (0.5, 0.5)])
@@ -81,3 +81,36 @@ def test_sigterm_drains_then_cancels_and_the_server_exits(tmp_path):
     finally:
         server.stop()
     assert "Finished server process" in (tmp_path / "server.log").read_text()
+
+
+# ---------------------------------------------------------------------------------------------- vLLM as the peer
+def _vllm_config(tmp_path, policies, table=None):
+    from runtime.assembly import DEMO_DRAFT, DEMO_TARGET
+
+    return LoadtestConfig(policies=policies, rates_per_s=(1.0,), requests=1, prompts=("import os\n",),
+                          vllm_target=DEMO_TARGET, vllm_draft=DEMO_DRAFT, vllm_table=table)
+
+
+def test_vllm_policies_run_our_export_or_a_fixed_k(tmp_path, write_table):
+    from perfmodel.table import load_table, to_vllm
+    from runtime.assembly import DEMO_DRAFT
+    from serve.loadtest import vllm_speculative_config
+
+    table = write_table({1: 4, 2: 3, 3: 0})
+    config = _vllm_config(tmp_path, ("vllm:table",), table=table)
+    assert vllm_speculative_config(config, "vllm:table") == to_vllm(load_table(table), draft=DEMO_DRAFT)
+    assert vllm_speculative_config(config, "vllm:k=0") is None
+    assert vllm_speculative_config(config, "vllm:k=3") == {"method": "draft_model", "model": str(DEMO_DRAFT),
+                                                            "num_speculative_tokens": 3}
+    for policy, message in (("vllm:tree=0,1", "expected vllm:table or vllm:k=K"), ("vllm:k=x", "vllm:table")):
+        with pytest.raises(LoadtestError, match=message):
+            vllm_speculative_config(config, policy)
+    with pytest.raises(LoadtestError, match="give --table"):
+        vllm_speculative_config(_vllm_config(tmp_path, ("vllm:table",)), "vllm:table")
+
+
+def test_vllm_policies_refused_before_any_server_starts_without_vllm(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECBATCH_VLLM_VENV", str(tmp_path / "no-venv"))
+    with pytest.raises(LoadtestError, match="vLLM is not set up in .*setup.sh"):
+        run_loadtest(_vllm_config(tmp_path, ("k=0", "vllm:k=0")), tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -2,10 +2,15 @@
 
 The generator records each pass's shape (`GenerationStats.draft_passes` / `target_passes`: batch, new
 tokens) and only the summed times. `PassClock` wraps the models' `forward` for the duration of one
-`generate()` call and records (batch, new tokens, seconds) per call; the first calls of each model are
-the prefill, so the step passes are the last `len(stats.<role>_passes)` records, which must have the
-same shapes (checked). The clock synchronizes CUDA around each pass, as the generator's own timer does,
-so it adds no synchronization the run did not already have.
+`generate()` call and records (batch, new tokens, context, seconds) per call, the context being the
+longest row's cached length before the pass (what the pass's attention spans: shorter rows are masked);
+the first calls of each model are the prefill, so the step passes are the last
+`len(stats.<role>_passes)` records, which must have the same shapes (checked). The clock synchronizes
+CUDA around each pass, as the generator's own timer does, so it adds no synchronization the run did not
+already have.
+
+Shared by `bench` (the decomposition of a prediction's error) and `calibrate` (in-situ timing: passes
+timed inside real speculative steps, calibrate/insitu.py).
 """
 from __future__ import annotations
 
@@ -27,7 +32,8 @@ class PassClock:
                 distinct.setdefault(id(model), role)
         self.models = {role: models[role] for role in distinct.values()}
         self.cuda = device.type == "cuda"
-        self.records: dict[str, list[tuple[int, int, float]]] = {role: [] for role in self.models}
+        # per role, per call: (batch, new tokens, cached context of the longest row, seconds)
+        self.records: dict[str, list[tuple[int, int, int, float]]] = {role: [] for role in self.models}
 
     def _now(self) -> float:
         if self.cuda:
@@ -36,9 +42,11 @@ class PassClock:
 
     def _timed(self, role: str, forward):
         def timed_forward(tokens, *args, **kwargs):
+            cache = args[0] if args else kwargs.get("cache")
+            context = int(cache.lengths.max()) if cache is not None else 0  # before the clock starts
             started = self._now()
             out = forward(tokens, *args, **kwargs)
-            self.records[role].append((int(tokens.shape[0]), int(tokens.shape[1]), self._now() - started))
+            self.records[role].append((int(tokens.shape[0]), int(tokens.shape[1]), context, self._now() - started))
             return out
         return timed_forward
 
@@ -51,9 +59,10 @@ class PassClock:
         for model in self.models.values():
             del model.forward  # the class's forward again
 
-    def step_pass_seconds(self, stats) -> dict[str, list[float]] | None:
-        """Seconds of each step pass, aligned with `stats.<role>_passes`; None when the records do not
-        line up with the generator's (then no per-pass figures are claimed)."""
+    def step_records(self, stats) -> dict[str, list[tuple[int, int, int, float]]] | None:
+        """The step passes' records (batch, new tokens, context, seconds), aligned with
+        `stats.<role>_passes`; None when the records do not line up with the generator's (then no
+        per-pass figures are claimed)."""
         out = {"draft": [], "target": []}
         for role in out:
             shapes = [tuple(s) for s in getattr(stats, f"{role}_passes")]
@@ -62,8 +71,13 @@ class PassClock:
                 continue
             if len(records) < len(shapes) or [r[:2] for r in records[-len(shapes):]] != shapes:
                 return None
-            out[role] = [r[2] for r in records[-len(shapes):]]
+            out[role] = records[-len(shapes):]
         return out
+
+    def step_pass_seconds(self, stats) -> dict[str, list[float]] | None:
+        """Seconds of each step pass, aligned with `stats.<role>_passes`, or None (see `step_records`)."""
+        records = self.step_records(stats)
+        return None if records is None else {role: [r[3] for r in rows] for role, rows in records.items()}
 
 
 def measured_steps(stats, clock: PassClock, batch_size: int) -> MeasuredSteps | None:

@@ -1,0 +1,8 @@
+"""vLLM as a peer and as the oracle of our `--format vllm` export (`specbatch bench --peers vllm`).
+
+    setup.sh            vLLM's CPU build in its own virtual environment (not a dependency of ours)
+    run.sh              runs Python there with the environment setup.sh recorded
+    compare.py          ours and vLLM interleaved round by round: tokens/s ratios, greedy tokens, per-step K
+    vllm_worker.py      vLLM's side, one long-lived process per engine configuration (runs in vLLM's venv)
+    schedule_oracle.py  vLLM's own SpeculativeConfig and batch-size lookup applied to our exports
+"""

@@ -1,0 +1,89 @@
+"""Strict readers of JSON fields: each takes the enclosing object, the key and `where` (the file and the
+path to the object) so that an error names exactly the field at fault
+(`profile.json: timings[3].median_ms: expected a number, found 'fast'`).
+
+Shared by the file contracts (`perfmodel.profile`, `perfmodel.insitu`).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .errors import PerfModelError
+
+
+def at(where: str, key: str) -> str:
+    """'profile.json:' + 'grid' -> 'profile.json: grid'; 'profile.json: grid' + 'max_k' -> '... grid.max_k'."""
+    return f"{where} {key}" if where.endswith(":") else f"{where}.{key}"
+
+
+def get(obj: dict, key: str, where: str) -> Any:
+    if not isinstance(obj, dict):
+        raise PerfModelError(f"{where.rstrip(':')}: expected a JSON object, found {type(obj).__name__}")
+    if key not in obj:
+        raise PerfModelError(f"{at(where, key)}: missing")
+    return obj[key]
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def integer(obj: dict, key: str, where: str, minimum: int | None = None, nullable: bool = False) -> int | None:
+    value = get(obj, key, where)
+    if value is None and nullable:
+        return None
+    if not is_int(value):
+        raise PerfModelError(f"{at(where, key)}: expected an integer, found {value!r}")
+    if minimum is not None and value < minimum:
+        raise PerfModelError(f"{at(where, key)}: must be >= {minimum}, found {value}")
+    return value
+
+
+def number(obj: dict, key: str, where: str, minimum: float | None = None, nullable: bool = False) -> float | None:
+    value = get(obj, key, where)
+    if value is None and nullable:
+        return None
+    if not (is_int(value) or isinstance(value, float)) or not math.isfinite(value):
+        raise PerfModelError(f"{at(where, key)}: expected a number, found {value!r}")
+    if minimum is not None and value < minimum:
+        raise PerfModelError(f"{at(where, key)}: must be >= {minimum}, found {value}")
+    return float(value)
+
+
+def string(obj: dict, key: str, where: str, choices: tuple[str, ...] | None = None,
+           nullable: bool = False) -> str | None:
+    value = get(obj, key, where)
+    if value is None and nullable:
+        return None
+    if not isinstance(value, str):
+        raise PerfModelError(f"{at(where, key)}: expected a string, found {value!r}")
+    if choices is not None and value not in choices:
+        raise PerfModelError(f"{at(where, key)}: {value!r} is not one of {', '.join(choices)}")
+    return value
+
+
+def boolean(obj: dict, key: str, where: str) -> bool:
+    value = get(obj, key, where)
+    if not isinstance(value, bool):
+        raise PerfModelError(f"{at(where, key)}: expected true or false, found {value!r}")
+    return value
+
+
+def listed(obj: dict, key: str, where: str, nullable: bool = False) -> list | None:
+    value = get(obj, key, where)
+    if value is None and nullable:
+        return None
+    if not isinstance(value, list):
+        raise PerfModelError(f"{at(where, key)}: expected a list, found {type(value).__name__}")
+    return value
+
+
+def int_list(obj: dict, key: str, where: str, minimum: int, nullable: bool = False) -> tuple[int, ...] | None:
+    values = listed(obj, key, where, nullable)
+    if values is None:
+        return None
+    for index, value in enumerate(values):
+        if not is_int(value) or value < minimum:
+            raise PerfModelError(f"{at(where, key)}[{index}]: expected an integer >= {minimum}, found {value!r}")
+    return tuple(values)

@@ -1,0 +1,53 @@
+"""In-situ timing on the bundled demo pair: one point (b = 2, k = 4) generated for real on held-out prompts,
+every pass and step timed; the rows account for every pass of every full-batch step."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from calibrate.acceptance import encode_prompts, read_prompts
+from calibrate.grid import make_grid
+from calibrate.insitu import InSituPoint, insitu_points, measure_insitu
+from runtime.checkpoint import load_checkpoint
+from runtime.generator import SpeculativeGenerator
+
+ROOT = Path(__file__).resolve().parents[2]
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def generator_and_prompts():
+    target = load_checkpoint(ROOT / "data" / "models" / "demo-target")
+    draft = load_checkpoint(ROOT / "data" / "models" / "demo-draft")
+    prompts = encode_prompts(target.tokenizer, read_prompts(ROOT / "data" / "prompts" / "heldout.jsonl")[64:70], 200)
+    return SpeculativeGenerator(target.model, draft.model, eos_token_ids=()), prompts
+
+
+def test_a_point_accounts_for_every_pass_of_its_full_batch_steps(generator_and_prompts):
+    generator, prompts = generator_and_prompts
+    result = measure_insitu(generator, InSituPoint(2, 4), prompts, NEW_TOKENS, rounds=2)
+    steps, passes = result.steps, result.passes
+    assert all((r.batch_size, r.k) == (2, 4) for r in steps + passes)
+    assert all(1.5 < r.tokens_per_step <= 5 for r in steps)  # the demo pair agrees often (E(4) about 3)
+    step_count = sum(r.reps for r in steps)
+    assert all(r.reps * r.tokens_per_step <= NEW_TOKENS for r in steps)  # full-batch steps only, one round each
+    target = [r for r in passes if r.model == "target"]
+    draft = [r for r in passes if r.model == "draft"]
+    assert {r.new_tokens for r in target} == {5} and sum(r.reps for r in target) == step_count
+    assert {r.new_tokens for r in draft} <= {1, 2} and sum(r.reps for r in draft) == 4 * step_count
+    # the rounds ran the two shortest and the two longest prompts: the longest row sets the context
+    ordered = sorted(len(p) for p in prompts)
+    short, long = ordered[1], ordered[-1]
+    assert [r.context_len for r in steps] == sorted(r.context_len for r in steps) and len(steps) == 2
+    assert short <= steps[0].context_len <= short + NEW_TOKENS and long <= steps[1].context_len <= long + NEW_TOKENS
+    assert all(short - 1 <= r.context_len <= long + NEW_TOKENS for r in passes)
+    assert all(r.in_situ and 0 < r.p10_ms <= r.median_ms <= r.p90_ms for r in passes)
+
+
+def test_quick_points_are_every_other_batch_size_and_the_ks_up_to_max_k():
+    grid = make_grid((1, 2, 4, 8, 16), (256,), 8)
+    points = insitu_points(grid, (0, 2, 4, 6), every_other_batch_size=True)
+    assert [(p.batch_size, p.k) for p in points] == [(b, k) for b in (1, 4, 16) for k in (0, 2, 4, 6)]
+    assert [(p.batch_size, p.k) for p in insitu_points(make_grid((1, 2), (16,), 3), (0, 2, 4), True)] == \
+        [(1, 0), (1, 2), (2, 0), (2, 2)]
