@@ -19,7 +19,7 @@ from runtime.assembly import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET  # imports ru
 from console.options import (  # noqa: F401 - option types and parsing shared by every command
     one_line_errors, parse_int_list, check_counts, acceptance_override, read_prompts_file, set_threads, _ints,
     TargetOpt, DraftOpt, DeviceOpt, DtypeOpt, ModelFileArg, JsonOpt, TreeOpt, Stage2Opt, AcceptanceOpt,
-    ThreadsOpt, ForceOpt, MaxKOpt, MaxBatchOpt, _MODEL_HELP,
+    ThreadsOpt, ForceOpt, MaxKOpt, MaxBatchOpt, AdaptiveOpt, _MODEL_HELP,
 )
 
 app = typer.Typer(
@@ -48,6 +48,7 @@ def generate(
     tree: TreeOpt = None,
     stage2: Stage2Opt = None,
     model: Annotated[Optional[Path], typer.Option("--model", help="specbatch.model/1 file, for --tree auto.")] = None,
+    adaptive: AdaptiveOpt = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 64,
     temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy.")] = 0.0,
     top_k: Annotated[int, typer.Option("--top-k", help="0 = no top-k filter.")] = 0,
@@ -67,8 +68,8 @@ def generate(
     texts = list(prompt or []) + (read_prompts_file(prompts_file) if prompts_file is not None else [])
     request = GenerationRequest(
         prompts=tuple(texts), target=target, draft=draft, k=k, table=table, tree=tree, stage2=stage2, model=model,
-        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, device=device,
-        dtype=dtype, force=force)
+        adaptive=adaptive, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+        device=device, dtype=dtype, force=force)
     set_threads(threads)
     generation = generate_texts(request)
     if json_output:
@@ -164,6 +165,15 @@ def bench(
                        "model's best tree at batch size 1; needs --model).")] = None,
     stage2: Annotated[Optional[Path], typer.Option(
         "--stage2", help="n-gram file: also run every k > 0 and every --tree with the second stage.")] = None,
+    adaptive: Annotated[Optional[Path], typer.Option(
+        "--adaptive", help="specbatch.model/1 file: also run the adaptive policy (online acceptance per request, "
+                           "draft early stop).")] = None,
+    workload: Annotated[str, typer.Option(
+        "--workload", help="heldout (--prompts alone) | mixed (half --prompts, half --second-prompts in every "
+                           "batch) | switch (the second population from half-way through the rounds).")] = "heldout",
+    second_prompts: Annotated[Optional[Path], typer.Option(
+        "--second-prompts", help="The other population of mixed/switch (default: data/prompts/base64.jsonl, on "
+                                 "which the demo draft agrees much less).")] = None,
     batch_sizes: Annotated[str, typer.Option("--batch-sizes")] = "1,2,4,8,16,32",
     ks: Annotated[str, typer.Option("--ks", help="Fixed k to compare; k = 0 is always run.")] = "0,1,2,3,4,5,6,7,8",
     prompts: Annotated[Optional[Path], typer.Option(
@@ -200,8 +210,10 @@ def bench(
         max_new_tokens=max_new_tokens, rounds=rounds, sampling=parse_sampling(sampling),
         synthetic_acceptance=synthetic_acceptance, seed=seed, table_path=table, model_path=model,
         peers=tuple(name.strip() for name in peers.split(",") if name.strip()) if peers else (),
-        trees=tuple(tree or ()), stage2_path=stage2)
-    check_input_files(table=table, model=model, prompts=prompts, stage2=stage2)
+        trees=tuple(tree or ()), stage2_path=stage2, adaptive_path=adaptive, workload=workload,
+        second_prompts_path=second_prompts)
+    check_input_files(table=table, model=model, prompts=prompts, stage2=stage2, adaptive=adaptive,
+                      second_prompts=second_prompts)
     writable_dir(out, "--out")  # before measuring: a file in the way would lose every measurement
     set_threads(threads)  # after the checks: a note must not come before a one-line error
     inputs = load_bench_inputs(config, target, draft, prompts, device, dtype, force)

@@ -8,17 +8,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from perfmodel.errors import UsageError
-from runtime.assembly import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET
+from runtime.assembly import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET, LOW_ACCEPTANCE_PROMPTS
 
 from .config import BenchConfig, BenchModels
 from .harness import RANDOM_PROMPT_TOKENS, random_prompts
+from .workload import Workload
 
 
 @dataclass
 class BenchInputs:
     config: BenchConfig  # the run's config, with the table's own n-gram when the table names one
     models: BenchModels
-    token_prompts: list[list[int]]
+    token_prompts: list[list[int]] | Workload  # a Workload for --workload mixed | switch
     notes: list[str] = field(default_factory=list)  # said in front of the result's own notes
 
 
@@ -45,7 +46,8 @@ def load_bench_inputs(config: BenchConfig, target: str | None, draft: str | None
     draft_spec = resolve_model(draft or str(DEMO_DRAFT), "draft")
     check_pair(target_spec, draft_spec)
     running = {spec.role: (spec.source, spec.fingerprint) for spec in (target_spec, draft_spec)}
-    stage2 = files_for_pair(config.table_path, config.model_path, config.stage2_path, running, force)
+    stage2 = files_for_pair(config.table_path, config.model_path, config.stage2_path, running, force,
+                            adaptive=config.adaptive_path)
     if stage2 != config.stage2_path:  # the table's own n-gram: its staged policies run too
         config = dataclasses.replace(config, stage2_path=stage2)
     random_weights = target_spec.random_weights or draft_spec.random_weights
@@ -60,6 +62,14 @@ def load_bench_inputs(config: BenchConfig, target: str | None, draft: str | None
     if pair.tokenizer is not None:
         texts = read_prompts(prompts or DEMO_PROMPTS, "--prompts")[:needed]  # fewer are cycled
         token_prompts = [pair.tokenizer.encode(text) for text in texts]
+        if config.workload != "heldout":
+            second = config.second_prompts_path or LOW_ACCEPTANCE_PROMPTS
+            others = [pair.tokenizer.encode(text) for text in read_prompts(second, "--second-prompts")[:needed]]
+            token_prompts = Workload(config.workload, tuple(map(tuple, token_prompts)), tuple(map(tuple, others)))
+            notes.append(f"workload {config.workload}: {prompts or DEMO_PROMPTS} and {second}")
+    elif config.workload != "heldout":
+        raise UsageError(f"--workload {config.workload}: {target_spec.source} has no tokenizer.json to encode the "
+                         "two prompt populations")
     elif prompts is not None:
         raise UsageError(f"--prompts: {target_spec.source} has no tokenizer.json to encode text; leave --prompts "
                          "out to benchmark with random token prompts")

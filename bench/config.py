@@ -43,6 +43,9 @@ class BenchConfig:
     peers: tuple[str, ...] = ()
     trees: tuple[str, ...] = ()  # parse_tree specs ("0,1,0.0", "chain:8") or "auto": adds tree:SPEC policies
     stage2_path: Path | None = None  # specbatch.ngram/1 file (loaded into BenchModels.stage2): adds +ngram policies
+    adaptive_path: Path | None = None  # specbatch.model/1: adds the "adaptive" policy (runtime.adaptive)
+    workload: str = "heldout"  # heldout | mixed | switch (bench.workload)
+    second_prompts_path: Path | None = None  # mixed / switch: the other population (default data/prompts/base64.jsonl)
 
     def __post_init__(self):
         check_config(self)
@@ -89,6 +92,12 @@ def check_config(config: BenchConfig) -> None:
         option = "--tree" if config.trees else "--stage2"
         raise BenchError(f"{option} cannot be combined with --synthetic-acceptance: the runtime fakes acceptance "
                          "for plain chains only")
+    from .workload import WORKLOADS
+
+    if config.workload not in WORKLOADS:
+        raise BenchError(f"--workload {config.workload!r}: expected one of {', '.join(WORKLOADS)}")
+    if config.second_prompts_path is not None and config.workload == "heldout":
+        raise BenchError("--second-prompts is read only with --workload mixed or switch")
     if any(spec.strip() == TREE_AUTO for spec in config.trees) and config.model_path is None:
         raise BenchError("--tree auto needs --model FILE (a specbatch.model/1 file from `specbatch fit`)")
 

@@ -33,6 +33,7 @@ from runtime.model import CausalLM
 from .config import TREE_AUTO, BenchConfig, BenchError, BenchModels, tree_from_spec
 from .peers import load_peers, time_peer
 from .policies import (
+    ADAPTIVE_POLICY,
     HF_ASSISTED,
     HF_GREEDY,
     TABLE_POLICY,
@@ -45,6 +46,7 @@ from .policies import (
 from .predict import add_predictions, load_predictor, resolve_auto_tree
 from .results import BatchResult, BenchResult, RunRecord, most_frequent_k, summarize_batch, summarize_policy
 from .timing import time_ours
+from .workload import Workload
 
 # Prompt length for models without a tokenizer (presets): about the held-out demo prompts' median
 # (70 bytes, one token per byte with the demo pair's byte-level tokenizer).
@@ -122,13 +124,27 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: Sequence[list[i
               on_run: Callable[[RunRecord, int, int], None] | None = None) -> BenchResult:
     """Measure every policy at every batch size in interleaved rounds; see the module docstring.
 
-    `prompts` are token ids; batch size b uses the first b of them (cycling). EOS is ignored and every
+    `prompts` are token ids, or a `bench.workload.Workload` (two populations, mixed or switched); batch
+    size b uses the first b of them (cycling). EOS is ignored and every
     row generates exactly `max_new_tokens`, so the batch stays at b until rows that sped ahead under
     speculation finish (`full_batch_step_fraction` says how long). `on_run(record, done, total)` is
     called after every generation (the CLI's progress bar). Everything that can be refused (a missing
     draft or n-gram model, a bad model file, --tree auto's resolution) is refused before measuring.
     """
     from runtime.policy import TableK
+
+    workload = prompts if isinstance(prompts, Workload) else None
+    if workload is not None:
+        prompts = workload.prompts
+
+    def round_prompts(b: int, round_index: int) -> list[list[int]]:
+        """The batch of round `round_index` (negative: warm-up) at batch size b."""
+        if workload is not None:
+            return workload.batch(b, round_index + config.warmup_rounds, config.warmup_rounds, config.rounds)
+        return cycled_prompts(prompts, b, offset=(round_index + config.warmup_rounds) * b)
+
+    def timed_rounds(b: int) -> list[list[list[int]]]:
+        return [round_prompts(b, r) for r in range(config.rounds)]
 
     notes: list[str] = []
     fixed_ks = config.fixed_ks
@@ -158,7 +174,7 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: Sequence[list[i
     trees, auto = [], None  # auto: (the tree --tree auto became, why)
     for spec in config.trees:
         if spec.strip() == TREE_AUTO:
-            context_len = attended_context_len(timed_round_prompts(prompts, 1, config), config.max_new_tokens)
+            context_len = attended_context_len(timed_rounds(1), config.max_new_tokens)
             auto = resolve_auto_tree(predictor, config.model_path, context_len, models.stage2 is not None)
             trees.append(auto[0])
         else:
@@ -169,7 +185,12 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: Sequence[list[i
             raise BenchError(f"--tree {tree_label(tree)}: a node has {tree.max_children} children, more than the "
                              f"vocabulary's {vocab} tokens")
 
-    policies = bench_policies(fixed_ks, table, trees, stage2=models.stage2 is not None)
+    adaptive = None
+    if config.adaptive_path is not None:
+        if models.draft is None:
+            raise BenchError("--adaptive needs a draft model (--draft)")
+        adaptive = _adaptive_policy(config, models)
+    policies = bench_policies(fixed_ks, table, trees, stage2=models.stage2 is not None, adaptive=adaptive)
     if auto is not None:
         name = next(p.name for p in policies.values() if p.strategy == Strategy(auto[0]))
         notes.append(f"--tree auto became {name}, {auto[1]}")
@@ -204,7 +225,7 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: Sequence[list[i
             names = contenders(b)
             for round_index in range(-config.warmup_rounds, config.rounds):
                 seed = config.seed + round_index + config.warmup_rounds  # the same for every policy in a round
-                batch_prompts = cycled_prompts(prompts, b, offset=(round_index + config.warmup_rounds) * b)
+                batch_prompts = round_prompts(b, round_index)
                 for name in rotated(names, round_index):
                     if name in policies:
                         measured = time_ours(generator, batch_prompts, policies[name].policy, config, seed)
@@ -215,7 +236,7 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: Sequence[list[i
                         on_run(runs[-1], len(runs), total)
     notes += list(dict.fromkeys(f"warning: {w.message}" for w in caught))
 
-    batches = [_batch_result(b, contenders(b), runs, config, timed_round_prompts(prompts, b, config), policies)
+    batches = [_batch_result(b, contenders(b), runs, config, timed_rounds(b), policies)
                for b in config.batch_sizes]
     if table is not None:
         from .regret import add_paired_regret
@@ -245,6 +266,21 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: Sequence[list[i
         prompts={"count": len(prompts), "min_tokens": min(prompt_lens), "max_tokens": max(prompt_lens)},
         batches=batches, runs=runs, notes=notes, vllm=vllm,
     )
+
+
+def _adaptive_policy(config: BenchConfig, models: BenchModels):
+    """The adaptive contender: second-stage chains among its candidates when the run has the n-gram its
+    model measured (checked by sha256), plain chains otherwise."""
+    from runtime.adaptive import adaptive_policy
+    from runtime.assembly import check_stage2_file
+
+    policy = adaptive_policy(config.adaptive_path, staged=models.stage2 is not None,
+                             mode="greedy" if config.sampling.greedy else "sampling")
+    if policy.needs_stage2:
+        if config.stage2_path is None:
+            return adaptive_policy(config.adaptive_path, staged=False)
+        check_stage2_file(config.stage2_path, policy.stage2_record["sha256"], "--adaptive's model measured")
+    return policy
 
 
 def check_vllm_peer(table, models: BenchModels, config: BenchConfig) -> None:
@@ -295,6 +331,8 @@ def _batch_result(b: int, names: list[str], runs: list[RunRecord], config: Bench
         ours = policies.get(name)
         if ours is None:  # a peer
             k, strategy = None, None
+        elif name == ADAPTIVE_POLICY:  # its strategy changes step by step: the most frequent k is shown
+            k, strategy = most_frequent_k(records), "adaptive"
         elif ours.strategy is None:  # the table
             k, strategy = most_frequent_k(records), table_strategy(ours.policy, b, context_len).describe()
         else:

@@ -37,6 +37,8 @@ def bench_json(result: BenchResult) -> dict[str, Any]:
         "table": str(config.table_path) if config.table_path else None,
         "model": str(config.model_path) if config.model_path else None, "peers": list(config.peers),
         "trees": list(config.trees), "stage2": str(config.stage2_path) if config.stage2_path else None,
+        "adaptive": str(config.adaptive_path) if config.adaptive_path else None, "workload": config.workload,
+        "second_prompts": str(config.second_prompts_path) if config.second_prompts_path else None,
         "eos": "ignored: every row generates max_new_tokens",
         "tokens_per_s": "generated tokens / wall seconds of one generate() call, prefill and overhead included",
     }
@@ -47,7 +49,9 @@ def bench_json(result: BenchResult) -> dict[str, Any]:
             policy["rounds"] = source.rounds
         batches.append(entry)
     runs = [{"order": i, "batch_size": r.batch_size, "round": r.round, "warmup": r.warmup, "policy": r.policy,
-             "generated_tokens": r.generated_tokens, "seconds": r.seconds, "tokens_per_s": r.tokens_per_s}
+             "generated_tokens": r.generated_tokens, "seconds": r.seconds, "tokens_per_s": r.tokens_per_s,
+             "steady_tokens_per_s": r.steady_tokens_per_s, "step_seconds": r.step_seconds,
+             "decision_seconds": r.decision_seconds, "k_counts_full_batch": r.k_counts_full_batch}
             for i, r in enumerate(result.runs)]
     return {"schema": BENCH_SCHEMA, "synthetic": result.synthetic, "config": config_json, "device": result.device,
             "models": result.models, "prompts": result.prompts, "batch_sizes": batches, "runs": runs,

@@ -3,6 +3,7 @@
 The names, as bench.json and bench.csv write them:
   * `k=K`: a chain of K draft tokens every step (`k=0` is plain decoding, always run);
   * `table`: the strategy of the --table file at the current batch size;
+  * `adaptive`: runtime.adaptive.AdaptivePolicy from the --adaptive model file (its k changes step by step);
   * `tree:SPEC`: the same draft tree every step (`tree:chain:K` for a chain given as a tree; a long
     spec is cut at whole paths and ends in ',...(N nodes)'); `--tree auto` becomes, before anything is
     measured, the performance model's best tree at batch size 1 (a note says which);
@@ -18,6 +19,7 @@ from perfmodel.tree import Strategy, Tree, chain, parse_tree  # noqa: F401 - par
 from runtime.policy import FixedK, FixedStrategy
 
 TABLE_POLICY = "table"
+ADAPTIVE_POLICY = "adaptive"
 HF_GREEDY = "hf-greedy"
 HF_ASSISTED = "hf-assisted"
 TREE_PREFIX = "tree:"
@@ -51,11 +53,13 @@ def tree_policy_name(tree: Tree, staged: bool = False) -> str:
 
 
 def policy_family(name: str) -> str:
-    """What a policy name stands for: chain (k=K), tree, staged (+ngram), table or peer.
+    """What a policy name stands for: chain (k=K), tree, staged (+ngram), table, adaptive or peer.
 
     >>> [policy_family(n) for n in ("k=0", "k=2+ngram", "tree:0,1", "tree:0,1+ngram", "table", "hf-greedy")]
     ['chain', 'staged', 'tree', 'staged', 'table', 'peer']
     """
+    if name == ADAPTIVE_POLICY:
+        return "adaptive"
     if name.endswith(STAGED_SUFFIX):
         return "staged"
     if name.startswith(TREE_PREFIX):
@@ -71,13 +75,13 @@ class BenchPolicy:
     (None for the table, whose strategy depends on the batch size)."""
 
     name: str
-    policy: Any  # runtime.policy.FixedK | FixedStrategy | TableK
+    policy: Any  # runtime.policy.FixedK | FixedStrategy | TableK | runtime.adaptive.AdaptivePolicy
     strategy: Strategy | None
 
 
 def bench_policies(fixed_ks: Sequence[int], table=None, trees: Sequence[Tree] = (),
-                   stage2: bool = False) -> dict[str, BenchPolicy]:
-    """name -> contender, in run order: k=K (ascending), table, tree:SPEC, then with a second stage
+                   stage2: bool = False, adaptive=None) -> dict[str, BenchPolicy]:
+    """name -> contender, in run order: k=K (ascending), table, adaptive, tree:SPEC, then with a second stage
     k=K+ngram (K > 0) and tree:SPEC+ngram. Equal trees run once; names that a cut spec would make
     equal get ' #2', ' #3' ... so every name is unique.
 
@@ -88,6 +92,8 @@ def bench_policies(fixed_ks: Sequence[int], table=None, trees: Sequence[Tree] = 
                 for k in fixed_ks}
     if table is not None:
         policies[TABLE_POLICY] = BenchPolicy(TABLE_POLICY, table, None)
+    if adaptive is not None:
+        policies[ADAPTIVE_POLICY] = BenchPolicy(ADAPTIVE_POLICY, adaptive, None)
     unique_trees = list(dict.fromkeys(trees))
     names: dict[Tree, str] = {}
     for tree in unique_trees:

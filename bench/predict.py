@@ -93,8 +93,8 @@ def add_predictions(batches: list[BatchResult], predictor: Predictor, policies: 
     for batch in batches:
         for policy in batch.policies:
             ours = policies.get(policy.policy)
-            if ours is None or policy.k is None:
-                continue
+            if ours is None or policy.k is None or policy_family(policy.policy) == "adaptive":
+                continue  # a peer, or a policy whose strategy changes step by step
             strategy = ours.strategy
             if strategy is None:  # the table
                 strategy = table_strategy(ours.policy, batch.batch_size, batch.context_len)

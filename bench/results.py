@@ -39,6 +39,8 @@ class RunRecord:
     steady_tokens_per_s: float | None = None
     # perfmodel.explain.MeasuredSteps: the full-batch steps with each pass timed (`explain`); None for peers
     measured_steps: Any = None
+    step_seconds: float = 0.0  # the steps' wall time (GenerationStats.step_s summed)
+    decision_seconds: float = 0.0  # of which the policy's own decisions (GenerationStats.decision_s summed)
 
     @property
     def warmup(self) -> bool:

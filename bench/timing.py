@@ -36,4 +36,5 @@ def time_ours(generator: SpeculativeGenerator, prompts: list[list[int]], policy,
                 full_batch_steps=len(full), accepted_per_position=list(stats.accepted_per_position),
                 trials_per_position=list(stats.trials_per_position), k_counts_full_batch=dict(Counter(full)),
                 nodes_counts_full_batch=dict(Counter(nodes)), steady_tokens_per_s=stats.steady_tokens_per_s(b),
-                measured_steps=measured_steps(stats, clock, b))
+                measured_steps=measured_steps(stats, clock, b), step_seconds=sum(stats.step_s),
+                decision_seconds=sum(stats.decision_s))

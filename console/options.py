@@ -152,6 +152,9 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on 
 TreeOpt = Annotated[Optional[str], typer.Option(
     "--tree", help="Draft tree: rank paths like 0,1,0.0,0.1 (rank 0 = the draft's top token), chain:K, a JSON "
                    "list of paths, or auto (the tree the performance model in --model picks per batch size).")]
+AdaptiveOpt = Annotated[Optional[Path], typer.Option(
+    "--adaptive", help="specbatch.model/1 file: choose the strategy every step from the fitted model and each "
+                       "request's acceptance learned online, with draft-side early stop (runtime/adaptive.py).")]
 Stage2Opt = Annotated[Optional[Path], typer.Option(
     "--stage2", help="n-gram file (specbatch.ngram/1) that speeds up the draft model's own drafting.")]
 AcceptanceOpt = Annotated[Optional[str], typer.Option(

@@ -22,6 +22,9 @@ def serve_command(
         "--k", help="Fixed speculation length instead of a table (0: none).")] = None,
     tree: Annotated[Optional[str], typer.Option(
         "--tree", help="A fixed draft tree (rank paths like 0,1,0.0) instead of a table.")] = None,
+    adaptive: Annotated[Optional[Path], typer.Option(
+        "--adaptive", help="specbatch.model/1 file: choose k every step from the model and each request's "
+                           "acceptance learned online, instead of a table.")] = None,
     host: Annotated[str, typer.Option(
         "--host", help="Address to bind (loopback by default; there is no authentication).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port")] = 8000,
@@ -48,7 +51,7 @@ def serve_command(
     """Serve the pair over an OpenAI-compatible HTTP API with continuous batching; the table picks k every step."""
     from serve.server import ServeOptions, serve
 
-    serve(ServeOptions(target=target, draft=draft, table=table, k=k, tree=tree, host=host, port=port,
+    serve(ServeOptions(target=target, draft=draft, table=table, k=k, tree=tree, adaptive=adaptive, host=host, port=port,
                        max_batch_size=max_batch_size, kv_budget_tokens=kv_budget_tokens, max_waiting=max_waiting,
                        max_tokens_limit=max_tokens_limit, device=device, dtype=dtype, profile=profile,
                        threads=threads, model_name=model_name, drain_s=drain_s))
@@ -56,8 +59,8 @@ def serve_command(
 
 def loadtest_command(
     policies: Annotated[str, typer.Option("--policies", help=(
-        "Comma list: table, k=K, tree=SPEC; vllm:table, vllm:k=K (vLLM's own server on the pair, our table exported; "
-        "bash bench/vllm/setup.sh first)."))] = "table,k=0",
+        "Comma list: table, k=K, tree=SPEC, adaptive=MODEL.json; vllm:table, vllm:k=K (vLLM's own server on the "
+        "pair, our table exported; bash bench/vllm/setup.sh first)."))] = "table,k=0",
     rates: Annotated[str, typer.Option("--rates", help="Arrival rates, requests/s, comma list.")] = "1,2,4",
     cvs: Annotated[str, typer.Option("--cvs", help="Coefficients of variation of the Gamma gaps (1 = Poisson).")] = "1",
     requests: Annotated[int, typer.Option("--requests", help="Requests per (policy, rate, CV).")] = 100,

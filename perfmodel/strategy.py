@@ -130,6 +130,9 @@ class StepModel:
     # (role, b, n, L) -> ms, filled as strategies are evaluated: trees share most pass shapes
     _latency_cache: dict = field(default_factory=dict, compare=False, repr=False)
     _replay_cache: dict = field(default_factory=dict, compare=False, repr=False)  # tree -> (E, P(leaf end))
+    # (b, strategy) -> (passes, overhead ms): neither depends on the context, which an online policy
+    # (runtime.adaptive) asks about at every new length
+    _schedule_cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     def _latency(self, role: str, batch_size: int, new_tokens: int, context_len: int) -> float:
         key = (role, batch_size, new_tokens, context_len)
@@ -187,14 +190,17 @@ class StepModel:
         return staged_step(strategy.tree, batch_size, p_leaf_end, self.stage2.guess_accuracy)
 
     def evaluate(self, strategy: Strategy, batch_size: int, context_len: int) -> StrategyCandidate:
-        step = self.schedule(strategy, batch_size)
+        key = (batch_size, strategy)
+        if key not in self._schedule_cache:
+            self._schedule_cache[key] = (self.schedule(strategy, batch_size),
+                                         self.overhead.step_overhead_ms(batch_size, strategy))
+        step, overhead_ms = self._schedule_cache[key]
         times = [p.weight * self._latency(p.role, batch_size, p.new_tokens, context_len) for p in step.passes]
         forward_ms = sum(times)  # summed in pass order
         ngram_ms = 0.0
         if step.ngram_queries:
             ngram_ms = (step.ngram_queries * self.stage2.query_overhead_ms
                         + step.ngram_contexts * self.stage2.query_ms_per_context)
-        overhead_ms = self.overhead.step_overhead_ms(batch_size, strategy)
         step_ms = forward_ms + ngram_ms + overhead_ms
         tokens = self.tokens_per_step(strategy)
         is_draft = [p.role == "draft" for p in step.passes]

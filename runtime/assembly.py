@@ -18,6 +18,7 @@ DEMO_TARGET = DATA_DIR / "models" / "demo-target"
 DEMO_DRAFT = DATA_DIR / "models" / "demo-draft"
 DEMO_NGRAM = DATA_DIR / "models" / "demo-ngram.safetensors"
 DEMO_PROMPTS = DATA_DIR / "prompts" / "heldout.jsonl"
+LOW_ACCEPTANCE_PROMPTS = DATA_DIR / "prompts" / "base64.jsonl"  # data/make_base64_prompts.py: the draft agrees less
 DEFAULT_K_WITH_DRAFT = 4  # generate's k when neither --k, --table nor --tree is given
 
 
@@ -126,18 +127,19 @@ def table_made_for(table) -> dict:
 
 
 def files_for_pair(table: Path | None, model: Path | None, stage2: Path | None, running: dict,
-                   force: bool = False) -> Path | None:
+                   force: bool = False, adaptive: Path | None = None) -> Path | None:
     """`bench`: --table and --model must be made for the `running` pair (see `check_made_for`), and a table
     whose entries use the second stage brings its own n-gram file when --stage2 is not given. Returns the
     n-gram file to use (None: none)."""
     from perfmodel.model import load_model
     from perfmodel.table import load_table
 
-    if model is not None:
-        fitted = load_model(model)
-        check_made_for(f"--model {model}", {"target": (fitted.target_info.source, fitted.target_info.fingerprint),
-                                            "draft": (fitted.draft_info.source, fitted.draft_info.fingerprint)},
-                       running, force)
+    for option, path in (("--model", model), ("--adaptive", adaptive)):
+        if path is not None:
+            fitted = load_model(path)
+            check_made_for(f"{option} {path}", {"target": (fitted.target_info.source, fitted.target_info.fingerprint),
+                                                "draft": (fitted.draft_info.source, fitted.draft_info.fingerprint)},
+                           running, force)
     if table is not None:
         loaded = load_table(table)
         check_made_for(f"--table {table}", table_made_for(loaded), running, force)
@@ -164,15 +166,29 @@ def recorded_stage2(recorded: dict | None, what: str) -> Path:
 
 
 def second_stage_for(policy, stage2: Path | None, target_model):
-    """The n-gram model a policy needs: --stage2, else the file a table names (checked by sha256)."""
+    """The n-gram model a policy needs: --stage2, else the file a table (or the adaptive policy's model)
+    names (checked by sha256)."""
     table = getattr(policy, "table", None)
+    record = table.stage2 if table is not None else getattr(policy, "stage2_record", None)
     if stage2 is None and getattr(policy, "needs_stage2", False):
-        stage2 = recorded_stage2(table.stage2 if table is not None else None, policy.describe())
+        stage2 = recorded_stage2(record, policy.describe())
     if stage2 is None:
         return None
-    if table is not None and table.stage2 and getattr(policy, "needs_stage2", False):
-        check_stage2_file(stage2, table.stage2["sha256"], "the table was computed for")
+    if record and getattr(policy, "needs_stage2", False):
+        check_stage2_file(stage2, record["sha256"], "the table or model was computed for")
     return load_ngram(stage2, "--stage2", target_model)
+
+
+def adaptive_for_pair(model_file: Path, running: dict, force: bool, mode: str = "greedy", staged: bool = True):
+    """`--adaptive MODEL.json`: the adaptive policy (runtime.adaptive) from a model made for the `running`
+    pair (`check_made_for`); its second-stage chains only when the model measured the second stage."""
+    from runtime.adaptive import adaptive_policy
+
+    if not Path(model_file).is_file():
+        raise UsageError(f"--adaptive {model_file}: no such file")
+    policy = adaptive_policy(Path(model_file), staged=staged, mode=mode)
+    check_made_for(f"--adaptive {model_file}", policy.made_for, running, force)
+    return policy
 
 
 @dataclass(frozen=True)
@@ -187,6 +203,7 @@ class GenerationRequest:
     tree: str | None = None
     stage2: Path | None = None
     model: Path | None = None  # for --tree auto
+    adaptive: Path | None = None  # a specbatch.model/1 file: the adaptive policy (runtime.adaptive)
     force: bool = False  # use a table or model made for another pair
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -199,8 +216,10 @@ class GenerationRequest:
     def __post_init__(self):
         if self.k is not None and self.k < 0:
             raise UsageError(f"--k must be >= 0, got {self.k}")
-        if sum(x is not None for x in (self.k, self.table, self.tree)) > 1:
-            raise UsageError("--k, --table and --tree are mutually exclusive")
+        if sum(x is not None for x in (self.k, self.table, self.tree, self.adaptive)) > 1:
+            raise UsageError("--k, --table, --tree and --adaptive are mutually exclusive")
+        if self.adaptive is not None and not self.adaptive.is_file():
+            raise UsageError(f"--adaptive {self.adaptive}: no such file")
         if not self.prompts:
             raise UsageError("give at least one --prompt or a --prompts-file")
         if self.max_new_tokens <= 0:  # checked here, before a model is loaded
@@ -255,7 +274,15 @@ def generate_texts(request: GenerationRequest, loaded_pair=None) -> Generation:
         raise UsageError(f"{target_model.path}: no tokenizer.json, cannot encode text prompts")
     draft_runner = load_ngram(request.draft, "--draft", target_model) if ngram_draft else \
         (draft_model.model if draft_model else None)
-    if request.tree is not None:
+    if request.adaptive is not None:
+        from perfmodel.jsonio import directory_fingerprint
+
+        running = {"target": (str(target_model.path), directory_fingerprint(target_model.path))}
+        if draft_model is not None:
+            running["draft"] = (str(draft_model.path), directory_fingerprint(draft_model.path))
+        policy = adaptive_for_pair(request.adaptive, running, request.force,
+                                   "greedy" if sampling.greedy else "sampling")
+    elif request.tree is not None:
         policy = strategy_policy(request.tree, request.stage2, request.model, len(request.prompts))
     elif request.table is not None:
         policy = TableK(request.table)

@@ -31,6 +31,7 @@ import torch
 
 from perfmodel.errors import SpecbatchError
 
+from . import policy as hooks
 from .engine_metrics import EngineMetrics, describe_choice
 from .generator import GenerationStats, SpeculativeGenerator
 from .sampling import RowGenerators, RowSampling, Sampling
@@ -276,11 +277,15 @@ class Engine:
         committed = self._committed[:b].clone()
         caches = self._views(0, b, fresh=False)
         sampling, rng = self._batch_sampling(self._rows)
-        choice = self.policy(b, int(committed.max())) if self.generator.draft is not None else 0
-        stats = GenerationStats()
+        request_ids = [row.request.id for row in self._rows]
         started = time.perf_counter()
+        choice = hooks.ask(self.policy, request_ids, int(committed.max())) if self.generator.draft is not None else 0
+        decision_s = time.perf_counter() - started
+        stats = GenerationStats()
+        stop = hooks.draft_stop(self.policy) if self.generator.draft is not None else None
         new, counts = self.generator.step(choice, self.max_k, self._tokens[:b], committed, *caches, sampling, rng,
-                                          stats)
+                                          stats, draft_stop=stop)
+        stats.decision_s.append(decision_s + self.generator.learn(self.policy, request_ids, stats, counts, stop))
         self._store_lengths(0, caches)
         self._committed[:b] = committed + counts
         counts_list = counts.tolist()
@@ -361,6 +366,7 @@ class Engine:
 
     def _remove(self, indices: list[int], reason: str | None) -> None:
         """Free the slots of rows `indices`: the last running row moves into each freed slot."""
+        hooks.release(self.policy, [self._rows[i].request.id for i in indices])
         for i in sorted(indices, reverse=True):
             last = len(self._rows) - 1
             if i != last:

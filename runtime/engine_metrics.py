@@ -35,6 +35,7 @@ class EngineMetrics:
     batch_size: int = 0  # rows in the last step
     step_bucket_counts: list[int] = field(default_factory=lambda: [0] * (len(STEP_BUCKETS_S) + 1))
     step_seconds_sum: float = 0.0
+    decision_seconds_sum: float = 0.0  # the policy's own work (runtime.adaptive); its share of step_seconds_sum
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def observe_step(self, strategy: str, stats, batch_size: int, seconds: float) -> None:
@@ -52,6 +53,7 @@ class EngineMetrics:
             bucket = next((i for i, bound in enumerate(STEP_BUCKETS_S) if seconds <= bound), len(STEP_BUCKETS_S))
             self.step_bucket_counts[bucket] += 1
             self.step_seconds_sum += seconds
+            self.decision_seconds_sum += sum(stats.decision_s)
 
     def observe_prefill(self, prompt_tokens: int) -> None:
         with self._lock:
@@ -77,5 +79,5 @@ class EngineMetrics:
                 "trials_per_position": list(self.trials_per_position),
                 "strategy": self.strategy, "k": self.k, "draft_tokens": self.draft_tokens,
                 "batch_size": self.batch_size, "step_bucket_counts": list(self.step_bucket_counts),
-                "step_seconds_sum": self.step_seconds_sum,
+                "step_seconds_sum": self.step_seconds_sum, "decision_seconds_sum": self.decision_seconds_sum,
             }

@@ -18,6 +18,7 @@ k = 0 is one target pass of 1 token through the same bookkeeping. Finished rows 
 """
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -27,9 +28,13 @@ from perfmodel.errors import SpecbatchError
 
 from perfmodel.tree import chain
 
+from . import policy as hooks
 from .model import CausalLM, TreeAttention
 from .sampling import Sampling, probabilities, sample, uniform
 from .tree_decoding import catch_up_input, compact, draft_tree, ngram_tree, plan_for, verify_and_accept
+
+
+_generation_serial = itertools.count()  # request ids of `generate` rows: (serial of the call, prompt index)
 
 
 class GenerationError(SpecbatchError):
@@ -56,6 +61,10 @@ class GenerationStats:
     draft_passes: list[tuple[int, int]] = field(default_factory=list)  # (batch size, new tokens) per pass
     target_passes: list[tuple[int, int]] = field(default_factory=list)
     nodes_per_step: list[int] = field(default_factory=list)  # draft tokens verified per row (k for a chain)
+    planned_k_per_step: list[int] = field(default_factory=list)  # the policy's depth; k_per_step is what ran
+    # wall time of the policy's own work per step (choosing, the draft stop's decisions, learning from the
+    # outcome): "decision cost < 2 % of the step" is sum(decision_s) / sum(step_s)
+    decision_s: list[float] = field(default_factory=list)
 
     @property
     def acceptance_per_position(self) -> list[float]:
@@ -69,6 +78,12 @@ class GenerationStats:
     @property
     def tokens_per_s(self) -> float:
         return self.generated_tokens / self.total_s if self.total_s else 0.0
+
+    @property
+    def decision_fraction(self) -> float:
+        """The policy's decisions' share of the steps' wall time."""
+        total = sum(self.step_s)
+        return sum(self.decision_s) / total if total > 0 else 0.0
 
     def steady_tokens_per_s(self, batch_size: int) -> float | None:
         """Goodput over the steps that ran with the full batch: what G(b, k) models (no prefill, no tail)."""
@@ -84,6 +99,8 @@ class GenerationStats:
             "tokens_per_step": self.tokens_per_step, "tokens_per_s": self.tokens_per_s,
             "prefill_s": self.prefill_s, "draft_s": self.draft_s, "verify_s": self.verify_s,
             "other_s": self.other_s, "total_s": self.total_s, "synthetic_acceptance": self.synthetic_acceptance,
+            "planned_k_per_step": self.planned_k_per_step, "decision_s_total": sum(self.decision_s),
+            "decision_fraction": self.decision_fraction,
         }
 
 
@@ -171,6 +188,9 @@ class SpeculativeGenerator:
         stats.prefill_s = timer.now() - t0
 
         rows = list(range(b))  # original index of each active row
+        serial = next(_generation_serial)
+        request_ids = lambda: [(serial, r) for r in rows]  # noqa: E731 - stable ids for a learning policy
+        stop = hooks.draft_stop(policy) if self.draft is not None else None
         generated = [1] * b
         outputs: list[list[int] | None] = [None] * b
         stats.first_tokens = b
@@ -179,6 +199,7 @@ class SpeculativeGenerator:
         while True:
             if done:
                 keep = [i for i in range(len(rows)) if i not in done]
+                hooks.release(policy, [(serial, rows[i]) for i in done])
                 for i, cut in done.items():
                     start = prompt_lens[rows[i]]
                     outputs[rows[i]] = tokens[i, start:start + cut].tolist()
@@ -193,9 +214,13 @@ class SpeculativeGenerator:
                 generated = [generated[i] for i in keep]
             step_start = timer.now()
             # the context a step pays for: attention spans the longest row (shorter rows are masked)
-            choice = policy(len(rows), int(committed.max())) if self.draft is not None else 0
+            decided = time.perf_counter()
+            choice = hooks.ask(policy, request_ids(), int(committed.max())) if self.draft is not None else 0
+            decision_s = time.perf_counter() - decided
             new, counts = self.step(choice, max_k, tokens, committed, target_cache, draft_cache, sampling, rng,
-                                    stats, timer, synthetic_acceptance)
+                                    stats, timer, synthetic_acceptance, draft_stop=stop)
+            decision_s += self.learn(policy, request_ids(), stats, counts, stop)
+            stats.decision_s.append(decision_s)
             committed = committed + counts
             counts_list = counts.tolist()
             stats.step_tokens.append(sum(min(c, max_new_tokens - g) for c, g in zip(counts_list, generated)))
@@ -208,6 +233,15 @@ class SpeculativeGenerator:
         stats.other_s -= stats.draft_s + stats.verify_s
         stats.total_s = time.perf_counter() - started
         return GenerationResult(token_ids=outputs, stats=stats)
+
+    @staticmethod
+    def learn(policy, request_ids, stats: GenerationStats, counts, stop) -> float:
+        """Tell a learning policy what the chain step just run gave each row; returns the seconds the
+        policy spent (learning, and its draft stop's decisions during the step)."""
+        started = time.perf_counter()
+        if stats.nodes_per_step[-1] == stats.k_per_step[-1]:  # a chain (trees teach no per-token rate)
+            hooks.report(policy, request_ids, stats.k_per_step[-1], (counts - 1).tolist())
+        return time.perf_counter() - started + (stop.decision_s if stop is not None else 0.0)
 
     # ------------------------------------------------------------------ the steps (the engine's too)
     def prefill(self, tokens, prompt_lens, target_cache, draft_cache, sampling, rng) -> torch.Tensor:
@@ -227,11 +261,13 @@ class SpeculativeGenerator:
         return first
 
     def step(self, choice, max_k, tokens, committed, target_cache, draft_cache, sampling, rng, stats,
-             timer=None, synthetic_acceptance=None):
+             timer=None, synthetic_acceptance=None, draft_stop=None):
         """One speculative step for every row of `tokens` (b, buffer) with the policy's `choice` (k or a
         Strategy): returns the new tokens (b, w) and how many of them each row keeps (b,), written after
         each row's `committed` prefix in `tokens` (beyond the count is scratch); the target cache is left
-        at committed + counts - 1. The rows may be a different set at every call (runtime.engine)."""
+        at committed + counts - 1. The rows may be a different set at every call (runtime.engine).
+        `draft_stop` (runtime.draft_stop.DraftStop) may end a plain chain's drafting early; k_per_step
+        records the draft tokens really proposed, planned_k_per_step the policy's k."""
         timer = timer or _Timer(self.device)
         tree, staged = self._strategy(choice)
         k = 0 if tree is None else tree.depth
@@ -243,16 +279,19 @@ class SpeculativeGenerator:
                 raise GenerationError("synthetic acceptance applies to chains of the draft model only")
             new, counts = self._tree_step(tree, staged, tokens, committed, target_cache, draft_cache,
                                           sampling, rng, stats, timer)
+            ran_k, nodes = k, tree.num_nodes
         else:
             new, counts = self._step(k, tokens, committed, target_cache, draft_cache, sampling, rng,
-                                     synthetic_acceptance, stats, timer)
-        stats.nodes_per_step.append(0 if tree is None else tree.num_nodes)
+                                     synthetic_acceptance, stats, timer, draft_stop)
+            ran_k = nodes = new.shape[1] - 1
+        stats.nodes_per_step.append(nodes)
+        stats.planned_k_per_step.append(k)
         # write the step's tokens after each row's committed prefix (beyond `counts` is scratch)
         positions = committed[:, None] + torch.arange(new.shape[1], device=self.device)
         tokens.scatter_(1, positions, new)
         target_cache.lengths = committed + counts - 1
         stats.steps += 1
-        stats.k_per_step.append(k)
+        stats.k_per_step.append(ran_k)
         stats.batch_size_per_step.append(tokens.shape[0])
         return new, counts
 
@@ -296,12 +335,17 @@ class SpeculativeGenerator:
         new.scatter_(1, accepted[:, None], bonus[:, None])
         return new, accepted + 1
 
-    def _step(self, k, tokens, committed, target_cache, draft_cache, sampling, rng, synthetic, stats, timer):
-        """Run one step; returns the new tokens (b, k+1) and how many of them each row keeps (b,)."""
+    def _step(self, k, tokens, committed, target_cache, draft_cache, sampling, rng, synthetic, stats, timer,
+              draft_stop=None):
+        """Run one step; returns the new tokens (b, k'+1) and how many of them each row keeps (b,); k' = k
+        unless `draft_stop` ended the drafting early."""
         b = tokens.shape[0]
-        draft_tokens, draft_probs = None, None
+        draft_tokens, draft_probs, fed = None, None, 0
         if k > 0:
-            draft_tokens, draft_probs = self._draft(k, tokens, committed, draft_cache, sampling, rng, stats, timer)
+            draft_tokens, draft_probs, fed = self._draft(k, tokens, committed, draft_cache, sampling, rng, stats,
+                                                         timer, draft_stop)
+            k = 0 if draft_tokens is None else draft_tokens.shape[1]
+        if k > 0:
             verify_input = torch.cat([tokens.gather(1, (committed - 1)[:, None]), draft_tokens], dim=1)
         else:
             verify_input = tokens.gather(1, (committed - 1)[:, None])
@@ -311,8 +355,8 @@ class SpeculativeGenerator:
         stats.target_passes.append((b, k + 1))
         accepted, next_token = accept(draft_tokens, draft_probs, target_logits, sampling, rng, synthetic)
         if k > 0:
-            # the draft holds committed + d1..d_{k-1}; keep what was accepted
-            draft_cache.lengths = committed + torch.clamp(accepted, max=k - 1)
+            # the draft holds committed + d1..d_fed (fed = k - 1, or k after an early stop); keep what was accepted
+            draft_cache.lengths = committed + torch.clamp(accepted, max=fed)
             _count_acceptance(stats, accepted, k)
             new = torch.cat([draft_tokens, next_token[:, None]], dim=1)
             new.scatter_(1, accepted[:, None], next_token[:, None])
@@ -320,27 +364,36 @@ class SpeculativeGenerator:
             new = next_token[:, None]
         return new, accepted + 1
 
-    def _draft(self, k, tokens, committed, draft_cache, sampling, rng, stats, timer):
-        """k draft tokens per row (b, k) and, when sampling, their distributions q (b, k, vocab)."""
+    def _draft(self, k, tokens, committed, draft_cache, sampling, rng, stats, timer, draft_stop=None):
+        """Up to k draft tokens per row (b, k') or None, their distributions q (b, k', vocab) when sampling,
+        and how many of them the draft cache holds beyond `committed` (k' - 1, or k' after an early stop).
+
+        `draft_stop.propose(j, top)` is asked before token j is drawn, with the draft's top probability
+        per row at j: it sees q_j, never token j (runtime.draft_stop: why that keeps the step lossless)."""
         b = tokens.shape[0]
         catch_up = catch_up_input(self.draft, draft_cache, tokens, committed, _PassRecorder(timer, stats))
         proposed, dists = [], []
         step_input = catch_up
-        for _ in range(k):
+        for position in range(1, k + 1):
             t0 = timer.now()
             logits = self.draft(step_input, draft_cache)[:, -1]  # (b, vocab)
             stats.draft_s += timer.now() - t0
             stats.draft_passes.append((b, step_input.shape[1]))
-            if sampling.greedy:
+            q = None if sampling.greedy else probabilities(logits, sampling)
+            if draft_stop is not None:
+                top = (torch.softmax(logits.float(), -1) if q is None else q).amax(-1)  # (b,)
+                if not draft_stop.propose(position, top):
+                    return (torch.stack(proposed, dim=1) if proposed else None,
+                            torch.stack(dists, dim=1) if dists else None, len(proposed))
+            if q is None:
                 token = logits.argmax(-1)
             else:
-                q = probabilities(logits, sampling)
                 token = sample(q, rng)
                 dists.append(q)
             proposed.append(token)
             step_input = token[:, None]
         draft_tokens = torch.stack(proposed, dim=1)
-        return draft_tokens, (torch.stack(dists, dim=1) if dists else None)
+        return draft_tokens, (torch.stack(dists, dim=1) if dists else None), k - 1
 
     # ------------------------------------------------------------------ checks and bookkeeping
     def _check(self, prompts, max_new_tokens, policy):

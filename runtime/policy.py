@@ -65,3 +65,34 @@ class FixedStrategy:
 
     def describe(self) -> str:
         return self.strategy.describe(60)
+
+
+# ---------------------------------------------------------------------- the optional feedback hooks
+# A policy may also learn from what happened (runtime.adaptive.AdaptivePolicy). The generator and the
+# engine go through these three functions, so a plain policy (the callables above) needs none of it:
+#   choose(request_ids, context_len) -> k | Strategy   instead of policy(batch_size, context_len);
+#   observe(request_ids, proposed, accepted)            after a chain step, per row (a request id each);
+#   release(request_ids)                                when requests leave (finished, cancelled);
+# and `draft_stop` (runtime.draft_stop.DraftStop or None), which the step asks while drafting a chain.
+
+def ask(policy, request_ids, context_len: int):
+    """The policy's strategy for a step over these requests (rows in batch order)."""
+    choose = getattr(policy, "choose", None)
+    return choose(request_ids, context_len) if choose is not None else policy(len(request_ids), context_len)
+
+
+def report(policy, request_ids, proposed: int, accepted) -> None:
+    """Tell a learning policy what a chain step of `proposed` draft tokens gave each row."""
+    observe = getattr(policy, "observe", None)
+    if observe is not None:
+        observe(request_ids, proposed, accepted)
+
+
+def release(policy, request_ids) -> None:
+    forget = getattr(policy, "release", None)
+    if forget is not None and request_ids:
+        forget(request_ids)
+
+
+def draft_stop(policy):
+    return getattr(policy, "draft_stop", None)

@@ -58,7 +58,7 @@ def make_trace(count: int, rate_per_s: float, cv: float, seed: int, prompts: int
 
 @dataclass(frozen=True)
 class LoadtestConfig:
-    policies: tuple[str, ...]  # 'table', 'k=K', 'tree=SPEC'
+    policies: tuple[str, ...]  # 'table', 'k=K', 'tree=SPEC', 'adaptive=MODEL.json'
     rates_per_s: tuple[float, ...]
     cvs: tuple[float, ...] = (1.0,)
     requests: int = 100
@@ -120,7 +120,7 @@ def server_for(config: LoadtestConfig, policy: str, log_path: Path) -> ServerPro
         extra = [] if speculative is None else ["--speculative-config", json.dumps(speculative)]
         return VllmServerProcess(extra, log_path, target_dir=str(config.vllm_target),
                                  max_num_seqs=config.vllm_max_num_seqs)
-    return ServerProcess([*config.server_args, *policy_args(policy)], log_path)
+    return ServerProcess(server_command_args(config.server_args, policy), log_path)
 
 
 def policy_args(policy: str) -> list[str]:
@@ -130,7 +130,17 @@ def policy_args(policy: str) -> list[str]:
         return ["--k", policy[2:]]
     if policy.startswith("tree="):
         return ["--tree", policy[5:]]
-    raise LoadtestError(f"policy {policy!r}: expected table, k=K or tree=SPEC")
+    if policy.startswith("adaptive="):
+        return ["--adaptive", policy[9:]]
+    raise LoadtestError(f"policy {policy!r}: expected table, k=K, tree=SPEC or adaptive=MODEL.json")
+
+
+def server_command_args(server_args: tuple[str, ...], policy: str) -> list[str]:
+    """A server's arguments for one policy: --table (for the 'table' policy) is dropped for the others,
+    which serve refuses to combine with it."""
+    pairs = list(zip(server_args[::2], server_args[1::2]))
+    kept = [x for flag, value in pairs if policy == "table" or flag != "--table" for x in (flag, value)]
+    return [*kept, *policy_args(policy)]
 
 
 async def replay_http(url: str, model: str, trace: list[TraceItem], prompts: tuple[str, ...],
@@ -282,8 +292,8 @@ def _serve_options(server_args: tuple[str, ...], policy: str):
              "--k": ("k", int), "--tree": ("tree", str), "--max-batch-size": ("max_batch_size", int),
              "--kv-budget-tokens": ("kv_budget_tokens", int), "--threads": ("threads", int),
              "--device": ("device", str), "--dtype": ("dtype", str), "--profile": ("profile", Path),
-             "--max-waiting": ("max_waiting", int)}
-    args = [*server_args, *policy_args(policy)]
+             "--max-waiting": ("max_waiting", int), "--adaptive": ("adaptive", Path)}
+    args = server_command_args(server_args, policy)
     values = {}
     for flag, value in zip(args[::2], args[1::2]):
         if flag not in names:

@@ -33,6 +33,7 @@ class ServeOptions:
     table: Path | None = None
     k: int | None = None
     tree: str | None = None
+    adaptive: Path | None = None  # a specbatch.model/1 file: the adaptive policy (runtime.adaptive)
     host: str = "127.0.0.1"
     port: int = 8000
     max_batch_size: int = 32
@@ -83,9 +84,18 @@ def choose_policy(options: ServeOptions, target_dir: Path, draft_dir: Path | Non
     from perfmodel.tree import Strategy, parse_tree
     from runtime.policy import FixedK, FixedStrategy, TableK
 
-    if sum(x is not None for x in (options.table, options.k, options.tree)) > 1:
-        raise ServeError("--table, --k and --tree are mutually exclusive")
-    if options.k is not None:
+    if sum(x is not None for x in (options.table, options.k, options.tree, options.adaptive)) > 1:
+        raise ServeError("--table, --k, --tree and --adaptive are mutually exclusive")
+    if options.adaptive is not None:
+        from perfmodel.jsonio import directory_fingerprint
+        from runtime.assembly import adaptive_for_pair
+
+        if draft_dir is None:
+            raise ServeError("--adaptive speculates: it needs a draft model (--draft DIR)")
+        running = {role: (str(path), directory_fingerprint(path)) for role, path in
+                   (("target", target_dir), ("draft", draft_dir))}
+        policy = adaptive_for_pair(options.adaptive, running, force=False)
+    elif options.k is not None:
         if options.k < 0:
             raise ServeError(f"--k must be >= 0, got {options.k}")
         policy = FixedK(options.k)

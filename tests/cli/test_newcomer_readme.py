@@ -46,5 +46,8 @@ def test_the_readme_sequence_runs_outside_the_repo_root(tmp_path):
     run(used, "query", "../made/model.json", "--batch-size", "1", "--tree", "auto")
     run(used, "generate", "--prompt", "def f(x):", "--tree", "0,1,0.0,0.0.0", "--stage2", NGRAM,
         "--max-new-tokens", "8", "--threads", "1")
+    adaptive = json.loads(run(used, "generate", "--prompt", "def f(x):", "--adaptive", "../made/model.json",
+                              "--max-new-tokens", "8", "--threads", "1", "--json"))  # its n-gram found by sha256
+    assert adaptive["policy"].startswith("adaptive") and len(adaptive["stats"]["planned_k_per_step"]) > 0
     resumed = json.loads(run(used, "calibrate", "-o", "../made/profile.json", "--resume", "--json", *TINY))
     assert resumed["points_measured"] == 0 and resumed["points_left"] == 0

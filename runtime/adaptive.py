@@ -1,0 +1,255 @@
+"""Adaptive speculation: the fitted step model in the loop, with acceptance learned online per request.
+
+`AdaptivePolicy` chooses, at every step, the strategy with the best predicted goodput
+G = b * E_batch(s) / S(b, s, L) among its candidates (no speculation, chains k = 1..max_k, and the same
+chains with the n-gram second stage when the model measured one and the generator has it), where
+  * S(b, s, L) is `perfmodel.strategy.StepModel`'s step time at the current batch size b and the longest
+    row's context L (rounded up to `context_bucket` tokens, so the step times of a (b, L) bucket are
+    computed once and every later decision is a table look-up plus a few vector operations);
+  * E_batch(s) is the mean over the batch's rows of each row's own E_r(s), from its acceptance estimate.
+
+The estimator (`RequestAcceptance`). What a row accepts per step depends on where steps start (the
+first token after a disagreement is harder: 0.70 at position 1 of a k = 8 chain on the demo pair, 0.79
+for k = 1), so a per-token rate observed at one k predicts another k badly, and an online estimate
+learnt at small k would talk the policy into ever smaller k. The calibrated profile measured the
+step-aligned E_cal(k) at every k instead, so each request r carries one number, the ratio
+    rho_r = accepted draft tokens / what E_cal predicts at the k actually run (E_cal(k) - 1 per step),
+with a Gamma posterior (the conjugate of a Poisson-like count against its expectation): prior
+Gamma(n_0, n_0), i.e. rho = 1 (exactly the calibrated pair) worth n_0 = 4 expected tokens by default
+(`PRIOR_TOKENS`: under two k = 4 steps of the demo pair; with 8, base64 requests at b = 1 ran at 150
+tokens/s against 173 with 4, every learning step at the prior's k = 8 paying eight draft passes, and
+held-out ones were no faster); a step of k proposed tokens of which a were accepted adds a to
+the shape and E_cal(k) - 1 to the rate. Acceptance drifts along a sequence
+(code, then a comment), so older evidence is forgotten: before a step's t = a + [a < k] draft tokens
+are added, both sums AND the prior's weight w are multiplied by (1 - 1 / m)^t, m = 64 tokens
+(`MEMORY_TOKENS`). The point estimate is the posterior mean (n_0 w + A) / (n_0 w + X): a new request
+starts at the calibrated pair, after ~n_0 expected tokens its own history weighs as much as the prior
+(a base64 request at rho ~ 0.25 is recognised within two or three steps), and a long request is
+judged on its last ~m draft tokens alone, with no lasting pull toward 1. `interval` is the central
+Gamma credible interval; for a stationary row it narrows to about +-1.96 sqrt(rho / X), X the expected
+tokens still in memory (a few tens: the floor that forgetting buys tracking with). Then, per candidate s of depth k,
+    E_r(s) = min(k + 1, 1 + rho_r * (E_cal(s) - 1)),
+which is E_cal(s) when rho_r = 1: with nothing to adapt to the policy predicts what the table predicted
+(up to the context, which the table fixes at one bucket and the policy reads each step). Assumption: a
+row's extra tokens scale by one factor at every k; for a row that agrees geometrically less (constant
+per-token alpha below the pair's) the factor falls with k, so rho learnt at small k over-predicts
+long chains (the hysteresis and the draft stop bound what that costs).
+
+Hysteresis. The current strategy is kept unless a challenger's predicted goodput beats it by more than
+`switch_margin` (3 %: about the acceptance uncertainty of a calibrated E(k)) on `persist_steps`
+consecutive steps at the same batch size; a change of batch size (rows joined or left) lets the margin
+alone decide, as the table would switch at once. Switching costs it accounts for:
+  * the KV margin: allocated ONCE for max_k (every slot has room for the longest candidate), so a switch
+    allocates nothing and costs nothing there;
+  * wider passes: a larger k verifies k + 1 tokens and drafts k - 1 more passes, all inside S;
+  * draft catch-up: after n steps at k = 0 the draft lags n tokens and the next chain's first draft pass
+    is n + 1 tokens wide; the extra time T_d(b, n + 1, L) - T_d(b, 1, L) is spread over `horizon_steps`
+    steps and added to every chain candidate's S while the current strategy is k = 0.
+The state resets when the last live request is released (an idle engine, the end of a `generate`).
+
+Rows are identified by stable request ids, never batch indices (rows leave and join): the generator and
+the engine call `choose(request_ids, L)` before a step, `observe(request_ids, proposed, accepted)` after
+it and `release(request_ids)` when requests end (the optional hooks of `runtime.policy`).
+Draft-side early stop (`runtime.draft_stop.DraftStop`) runs inside plain chain steps when `early_stop`.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Hashable, Sequence
+
+import numpy as np
+
+from perfmodel.errors import UsageError
+from perfmodel.strategy import StepModel
+from perfmodel.tree import Strategy, chain
+
+from .draft_stop import DraftStop
+
+PRIOR_TOKENS = 4.0  # the prior rho = 1 is worth this many expected accepted tokens (<2 demo steps at k = 4)
+MEMORY_TOKENS = 64.0  # a request's evidence fades with each draft token: (1 - 1/64) per token
+SWITCH_MARGIN = 0.03  # relative predicted gain a challenger needs
+PERSIST_STEPS = 2  # consecutive steps it needs it for, at an unchanged batch size
+HORIZON_STEPS = 8  # steps a one-time catch-up cost is spread over
+CONTEXT_BUCKET = 64  # context lengths are rounded up to this many tokens for the step-time cache
+
+
+class RequestAcceptance:
+    """Per-request Gamma posteriors of rho = accepted / calibrated expectation (module docstring)."""
+
+    def __init__(self, expected_accepted: Sequence[float], prior_tokens: float = PRIOR_TOKENS,
+                 memory_tokens: float = MEMORY_TOKENS):
+        """`expected_accepted[k]` = E_cal(k) - 1, the calibrated accepted tokens of a chain step of k."""
+        if prior_tokens <= 0 or memory_tokens < 1 or not expected_accepted:
+            raise UsageError(f"adaptive: need a positive prior strength, a memory >= 1 token and E(k) values, got "
+                             f"{prior_tokens}, {memory_tokens}")
+        self.expected_accepted = tuple(float(x) for x in expected_accepted)
+        self.prior_tokens = prior_tokens
+        self.keep_per_token = 1.0 - 1.0 / memory_tokens
+        # request id -> [accepted tokens A, expected tokens X, the prior's remaining weight w], forgotten alike
+        self.counts: dict[Hashable, list[float]] = {}
+
+    def observe(self, request_ids: Sequence[Hashable], proposed: int, accepted: Sequence[int]) -> None:
+        if proposed <= 0:
+            return
+        expected = self.expected_accepted[min(proposed, len(self.expected_accepted) - 1)]
+        for request_id, a in zip(request_ids, accepted):
+            counts = self.counts.setdefault(request_id, [0.0, 0.0, 1.0])
+            keep = self.keep_per_token ** (a + (a < proposed))
+            counts[0] = counts[0] * keep + a
+            counts[1] = counts[1] * keep + expected
+            counts[2] *= keep
+
+    def release(self, request_ids: Sequence[Hashable]) -> None:
+        for request_id in request_ids:
+            self.counts.pop(request_id, None)
+
+    def means(self, request_ids: Sequence[Hashable]) -> np.ndarray:
+        """Posterior mean of rho per request (1 for a request never observed)."""
+        n0, unseen = self.prior_tokens, (0.0, 0.0, 1.0)
+        get = self.counts.get
+        return np.array([(n0 * w + a) / (n0 * w + x) for a, x, w in (get(r, unseen) for r in request_ids)])
+
+    def interval(self, request_id: Hashable, level: float = 0.95) -> tuple[float, float]:
+        """The central `level` Gamma credible interval of a request's rho."""
+        from scipy.stats import gamma
+
+        accepted, expected, weight = self.counts.get(request_id, (0.0, 0.0, 1.0))
+        shape, rate = self.prior_tokens * weight + accepted, self.prior_tokens * weight + expected
+        return (float(gamma.ppf((1 - level) / 2, shape, scale=1 / rate)),
+                float(gamma.ppf((1 + level) / 2, shape, scale=1 / rate)))
+
+
+class AdaptivePolicy:
+    """A policy (`runtime.policy`) that evaluates the step model every step with online acceptance."""
+
+    def __init__(self, model: StepModel, max_k: int = 8, *, staged: bool = False,
+                 prior_tokens: float = PRIOR_TOKENS, memory_tokens: float = MEMORY_TOKENS,
+                 switch_margin: float = SWITCH_MARGIN, persist_steps: int = PERSIST_STEPS,
+                 horizon_steps: int = HORIZON_STEPS, context_bucket: int = CONTEXT_BUCKET,
+                 early_stop: bool = True, name: str = "adaptive"):
+        if max_k < 0 or switch_margin < 0 or persist_steps < 1 or horizon_steps < 1 or context_bucket < 1:
+            raise UsageError("adaptive: need max_k >= 0, switch_margin >= 0, persist_steps, horizon_steps and "
+                             "context_bucket >= 1")
+        self.model, self.name = model, name
+        self.candidates = [Strategy(None)] + [Strategy(chain(k)) for k in range(1, max_k + 1)]
+        if staged:
+            if model.stage2 is None:
+                raise UsageError("adaptive: the second stage was asked for but the model has no stage2 measurements")
+            self.candidates += [Strategy(chain(k), stage2=True) for k in range(1, max_k + 1)]
+        self.max_k = max_k
+        self.needs_stage2 = staged
+        chains = [Strategy(chain(k)) if k else Strategy(None) for k in range(max_k + 1)]
+        self.acceptance = RequestAcceptance([model.tokens_per_step(s) - 1.0 for s in chains], prior_tokens,
+                                            memory_tokens)
+        self.switch_margin, self.persist_steps, self.horizon_steps = switch_margin, persist_steps, horizon_steps
+        self.context_bucket = context_bucket
+        self._depth = np.array([s.k for s in self.candidates])
+        self._is_chain = self._depth > 0
+        self._prior_extra = np.array([model.tokens_per_step(s) - 1.0 for s in self.candidates])  # E_cal(s) - 1
+        self._step_ms: dict[tuple[int, int], np.ndarray] = {}
+        self.draft_stop = DraftStop(model, self._chain_step_ms) if early_stop else None
+        self._reset()
+
+    # ------------------------------------------------------------------ the policy protocol
+    def __call__(self, batch_size: int, context_len: int):
+        """Without request ids (a caller that does not use the hooks): every row at the prior."""
+        return self.choose([("anonymous", i) for i in range(batch_size)], context_len)
+
+    def describe(self) -> str:
+        stop = ", draft early stop" if self.draft_stop is not None else ""
+        return (f"{self.name} (per-request acceptance vs the calibrated E(k), prior {self.acceptance.prior_tokens:g} "
+                f"tokens, margin {self.switch_margin:.0%}{stop})")
+
+    def choose(self, request_ids: Sequence[Hashable], context_len: int):
+        started = time.perf_counter()
+        b = len(request_ids)
+        goodput = self.predicted_goodput(request_ids, context_len).tolist()
+        best = goodput.index(max(goodput))  # the first of equals: the simpler strategy
+        current = self._current
+        if current is None or b != self._batch_size:
+            self._streak = 0
+            if current is None or goodput[best] > goodput[current] * (1 + self.switch_margin):
+                current = best
+        elif best != current and goodput[best] > goodput[current] * (1 + self.switch_margin):
+            self._streak += 1
+            if self._streak >= self.persist_steps:
+                current, self._streak = best, 0
+        else:
+            self._streak = 0
+        self._current, self._batch_size = current, b
+        strategy = self.candidates[current]
+        self._lag_steps = self._lag_steps + 1 if strategy.tree is None else 0
+        self.last_decision_s = time.perf_counter() - started
+        if self.draft_stop is not None:
+            self.draft_stop.plan(b, self._bucket(context_len), strategy.k if strategy.kind == "chain"
+                                 and not strategy.stage2 else 0)
+        return strategy if strategy.stage2 else strategy.k
+
+    def observe(self, request_ids: Sequence[Hashable], proposed: int, accepted: Sequence[int]) -> None:
+        """After a chain step: each row was shown `proposed` draft tokens and accepted `accepted[i]`."""
+        self.acceptance.observe(request_ids, proposed, accepted)
+        if self.draft_stop is not None:
+            self.draft_stop.observe(accepted)
+
+    def release(self, request_ids: Sequence[Hashable]) -> None:
+        self.acceptance.release(request_ids)
+        if not self.acceptance.counts:
+            self._reset()
+
+    # ------------------------------------------------------------------ the prediction
+    def predicted_goodput(self, request_ids: Sequence[Hashable], context_len: int) -> np.ndarray:
+        """Predicted tokens/s of every candidate for these rows (the hysteresis aside)."""
+        b, bucket = len(request_ids), self._bucket(context_len)
+        ratios = self.acceptance.means(request_ids)
+        # mean over rows of E_r(s) = min(k + 1, 1 + rho_r (E_cal(s) - 1)), per candidate s of depth k
+        tokens = 1.0 + np.minimum(self._depth, np.multiply.outer(ratios, self._prior_extra)).mean(0)
+        step_ms = self._step_times(b, bucket)
+        if self._lag_steps > 0 and self.candidates[self._current].tree is None:
+            catch_up_ms = (self._latency("draft", b, self._lag_steps + 1, bucket)
+                           - self._latency("draft", b, 1, bucket)) / self.horizon_steps
+            step_ms = step_ms + self._is_chain * catch_up_ms
+        return b * tokens / step_ms * 1e3
+
+    def _step_times(self, batch_size: int, bucket: int) -> np.ndarray:
+        key = (batch_size, bucket)
+        if key not in self._step_ms:
+            if len(self._step_ms) > 4096:  # a long-running server sees many (b, L) pairs
+                self._step_ms.clear()
+            self._step_ms[key] = np.array([self.model.evaluate(s, batch_size, bucket).step_ms
+                                           for s in self.candidates])
+        return self._step_ms[key]
+
+    def _chain_step_ms(self, batch_size: int, bucket: int, k: int) -> float:
+        """Predicted step time of a plain chain of k (the draft stop's threshold)."""
+        return float(self._step_times(batch_size, bucket)[k])
+
+    def _latency(self, role: str, batch_size: int, new_tokens: int, bucket: int) -> float:
+        return self.model._latency(role, batch_size, new_tokens, bucket)
+
+    def _bucket(self, context_len: int) -> int:
+        return -(-context_len // self.context_bucket) * self.context_bucket or self.context_bucket
+
+    def _reset(self) -> None:
+        self._current, self._batch_size, self._streak, self._lag_steps = None, 0, 0, 0
+        self.last_decision_s = 0.0
+
+
+def adaptive_policy(model_file: Path, max_k: int | None = None, staged: bool = False, mode: str = "greedy",
+                    early_stop: bool = True) -> AdaptivePolicy:
+    """The adaptive policy from a specbatch.model/1 file: its latency fit, its overhead and, as the prior,
+    its acceptance measured in `mode` (greedy | sampling; else its first entry). `max_k` defaults to the
+    profile's; `staged` adds the second-stage chains (needs the profile's stage2 measurements)."""
+    from perfmodel.model import choose_acceptance, load_model, step_model
+
+    fitted = load_model(model_file)
+    acceptance = next((a for a in fitted.acceptance if a.mode == mode), None) or \
+        choose_acceptance(fitted, None, str(model_file))
+    policy = AdaptivePolicy(step_model(fitted, acceptance), fitted.grid.max_k if max_k is None else max_k,
+                            staged=staged and fitted.stage2 is not None, early_stop=early_stop,
+                            name=f"adaptive {Path(model_file).name}")
+    policy.stage2_record = {"file": fitted.stage2.file, "sha256": fitted.stage2.sha256} \
+        if policy.needs_stage2 else None
+    policy.made_for = {"target": (fitted.target_info.source, fitted.target_info.fingerprint),
+                       "draft": (fitted.draft_info.source, fitted.draft_info.fingerprint)}
+    return policy

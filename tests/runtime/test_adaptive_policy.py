@@ -1,0 +1,159 @@
+"""The adaptive policy's arithmetic, on constructed step models with known costs (no torch models).
+
+Oracles: hand-computed goodputs and choices from the closed forms E(k) = 1 + sum_{i<=k} alpha^i and the
+constructed pass times; the Beta posterior's mean written out; a Bernoulli acceptance of known alpha for
+the estimator's convergence; a seeded noisy acceptance sequence for the hysteresis.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from perfmodel.acceptance import acceptance_from_user
+from perfmodel.overhead import OverheadModel
+from perfmodel.strategy import StepModel
+from runtime.adaptive import AdaptivePolicy, RequestAcceptance
+from runtime.draft_stop import DraftStop, SignalCalibration
+
+DRAFT_MS, TARGET_MS, PER_TOKEN_MS = 1.0, 10.0, 1.5
+
+
+def constructed_latency(role, batch_size, new_tokens, context_len):
+    """A draft pass costs 1 ms whatever its width; a target pass 10 ms + 1.5 ms per extra token per row."""
+    return DRAFT_MS if role == "draft" else TARGET_MS + PER_TOKEN_MS * batch_size * (new_tokens - 1)
+
+
+def constructed_model(alpha=0.5):
+    return StepModel(constructed_latency, OverheadModel(()), acceptance_from_user([alpha]))
+
+
+def hand_goodput(ratios, k, b=1):
+    """b * mean_r E_r(k) / S(k): S = k draft passes of 1 ms (the catch-up pass is 1 ms at any width)
+    + the target's pass over k + 1 tokens; E_r(k) = min(k + 1, 1 + rho_r (E_cal(k) - 1)), E_cal(k) - 1 =
+    sum_{i<=k} 0.5^i = 1 - 0.5^k."""
+    tokens = np.mean([min(k + 1, 1 + rho * (1 - 0.5 ** k)) for rho in ratios])
+    step_ms = k * DRAFT_MS + TARGET_MS + PER_TOKEN_MS * b * k
+    return b * tokens / step_ms * 1e3
+
+
+def test_posterior_mean_by_hand_and_release():
+    """E_cal(4) - 1 = 0.5 + 0.25 + 0.125 + 0.0625 = 0.9375 expected tokens per k = 4 step, prior 8 tokens."""
+    estimator = RequestAcceptance([0.0, 0.5, 0.75, 0.875, 0.9375], prior_tokens=8, memory_tokens=1e12)
+    assert estimator.means(["new"]) == pytest.approx([1.0])
+    estimator.observe(["a", "b"], 4, [1, 4])
+    assert estimator.means(["a", "b"]) == pytest.approx([(8 + 1) / (8 + 0.9375), (8 + 4) / (8 + 0.9375)])
+    estimator.observe(["a"], 2, [0])
+    assert estimator.means(["a"]) == pytest.approx([(8 + 1) / (8 + 0.9375 + 0.75)])
+    estimator.release(["a"])
+    assert estimator.means(["a"]) == pytest.approx([1.0]) and list(estimator.counts) == ["b"]
+
+
+@pytest.mark.parametrize("true_alpha", [0.2, 0.5, 0.9])
+def test_estimator_converges_to_a_constructed_acceptance_within_its_interval(true_alpha):
+    """Rows that accept each draft token with probability true_alpha, calibrated at alpha = 0.5: at k = 4
+    the true ratio is sum_{i<=4} true_alpha^i / 0.9375. After 200 steps the 95 % interval contains it in
+    at least 17 of 20 rows, and is no wider than the stated floor (1.96 sqrt(rho / X) each side, X >= 24)."""
+    truth = sum(true_alpha ** i for i in range(1, 5)) / 0.9375
+    rng = np.random.default_rng(7)
+    estimator = RequestAcceptance([0.0, 0.5, 0.75, 0.875, 0.9375])
+    for request in range(20):
+        for _ in range(200):
+            accepted = 0
+            while accepted < 4 and rng.random() < true_alpha:
+                accepted += 1
+            estimator.observe([request], 4, [accepted])
+    inside = 0
+    for request in range(20):
+        low, high = estimator.interval(request)
+        inside += low <= truth <= high
+        assert high - low < 2 * 1.96 * np.sqrt(max(truth, 0.1) / 24) * 1.3
+    assert inside >= 17  # 95 % intervals: at most 3 of 20 may miss (binomial tail 1.6 %)
+    assert np.mean(estimator.means(list(range(20)))) == pytest.approx(truth, rel=0.1)
+
+
+def test_policy_picks_what_the_model_says_on_a_constructed_profile():
+    model = constructed_model(alpha=0.5)
+    policy = AdaptivePolicy(model, max_k=8, early_stop=False)
+    # a new request sits at the calibrated pair: G(0..2) = 1/10, 1.5/12.5, 1.75/15 tokens per ms -> k = 1
+    expected = [hand_goodput([1.0], k) for k in range(9)]
+    assert policy.predicted_goodput(["new"], 100) == pytest.approx(expected)
+    assert expected[:3] == pytest.approx([100.0, 120.0, 116.667], abs=1e-3) and int(np.argmax(expected)) == 1
+    assert policy.choose(["new"], 100) == 1
+    # a request that accepted 40 tokens where the pair predicted 20: rho = (4 + 40) / (4 + 20)
+    high = AdaptivePolicy(model, max_k=8, early_stop=False)
+    high.acceptance.counts["hot"] = [40.0, 20.0, 1.0]
+    rho = 44 / 24
+    expected = [hand_goodput([rho], k) for k in range(9)]
+    assert high.predicted_goodput(["hot"], 100) == pytest.approx(expected)
+    assert high.choose(["hot"], 100) == int(np.argmax(expected)) == 2
+    # two rows, one hot and one cold (0 accepted where 20 were expected): the batch's E is the rows' mean
+    high.acceptance.counts["cold"] = [0.0, 20.0, 1.0]
+    expected = [hand_goodput([rho, 4 / 24], k, b=2) for k in range(9)]
+    assert high.predicted_goodput(["hot", "cold"], 100) == pytest.approx(expected)
+
+
+def test_hysteresis_holds_on_noise_and_follows_a_real_change():
+    """Rows at alpha = 0.66 sit where k = 1 and k = 2 predict nearly the same goodput (rho ~ 1.33): with a
+    short memory (16 tokens) the estimate is noisy and, without hysteresis, the choice flips on it; with
+    it (3 % for 2 steps) it holds. A real change (alpha = 0.15: no speculation pays) is followed."""
+    def run(policy, seed=1):
+        rng, choices = np.random.default_rng(seed), []
+        for true_alpha in [0.66] * 80 + [0.15] * 40:
+            k = policy.choose(["r"], 64)
+            choices.append(k)
+            accepted = 0
+            while accepted < k and rng.random() < true_alpha:
+                accepted += 1
+            policy.observe(["r"], k, [accepted])
+        return choices
+
+    def flips(choices):
+        return sum(a != b for a, b in zip(choices, choices[1:]))
+
+    plain = run(AdaptivePolicy(constructed_model(), memory_tokens=16, switch_margin=0.0, persist_steps=1,
+                               early_stop=False))
+    held = run(AdaptivePolicy(constructed_model(), memory_tokens=16, early_stop=False))
+    assert flips(plain[:80]) >= 6
+    assert flips(held[:80]) <= 1
+    assert plain[-1] == held[-1] == 0
+    assert held.index(0, 80) - plain.index(0, 80) <= 10  # the hysteresis delays a real switch a few steps
+
+
+def test_catch_up_after_k0_steps_is_charged_to_chains():
+    """After n steps at k = 0 every chain candidate pays (T_d(b, n + 1) - T_d(b, 1)) / horizon more."""
+    widths = []
+
+    def latency(role, batch_size, new_tokens, context_len):
+        if role == "draft":
+            widths.append(new_tokens)
+            return 1.0 + 0.5 * (new_tokens - 1)
+        return constructed_latency(role, batch_size, new_tokens, context_len)
+
+    model = StepModel(latency, OverheadModel(()), acceptance_from_user([0.05]))
+    policy = AdaptivePolicy(model, max_k=2, horizon_steps=4, early_stop=False)
+    fresh = policy.predicted_goodput(["r"], 64)
+    assert policy.choose(["r"], 64) == 0
+    for _ in range(3):
+        policy.choose(["r"], 64)
+    charged = policy.predicted_goodput(["r"], 64)
+    assert charged[0] == pytest.approx(fresh[0])
+    # 4 steps ran at k = 0, the draft lags 4 tokens: a first pass of 5 tokens instead of 1, 2 ms more, over 4 steps
+    step_ms = lambda g, k: 1e3 * (1 + sum(0.05 ** i for i in range(1, k + 1))) / g  # noqa: E731
+    for k in (1, 2):
+        assert step_ms(charged[k], k) - step_ms(fresh[k], k) == pytest.approx(2.0 / 4)
+
+
+def test_draft_stop_proposes_while_the_next_token_pays_by_hand():
+    """One row, a chain step so far of j - 1 tokens: propose token j iff dE * S_{j-1} >= E_{j-1} * dS."""
+    model = constructed_model()
+    step_ms = {k: k * DRAFT_MS + TARGET_MS + PER_TOKEN_MS * k for k in range(9)}
+    stop = DraftStop(model, lambda b, L, k: step_ms[k], SignalCalibration(bins=10, prior_trials=4))
+    stop.plan(1, 64, 8)
+    # token 1 at top probability 0.95 (bin 9, prior 0.95): 0.95 * 10 >= 1 * (1 + 1.5)
+    assert stop.propose(1, np.array([0.95]))
+    # token 2 at 0.25 (bin 2, prior 0.25): dE = 0.95 * 0.25, E_1 = 1.95, S_1 = 12.5, dS = 2.5 -> no
+    assert not stop.propose(2, np.array([0.25]))
+    assert 0.95 * 0.25 * 12.5 < 1.95 * 2.5
+    # the outcome teaches the calibration: the target accepted token 1, bin 9 moves to (3.8 + 1) / 5
+    stop.observe(np.array([1]))
+    assert stop.calibration.rate[9] == pytest.approx(4.8 / 5)
