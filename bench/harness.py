@@ -285,15 +285,15 @@ def _adaptive_policy(config: BenchConfig, models: BenchModels):
 
 def check_vllm_peer(table, models: BenchModels, config: BenchConfig) -> None:
     """--peers vllm: refused before measuring when vLLM is not set up or cannot run what we would compare."""
-    from .vllm.compare import vllm_missing
+    from .vllm.compare import VllmError, check_chains_only, vllm_missing
 
     if models.target_dir is None or models.draft_dir is None:
         raise BenchError("--peers vllm needs model directories for --target and --draft (vLLM loads the "
                          "checkpoints; shape presets have no weights)")
-    strategies = [e.chosen() for bucket in table.table.buckets for e in bucket.entries]
-    if any(s.kind == "tree" or s.stage2 for s in strategies):
-        raise BenchError(f"--peers vllm: --table {config.table_path} has trees or the n-gram second stage, which vLLM "
-                         "runs as plain chains: build it with `specbatch table --strategies chain`")
+    try:
+        check_chains_only(table.table, f"--table {config.table_path}")
+    except VllmError as error:
+        raise BenchError(f"--peers vllm: {error}") from None
     if (missing := vllm_missing()) is not None:
         raise BenchError(f"--peers vllm: {missing}")
 

@@ -86,10 +86,13 @@ def vllm_speculative_config(config: LoadtestConfig, policy: str) -> dict | None:
     if name == "table":
         if config.vllm_table is None:
             raise LoadtestError(f"policy {policy}: give --table FILE (its --format vllm export is what vLLM runs)")
+        from bench.vllm.compare import VllmError, check_chains_only
+
         table = load_table(config.vllm_table)
-        if any(e.chosen().kind == "tree" or e.chosen().stage2 for b in table.buckets for e in b.entries):
-            raise LoadtestError(f"policy {policy}: --table {config.vllm_table} has trees or the n-gram second "
-                                "stage, which vLLM runs as plain chains (build it with --strategies chain)")
+        try:
+            check_chains_only(table, f"--table {config.vllm_table}")
+        except VllmError as error:
+            raise LoadtestError(f"policy {policy}: {error}") from None
         return to_vllm(table, draft=config.vllm_draft)
     if name.startswith("k=") and name[2:].isdigit():
         k = int(name[2:])

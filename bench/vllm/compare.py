@@ -79,6 +79,14 @@ def vllm_venv() -> Path:
     return Path(os.environ.get("SPECBATCH_VLLM_VENV", HERE / ".venv"))
 
 
+def check_chains_only(table, where: str) -> None:
+    """vLLM runs chains only: a table with trees or the n-gram second stage would be run as plain chains of
+    their depth, so comparing or serving it there would not be like with like. `table`: perfmodel.table.Table."""
+    if any(e.chosen().kind == "tree" or e.chosen().stage2 for bucket in table.buckets for e in bucket.entries):
+        raise VllmError(f"{where} has trees or the n-gram second stage, which vLLM runs as plain chains: build it "
+                        "with `specbatch table --strategies chain`")
+
+
 def vllm_missing() -> str | None:
     """Why vLLM cannot run here (one line), or None when its environment is set up."""
     venv = vllm_venv()
@@ -173,9 +181,7 @@ def compare(table_path: Path, prompts: list[list[int]], batch_sizes: list[int], 
     if (missing := vllm_missing()) is not None:
         raise VllmError(missing)
     table = load_table(table_path)
-    if any(e.chosen().kind == "tree" or e.chosen().stage2 for b in table.buckets for e in b.entries):
-        raise VllmError(f"{table_path}: has trees or the n-gram second stage, which vLLM would run as plain chains: "
-                        "build it with `specbatch table --strategies chain` to compare like with like")
+    check_chains_only(table, str(table_path))
     if not prompts:
         raise VllmError("no prompts to compare on")
     if generator is None:

@@ -114,3 +114,17 @@ def test_vllm_policies_refused_before_any_server_starts_without_vllm(tmp_path, m
     with pytest.raises(LoadtestError, match="vLLM is not set up in .*setup.sh"):
         run_loadtest(_vllm_config(tmp_path, ("k=0", "vllm:k=0")), tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_vllm_table_policy_refuses_trees(tmp_path):
+    """vLLM would run a tree as a plain chain of its depth: not the table we measured."""
+    from perfmodel.table import Bucket, Table, TableEntry, save_table
+    from perfmodel.tree import Strategy, parse_tree
+    from serve.loadtest import vllm_speculative_config
+
+    shaped = Strategy(parse_tree("0,1,0.0"))
+    entries = (TableEntry(1, shaped.k, 100.0, 1.5, None, None, shaped), TableEntry(2, 2, 150.0, 1.3, None, None))
+    save_table(tmp_path / "t.json", Table("t", "d", "cpu", "2026-11-30T00:00:00Z", 3, {}, (Bucket(128, entries),)))
+    config = _vllm_config(tmp_path, ("vllm:table",), table=tmp_path / "t.json")
+    with pytest.raises(LoadtestError, match="vllm:table: --table .* has trees or the n-gram second stage"):
+        vllm_speculative_config(config, "vllm:table")
