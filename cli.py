@@ -180,6 +180,9 @@ def bench(
         "--prompts", help="One JSON string (or plain line) per line (default: bundled held-out prompts).")] = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Per row; EOS is ignored.")] = 64,
     rounds: Annotated[int, typer.Option("--rounds", help="Timed interleaved rounds per batch size.")] = 5,
+    resolve_rounds: Annotated[int, typer.Option(
+        "--resolve-rounds", help="At b <= 8, at most this many extra rounds of the table and the best fixed k "
+                                 "alone while the table's paired regret straddles the 3 % goal (0: none).")] = 30,
     sampling: Annotated[str, typer.Option("--sampling", help="greedy | T=0.8[,top_k=50][,top_p=0.9]")] = "greedy",
     synthetic_acceptance: Annotated[Optional[float], typer.Option("--synthetic-acceptance", help=(
         "Accept each draft token with probability α in (0, 1] instead of verifying (SYNTHETIC; for "
@@ -207,7 +210,8 @@ def bench(
 
     config = BenchConfig(  # every option is checked before a model is loaded
         batch_sizes=tuple(parse_int_list("--batch-sizes", batch_sizes)), ks=tuple(parse_int_list("--ks", ks, 0)),
-        max_new_tokens=max_new_tokens, rounds=rounds, sampling=parse_sampling(sampling),
+        max_new_tokens=max_new_tokens, rounds=rounds, resolve_rounds=resolve_rounds,
+        sampling=parse_sampling(sampling),
         synthetic_acceptance=synthetic_acceptance, seed=seed, table_path=table, model_path=model,
         peers=tuple(name.strip() for name in peers.split(",") if name.strip()) if peers else (),
         trees=tuple(tree or ()), stage2_path=stage2, adaptive_path=adaptive, workload=workload,
@@ -250,7 +254,8 @@ def fit(
 
     check_not_input(output, [profile], "--output")
     writable_path(output, "--output")  # before the fit: a bad -o fails in a second
-    fitted = fit_profile(load_profile(profile), holdout=holdout)
+    loaded = load_profile(profile)
+    fitted = fit_profile(loaded, holdout=holdout)
     save_model(output, fitted)
     if json_output:
         roles = {role: {key: value for key, value in obj.items() if key != "points"}
@@ -260,7 +265,7 @@ def fit(
         return
     from console.model import render_fit
 
-    render_fit(fitted, output, holdout)
+    render_fit(fitted, output, holdout, loaded.noise)
 
 
 @app.command()

@@ -33,6 +33,9 @@ class BenchConfig:
     max_new_tokens: int = 64  # per row; the same for every row so the batch stays full
     rounds: int = 5  # timed rounds per batch size: enough for a median and a p10-p90 band
     warmup_rounds: int = 1  # discarded rounds per batch size (first use of every shape)
+    # at b <= RESOLVE_MAX_BATCH, at most this many extra rounds of the table and the best fixed k alone while
+    # the table's paired regret is "not resolved" (bench.regret); 0 turns them off
+    resolve_rounds: int = 30
     sampling: Sampling = Sampling()
     synthetic_acceptance: float | None = None  # α in (0, 1]: benchmark-only fake verification
     seed: int = 0
@@ -70,6 +73,8 @@ def check_config(config: BenchConfig) -> None:
         raise BenchError(f"--max-new-tokens must be positive, got {config.max_new_tokens}")
     if config.rounds <= 0:
         raise BenchError(f"--rounds must be positive, got {config.rounds}")
+    if config.resolve_rounds < 0:
+        raise BenchError(f"--resolve-rounds must be >= 0, got {config.resolve_rounds}")
     if config.warmup_rounds < 0:
         raise BenchError(f"warm-up rounds must be >= 0, got {config.warmup_rounds}")
     alpha = config.synthetic_acceptance

@@ -13,6 +13,9 @@ How the measurement is kept honest:
     run really ran at b, and the table's k is read from the full-batch steps only.
   * Common random numbers. Within a round all policies use the same seed (sampling and synthetic
     acceptance draw from it); rounds use different seeds so the spread covers that randomness.
+  * Resolved regret. At b <= RESOLVE_MAX_BATCH, when the table's paired regret (bench.regret) straddles
+    the 3 % goal after the rounds, extra rounds of the table and the best fixed k alone run until it
+    is resolved or `resolve_rounds` is spent (`resolve_regret`).
   * Peers. transformers' generate joins the rounds as another contender; vLLM (`--peers vllm`) runs
     after them, in its own environment, interleaved with our k = 0 and table round by round on the
     same prompts (bench/vllm/compare.py).
@@ -44,13 +47,17 @@ from .policies import (
     tree_label,
 )
 from .predict import add_predictions, load_predictor, resolve_auto_tree
-from .results import BatchResult, BenchResult, RunRecord, most_frequent_k, summarize_batch, summarize_policy
+from .results import (BatchResult, BenchResult, RunRecord, compared_rate, most_frequent_k, summarize_batch,
+                      summarize_policy)
 from .timing import time_ours
 from .workload import Workload
 
 # Prompt length for models without a tokenizer (presets): about the held-out demo prompts' median
 # (70 bytes, one token per byte with the demo pair's byte-level tokenizer).
 RANDOM_PROMPT_TOKENS = 64
+# Extra paired rounds (`resolve_regret`) only at small batch sizes, where a round costs little and the
+# table's choice matters most; at b = 16-32 a round of two generations costs seconds on a CPU.
+RESOLVE_MAX_BATCH = 8
 
 
 def random_prompts(count: int, length_tokens: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -217,23 +224,31 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: Sequence[list[i
 
     total = sum(len(contenders(b)) * (config.warmup_rounds + config.rounds) for b in config.batch_sizes)
     runs: list[RunRecord] = []
+
+    def run_round(b: int, round_index: int, names: list[str]) -> None:
+        nonlocal total
+        seed = config.seed + round_index + config.warmup_rounds  # the same for every policy in a round
+        batch_prompts = round_prompts(b, round_index)
+        for name in rotated(names, round_index):
+            if name in policies:
+                measured = time_ours(generator, batch_prompts, policies[name].policy, config, seed)
+            else:
+                measured = time_peer(peers, name, batch_prompts, config, seed, device)
+            runs.append(RunRecord(batch_size=b, round=round_index, policy=name, **measured))
+            total = max(total, len(runs))
+            if on_run is not None:
+                on_run(runs[-1], len(runs), total)
+
     # warnings raised while measuring (e.g. a batch size beyond the table) become notes in the result
     # instead of lines in the middle of the progress bar
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("default")
         for b in config.batch_sizes:
-            names = contenders(b)
             for round_index in range(-config.warmup_rounds, config.rounds):
-                seed = config.seed + round_index + config.warmup_rounds  # the same for every policy in a round
-                batch_prompts = round_prompts(b, round_index)
-                for name in rotated(names, round_index):
-                    if name in policies:
-                        measured = time_ours(generator, batch_prompts, policies[name].policy, config, seed)
-                    else:
-                        measured = time_peer(peers, name, batch_prompts, config, seed, device)
-                    runs.append(RunRecord(batch_size=b, round=round_index, policy=name, **measured))
-                    if on_run is not None:
-                        on_run(runs[-1], len(runs), total)
+                run_round(b, round_index, contenders(b))
+            # not on `switch`: every extra round would come from the second population, tilting the pairs
+            if table is not None and b <= RESOLVE_MAX_BATCH and config.resolve_rounds and config.workload != "switch":
+                notes += resolve_regret(b, runs, config, fixed_ks, lambda r, pair: run_round(b, r, pair))
     notes += list(dict.fromkeys(f"warning: {w.message}" for w in caught))
 
     batches = [_batch_result(b, contenders(b), runs, config, timed_rounds(b), policies)
@@ -266,6 +281,42 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: Sequence[list[i
         prompts={"count": len(prompts), "min_tokens": min(prompt_lens), "max_tokens": max(prompt_lens)},
         batches=batches, runs=runs, notes=notes, vllm=vllm,
     )
+
+
+def resolve_regret(b: int, runs: list[RunRecord], config: BenchConfig, fixed_ks: Sequence[int],
+                   run_pair: Callable[[int, list[str]], None]) -> list[str]:
+    """Extra paired rounds at batch size b while the table's paired regret against the best fixed k in
+    hindsight is "not resolved" (its 95 % interval straddles the goal), at most `config.resolve_rounds`.
+
+    Only the two policies of the pair run (alternating which goes first), so a round costs two
+    generations, not one per contender; the best fixed k is re-chosen from the medians after every
+    round (only the pair's rounds grow, the others keep theirs). Returns the notes to print."""
+    from .regret import REGRET_GOAL, paired_regret, rates_by_round
+
+    fixed_names = {k: fixed_policy_name(k) for k in fixed_ks}
+    for extra in range(config.resolve_rounds + 1):
+        timed = [r for r in runs if r.batch_size == b and not r.warmup]
+        best_k = max(fixed_ks, key=lambda k: (ranked_rate(timed, fixed_names[k], k), -k))
+        fixed = {name: rates_by_round(runs, b, name) for name in fixed_names.values()}
+        found = paired_regret(rates_by_round(runs, b, TABLE_POLICY), fixed, fixed_names[best_k])
+        if found is None or found.verdict != "not resolved":
+            if extra == 0:
+                return []
+            verdict = "no pair" if found is None else found.verdict
+            return [f"b = {b}: {extra} extra paired rounds (table and the best fixed k alone) resolved the "
+                    f"paired regret: {verdict} against the {100 * REGRET_GOAL:g} % goal"]
+        if extra == config.resolve_rounds:
+            break
+        run_pair(config.rounds + extra, [TABLE_POLICY, fixed_names[best_k]])
+    return [f"b = {b}: the paired regret is still not resolved after {config.resolve_rounds} extra paired rounds "
+            f"(95 % interval {100 * found.low:.1f}% to {100 * found.high:.1f}% straddles the "
+            f"{100 * REGRET_GOAL:g} % goal; --resolve-rounds sets how many)"]
+
+
+def ranked_rate(timed: Sequence[RunRecord], name: str, k: int) -> float:
+    """The figure `results.summarize_batch` ranks fixed k by, for one policy's timed runs."""
+    records = [r for r in timed if r.policy == name]
+    return compared_rate(summarize_policy(name, k, records)) if records else float("-inf")
 
 
 def _adaptive_policy(config: BenchConfig, models: BenchModels):

@@ -22,7 +22,8 @@ def bench_with_progress(config, models, token_prompts):
         task = progress.add_task("", total=None)
 
         def on_run(record, done, total):
-            phase = "warm-up" if record.warmup else f"round {record.round + 1}/{config.rounds}"
+            phase = ("warm-up" if record.warmup else f"round {record.round + 1}/{config.rounds}"
+                     if record.round < config.rounds else f"extra paired round {record.round + 1 - config.rounds}")
             progress.update(task, completed=done, total=total,
                             description=f"b={record.batch_size} {phase} {record.policy}: "
                                         f"{record.tokens_per_s:.0f} tok/s")

@@ -30,7 +30,9 @@ def render_sources(console, choice, holdout: bool) -> None:
     console.print(per_b)
 
 
-def render_fit(fitted, output: Path, holdout: bool = False) -> None:
+def render_fit(fitted, output: Path, holdout: bool = False, noise=None) -> None:
+    """`noise`: the profile's perfmodel.noise.NoiseFigure, when it has one: its floor is printed beside the
+    errors."""
     from rich.console import Console
     from rich.table import Table
 
@@ -69,6 +71,10 @@ def render_fit(fitted, output: Path, holdout: bool = False) -> None:
             console.print(f"[yellow]note:[/] {role}: {note}")
     if fitted.timing_source is not None:
         render_sources(console, fitted.timing_source, holdout)
+    if noise is not None:
+        console.print(f"noise floor: the reference pass ({noise.reference}), timed {len(noise.checks)} times during "
+                      f"calibration, lay {100 * noise.floor_mape:.1f} % from its own median on average: a MAPE "
+                      f"near that is the machine's, not the model's")
     if not fitted.overhead.measured:
         console.print("[yellow]note:[/] the profile has no step-overhead rows: overhead taken as 0 ms")
     if not fitted.acceptance:

@@ -6,7 +6,10 @@ median of a few samples with its p10 and p90. Two figures, both relative to the 
 
     drift  = (max - min) / 2 over the checks' medians: the machine got faster or slower (another job
              started, thermal throttling), so points measured at different times are not comparable;
-    jitter = the median over checks of (p90 - p10) / 2: sample-to-sample spread within one check.
+    jitter = the median over checks of (p90 - p10) / 2: sample-to-sample spread within one check;
+    floor  = the mean |check - median| of the checks' medians: the MAPE a perfect model of this one pass
+             would still show against timings taken at those moments. A fit's MAPE near it is the
+             machine's, not the model's (`fit` prints both).
 
 A figure above the ±3 % repetition rule (calibrate.timing) means timings can be off by that much with
 nothing else to show for it: the profile records it and calibrate says so in one line. Assumption: the
@@ -51,6 +54,10 @@ class NoiseFigure:
         return statistics.median((c.p90_ms - c.p10_ms) / 2 / c.median_ms for c in self.checks)
 
     @property
+    def floor_mape(self) -> float:
+        return statistics.fmean(abs(c.median_ms - self.level_ms) for c in self.checks) / self.level_ms
+
+    @property
     def too_noisy(self) -> bool:
         return self.drift > NOISE_RULE or self.jitter > NOISE_RULE
 
@@ -63,7 +70,8 @@ class NoiseFigure:
                 f"±{100 * NOISE_RULE:.0f} % rule; timings may be off by that much (other jobs on the cores?)")
 
     def to_json(self) -> dict[str, Any]:
-        return {"reference": self.reference, "drift": self.drift, "jitter": self.jitter, "rule": NOISE_RULE,
+        return {"reference": self.reference, "drift": self.drift, "jitter": self.jitter,
+                "floor_mape": self.floor_mape, "rule": NOISE_RULE,
                 "too_noisy": self.too_noisy,
                 "checks": [{"elapsed_s": c.elapsed_s, "median_ms": c.median_ms, "p10_ms": c.p10_ms,
                             "p90_ms": c.p90_ms} for c in self.checks]}

@@ -43,3 +43,61 @@ def test_rates_by_round_prefer_the_steady_state_and_skip_warmups():
             RunRecord(2, 1, "table", 10, 2.0),
             RunRecord(4, 0, "table", 10, 1.0)]
     assert rates_by_round(runs, 2, "table") == {0: 20.0, 1: 5.0}
+
+
+def _record(round_index: int, policy: str, rate: float) -> RunRecord:
+    # one second per run: tokens/s == rate; steady_tokens_per_s is what regret and ranking use
+    return RunRecord(batch_size=4, round=round_index, policy=policy, generated_tokens=int(rate), seconds=1.0,
+                     steady_tokens_per_s=rate)
+
+
+def _straddling_rounds() -> list[RunRecord]:
+    """5 rounds where the table / k=4 ratio swings 0.90-1.05: the interval straddles 3 %."""
+    runs = []
+    for r, ratio in enumerate([0.90, 1.00, 1.05, 0.99, 0.95]):
+        runs += [_record(r, "k=0", 60.0), _record(r, "k=4", 100.0), _record(r, "table", 100.0 * ratio)]
+    return runs
+
+
+def test_extra_paired_rounds_run_until_the_regret_is_resolved():
+    from bench.config import BenchConfig
+    from bench.harness import resolve_regret
+
+    runs, pairs = _straddling_rounds(), []
+
+    def run_pair(round_index, names):  # a machine where the table now equals k=4 exactly
+        pairs.append((round_index, tuple(names)))
+        runs.extend(_record(round_index, name, 100.0) for name in names)
+
+    notes = resolve_regret(4, runs, BenchConfig(rounds=5, resolve_rounds=30), (0, 4), run_pair)
+    assert pairs and all(names == ("table", "k=4") for _, names in pairs)
+    assert [r for r, _ in pairs] == list(range(5, 5 + len(pairs)))  # numbered after the regular rounds
+    assert len(pairs) < 30 and "resolved the paired regret: met" in notes[0]
+    found = paired_regret(rates_by_round(runs, 4, "table"), {"k=4": rates_by_round(runs, 4, "k=4")}, "k=4")
+    assert found.verdict == "met" and found.rounds == 5 + len(pairs)
+
+
+def test_extra_paired_rounds_stop_at_the_cap_and_say_so():
+    from bench.config import BenchConfig
+    from bench.harness import resolve_regret
+
+    runs, calls = _straddling_rounds(), []
+
+    def run_pair(round_index, names):  # the swing goes on: never resolved
+        calls.append(round_index)
+        ratio = (0.90, 1.05)[round_index % 2]
+        runs.extend([_record(round_index, "table", 100.0 * ratio), _record(round_index, "k=4", 100.0)])
+
+    notes = resolve_regret(4, runs, BenchConfig(rounds=5, resolve_rounds=3), (0, 4), run_pair)
+    assert calls == [5, 6, 7] and "still not resolved after 3 extra paired rounds" in notes[0]
+    assert "straddles the 3 % goal" in notes[0]
+
+
+def test_no_extra_rounds_when_the_regret_is_already_resolved():
+    from bench.config import BenchConfig
+    from bench.harness import resolve_regret
+
+    runs = []
+    for r in range(5):
+        runs += [_record(r, "k=0", 60.0), _record(r, "k=4", 100.0), _record(r, "table", 99.0)]
+    assert resolve_regret(4, runs, BenchConfig(rounds=5), (0, 4), lambda *_: pytest.fail("ran a round")) == []

@@ -40,6 +40,8 @@ def test_checks_happen_at_the_start_then_once_per_interval():
     assert [c.median_ms for c in figure.checks] == [10, 11, 12]
     # drift: (12 - 10) / 2 / median 11 = 9.1 %; jitter 0 (every sample of a check equal)
     assert figure.drift == pytest.approx(1 / 11) and figure.jitter == 0.0
+    # floor: mean |10, 11, 12 - 11| / 11 = (1 + 0 + 1) / 3 / 11
+    assert figure.floor_mape == pytest.approx(2 / 3 / 11)
     assert figure.too_noisy
     warning = figure.warning()
     assert warning.startswith("warning: noisy machine: the reference pass (ref) drifted ±9.1 % over 3 checks")
