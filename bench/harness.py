@@ -225,8 +225,16 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: Sequence[list[i
     total = sum(len(contenders(b)) * (config.warmup_rounds + config.rounds) for b in config.batch_sizes)
     runs: list[RunRecord] = []
 
+    speed = None  # the machine's speed against calibration's, when the model file has its reference pass
+    if predictor is not None and predictor.fitted.noise is not None:
+        from .speed import MachineSpeed
+
+        speed = MachineSpeed(models.target, predictor.fitted.noise, str(device))
+
     def run_round(b: int, round_index: int, names: list[str]) -> None:
         nonlocal total
+        if speed is not None and round_index >= 0:
+            speed.check(b)
         seed = config.seed + round_index + config.warmup_rounds  # the same for every policy in a round
         batch_prompts = round_prompts(b, round_index)
         for name in rotated(names, round_index):
@@ -246,6 +254,8 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: Sequence[list[i
         for b in config.batch_sizes:
             for round_index in range(-config.warmup_rounds, config.rounds):
                 run_round(b, round_index, contenders(b))
+            if speed is not None:
+                speed.check(b)  # after the last round too: the rounds are bracketed
             # not on `switch`: every extra round would come from the second population, tilting the pairs
             if table is not None and b <= RESOLVE_MAX_BATCH and config.resolve_rounds and config.workload != "switch":
                 notes += resolve_regret(b, runs, config, fixed_ks, lambda r, pair: run_round(b, r, pair))
@@ -261,6 +271,10 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: Sequence[list[i
         from .explain_steps import add_explanations
 
         notes += add_predictions(batches, predictor, policies)
+        if speed is not None:
+            from .speed import add_rescaled_predictions
+
+            add_rescaled_predictions(batches, speed)
         notes += add_explanations(batches, runs, predictor, policies)
     vllm = None
     if "vllm" in config.peers:

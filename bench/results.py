@@ -69,6 +69,8 @@ class PolicyResult:
     p10_steady_tokens_per_s: float | None = None
     p90_steady_tokens_per_s: float | None = None
     predicted_tokens_per_s: float | None = None
+    # the prediction rescaled by the machine's speed during this batch size against calibration (bench.speed)
+    rescaled_predicted_tokens_per_s: float | None = None
     # what ran (Strategy.describe(): "none", "chain k=3", "tree 0,1,0.0 (3 nodes) +ngram"); the table's
     # strategy at this batch size and the run's mean context; None for peers
     strategy: str | None = None
@@ -103,6 +105,7 @@ class BatchResult:
     # perfmodel.explain.Explanation.to_json() of the table's (else the best fixed k's) pooled rounds
     explanation: dict[str, Any] | None = None
     paired_regret: dict[str, Any] | None = None  # bench.regret.paired_regret(...).to_json()
+    machine_speed: dict[str, Any] | None = None  # bench.speed.MachineSpeed.at(): reference pass vs calibration
 
     def policy(self, name: str) -> PolicyResult | None:
         return next((p for p in self.policies if p.policy == name), None)

@@ -33,6 +33,7 @@ from .acceptance import AcceptanceModel, acceptance_from_profile, acceptance_fro
 from .errors import PerfModelError
 from .extrapolation import bounded_latency_ms
 from .jsonio import read_json, rounded, write_json_atomic
+from .noise import NoiseFigure
 from .overhead import OverheadModel
 from .profile import ROLES, DeviceInfo, Grid, ModelInfo, Profile, Stage2Info
 from .sources import ISOLATED, SOURCES, SourceChoice, choose_source, source_points, source_report
@@ -77,6 +78,7 @@ class FittedModel:
     acceptance: tuple[AcceptanceModel, ...]  # from the profile; the first is the default
     stage2: Stage2Info | None = None  # the n-gram second stage, when the profile measured one
     timing_source: SourceChoice | None = None  # which pass timings `roles` were fitted to, when there was a choice
+    noise: NoiseFigure | None = None  # the profile's reference-pass checks: bench compares the machine's speed
 
     def fingerprints(self) -> dict | None:
         """{"target", "draft"} content fingerprints of the pair (None when the profile predates them)."""
@@ -252,6 +254,7 @@ def fit_profile(profile: Profile, holdout: bool = False) -> FittedModel:
         profile_created_utc=profile.created_utc,
         device=profile.device, target_info=profile.target, draft_info=profile.draft, grid=profile.grid,
         roles=roles, overhead=overhead, acceptance=acceptance, stage2=profile.stage2, timing_source=choice,
+        noise=profile.noise,
     )
 
 
@@ -378,7 +381,8 @@ def model_to_json(fitted: FittedModel) -> dict:
         "profile": {"created_utc": fitted.profile_created_utc, "device": asdict(fitted.device),
                     "models": {"target": asdict(fitted.target_info), "draft": asdict(fitted.draft_info)},
                     "grid": {key: list(value) if isinstance(value, tuple) else value
-                             for key, value in asdict(fitted.grid).items()}},
+                             for key, value in asdict(fitted.grid).items()},
+                    **({} if fitted.noise is None else {"noise": fitted.noise.to_json()})},
         "roles": {role: _role_json(fit) for role, fit in fitted.roles.items()},
         "overheads": [{"batch_size": b, "k": k, "median_ms": rounded(ms)} for b, k, ms in fitted.overhead.rows],
         "tree_overheads": [{"batch_size": b, "tree_nodes": nodes, "stage2": stage2, "median_ms": rounded(ms)}
@@ -435,7 +439,8 @@ def model_from_json(obj: dict, source: str = "model") -> FittedModel:
     # The profile readers want a whole profile; metadata plus empty measurement lists is one.
     stub = profile_from_json({"created_utc": meta.get("created_utc"), "device": meta.get("device"),
                               "models": meta.get("models"), "grid": meta.get("grid"),
-                              "timings": [], "overheads": [], "acceptance": []}, f"{source}: profile")
+                              "timings": [], "overheads": [], "acceptance": [], "noise": meta.get("noise")},
+                             f"{source}: profile")
     stage2 = None
     if obj.get("stage2") is not None:
         stage2 = stage2_from_json(obj["stage2"], f"{source}: stage2")
@@ -453,7 +458,7 @@ def model_from_json(obj: dict, source: str = "model") -> FittedModel:
             raise
         raise PerfModelError(f"{source}: malformed model file ({type(error).__name__}: {error})") from None
     return FittedModel(created, stub.created_utc, stub.device, stub.target, stub.draft, stub.grid, roles,
-                       overhead, acceptance, stage2, timing_source)
+                       overhead, acceptance, stage2, timing_source, stub.noise)
 
 
 def save_model(path: str | os.PathLike, fitted: FittedModel) -> None:

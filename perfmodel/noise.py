@@ -18,6 +18,7 @@ than this narrow one, so the figures are a lower bound on the noise.
 """
 from __future__ import annotations
 
+import re
 import statistics
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +53,14 @@ class NoiseFigure:
     @property
     def jitter(self) -> float:
         return statistics.median((c.p90_ms - c.p10_ms) / 2 / c.median_ms for c in self.checks)
+
+    def reference_shape(self) -> tuple[int, int]:
+        """(batch size, context) of the reference pass, a target pass of one new token: what `bench` times
+        again to compare the machine's speed with calibration's."""
+        found = re.fullmatch(r"target b=(\d+) n=1 L=(\d+)", self.reference)
+        if found is None:
+            raise PerfModelError(f"noise reference {self.reference!r}: expected 'target b=B n=1 L=L'")
+        return int(found.group(1)), int(found.group(2))
 
     @property
     def floor_mape(self) -> float:

@@ -1,0 +1,73 @@
+"""The machine's speed during a bench against its speed during calibration: the profile's reference pass
+timed again.
+
+A prediction is built from passes timed during calibration. On a machine whose speed moves (other
+tenants of a shared host, throttling) the same pass takes longer or shorter minutes later, and every
+prediction is off by that factor whatever the model. Measured on the 2-core VM this project is built on,
+idle, one thread: the same target pass (b = 1, one new token, 128 cached) ran 4.2 ms and 7.3 ms in
+40-pass series a few seconds apart, on either core.
+
+Calibrate timed a reference pass throughout (perfmodel.noise; the model file keeps those checks). The
+bench times the same pass (same target, batch size, context, one new token) before every timed round and
+once after a batch size's last one, so each batch size b has
+
+    slowdown(b) = median of the reference pass during b's rounds / its median during calibration,
+
+and the prediction *rescaled* to the machine as it was at b is predicted / slowdown(b). Both are reported;
+the raw error says how far the table's user would be off, the rescaled one how far the model is once the
+machine's drift since calibration is taken out. Assumption: every pass slows by the reference pass's
+factor. A host-level slowdown (cache and memory-bandwidth contention) hits memory-bound narrow passes like
+the reference harder than wide compute-bound ones, so at large b the rescaling over-corrects.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+from calibrate.noise import NoiseMonitor, reference_sampler
+from perfmodel.noise import NoiseFigure
+
+
+class MachineSpeed:
+    def __init__(self, target, calibration: NoiseFigure, device: str, monitor: NoiseMonitor | None = None):
+        """`monitor`: injectable for tests; by default the reference pass on `target`."""
+        if monitor is None:
+            batch_size, context_len = calibration.reference_shape()
+            monitor = NoiseMonitor(reference_sampler(target, batch_size, context_len, device, time.perf_counter),
+                                   calibration.reference)
+        self.monitor, self.calibration = monitor, calibration
+        self.checks_by_batch: dict[int, list[float]] = {}
+
+    def check(self, batch_size: int) -> None:
+        """Time the reference pass now, counted for batch size `batch_size`."""
+        self.monitor.check(force=True)
+        self.checks_by_batch.setdefault(batch_size, []).append(self.monitor.checks[-1].median_ms)
+
+    def slowdown(self, batch_size: int) -> float | None:
+        checks = self.checks_by_batch.get(batch_size)
+        return None if not checks else statistics.median(checks) / self.calibration.level_ms
+
+    def at(self, batch_size: int) -> dict[str, Any] | None:
+        """bench.json's `machine_speed` of one batch size; None when it was not checked."""
+        checks = self.checks_by_batch.get(batch_size)
+        if not checks:
+            return None
+        return {"reference": self.calibration.reference, "calibration_ms": self.calibration.level_ms,
+                "bench_ms": statistics.median(checks), "checks": len(checks),
+                "slowdown": self.slowdown(batch_size),
+                "method": "median reference pass during this batch size's rounds / its median during calibration"}
+
+    def figure(self) -> NoiseFigure | None:
+        """The bench's own noise figure (drift and jitter of the reference over the whole bench)."""
+        return self.monitor.figure()
+
+
+def add_rescaled_predictions(batches, speed: MachineSpeed) -> None:
+    """Set each batch's `machine_speed` and each predicted policy's `rescaled_predicted_tokens_per_s`."""
+    for batch in batches:
+        batch.machine_speed = speed.at(batch.batch_size)
+        slowdown = speed.slowdown(batch.batch_size)
+        for policy in batch.policies:
+            if slowdown and policy.predicted_tokens_per_s is not None:
+                policy.rescaled_predicted_tokens_per_s = policy.predicted_tokens_per_s / slowdown
