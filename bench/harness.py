@@ -272,9 +272,9 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: Sequence[list[i
 
         notes += add_predictions(batches, predictor, policies)
         if speed is not None:
-            from .speed import add_rescaled_predictions
+            from .speed import add_machine_speed
 
-            add_rescaled_predictions(batches, speed)
+            add_machine_speed(batches, speed)
         notes += add_explanations(batches, runs, predictor, policies)
     vllm = None
     if "vllm" in config.peers:

@@ -69,8 +69,6 @@ class PolicyResult:
     p10_steady_tokens_per_s: float | None = None
     p90_steady_tokens_per_s: float | None = None
     predicted_tokens_per_s: float | None = None
-    # the prediction rescaled by the machine's speed during this batch size against calibration (bench.speed)
-    rescaled_predicted_tokens_per_s: float | None = None
     # what ran (Strategy.describe(): "none", "chain k=3", "tree 0,1,0.0 (3 nodes) +ngram"); the table's
     # strategy at this batch size and the run's mean context; None for peers
     strategy: str | None = None

@@ -89,25 +89,22 @@ def render_bench(result, written: list[Path]) -> None:
         summary.add_row(*row)
     console.print(summary)
     if has_model:
-        rescaled = any(batch.machine_speed for batch in result.batches)
+        checked = any(batch.machine_speed for batch in result.batches)
         errors = Table(title="prediction error: predicted / measured - 1 (median steady-state tokens/s: full-batch "
-                             "steps)" + ("; raw / rescaled by the machine's speed vs calibration (the reference "
-                                         "pass's slowdown; bench.speed)" if rescaled else ""))
+                             "steps)" + ("; the reference pass's time during the rounds / during calibration "
+                                         "(bench.speed)" if checked else ""))
         names = [p.policy for p in result.batches[0].policies if p.predicted_tokens_per_s is not None]
-        for header in ["b", *(["reference pass vs calibration"] if rescaled else []), *names]:
+        for header in ["b", *(["reference pass vs calibration"] if checked else []), *names]:
             errors.add_column(header, justify="right")
         for batch in result.batches:
             cells = []
             for name in names:
                 policy = batch.policy(name)
+                predicted = policy.predicted_tokens_per_s if policy else None
                 steady = policy.median_steady_tokens_per_s if policy else None
-                figures = [policy.predicted_tokens_per_s if policy else None]
-                if rescaled:
-                    figures.append(policy.rescaled_predicted_tokens_per_s if policy else None)
-                cells.append(" / ".join(_relative(None if value is None or not steady else value / steady - 1)
-                                        for value in figures))
+                cells.append(_relative(None if predicted is None or not steady else predicted / steady - 1))
             speed = batch.machine_speed
-            slowdown = [] if not rescaled else ["-" if not speed else f"{speed['slowdown']:.2f}x"]
+            slowdown = [] if not checked else ["-" if not speed else f"{speed['slowdown']:.2f}x"]
             errors.add_row(str(batch.batch_size), *slowdown, *cells)
         console.print(errors)
     comparisons = [batch for batch in result.batches

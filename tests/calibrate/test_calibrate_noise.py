@@ -79,33 +79,3 @@ def test_the_model_file_keeps_the_calibrations_reference_pass():
     assert model_from_json(json.loads(json.dumps(model_to_json(fit_profile(profile_from_json(obj)))))).noise is None
     with pytest.raises(Exception, match="expected 'target b=B n=1 L=L'"):
         NoiseFigure("draft b=1", figure.checks).reference_shape()
-
-
-def test_bench_rescales_predictions_by_the_reference_pass_slowdown():
-    from bench.results import BatchResult, PolicyResult
-    from bench.speed import MachineSpeed, add_rescaled_predictions
-
-    calibration = NoiseFigure("target b=1 n=1 L=64", (NoiseCheck(0.0, 4.0, 4.0, 4.0), NoiseCheck(3.0, 6.0, 6.0, 6.0),
-                                                       NoiseCheck(6.0, 5.0, 5.0, 5.0)))  # level: 5 ms
-    # each check: 1 warm-up + 3 samples; b = 1 sees 6, 7.5 and 9 ms (median 7.5), b = 8 sees 4 and 5 ms
-    values = [0, 6, 6, 6, 0, 7.5, 7.5, 7.5, 0, 9, 9, 9, 0, 4, 4, 4, 0, 5, 5, 5]
-    speed = MachineSpeed(None, calibration, "cpu", NoiseMonitor(scripted(values), calibration.reference,
-                                                                FakeClock(), samples=3))
-    for b in (1, 1, 1, 8, 8):
-        speed.check(b)
-    assert speed.slowdown(1) == pytest.approx(1.5) and speed.slowdown(8) == pytest.approx(0.9)
-    assert speed.slowdown(2) is None and speed.at(2) is None
-    assert speed.at(1)["checks"] == 3 and speed.at(1)["bench_ms"] == 7.5 and speed.at(1)["calibration_ms"] == 5.0
-
-    def batch(b, predicted):
-        policy = PolicyResult(policy="k=2", k=2, tokens_per_s=[1.0], median_tokens_per_s=1.0, p10_tokens_per_s=1.0,
-                              p90_tokens_per_s=1.0, min_tokens_per_s=1.0, max_tokens_per_s=1.0, acceptance=None,
-                              acceptance_per_position=[], trials_per_position=[], full_batch_step_fraction=1.0,
-                              predicted_tokens_per_s=predicted)
-        return BatchResult(b, 64, [policy], 2, 1.0, None, None, None)
-
-    batches = [batch(1, 300.0), batch(8, 900.0), batch(2, 500.0)]
-    add_rescaled_predictions(batches, speed)
-    assert [b.policies[0].rescaled_predicted_tokens_per_s for b in batches] == [pytest.approx(200.0),
-                                                                                pytest.approx(1000.0), None]
-    assert batches[0].machine_speed["slowdown"] == pytest.approx(1.5) and batches[2].machine_speed is None

@@ -1,0 +1,31 @@
+"""The machine's speed against calibration's (bench.speed) on scripted reference-pass checks: the
+slowdown per batch size, hand-computed."""
+import pytest
+
+from bench.results import BatchResult
+from bench.speed import MachineSpeed, add_machine_speed
+from calibrate.noise import NoiseMonitor
+from perfmodel.noise import NoiseCheck, NoiseFigure
+
+
+def scripted(values):
+    it = iter(values)
+    return lambda: next(it)
+
+
+def test_bench_reports_the_reference_pass_slowdown_per_batch_size():
+    calibration = NoiseFigure("target b=1 n=1 L=64", (NoiseCheck(0.0, 4.0, 4.0, 4.0), NoiseCheck(3.0, 6.0, 6.0, 6.0),
+                                                       NoiseCheck(6.0, 5.0, 5.0, 5.0)))  # level: 5 ms
+    # each check: 1 warm-up + 3 samples; b = 1 sees 6, 7.5 and 9 ms (median 7.5), b = 8 sees 4 and 5 ms
+    values = [0, 6, 6, 6, 0, 7.5, 7.5, 7.5, 0, 9, 9, 9, 0, 4, 4, 4, 0, 5, 5, 5]
+    speed = MachineSpeed(None, calibration, "cpu", NoiseMonitor(scripted(values), calibration.reference,
+                                                                lambda: 0.0, samples=3))
+    for b in (1, 1, 1, 8, 8):
+        speed.check(b)
+    assert speed.slowdown(1) == pytest.approx(1.5) and speed.slowdown(8) == pytest.approx(0.9)
+    assert speed.slowdown(2) is None and speed.at(2) is None
+    assert speed.at(1)["checks"] == 3 and speed.at(1)["bench_ms"] == 7.5 and speed.at(1)["calibration_ms"] == 5.0
+    batches = [BatchResult(b, 64, [], 0, 1.0, None, None, None) for b in (1, 8, 2)]
+    add_machine_speed(batches, speed)
+    assert [b.machine_speed and b.machine_speed["slowdown"] for b in batches] == [pytest.approx(1.5),
+                                                                                  pytest.approx(0.9), None]
