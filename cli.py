@@ -182,7 +182,8 @@ def bench(
     rounds: Annotated[int, typer.Option("--rounds", help="Timed interleaved rounds per batch size.")] = 5,
     resolve_rounds: Annotated[int, typer.Option(
         "--resolve-rounds", help="At b <= 8, at most this many extra rounds of the table and the best fixed k "
-                                 "alone while the table's paired regret straddles the 3 % goal (0: none).")] = 30,
+                                 "alone while the table's paired regret straddles the 3 % goal or its interval "
+                                 "is wider than ±3 % (0: none).")] = 30,
     sampling: Annotated[str, typer.Option("--sampling", help="greedy | T=0.8[,top_k=50][,top_p=0.9]")] = "greedy",
     synthetic_acceptance: Annotated[Optional[float], typer.Option("--synthetic-acceptance", help=(
         "Accept each draft token with probability α in (0, 1] instead of verifying (SYNTHETIC; for "

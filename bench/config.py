@@ -34,7 +34,7 @@ class BenchConfig:
     rounds: int = 5  # timed rounds per batch size: enough for a median and a p10-p90 band
     warmup_rounds: int = 1  # discarded rounds per batch size (first use of every shape)
     # at b <= RESOLVE_MAX_BATCH, at most this many extra rounds of the table and the best fixed k alone while
-    # the table's paired regret is "not resolved" (bench.regret); 0 turns them off
+    # the table's paired regret is not settled (bench.regret); 0 turns them off
     resolve_rounds: int = 30
     sampling: Sampling = Sampling()
     synthetic_acceptance: float | None = None  # α in (0, 1]: benchmark-only fake verification

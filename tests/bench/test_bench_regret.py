@@ -72,9 +72,9 @@ def test_extra_paired_rounds_run_until_the_regret_is_resolved():
     notes = resolve_regret(4, runs, BenchConfig(rounds=5, resolve_rounds=30), (0, 4), run_pair)
     assert pairs and all(names == ("table", "k=4") for _, names in pairs)
     assert [r for r, _ in pairs] == list(range(5, 5 + len(pairs)))  # numbered after the regular rounds
-    assert len(pairs) < 30 and "resolved the paired regret: met" in notes[0]
+    assert len(pairs) < 30 and "settled the paired regret: met" in notes[0]
     found = paired_regret(rates_by_round(runs, 4, "table"), {"k=4": rates_by_round(runs, 4, "k=4")}, "k=4")
-    assert found.verdict == "met" and found.rounds == 5 + len(pairs)
+    assert found.verdict == "met" and found.settled and found.rounds == 5 + len(pairs)
 
 
 def test_extra_paired_rounds_stop_at_the_cap_and_say_so():
@@ -101,3 +101,28 @@ def test_no_extra_rounds_when_the_regret_is_already_resolved():
     for r in range(5):
         runs += [_record(r, "k=0", 60.0), _record(r, "k=4", 100.0), _record(r, "table", 99.0)]
     assert resolve_regret(4, runs, BenchConfig(rounds=5), (0, 4), lambda *_: pytest.fail("ran a round")) == []
+
+
+def test_a_verdict_from_a_wide_interval_is_not_settled_and_gets_extra_rounds():
+    from bench.config import BenchConfig
+    from bench.harness import resolve_regret
+
+    # the table 8-20 % behind k=4 in every round: "missed", but the interval is wider than ±3 %
+    runs = []
+    for r, ratio in enumerate([0.80, 0.92, 0.85, 0.90, 0.82]):
+        runs += [_record(r, "k=4", 100.0), _record(r, "table", 100.0 * ratio)]
+    first = paired_regret(rates_by_round(runs, 4, "table"), {"k=4": rates_by_round(runs, 4, "k=4")}, "k=4")
+    assert first.verdict == "missed" and not first.settled and (first.high - first.low) / 2 > 0.03
+    calls = []
+
+    def run_pair(round_index, names):  # the machine settles: the table is 10 % behind in every round
+        calls.append(round_index)
+        runs.extend([_record(round_index, "table", 90.0), _record(round_index, "k=4", 100.0)])
+
+    notes = resolve_regret(4, runs, BenchConfig(rounds=5, resolve_rounds=30), (4,), run_pair)
+    assert 0 < len(calls) < 30 and "settled the paired regret: missed" in notes[0]
+
+    stuck = [r for r in runs if r.round < 5]
+    notes = resolve_regret(4, stuck, BenchConfig(rounds=5, resolve_rounds=2), (4,),
+                           lambda r, names: stuck.extend([_record(r, "table", 80.0), _record(r, "k=4", 100.0)]))
+    assert notes[0].startswith("b = 4: missed, but after 2 extra paired rounds the 95 % interval")
