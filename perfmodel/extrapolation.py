@@ -46,14 +46,25 @@ class Box:
         return self.clip(b, n, L) == (float(b), float(n), float(L))
 
 
-def bounded_latency_ms(model: lat.LatencyModel, points: lat.Points, b: int, n: int, L: int) -> float:
-    """One pass's time: the fit inside the measured box, the roofline's growth from its edge outside."""
+def bounded_latency_ms(model: lat.LatencyModel, points: lat.Points, b, n, L):
+    """One pass's time: the fit inside the measured box, the roofline's growth from its edge outside.
+    Scalars in, float out; arrays in (broadcast together), array out: an online policy evaluates many
+    pass widths at a new (b, L) in one call (perfmodel.strategy.StepModel.prefetch)."""
     if model.correction is None:
         return model.latency_ms(b, n, L)
     box = Box.of(points)
-    if box.contains(b, n, L):
-        return model.latency_ms(b, n, L)
-    edge = box.clip(b, n, L)
+    if np.ndim(b) == np.ndim(n) == np.ndim(L) == 0:
+        if box.contains(b, n, L):
+            return model.latency_ms(b, n, L)
+        edge = box.clip(b, n, L)
+        roofline = model.roofline
+        scale = roofline.latency_ms(model.shape, b, n, L) / roofline.latency_ms(model.shape, *edge)
+        return float(model.latency_ms(*edge) * scale)
+    b, n, L = np.broadcast_arrays(*(np.asarray(v, dtype=float) for v in (b, n, L)))
+    edge = (np.clip(b, *box.batch_size), np.clip(n, *box.new_tokens), np.clip(L, *box.context_len))
+    inside = (edge[0] == b) & (edge[1] == n) & (edge[2] == L)
     roofline = model.roofline
-    scale = roofline.latency_ms(model.shape, b, n, L) / roofline.latency_ms(model.shape, *edge)
-    return float(model.latency_ms(*edge) * scale)
+    # inside the box the scale is exactly 1 (the point is its own edge), as in the scalar branch
+    scale = np.where(inside, 1.0, roofline.latency_ms(model.shape, b, n, L)
+                     / roofline.latency_ms(model.shape, *edge))
+    return np.asarray(model.latency_ms(*edge), dtype=float) * scale

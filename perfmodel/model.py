@@ -87,8 +87,9 @@ class FittedModel:
         return {"target": self.target_info.fingerprint, "draft": self.draft_info.fingerprint}
 
     def latency_ms(self, role: str, batch_size: int, new_tokens: int, context_len: int) -> float:
-        """Predicted time of one forward pass; matches strategy.LatencyFn. Outside the measured grid the
-        fit's edge value grows as the roofline alone (perfmodel.extrapolation)."""
+        """Predicted time of one forward pass; matches strategy.LatencyFn (and takes arrays too: arrays in,
+        array out). Outside the measured grid the fit's edge value grows as the roofline alone
+        (perfmodel.extrapolation)."""
         fit = self.roles[role]
         return bounded_latency_ms(fit.model, fit.points, batch_size, new_tokens, context_len)
 
@@ -272,7 +273,8 @@ def choose_acceptance(fitted: FittedModel, override: Sequence[float] | None, sou
 
 def step_model(fitted: FittedModel, acceptance: AcceptanceModel, stage2: Stage2Info | None = None) -> StepModel:
     """What strategies are evaluated with; `stage2` replaces the profile's second-stage measurements."""
-    return StepModel(fitted.latency_ms, fitted.overhead, acceptance, fitted.stage2 if stage2 is None else stage2)
+    return StepModel(fitted.latency_ms, fitted.overhead, acceptance, fitted.stage2 if stage2 is None else stage2,
+                     vectorized_latency=True)
 
 
 def strategy_family(fitted: FittedModel, acceptance: AcceptanceModel, max_k: int | None = None,

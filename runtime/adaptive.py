@@ -216,6 +216,7 @@ class AdaptivePolicy:
         if key not in self._step_ms:
             if len(self._step_ms) > 4096:  # a long-running server sees many (b, L) pairs
                 self._step_ms.clear()
+            self.model.prefetch(batch_size, bucket, self.max_k + 2)  # every pass width a candidate runs, at once
             self._step_ms[key] = np.array([self.model.evaluate(s, batch_size, bucket).step_ms
                                            for s in self.candidates])
         return self._step_ms[key]

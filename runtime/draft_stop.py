@@ -79,6 +79,7 @@ class DraftStop:
         if k > 0 and key not in self._costs:  # (S_{j-1}, dS_j) for j = 1..k, from the step model, once
             if len(self._costs) > 4096:
                 self._costs.clear()
+            self.model.prefetch(batch_size, context_len, k + 1)  # usually warm: the policy's choice asked first
             latency = self.model._latency
             self._costs[key] = [(self.chain_step_ms(batch_size, context_len, j - 1),
                                  latency("draft", batch_size, 1, context_len)

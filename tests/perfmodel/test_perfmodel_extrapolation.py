@@ -41,3 +41,25 @@ def test_notes_say_where_the_model_extrapolates(fitted):
     assert notes[0].startswith("extrapolating: batch sizes above 32") and "roofline alone" in notes[0]
     assert notes[1].startswith("extrapolating: context lengths [1024] lie outside the profiled [64, 256]")
     assert fitted.extrapolation_notes(32, [128], 8) == []
+
+
+def test_arrays_of_pass_widths_give_the_scalar_values_inside_and_outside_the_grid(fitted):
+    import numpy as np
+
+    from perfmodel.model import step_model
+    from perfmodel.tree import Strategy
+
+    for role in ("target", "draft"):
+        for b, L in ((1, 64), (8, 100), (32, 256), (48, 600), (96, 20)):  # inside, between, beyond b, L
+            widths = np.arange(1, 12)  # the grid measured up to max_k + 1 = 9 tokens per pass
+            vectorized = fitted.latency_ms(role, b, widths, L)
+            assert vectorized.shape == widths.shape
+            assert vectorized.tolist() == pytest.approx([fitted.latency_ms(role, b, int(n), L) for n in widths],
+                                                        rel=1e-12)
+    # a step model filled by prefetch evaluates exactly as one that filled its cache pass by pass
+    acceptance = choose_acceptance(fitted, None)
+    warm, cold = step_model(fitted, acceptance), step_model(fitted, acceptance)
+    warm.prefetch(12, 192, 10)
+    for k in range(9):
+        assert warm.evaluate(Strategy.from_k(k), 12, 192).step_ms == pytest.approx(
+            cold.evaluate(Strategy.from_k(k), 12, 192).step_ms, rel=1e-12)
