@@ -81,7 +81,7 @@ def render_bench_fidelity(console, batches) -> None:
             r = batch.paired_regret
             table.add_row(str(batch.batch_size), r["against"], str(r["rounds"]), f"{100 * r['regret']:.1f}%",
                           f"[{100 * r['ci95'][0]:.1f}%, {100 * r['ci95'][1]:.1f}%]",
-                          r["verdict"] if r["settled"] or r["verdict"] == "not resolved"
+                          r["verdict"] if r.get("settled", True) or r["verdict"] == "not resolved"
                           else f"{r['verdict']} (interval wider than ±{100 * r['goal']:.0f} %)")
         console.print(table)
     for batch in batches:

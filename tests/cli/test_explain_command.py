@@ -68,5 +68,9 @@ def test_bench_prints_the_paired_regret_and_the_decomposition():
     render_bench_fidelity(console, [SimpleNamespace(batch_size=4, explanation=explained, paired_regret=regret)])
     text = console.export_text()
     assert "not resolved" in text and "[-1.0%, 5.0%]" in text
+    wide = {**regret, "regret": 0.11, "ci95": [0.04, 0.18], "verdict": "missed", "settled": False}
+    console = Console(record=True, width=200)
+    render_bench_fidelity(console, [SimpleNamespace(batch_size=4, explanation=None, paired_regret=wide)])
+    assert "missed (interval wider than ±3 %)" in console.export_text()
     assert "the largest term is tokens per step (+7.7% on the predicted goodput)" in text
     assert "+4.5%" in text  # the draft pass time: -(-1.0) / 22 ms
