@@ -15,7 +15,7 @@ How the measurement is kept honest:
     acceptance draw from it); rounds use different seeds so the spread covers that randomness.
   * Settled regret. At b <= RESOLVE_MAX_BATCH, when the table's paired regret (bench.regret) straddles
     the 3 % goal after the rounds, or its interval is wider than ±3 %, extra rounds of the table and the
-    best fixed k alone run until it is settled or `resolve_rounds` is spent (`resolve_regret`).
+    best fixed k alone run until it is settled or `resolve_rounds` is spent (`regret.resolve_regret`).
   * Peers. transformers' generate joins the rounds as another contender; vLLM (`--peers vllm`) runs
     after them, in its own environment, interleaved with our k = 0 and table round by round on the
     same prompts (bench/vllm/compare.py).
@@ -47,8 +47,7 @@ from .policies import (
     tree_label,
 )
 from .predict import add_predictions, load_predictor, resolve_auto_tree
-from .results import (BatchResult, BenchResult, RunRecord, compared_rate, most_frequent_k, summarize_batch,
-                      summarize_policy)
+from .results import BatchResult, BenchResult, RunRecord, most_frequent_k, summarize_batch, summarize_policy
 from .timing import time_ours
 from .workload import Workload
 
@@ -258,6 +257,8 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: Sequence[list[i
                 speed.check(b)  # after the last round too: the rounds are bracketed
             # not on `switch`: every extra round would come from the second population, tilting the pairs
             if table is not None and b <= RESOLVE_MAX_BATCH and config.resolve_rounds and config.workload != "switch":
+                from .regret import resolve_regret
+
                 notes += resolve_regret(b, runs, config, fixed_ks, lambda r, pair: run_round(b, r, pair))
     notes += list(dict.fromkeys(f"warning: {w.message}" for w in caught))
 
@@ -295,47 +296,6 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: Sequence[list[i
         prompts={"count": len(prompts), "min_tokens": min(prompt_lens), "max_tokens": max(prompt_lens)},
         batches=batches, runs=runs, notes=notes, vllm=vllm,
     )
-
-
-def resolve_regret(b: int, runs: list[RunRecord], config: BenchConfig, fixed_ks: Sequence[int],
-                   run_pair: Callable[[int, list[str]], None]) -> list[str]:
-    """Extra paired rounds at batch size b until the table's paired regret against the best fixed k in
-    hindsight is settled (bench.regret: a verdict, from a 95 % interval no wider than ±goal), at most
-    `config.resolve_rounds`.
-
-    Only the two policies of the pair run (alternating which goes first), so a round costs two
-    generations, not one per contender; the best fixed k is re-chosen from the medians after every
-    round (only the pair's rounds grow, the others keep theirs). Returns the notes to print."""
-    from .regret import REGRET_GOAL, paired_regret, rates_by_round
-
-    goal = f"{100 * REGRET_GOAL:g} %"
-    fixed_names = {k: fixed_policy_name(k) for k in fixed_ks}
-    for extra in range(config.resolve_rounds + 1):
-        timed = [r for r in runs if r.batch_size == b and not r.warmup]
-        best_k = max(fixed_ks, key=lambda k: (ranked_rate(timed, fixed_names[k], k), -k))
-        fixed = {name: rates_by_round(runs, b, name) for name in fixed_names.values()}
-        found = paired_regret(rates_by_round(runs, b, TABLE_POLICY), fixed, fixed_names[best_k])
-        if found is None or found.settled:
-            if extra == 0:
-                return []
-            verdict = "no pair" if found is None else found.verdict
-            return [f"b = {b}: {extra} extra paired rounds (table and the best fixed k alone) settled the "
-                    f"paired regret: {verdict} against the {goal} goal"]
-        if extra == config.resolve_rounds:
-            break
-        run_pair(config.rounds + extra, [TABLE_POLICY, fixed_names[best_k]])
-    interval = f"95 % interval {100 * found.low:.1f}% to {100 * found.high:.1f}%"
-    if found.verdict == "not resolved":
-        return [f"b = {b}: the paired regret is still not resolved after {config.resolve_rounds} extra paired "
-                f"rounds ({interval} straddles the {goal} goal; --resolve-rounds sets how many)"]
-    return [f"b = {b}: {found.verdict}, but after {config.resolve_rounds} extra paired rounds the {interval} is still "
-            f"wider than ±{goal}: a noisy machine (--resolve-rounds sets how many)"]
-
-
-def ranked_rate(timed: Sequence[RunRecord], name: str, k: int) -> float:
-    """The figure `results.summarize_batch` ranks fixed k by, for one policy's timed runs."""
-    records = [r for r in timed if r.policy == name]
-    return compared_rate(summarize_policy(name, k, records)) if records else float("-inf")
 
 
 def _adaptive_policy(config: BenchConfig, models: BenchModels):

@@ -14,7 +14,7 @@ Verdict against the goal: "met" when the whole interval lies at or below it, "mi
 above, "not resolved" when it straddles the goal (more rounds would decide). A verdict is *settled* when,
 besides, the interval is no wider than ±goal: with 5 rounds on a noisy machine an interval of ±7 % can lie
 wholly above 3 % for two identical strategies (measured: the table running k = 4 against k = 4, docs/
-fidelity.md), so the bench (`harness.resolve_regret`) adds paired rounds until the verdict is settled.
+fidelity.md), so the bench (`resolve_regret`, below) adds paired rounds until the verdict is settled.
 
 Assumption: rounds are exchangeable (no trend left after the rotation of policy order); with few
 rounds the percentile interval is too narrow rather than too wide, so "met" on 3 rounds is weak.
@@ -22,7 +22,7 @@ rounds the percentile interval is too narrow rather than too wide, so "met" on 3
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -101,3 +101,46 @@ def add_paired_regret(batches: Sequence[Any], runs: Sequence[Any], fixed_names: 
         fixed = {name: rates_by_round(runs, batch.batch_size, name) for name in fixed_names.values()}
         found = paired_regret(table, fixed, fixed_names[batch.best_k])
         batch.paired_regret = None if found is None else found.to_json()
+
+
+def resolve_regret(b: int, runs: list[Any], config: Any, fixed_ks: Sequence[int],
+                   run_pair: Callable[[int, list[str]], None]) -> list[str]:
+    """Extra paired rounds at batch size b until the table's paired regret against the best fixed k in
+    hindsight is settled (bench.regret: a verdict, from a 95 % interval no wider than ±goal), at most
+    `config.resolve_rounds`.
+
+    Only the two policies of the pair run (alternating which goes first), so a round costs two
+    generations, not one per contender; the best fixed k is re-chosen from the medians after every
+    round (only the pair's rounds grow, the others keep theirs). Returns the notes to print."""
+    from .policies import TABLE_POLICY, fixed_policy_name
+
+    goal = f"{100 * REGRET_GOAL:g} %"
+    fixed_names = {k: fixed_policy_name(k) for k in fixed_ks}
+    for extra in range(config.resolve_rounds + 1):
+        timed = [r for r in runs if r.batch_size == b and not r.warmup]
+        best_k = max(fixed_ks, key=lambda k: (ranked_rate(timed, fixed_names[k], k), -k))
+        fixed = {name: rates_by_round(runs, b, name) for name in fixed_names.values()}
+        found = paired_regret(rates_by_round(runs, b, TABLE_POLICY), fixed, fixed_names[best_k])
+        if found is None or found.settled:
+            if extra == 0:
+                return []
+            verdict = "no pair" if found is None else found.verdict
+            return [f"b = {b}: {extra} extra paired rounds (table and the best fixed k alone) settled the "
+                    f"paired regret: {verdict} against the {goal} goal"]
+        if extra == config.resolve_rounds:
+            break
+        run_pair(config.rounds + extra, [TABLE_POLICY, fixed_names[best_k]])
+    interval = f"95 % interval {100 * found.low:.1f}% to {100 * found.high:.1f}%"
+    if found.verdict == "not resolved":
+        return [f"b = {b}: the paired regret is still not resolved after {config.resolve_rounds} extra paired "
+                f"rounds ({interval} straddles the {goal} goal; --resolve-rounds sets how many)"]
+    return [f"b = {b}: {found.verdict}, but after {config.resolve_rounds} extra paired rounds the {interval} is still "
+            f"wider than ±{goal}: a noisy machine (--resolve-rounds sets how many)"]
+
+
+def ranked_rate(timed: Sequence[Any], name: str, k: int) -> float:
+    """The figure `results.summarize_batch` ranks fixed k by, for one policy's timed runs."""
+    from .results import compared_rate, summarize_policy
+
+    records = [r for r in timed if r.policy == name]
+    return compared_rate(summarize_policy(name, k, records)) if records else float("-inf")
