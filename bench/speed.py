@@ -58,10 +58,6 @@ class MachineSpeed:
                 "slowdown": self.slowdown(batch_size),
                 "method": "median reference pass during this batch size's rounds / its median during calibration"}
 
-    def figure(self) -> NoiseFigure | None:
-        """The bench's own noise figure (drift and jitter of the reference over the whole bench)."""
-        return self.monitor.figure()
-
 
 def add_machine_speed(batches, speed: MachineSpeed) -> None:
     """Set each batch's `machine_speed` (None where it was not checked)."""
