@@ -1,9 +1,10 @@
 """`run_bench`: every contender (`policies.py`) at every batch size, in interleaved rounds.
 
 How the measurement is kept honest:
-  * Interleaved rounds. Each round runs every policy once; the order rotates by one between rounds
-    (A B C, B C A, C A B, ...), so slow drift of a shared machine (thermal state, a background job)
-    spreads over all policies instead of picking the winner. One warm-up round per batch size runs
+  * Interleaved rounds. Each round runs every policy once, in an order balanced for position and for
+    the policy run just before (`balanced_order`, a Williams design), so slow drift of a shared machine
+    (thermal state, a background job) and whatever a run leaves behind for the next spread over all
+    policies instead of picking the winner. One warm-up round per batch size runs
     first and is discarded: each (policy, b) has its own tensor shapes, whose first use pays
     allocator (and, on CUDA, kernel-selection) costs that steady-state serving does not.
   * Constant batch size. EOS is ignored (the generator gets `eos_token_ids=()`) and every row asks
@@ -87,16 +88,34 @@ def attended_context_len(round_prompts: Sequence[Sequence[list[int]]], max_new_t
     return round(sum(longest) / len(longest) + max_new_tokens / 2)
 
 
-def rotated(items: Sequence[str], shift: int) -> list[str]:
-    """`items` rotated left by `shift`: round r runs policies in order rotated(policies, r).
+def balanced_order(items: Sequence[str], round_index: int) -> list[str]:
+    """The order round `round_index` runs `items` in: a Williams design, balanced for position and for
+    the policy run just before.
 
-    >>> rotated(["a", "b", "c"], 1)
-    ['b', 'c', 'a']
+    A cyclic rotation (A B C D, B C D A, ...) puts every policy in every position but always after the
+    same policy (D after C in every round but one), so whatever a run leaves behind for the next one
+    (allocator state, caches, a wide pass's memory) always lands on the same neighbour. Row 0 here is
+    0, 1, n-1, 2, n-2, ...; row r adds r to each index (mod n). For an even n, n consecutive rounds put
+    every policy once in every position and every ordered pair (x just before y) exactly once. For an
+    odd n the next n rounds run the rows reversed, which completes the balance over 2n rounds.
+
+    >>> [balanced_order(["a", "b", "c", "d"], r) for r in range(2)]
+    [['a', 'b', 'd', 'c'], ['b', 'c', 'a', 'd']]
     """
-    if not items:
+    n = len(items)
+    if n == 0:
         return []
-    shift %= len(items)
-    return list(items[shift:]) + list(items[:shift])
+    first, low, high = [0], 1, n - 1
+    while len(first) < n:
+        first.append(low)
+        low += 1
+        if len(first) < n:
+            first.append(high)
+            high -= 1
+    row = [(index + round_index) % n for index in first]
+    if n % 2 and (round_index // n) % 2:
+        row.reverse()
+    return [items[i] for i in row]
 
 
 def check_context(models: BenchModels, prompts: Sequence[list[int]], config: BenchConfig, max_k: int) -> None:
@@ -236,7 +255,7 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: Sequence[list[i
             speed.check(b)
         seed = config.seed + round_index + config.warmup_rounds  # the same for every policy in a round
         batch_prompts = round_prompts(b, round_index)
-        for name in rotated(names, round_index):
+        for name in balanced_order(names, round_index):
             if name in policies:
                 measured = time_ours(generator, batch_prompts, policies[name].policy, config, seed)
             else:

@@ -16,7 +16,7 @@ besides, the interval is no wider than ±goal: with 5 rounds on a noisy machine 
 wholly above 3 % for two identical strategies (measured: the table running k = 4 against k = 4, docs/
 fidelity.md), so the bench (`resolve_regret`, below) adds paired rounds until the verdict is settled.
 
-Assumption: rounds are exchangeable (no trend left after the rotation of policy order); with few
+Assumption: rounds are exchangeable (no trend left after the balanced policy order); with few
 rounds the percentile interval is too narrow rather than too wide, so "met" on 3 rounds is weak.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`run_bench` on a tiny random pair (no wall-clock assertions): what it writes and how it runs.
 
 What is checked: the bench.json / bench.csv contract, that every policy ran the configured rounds at
-every batch size in rotated interleaved order, that synthetic acceptance delivers α within binomial
+every batch size in a balanced interleaved order, that synthetic acceptance delivers α within binomial
 sampling error, the KV-cache margin, and that missing optional packages (transformers, matplotlib)
 give a note instead of an error.
 """
@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from bench.config import BenchConfig, BenchError, BenchModels
-from bench.harness import check_context, rotated, run_bench
+from bench.harness import balanced_order, check_context, run_bench
 from bench.outputs import BENCH_SCHEMA, CSV_COLUMNS, write_outputs
 from bench.policies import HF_ASSISTED, HF_GREEDY, TABLE_POLICY, bench_policies
 from runtime.sampling import Sampling
@@ -91,16 +91,16 @@ def test_table_k_is_the_tables_k_at_full_batch(small_run):
 
 
 # ---------------------------------------------------------------------------------------------- interleaving
-def test_runs_are_interleaved_and_rotated(small_run):
+def test_runs_are_interleaved_in_a_balanced_order(small_run):
     result, _, _ = small_run
     for b in (1, 3):
         orders = []
         for round_index in (-1, 0, 1):
             orders.append([r.policy for r in result.runs if r.batch_size == b and r.round == round_index])
-        for order in orders:
+        for round_index, order in zip((-1, 0, 1), orders):
             assert sorted(order) == sorted(POLICIES)  # every policy once per round: never twice in a row
-        for previous, current in zip(orders, orders[1:]):
-            assert current == rotated(previous, 1) and current != previous
+            assert order == balanced_order(POLICIES, round_index)
+        assert len({tuple(order) for order in orders}) == 3
     # rounds run one after another, not all rounds of one policy first
     sequence = [(r.batch_size, r.round) for r in result.runs]
     assert sequence == sorted(sequence)

@@ -5,15 +5,24 @@ from __future__ import annotations
 
 import pytest
 
-from bench.harness import cycled_prompts, rotated
+from bench.harness import balanced_order, cycled_prompts
 from bench.policies import HF_GREEDY, TABLE_POLICY, bench_policies
 from bench.results import RunRecord, summarize_batch, summarize_policy
 
 
-def test_rotation_and_prompt_cycling_helpers():
-    assert rotated(["a", "b", "c"], 0) == ["a", "b", "c"]
-    assert rotated(["a", "b", "c"], 4) == ["b", "c", "a"]
-    assert rotated(["a", "b", "c"], -1) == ["c", "a", "b"]
+def test_balanced_order_and_prompt_cycling_helpers():
+    from collections import Counter
+
+    for n in range(1, 9):
+        items = [chr(ord("a") + i) for i in range(n)]
+        rounds = 2 * n if n % 2 else n  # an odd n needs the reversed rows too
+        orders = [balanced_order(items, r) for r in range(rounds)]
+        for position in range(n):  # every policy equally often in every position
+            assert Counter(order[position] for order in orders) == Counter(items * (rounds // n))
+        pairs = Counter((x, y) for order in orders for x, y in zip(order, order[1:]))
+        if n > 1:  # every ordered pair, x run just before y, equally often
+            assert len(pairs) == n * (n - 1) and len(set(pairs.values())) == 1
+    assert balanced_order(["a", "b", "c"], -1) == balanced_order(["a", "b", "c"], 5)  # warm-up: the last row
     assert cycled_prompts([[1], [2]], 5) == [[1], [2], [1], [2], [1]]
     assert cycled_prompts([[1], [2], [3]], 2, offset=2) == [[3], [1]]  # the next round takes the next prompts
 
