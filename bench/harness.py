@@ -30,6 +30,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from calibrate.environment import device_name
+from perfmodel.errors import PerfModelError
 from perfmodel.tree import Strategy
 from runtime.generator import GenerationError, SpeculativeGenerator
 from runtime.model import CausalLM
@@ -247,7 +248,10 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: Sequence[list[i
     if predictor is not None and predictor.fitted.noise is not None:
         from .speed import MachineSpeed
 
-        speed = MachineSpeed(models.target, predictor.fitted.noise, str(device))
+        try:
+            speed = MachineSpeed(models.target, predictor.fitted.noise, str(device))
+        except PerfModelError as error:
+            raise BenchError(f"--model {config.model_path}: {error}") from None
 
     def run_round(b: int, round_index: int, names: list[str]) -> None:
         nonlocal total

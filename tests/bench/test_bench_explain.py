@@ -66,3 +66,16 @@ def test_bench_explains_the_tables_prediction_at_every_batch_size(tiny_pair, pro
             assert f"{regret['verdict']}, but after 4 extra paired rounds" in extra_notes[0]
         assert regret["against"] == f"k={entry['best_k']}" and set(regret["per_k"]) == {"k=0", "k=1", "k=2"}
         assert regret["ci95"][0] <= regret["regret"] + 1e-12 and regret["regret"] <= regret["ci95"][1] + 1e-12
+
+
+def test_a_model_with_an_unreadable_reference_pass_is_refused_naming_the_file(tiny_pair, prompts, tmp_path):
+    from bench.config import BenchError
+
+    path = _model_file(tmp_path)
+    obj = json.loads(path.read_text())
+    obj["profile"]["noise"]["reference"] = "draft b=1"
+    path.write_text(json.dumps(obj))
+    config = BenchConfig(batch_sizes=(1,), ks=(1,), max_new_tokens=4, rounds=1, warmup_rounds=0,
+                         synthetic_acceptance=0.7, model_path=path)
+    with pytest.raises(BenchError, match=r"^--model .*model\.json: noise reference 'draft b=1'"):
+        run_bench(config, tiny_pair, prompts)
