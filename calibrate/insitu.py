@@ -1,16 +1,22 @@
 """In-situ timing: generate with a fixed chain k at one batch size on held-out prompts, and time every
 forward pass (`calibrate.pass_clock.PassClock`) and every step (the generator's own step clock).
 
-One point (b, k) is one short warm-up generation (discarded: the first use of a batch size's shapes pays
-the allocator) and then `rounds` timed generations with EOS ignored, so every row runs `new_tokens` tokens.
-Only full-batch steps count (the batch thins out in the last steps), and only their passes. The rows
-are `perfmodel.insitu`'s: passes grouped by width and context, one step row per round.
+A point (b, k) is generated `sweeps` times, each time on other prompts, and the generations of one point
+are spread over the whole stage: sweep 1 runs one generation of every point, sweep 2 the next one of every
+point, and so on. Why: this machine's speed moves by itself for seconds at a
+time (the noise monitor's drift); measured point by point, one slow spell made every generation of one
+point slow, and the fit bent its curve to that point (a point the bench then measured 14 % faster than
+predicted). Spread over sweeps, a slow spell spoils one generation of a point, and the point's other
+generations and its neighbours outvote it. Each generation follows a short warm-up generation on the
+same prompts (discarded: the first use of a shape pays the allocator), and runs with EOS ignored, so
+every row runs `new_tokens` tokens. Only full-batch steps count (the batch thins out in the last steps),
+and only their passes. The rows are `perfmodel.insitu`'s, each marked with its sweep.
 
 The prompts are held out from the acceptance measurement (the prompts after the ones it used), sorted
-by length, and the rounds take b consecutive prompts spread from the shortest to the longest: the
-context a pass pays for is the longest row's, which grows with b when prompts are drawn at random, so
-spreading them gives every batch size short and long contexts and lets the fit tell the context's cost
-from the batch size's.
+by length, and sweep s of `sweeps` takes b consecutive prompts at position (s - 1) / (sweeps - 1) of the
+way from the shortest to the longest: the context a pass pays for is the longest row's, which grows with
+b when prompts are drawn at random, so spreading them gives every batch size short and long contexts and
+lets the fit tell the context's cost from the batch size's.
 """
 from __future__ import annotations
 
@@ -31,8 +37,11 @@ WARMUP_TOKENS = 8  # new tokens per row of a point's warm-up generation
 
 @dataclass(frozen=True)
 class InSituPoint:
+    """One generation: chain length k at batch size b, in sweep `sweep` of the stage."""
+
     batch_size: int
     k: int
+    sweep: int = 1
 
 
 @dataclass(frozen=True)
@@ -40,16 +49,22 @@ class InSituResult:
     """What one point adds to the profile."""
 
     passes: tuple[InSituPassRow, ...]
-    steps: tuple[InSituStepRow, ...]  # one per round (rounds with the same mean context pooled)
+    steps: tuple[InSituStepRow, ...]  # the generation's full-batch steps (one row)
 
 
-def insitu_points(grid: Grid, ks: Sequence[int], every_other_batch_size: bool) -> list[InSituPoint]:
-    """Every chosen batch size x every k of `ks` up to the grid's max_k; with `every_other_batch_size`
-    the grid's 1st, 3rd, ... batch sizes (quick: 1, 4, 16 of 1, 2, 4, 8, 16) and always its largest."""
+def insitu_points(grid: Grid, ks: Sequence[int], every_other_batch_size: bool, sweeps: int = 1) -> list[InSituPoint]:
+    """Every chosen batch size x every k of `ks` up to the grid's max_k, once per sweep, in the order they
+    are measured: every sweep in the same order, so a point's generations lie one whole sweep apart, and
+    the ks of one batch size side by side (a slow spell then shifts them together, and the choice between
+    them, which is what the table is made of, less). With `every_other_batch_size` the grid's 1st, 3rd, ...
+    batch sizes (quick: 1, 4, 16 of 1, 2, 4, 8, 16) and always its largest."""
+    if sweeps < 1:
+        raise ValueError(f"in-situ sweeps must be >= 1, found {sweeps}")
     sizes = list(grid.batch_sizes)
     if every_other_batch_size:
         sizes = sorted(set(sizes[::2]) | {sizes[-1]})
-    return [InSituPoint(b, k) for b in sizes for k in sorted(set(ks)) if k <= grid.max_k]
+    cells = [(b, k) for b in sizes for k in sorted(set(ks)) if k <= grid.max_k]
+    return [InSituPoint(b, k, sweep) for sweep in range(1, sweeps + 1) for b, k in cells]
 
 
 class _ContextLog:
@@ -70,51 +85,36 @@ class _ContextLog:
         return self.policy.describe()
 
 
-def spread_batches(prompts: Sequence[list[int]], batch_size: int, rounds: int) -> list[list[list[int]]]:
-    """`rounds` batches of `batch_size` consecutive prompts of the length-sorted list, from the shortest to
-    the longest (cycled when there are fewer prompts than a batch).
+def spread_batch(prompts: Sequence[list[int]], batch_size: int, sweep: int, sweeps: int) -> list[list[int]]:
+    """The batch of sweep `sweep` of `sweeps`: `batch_size` consecutive prompts of the length-sorted list,
+    starting (sweep - 1) / (sweeps - 1) of the way from the shortest to the longest (the middle for one
+    sweep; cycled when there are fewer prompts than a batch).
 
-    >>> spread_batches([[1] * 5, [1], [1] * 3], 1, 2)
+    >>> [spread_batch([[1] * 5, [1], [1] * 3], 1, s, 2) for s in (1, 2)]
     [[[1]], [[1, 1, 1, 1, 1]]]
     """
     ordered = sorted(prompts, key=len)
     last = max(0, len(ordered) - batch_size)
-    starts = [round(last * r / (rounds - 1)) if rounds > 1 else last // 2 for r in range(rounds)]
-    return [[list(ordered[(start + row) % len(ordered)]) for row in range(batch_size)] for start in starts]
+    start = round(last * (sweep - 1) / (sweeps - 1)) if sweeps > 1 else last // 2
+    return [list(ordered[(start + row) % len(ordered)]) for row in range(batch_size)]
 
 
 def measure_insitu(generator: SpeculativeGenerator, point: InSituPoint, prompts: Sequence[list[int]],
-                   new_tokens: int, rounds: int, seed: int = 0) -> InSituResult | None:
-    """The point's rows; None when no full-batch step had its passes timed (too few new tokens)."""
+                   new_tokens: int, sweeps: int, seed: int = 0) -> InSituResult | None:
+    """The rows of one generation; None when no full-batch step had its passes timed (too few new tokens)."""
     b = point.batch_size
-    batches = spread_batches(prompts, b, rounds)
+    batch = spread_batch(prompts, b, point.sweep, sweeps)
     # warm-up: a few steps meet every shape of the point (the first use of a shape pays the allocator)
-    generator.generate(batches[len(batches) // 2], min(new_tokens, WARMUP_TOKENS), FixedK(point.k), Sampling(), seed)
-    records, by_context = [], {}  # rounded mean context -> [step seconds, contexts, tokens]
-    for round_index, batch in enumerate(batches, start=1):
-        policy = _ContextLog(point.k)
-        with PassClock({"draft": generator.draft, "target": generator.target}, generator.device) as clock:
-            stats = generator.generate(batch, new_tokens, policy, Sampling(), seed + round_index).stats
-        passes = clock.step_records(stats)
-        full = [i for i, size in enumerate(stats.batch_size_per_step) if size == b]
-        if passes is None or not full:
-            continue
-        records += [(role, *record) for role, rows in passes.items() for record in rows]
-        contexts = [policy.contexts[i] for i in full]
-        pooled = by_context.setdefault(round(sum(contexts) / len(contexts)), [[], [], 0])
-        pooled[0] += [stats.step_s[i] for i in full]
-        pooled[1] += contexts
-        pooled[2] += sum(stats.step_tokens[i] for i in full)
-    if not by_context:
+    generator.generate(batch, min(new_tokens, WARMUP_TOKENS), FixedK(point.k), Sampling(), seed)
+    policy = _ContextLog(point.k)
+    with PassClock({"draft": generator.draft, "target": generator.target}, generator.device) as clock:
+        stats = generator.generate(batch, new_tokens, policy, Sampling(), seed + point.sweep).stats
+    passes = clock.step_records(stats)
+    full = [i for i, size in enumerate(stats.batch_size_per_step) if size == b]
+    if passes is None or not full:
         return None
-    steps = [step_row(seconds, contexts, tokens, b, point.k) for seconds, contexts, tokens in by_context.values()]
-    return InSituResult(pass_rows(records, b, point.k), _distinct_contexts(steps))
-
-
-def _distinct_contexts(steps: list[InSituStepRow]) -> tuple[InSituStepRow, ...]:
-    """Two pooled groups whose contexts round alike would collide on (b, k, context): keep the larger."""
-    kept: dict[int, InSituStepRow] = {}
-    for row in steps:
-        if row.context_len not in kept or row.reps > kept[row.context_len].reps:
-            kept[row.context_len] = row
-    return tuple(sorted(kept.values(), key=lambda row: row.context_len))
+    records = [(role, *record) for role, rows in passes.items() for record in rows]
+    contexts = [policy.contexts[i] for i in full]
+    step = step_row([stats.step_s[i] for i in full], contexts, sum(stats.step_tokens[i] for i in full), b, point.k,
+                    point.sweep)
+    return InSituResult(pass_rows(records, b, point.k, sweep=point.sweep), (step,))

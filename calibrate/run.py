@@ -66,9 +66,9 @@ class Effort:
     tree_steps: int  # generation steps per tree overhead sample
     tree_nodes: tuple[int, ...]  # sizes of the grown trees whose overheads are measured
     insitu_ks: tuple[int, ...] = (0, 2, 4, 6, 8)  # chain lengths generated with for in-situ timing (<= max_k)
-    # the default's in-situ stage (30 points) takes about 100 s on the demo pair at load 2, half of it at b = 32
+    # the default's in-situ stage (30 points, 4 sweeps) takes about 40 s on the demo pair on an idle 2-core CPU
     insitu_tokens: int = 32  # new tokens per row of each in-situ generation
-    insitu_rounds: int = 2  # timed generations per in-situ point (after a warm-up), shortest to longest prompts
+    insitu_sweeps: int = 4  # timed generations per in-situ point, one per sweep over all points (calibrate.insitu)
     insitu_every_other_batch_size: bool = False  # in-situ at the grid's 1st, 3rd, ... batch sizes (and its last)
 
 
@@ -84,7 +84,7 @@ QUICK_EFFORT = Effort(RepetitionRule(warmup_reps=1, min_reps=3, budget_s=0.06),
                       RepetitionRule(warmup_reps=1, min_reps=3, budget_s=0.1),
                       overhead_steps=2, prompt_count=16, continuation_tokens=32,
                       tree_rule=RepetitionRule(warmup_reps=0, min_reps=3, budget_s=0.06), tree_steps=2,
-                      tree_nodes=(12, 32), insitu_ks=(0, 2, 4, 6), insitu_tokens=24, insitu_rounds=2,
+                      tree_nodes=(12, 32), insitu_ks=(0, 2, 4, 6), insitu_tokens=24, insitu_sweeps=2,
                       insitu_every_other_batch_size=True)
 
 
@@ -295,9 +295,9 @@ def _insitu_prompts(pair: LoadedPair, plan: _Plan) -> list[list[int]]:
 
 
 def _insitu_row(plan: _Plan, generator, point: InSituPoint, prompts: list[list[int]]):
-    """The point's in-situ rows; None when its generation runs out of memory or has no full-batch step."""
+    """One in-situ generation's rows; None when it runs out of memory or has no full-batch step."""
     try:
-        return measure_insitu(generator, point, prompts, plan.effort.insitu_tokens, plan.effort.insitu_rounds)
+        return measure_insitu(generator, point, prompts, plan.effort.insitu_tokens, plan.effort.insitu_sweeps)
     except Exception as error:  # noqa: BLE001 - only out-of-memory is survivable
         if not is_out_of_memory(error):
             raise
@@ -322,13 +322,13 @@ def _acceptance_done(entry: AcceptanceEntry, trees: bool) -> bool:
     return entry.source == "user" or not trees or entry.rank_acceptance is not None
 
 
-INSITU_POINT_S = 1.0  # an in-situ point of --quick on the demo pair on a 2-core CPU: about (b = 16: 2.5 s)
+INSITU_POINT_S = 0.5  # one in-situ generation of --quick on the demo pair on a 2-core CPU: about (b = 16: 1.2 s)
 
 
 def estimate_seconds(effort: Effort, acceptance_runs: int, timings: int, overheads: int, trees: int,
                      insitu: int = 0) -> float:
     """A first estimate of a run, before anything is measured: the repetition budgets of its points, plus
-    about a second per acceptance prompt and INSITU_POINT_S per in-situ point. A lower bound where one pass
+    about a second per acceptance prompt and INSITU_POINT_S per in-situ generation. A lower bound where one pass
     is slower than its point's budget (large models, a busy machine): the progress bar's ETA takes over
     once points are timed."""
     return (acceptance_runs * effort.prompt_count * 1.0 + timings * effort.forward_rule.budget_s
@@ -369,8 +369,9 @@ def _calibrate(request: CalibrationRequest, plan: _Plan, on_progress, on_estimat
     all_trees = tree_overhead_points(grid, plan.effort.tree_nodes, plan.stage2 is not None) if plan.trees else []
     done_trees = measured_tree_overhead_points(profile)
     effort = plan.effort
-    all_insitu = insitu_points(grid, effort.insitu_ks, effort.insitu_every_other_batch_size) if plan.insitu else []
-    done_insitu = measured_insitu_points(profile)
+    all_insitu = (insitu_points(grid, effort.insitu_ks, effort.insitu_every_other_batch_size, effort.insitu_sweeps)
+                  if plan.insitu else [])
+    done_insitu = measured_insitu_points(profile, effort.insitu_sweeps)
     todo = _Todo(acceptance=[s for s in plan.samplings if acc.sampling_key(s) not in done_acceptance],
                  stage2=plan.stage2 is not None and profile.stage2 is None,
                  timings=[p for p in timing_points(grid) if p not in done_timings],
@@ -463,7 +464,7 @@ def _measure(pair: LoadedPair, plan: _Plan, grid: Grid, todo: _Todo, request: Ca
     insitu_prompts = _insitu_prompts(pair, plan) if todo.insitu else []
     for point in todo.insitu:
         row = _insitu_row(plan, generator, point, insitu_prompts)
-        label = f"in-situ b={point.batch_size} k={point.k}"
+        label = f"in-situ b={point.batch_size} k={point.k} sweep {point.sweep}"
         advance(label if row is not None else label + " (out of memory or no full-batch step, not recorded)", row)
 
     greedy = _greedy_entry(current())

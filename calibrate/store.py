@@ -74,9 +74,11 @@ def measured_tree_overhead_points(profile: Profile) -> set[TreeOverheadPoint]:
             if r.tree_nodes is not None}
 
 
-def measured_insitu_points(profile: Profile) -> set[InSituPoint]:
-    """A point is measured once its step rows are there (its pass rows were written with them)."""
-    return {InSituPoint(r.batch_size, r.k) for r in profile.insitu_steps}
+def measured_insitu_points(profile: Profile, sweeps: int) -> set[InSituPoint]:
+    """A generation is measured once its step row is there (its pass rows were written with it); a row
+    without a sweep (measured point by point, before sweeps) stands for every sweep of its point."""
+    return {InSituPoint(r.batch_size, r.k, sweep) for r in profile.insitu_steps
+            for sweep in ((r.sweep,) if r.sweep is not None else range(1, sweeps + 1))}
 
 
 def _same_setting(a: AcceptanceEntry, b: AcceptanceEntry) -> bool:

@@ -7,14 +7,19 @@ held-out prompts, times every forward pass and every step (`calibrate/pass_clock
 optional sections of `specbatch.profile/1`:
 
 - `insitu_timings`: pass rows like the isolated ones, `{model, batch_size, new_tokens, context_len, k,
-  median_ms, p10_ms, p90_ms, reps, in_situ: true}`; the passes of one generation point (b, k) at one
+  median_ms, p10_ms, p90_ms, reps, in_situ: true, sweep}`; the passes of one generation point (b, k) at one
   width are grouped by context in bins of CONTEXT_BIN_TOKENS, `context_len` being the bin's mean context
   (the longest row's cached tokens before the pass: what its attention spans) and `k` the chain length
   of the steps they ran in;
-- `insitu_steps`: rows `{batch_size, k, context_len, tokens_per_step, median_ms, p10_ms, p90_ms, reps}`
-  over the full-batch steps of one generation (the batch thins out in the last steps; those are left
-  out), `context_len` the mean context the steps paid for and `tokens_per_step` per row, as E(k) is;
-  a (b, k) point has one row per context it was generated at.
+- `insitu_steps`: rows `{batch_size, k, context_len, tokens_per_step, median_ms, p10_ms, p90_ms, reps,
+  sweep}` over the full-batch steps of one generation (the batch thins out in the last steps; those are
+  left out), `context_len` the mean context the steps paid for and `tokens_per_step` per row, as E(k) is;
+  a (b, k) point has one row per generation.
+
+`sweep` (optional, >= 1) says in which of calibrate's sweeps over all in-situ points the row's generation
+ran: a point's generations are spread over the stage, one per sweep, so that a slow spell of the machine
+spoils one generation of a point rather than all of them. Rows without it (older profiles) were measured
+point by point. Rows of different sweeps may share (b, n, context): the key includes the sweep.
 
 `perfmodel.sources` fits the latency model from either kind of pass row and keeps the one that predicts
 these measured steps better. Profiles without the sections load unchanged and mean "isolated only".
@@ -48,9 +53,10 @@ class InSituPassRow:
     p90_ms: float
     reps: int  # passes in the row
     in_situ: bool = True  # marks the row: timed inside real steps, not alone
+    sweep: int | None = None  # calibrate's sweep over the in-situ points that timed it; None: older profiles
 
     def key(self) -> tuple:
-        return (self.model, self.batch_size, self.new_tokens, self.context_len, self.k)
+        return (self.model, self.batch_size, self.new_tokens, self.context_len, self.k, self.sweep)
 
 
 @dataclass(frozen=True)
@@ -63,9 +69,10 @@ class InSituStepRow:
     p10_ms: float
     p90_ms: float
     reps: int  # full-batch steps
+    sweep: int | None = None  # as the pass rows' sweep
 
     def key(self) -> tuple:
-        return (self.batch_size, self.k, self.context_len)
+        return (self.batch_size, self.k, self.context_len, self.sweep)
 
 
 def _spread(values_ms: Sequence[float]) -> tuple[float, float, float]:
@@ -75,7 +82,7 @@ def _spread(values_ms: Sequence[float]) -> tuple[float, float, float]:
 
 
 def pass_rows(records: Iterable[tuple[str, int, int, int, float]], batch_size: int, k: int,
-              bin_tokens: int = CONTEXT_BIN_TOKENS) -> tuple[InSituPassRow, ...]:
+              bin_tokens: int = CONTEXT_BIN_TOKENS, sweep: int | None = None) -> tuple[InSituPassRow, ...]:
     """The pass rows of one generation point from its timed passes `(role, batch, new tokens, context,
     seconds)`: only passes over the full batch, grouped by (role, width, context // bin_tokens).
 
@@ -91,7 +98,8 @@ def pass_rows(records: Iterable[tuple[str, int, int, int, float]], batch_size: i
     for (role, new_tokens, _), passes in sorted(groups.items()):
         median, p10, p90 = _spread([ms for _, ms in passes])
         context = round(sum(c for c, _ in passes) / len(passes))
-        rows.append(InSituPassRow(role, batch_size, new_tokens, context, k, median, p10, p90, len(passes)))
+        rows.append(InSituPassRow(role, batch_size, new_tokens, context, k, median, p10, p90, len(passes),
+                                  sweep=sweep))
     return _unique_contexts(rows)
 
 
@@ -103,7 +111,7 @@ def _unique_contexts(rows: list[InSituPassRow]) -> tuple[InSituPassRow, ...]:
 
 
 def step_row(step_seconds: Sequence[float], contexts: Sequence[int], tokens: int, batch_size: int,
-             k: int) -> InSituStepRow:
+             k: int, sweep: int | None = None) -> InSituStepRow:
     """One (b, k) point's measured steps: the full-batch steps' wall times, the contexts they paid for and
     the tokens they added (all rows together).
 
@@ -115,13 +123,16 @@ def step_row(step_seconds: Sequence[float], contexts: Sequence[int], tokens: int
                              f"found {len(step_seconds)} steps and {len(contexts)} contexts")
     median, p10, p90 = _spread([s * 1e3 for s in step_seconds])
     return InSituStepRow(batch_size, k, round(sum(contexts) / len(contexts)),
-                         round(tokens / (len(step_seconds) * batch_size), 6), median, p10, p90, len(step_seconds))
+                         round(tokens / (len(step_seconds) * batch_size), 6), median, p10, p90, len(step_seconds),
+                         sweep)
 
 
 # ---------------------------------------------------------------- JSON
 
 def rows_json(rows: Sequence) -> list[dict]:
-    return [asdict(row) for row in rows]
+    """The rows as JSON objects; `sweep` only where it is known (older rows are written as they were read)."""
+    return [{key: value for key, value in asdict(row).items() if key != "sweep" or value is not None}
+            for row in rows]
 
 
 def _times(obj: dict, where: str) -> dict[str, float]:
@@ -140,7 +151,11 @@ def pass_row_from_json(obj: dict, where: str) -> InSituPassRow:
     return InSituPassRow(model=string(obj, "model", where, ROLES), batch_size=integer(obj, "batch_size", where, 1),
                          new_tokens=integer(obj, "new_tokens", where, 1),
                          context_len=integer(obj, "context_len", where, 0), k=integer(obj, "k", where, 0),
-                         reps=integer(obj, "reps", where, 1), **_times(obj, where))
+                         reps=integer(obj, "reps", where, 1), sweep=_sweep(obj, where), **_times(obj, where))
+
+
+def _sweep(obj: dict, where: str) -> int | None:
+    return integer(obj, "sweep", where, 1, nullable=True) if "sweep" in obj else None
 
 
 def step_row_from_json(obj: dict, where: str) -> InSituStepRow:
@@ -150,7 +165,7 @@ def step_row_from_json(obj: dict, where: str) -> InSituStepRow:
         raise PerfModelError(f"{at(where, 'tokens_per_step')}: at most k + 1 = {k + 1} per step, found {tokens}")
     return InSituStepRow(batch_size=integer(obj, "batch_size", where, 1), k=k,
                          context_len=integer(obj, "context_len", where, 0), tokens_per_step=tokens,
-                         reps=integer(obj, "reps", where, 1), **_times(obj, where))
+                         reps=integer(obj, "reps", where, 1), sweep=_sweep(obj, where), **_times(obj, where))
 
 
 def sections_from_json(obj: dict, top: str) -> tuple[tuple[InSituPassRow, ...], tuple[InSituStepRow, ...]]:
@@ -165,8 +180,8 @@ def sections_from_json(obj: dict, top: str) -> tuple[tuple[InSituPassRow, ...], 
 
 
 def check_unique(passes: Sequence[InSituPassRow], steps: Sequence[InSituStepRow], where: str) -> None:
-    for key, rows, fields in (("insitu_timings", passes, "(model, batch_size, new_tokens, context_len, k)"),
-                              ("insitu_steps", steps, "(batch_size, k, context_len)")):
+    for key, rows, fields in (("insitu_timings", passes, "(model, batch_size, new_tokens, context_len, k, sweep)"),
+                              ("insitu_steps", steps, "(batch_size, k, context_len, sweep)")):
         seen = set()
         for index, row in enumerate(rows):
             if row.key() in seen:

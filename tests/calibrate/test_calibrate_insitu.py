@@ -2,13 +2,17 @@
 every pass and step timed; the rows account for every pass of every full-batch step."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from calibrate.acceptance import encode_prompts, read_prompts
 from calibrate.grid import make_grid
 from calibrate.insitu import InSituPoint, insitu_points, measure_insitu
+from calibrate.store import measured_insitu_points
+from perfmodel.insitu import InSituStepRow
 from runtime.checkpoint import load_checkpoint
 from runtime.generator import SpeculativeGenerator
 
@@ -26,9 +30,13 @@ def generator_and_prompts():
 
 def test_a_point_accounts_for_every_pass_of_its_full_batch_steps(generator_and_prompts):
     generator, prompts = generator_and_prompts
-    result = measure_insitu(generator, InSituPoint(2, 4), prompts, NEW_TOKENS, rounds=2)
-    steps, passes = result.steps, result.passes
+    results = [measure_insitu(generator, InSituPoint(2, 4, sweep), prompts, NEW_TOKENS, sweeps=2) for sweep in (1, 2)]
+    steps = tuple(row for result in results for row in result.steps)
+    passes = tuple(row for result in results for row in result.passes)
     assert all((r.batch_size, r.k) == (2, 4) for r in steps + passes)
+    assert [len(result.steps) for result in results] == [1, 1]  # one step row per generation
+    for sweep, result in enumerate(results, start=1):
+        assert {r.sweep for r in result.steps + result.passes} == {sweep}
     assert all(1.5 < r.tokens_per_step <= 5 for r in steps)  # the demo pair agrees often (E(4) about 3)
     step_count = sum(r.reps for r in steps)
     assert all(r.reps * r.tokens_per_step <= NEW_TOKENS for r in steps)  # full-batch steps only, one round each
@@ -36,13 +44,21 @@ def test_a_point_accounts_for_every_pass_of_its_full_batch_steps(generator_and_p
     draft = [r for r in passes if r.model == "draft"]
     assert {r.new_tokens for r in target} == {5} and sum(r.reps for r in target) == step_count
     assert {r.new_tokens for r in draft} <= {1, 2} and sum(r.reps for r in draft) == 4 * step_count
-    # the rounds ran the two shortest and the two longest prompts: the longest row sets the context
+    # the two sweeps ran the two shortest and the two longest prompts: the longest row sets the context
     ordered = sorted(len(p) for p in prompts)
     short, long = ordered[1], ordered[-1]
-    assert [r.context_len for r in steps] == sorted(r.context_len for r in steps) and len(steps) == 2
     assert short <= steps[0].context_len <= short + NEW_TOKENS and long <= steps[1].context_len <= long + NEW_TOKENS
     assert all(short - 1 <= r.context_len <= long + NEW_TOKENS for r in passes)
     assert all(r.in_situ and 0 < r.p10_ms <= r.median_ms <= r.p90_ms for r in passes)
+
+
+def test_the_sweeps_visit_every_point_once_each_in_the_same_order():
+    grid = make_grid((1, 2, 4), (256,), 4)
+    points = insitu_points(grid, (0, 2), every_other_batch_size=False, sweeps=3)
+    cells = [(b, k) for b in (1, 2, 4) for k in (0, 2)]
+    assert [(p.batch_size, p.k, p.sweep) for p in points] == [(b, k, s) for s in (1, 2, 3) for b, k in cells]
+    with pytest.raises(ValueError, match="sweeps must be >= 1"):
+        insitu_points(grid, (0, 2), False, sweeps=0)
 
 
 def test_quick_points_are_every_other_batch_size_and_the_ks_up_to_max_k():
@@ -51,3 +67,12 @@ def test_quick_points_are_every_other_batch_size_and_the_ks_up_to_max_k():
     assert [(p.batch_size, p.k) for p in points] == [(b, k) for b in (1, 4, 16) for k in (0, 2, 4, 6)]
     assert [(p.batch_size, p.k) for p in insitu_points(make_grid((1, 2), (16,), 3), (0, 2, 4), True)] == \
         [(1, 0), (1, 2), (2, 0), (2, 2)]
+
+
+def test_rows_without_a_sweep_stand_for_every_sweep_of_their_point_on_resume():
+    """A profile measured point by point (before sweeps) is not measured again; a swept one resumes per sweep."""
+    older = InSituStepRow(1, 2, 60, 2.5, 8.0, 7.5, 9.0, 10)
+    swept = replace(older, batch_size=2, sweep=1)
+    profile = SimpleNamespace(insitu_steps=(older, swept))
+    assert measured_insitu_points(profile, sweeps=3) == \
+        {InSituPoint(1, 2, 1), InSituPoint(1, 2, 2), InSituPoint(1, 2, 3), InSituPoint(2, 2, 1)}

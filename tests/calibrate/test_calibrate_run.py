@@ -73,7 +73,8 @@ def measured(pair, tmp_path_factory):
 
 TIMINGS = 2 * ((3 + 3) + (2 + 5))  # b = 1, 2: target n = 1..3 and 16, 32, 64; draft n = 1, 2 and 4..64
 TREE_ROWS = 2 * 2 * 2  # b = 1, 2 x trees of 12 and 32 nodes x without and with the second stage
-INSITU = 2 * 2  # b = 1 (every other) and 2 (the largest) x k = 0, 2 (the quick k up to max_k)
+INSITU_CELLS = {(1, 0), (1, 2), (2, 0), (2, 2)}  # b = 1 (every other) and 2 (the largest) x k = 0, 2 (quick's, <= max_k)
+INSITU = len(INSITU_CELLS) * 2  # one generation per cell in each of quick's 2 sweeps
 
 
 # ---------------------------------------------------------------- the profile
@@ -198,13 +199,14 @@ def test_resume_extends_a_profile_of_before_trees(pair, measured, tmp_path):
     assert after.timings[:len(before.timings)] == before.timings and after.stage2 is None
     assert after.overheads[:len(before.overheads)] == before.overheads
     assert after.grid.target_new_tokens == (1, 2, 3, 16, 32, 64)
-    assert {(r.batch_size, r.k) for r in after.insitu_steps} == {(1, 0), (1, 2), (2, 0), (2, 2)}
+    assert {(r.batch_size, r.k) for r in after.insitu_steps} == INSITU_CELLS
 
 
 def test_in_situ_rows_are_the_passes_of_real_steps(measured):
     profile = load_profile(measured[0])
-    assert {(r.batch_size, r.k) for r in profile.insitu_steps} == {(1, 0), (1, 2), (2, 0), (2, 2)}
-    for b, k in {(1, 0), (1, 2), (2, 0), (2, 2)}:
+    assert sorted((r.batch_size, r.k, r.sweep) for r in profile.insitu_steps) == \
+        sorted((b, k, sweep) for b, k in INSITU_CELLS for sweep in (1, 2))
+    for b, k in INSITU_CELLS:
         steps = [r for r in profile.insitu_steps if (r.batch_size, r.k) == (b, k)]
         passes = [r for r in profile.insitu_timings if (r.batch_size, r.k) == (b, k)]
         assert all(1.0 <= r.tokens_per_step <= k + 1 and r.p10_ms <= r.median_ms <= r.p90_ms for r in steps)
@@ -233,13 +235,15 @@ def test_an_interrupted_in_situ_stage_keeps_its_points(pair, tmp_path):
     with pytest.raises(KeyboardInterrupt):
         calibrate(request(pair, out), on_progress=StopAtSecondInSitu())
     partial = load_profile(out)
-    assert {(r.batch_size, r.k) for r in partial.insitu_steps} == {(1, 0), (1, 2)}  # both on disk
+    assert {(r.batch_size, r.k, r.sweep) for r in partial.insitu_steps} == {(1, 0, 1), (1, 2, 1)}  # both on disk
     resumed = StopAfter(n=-1)
     calibrate(request(pair, out, resume=True), on_progress=resumed)
     complete = load_profile(out)
-    assert [label for label in resumed.labels if label.startswith("in-situ")] == ["in-situ b=2 k=0", "in-situ b=2 k=2"]
+    assert [label for label in resumed.labels if label.startswith("in-situ")] == \
+        ["in-situ b=2 k=0 sweep 1", "in-situ b=2 k=2 sweep 1"] + \
+        [f"in-situ b={b} k={k} sweep 2" for b, k in sorted(INSITU_CELLS)]
     assert complete.insitu_steps[:len(partial.insitu_steps)] == partial.insitu_steps
-    assert len({(r.batch_size, r.k) for r in complete.insitu_steps}) == INSITU
+    assert len({(r.batch_size, r.k, r.sweep) for r in complete.insitu_steps}) == INSITU
     assert complete.insitu_timings[:len(partial.insitu_timings)] == partial.insitu_timings
 
 
@@ -329,7 +333,7 @@ def test_cli_json_prints_one_object(pair, tmp_path):
     summary = json.loads(result.stdout)
     timings = (2 + 3) + (2 + 5)  # b = 1, max_k = 1: target n = 1, 2 and 16, 32, 64; draft n = 1, 2 and 4..64
     trees = len(QUICK_EFFORT.tree_nodes)  # no second stage: the bundled n-gram is the bundled draft's only
-    insitu = 1  # b = 1, k = 0 (the quick k up to max_k)
+    insitu = QUICK_EFFORT.insitu_sweeps  # b = 1, k = 0 (the quick k up to max_k), once per sweep
     assert summary["profile_path"] == str(out) and summary["points_measured"] == 1 + timings + 2 + trees + insitu
 
 

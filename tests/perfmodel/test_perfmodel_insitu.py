@@ -101,8 +101,16 @@ def test_missing_fields_and_duplicates_are_named(tmp_path):
         load_profile(write(tmp_path, obj))
     obj = constructed(1.0, 1.0)
     obj["insitu_steps"].append(copy.deepcopy(obj["insitu_steps"][0]))
-    duplicate = r"insitu_steps\[12\]: duplicate \(batch_size, k, context_len\) row \(1, 0, 130\)"
+    duplicate = r"insitu_steps\[12\]: duplicate \(batch_size, k, context_len, sweep\) row \(1, 0, 130, None\)"
     with pytest.raises(PerfModelError, match=duplicate):
+        load_profile(write(tmp_path, obj))
+    obj["insitu_steps"][12]["sweep"] = 2  # the same point and context timed again in another sweep: a row of its own
+    obj["insitu_timings"].append(dict(obj["insitu_timings"][0], sweep=2))
+    swept = load_profile(write(tmp_path, obj))
+    assert [r.sweep for r in swept.insitu_steps] == [None] * 12 + [2] and swept.insitu_timings[-1].sweep == 2
+    assert swept.to_json()["insitu_steps"][12]["sweep"] == 2 and "sweep" not in swept.to_json()["insitu_steps"][0]
+    obj["insitu_steps"][12]["sweep"] = 0
+    with pytest.raises(PerfModelError, match=r"insitu_steps\[12\]\.sweep: must be >= 1, found 0"):
         load_profile(write(tmp_path, obj))
     obj = constructed(1.0, 1.0)
     obj["insitu_timings"] = {"not": "a list"}
