@@ -157,3 +157,21 @@ def test_draft_stop_proposes_while_the_next_token_pays_by_hand():
     # the outcome teaches the calibration: the target accepted token 1, bin 9 moves to (3.8 + 1) / 5
     stop.observe(np.array([1]))
     assert stop.calibration.rate[9] == pytest.approx(4.8 / 5)
+
+
+def test_draft_stop_looks_ahead_to_the_planned_depth_where_the_step_time_is_not_convex():
+    """A step time with a jump at 3 tokens and almost nothing more at 4 (a thread or tile boundary): token 3
+    does not pay alone, tokens 3 and 4 together do; without room for token 4 it is not proposed."""
+    model = StepModel(constructed_latency, OverheadModel(()), acceptance_from_user([0.9]))
+    step_ms = {0: 10.0, 1: 12.5, 2: 15.0, 3: 20.0, 4: 20.2}
+    sure = np.array([0.95])  # bin 9: calibrated prior 0.95
+    for k, third in ((4, True), (3, False)):
+        stop = DraftStop(model, lambda b, L, m: step_ms[m], SignalCalibration(bins=10, prior_trials=4), max_k=8)
+        stop.plan(1, 64, k)
+        assert stop.propose(1, sure) and stop.propose(2, sure)
+        assert stop.expected_tokens == pytest.approx(1 + 0.95 + 0.95 ** 2)
+        assert stop.propose(3, sure) is third
+    e2, e3 = 1 + 0.95 + 0.95 ** 2, 1 + 0.95 + 0.95 ** 2 + 0.95 ** 3
+    assert e3 / 20.0 < e2 / 15.0  # the myopic rule: token 3 alone lowers the goodput
+    e4 = e2 + 0.95 ** 3 * (1 + 0.9)  # token 4 at the calibrated alpha: together they raise it
+    assert e4 / 20.2 > e2 / 15.0
