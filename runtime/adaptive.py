@@ -148,7 +148,8 @@ class AdaptivePolicy:
         self._is_chain = self._depth > 0
         self._prior_extra = np.array([model.tokens_per_step(s) - 1.0 for s in self.candidates])  # E_cal(s) - 1
         self._step_ms: dict[tuple[int, int], np.ndarray] = {}
-        self.draft_stop = DraftStop(model, self._chain_step_ms, max_k=max_k) if early_stop else None
+        self.draft_stop = DraftStop(model, self._chain_step_ms, max_k=max_k, margin=switch_margin) \
+            if early_stop else None
         self._reset()
 
     # ------------------------------------------------------------------ the policy protocol

@@ -175,3 +175,20 @@ def test_draft_stop_looks_ahead_to_the_planned_depth_where_the_step_time_is_not_
     assert e3 / 20.0 < e2 / 15.0  # the myopic rule: token 3 alone lowers the goodput
     e4 = e2 + 0.95 ** 3 * (1 + 0.9)  # token 4 at the calibrated alpha: together they raise it
     assert e4 / 20.2 > e2 / 15.0
+
+
+def test_draft_stop_overrides_the_plan_only_beyond_its_margin():
+    """Stopping after token 1 beats proposing token 2 by 2.5 %: without a margin the stop cuts, with the
+    policy's 3 % it keeps to the plan; the policy hands its switch margin to its stop."""
+    model = StepModel(constructed_latency, OverheadModel(()), acceptance_from_user([0.5]))
+    step_ms = {0: 10.0, 1: 12.0, 2: 14.4}
+    unsure = np.array([0.35])  # bin 3: calibrated prior 0.35
+    e1, e2 = 1 + 0.95, 1 + 0.95 + 0.95 * 0.35
+    assert 1.0 < (e1 / 12.0) / (e2 / 14.4) < 1.03  # stopping now wins, by less than 3 %
+    for margin, proposed in ((0.0, False), (0.03, True)):
+        stop = DraftStop(model, lambda b, L, m: step_ms[m], SignalCalibration(bins=10, prior_trials=4), max_k=8,
+                         margin=margin)
+        stop.plan(1, 64, 2)
+        assert stop.propose(1, np.array([0.95]))
+        assert stop.propose(2, unsure) is proposed
+    assert AdaptivePolicy(model, max_k=2).draft_stop.margin == 0.03
