@@ -3,14 +3,15 @@ forward pass (`calibrate.pass_clock.PassClock`) and every step (the generator's 
 
 A point (b, k) is generated `sweeps` times, each time on other prompts, and the generations of one point
 are spread over the whole stage: sweep 1 runs one generation of every point, sweep 2 the next one of every
-point, and so on. Why: this machine's speed moves by itself for seconds at a
-time (the noise monitor's drift); measured point by point, one slow spell made every generation of one
-point slow, and the fit bent its curve to that point (a point the bench then measured 14 % faster than
-predicted). Spread over sweeps, a slow spell spoils one generation of a point, and the point's other
-generations and its neighbours outvote it. Each generation follows a short warm-up generation on the
-same prompts (discarded: the first use of a shape pays the allocator), and runs with EOS ignored, so
-every row runs `new_tokens` tokens. Only full-batch steps count (the batch thins out in the last steps),
-and only their passes. The rows are `perfmodel.insitu`'s, each marked with its sweep.
+point, and so on. Why: this machine's speed moves by itself for seconds at a time (the noise monitor's
+drift); measured point by point, one slow spell made every generation of one point slow, and the fit bent
+its curve to that point (on the demo pair the bench then ran b = 8, k = 4 18 % faster than predicted,
+and the table chose k = 2 there, 14 % slower than k = 4). Spread over sweeps, a slow spell spoils one
+generation of a point, and the point's other generations and its neighbours outvote it. Each generation
+follows a short warm-up generation on the same prompts (discarded: the first use of a shape pays the
+allocator), and runs with EOS ignored, so every row runs `new_tokens` tokens. Only full-batch steps count
+(the batch thins out in the last steps), and only their passes. The rows are `perfmodel.insitu`'s, each
+marked with its sweep.
 
 The prompts are held out from the acceptance measurement (the prompts after the ones it used), sorted
 by length, and sweep s of `sweeps` takes b consecutive prompts at position (s - 1) / (sweeps - 1) of the
@@ -46,7 +47,7 @@ class InSituPoint:
 
 @dataclass(frozen=True)
 class InSituResult:
-    """What one point adds to the profile."""
+    """What one generation of a point adds to the profile."""
 
     passes: tuple[InSituPassRow, ...]
     steps: tuple[InSituStepRow, ...]  # the generation's full-batch steps (one row)

@@ -66,8 +66,8 @@ class Effort:
     tree_steps: int  # generation steps per tree overhead sample
     tree_nodes: tuple[int, ...]  # sizes of the grown trees whose overheads are measured
     # chain lengths generated with for in-situ timing (<= max_k): every one the table may choose, because the
-    # verify pass of k + 1 tokens is not smooth in its width on CPUs (with only even k, hence odd widths, timed,
-    # the bench found an odd k best at 5 of 6 batch sizes where the table, blind to them, chose an even one)
+    # verify pass of k + 1 tokens is not smooth in its width on CPUs, and a fit never shown a width cannot know
+    # (docs/fidelity.md, "Sweeps, and every width")
     insitu_ks: tuple[int, ...] = tuple(range(9))
     insitu_tokens: int = 32  # new tokens per row of each in-situ generation
     insitu_sweeps: int = 3  # timed generations per in-situ point, one per sweep over all points (calibrate.insitu)

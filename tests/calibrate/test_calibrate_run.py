@@ -73,7 +73,7 @@ def measured(pair, tmp_path_factory):
 
 TIMINGS = 2 * ((3 + 3) + (2 + 5))  # b = 1, 2: target n = 1..3 and 16, 32, 64; draft n = 1, 2 and 4..64
 TREE_ROWS = 2 * 2 * 2  # b = 1, 2 x trees of 12 and 32 nodes x without and with the second stage
-INSITU_CELLS = {(1, 0), (1, 2), (2, 0), (2, 2)}  # b = 1 (every other) and 2 (the largest) x k = 0, 2 (quick's, <= max_k)
+INSITU_CELLS = {(1, 0), (1, 2), (2, 0), (2, 2)}  # b = 1 (every other) and 2 (the largest) x quick's k <= max_k
 INSITU = len(INSITU_CELLS) * 2  # one generation per cell in each of quick's 2 sweeps
 
 
