@@ -62,11 +62,14 @@ def add_explanations(batches: list[BatchResult], runs: Sequence[RunRecord], pred
     return notes
 
 
-def run_explain(config, models, prompts: Sequence[list[int]], k: int | None) -> tuple[Explanation, list[str]]:
+def run_explain(config, models, prompts: Sequence[list[int]],
+                k: int | None) -> tuple[Explanation, list[str], dict | None]:
     """`specbatch explain`: one policy at `config.batch_sizes[0]` (the table's when `config.table_path`,
     else the tree in `config.trees`, else the fixed `k`): `config.warmup_rounds` discarded generations,
     then `config.rounds` timed ones, each on the next prompts, their full-batch steps pooled and set
-    against the model in `config.model_path` at the rounds' mean attended context."""
+    against the model in `config.model_path` at the rounds' mean attended context. Where the model file
+    kept calibration's reference pass, it is timed again before every timed round and after the last
+    (bench.speed), and the third value is the machine's speed against calibration's (else None)."""
     from perfmodel.model import step_model
     from runtime.generator import SpeculativeGenerator
     from runtime.policy import FixedK, FixedStrategy, TableK
@@ -75,6 +78,7 @@ def run_explain(config, models, prompts: Sequence[list[int]], k: int | None) -> 
     from .harness import attended_context_len, check_context, cycled_prompts, timed_round_prompts
     from calibrate.pass_clock import PassClock, measured_steps
     from .predict import load_predictor
+    from .speed import machine_speed_for, speed_note
 
     b = config.batch_sizes[0]
     predictor = load_predictor(config.model_path, config.sampling, config.synthetic_acceptance)
@@ -94,8 +98,11 @@ def run_explain(config, models, prompts: Sequence[list[int]], k: int | None) -> 
         raise BenchError("explain: a strategy with draft tokens needs a draft model (--draft)")
     check_context(models, prompts, config, policy.max_k)
     generator = SpeculativeGenerator(models.target, models.draft, eos_token_ids=(), stage2=models.stage2)
+    speed = machine_speed_for(models.target, predictor.fitted.noise, generator.device, config.model_path)
     pooled = None
     for round_index in range(-config.warmup_rounds, config.rounds):
+        if speed is not None and round_index >= 0:
+            speed.check(b)
         batch_prompts = cycled_prompts(prompts, b, offset=(round_index + config.warmup_rounds) * b)
         with PassClock({"draft": generator.draft, "target": generator.target}, generator.device) as clock:
             result = generator.generate(batch_prompts, config.max_new_tokens, policy, config.sampling,
@@ -104,9 +111,13 @@ def run_explain(config, models, prompts: Sequence[list[int]], k: int | None) -> 
         steps = measured_steps(result.stats, clock, b) if round_index >= 0 else None
         if steps is not None:
             pooled = steps if pooled is None else pooled.merged(steps)
+    if speed is not None:
+        speed.check(b)  # the rounds are bracketed
     if pooled is None:
         raise BenchError(f"explain: no full-batch steps with timed passes at batch size {b}; raise --max-new-tokens")
     fitted = predictor.fitted
+    machine = speed.at(b) if speed is not None else None
     notes = [f"predictions use {predictor.acceptance_note}", *fitted.timing_source_notes(),
-             *fitted.extrapolation_notes(b, [context_len], strategy.k), *fitted.strategy_notes([strategy])]
-    return explain(step_model(fitted, predictor.acceptance), strategy, pooled, context_len), notes
+             *fitted.extrapolation_notes(b, [context_len], strategy.k), *fitted.strategy_notes([strategy]),
+             *speed_note(machine)]
+    return explain(step_model(fitted, predictor.acceptance), strategy, pooled, context_len), notes, machine

@@ -30,7 +30,6 @@ from typing import Any, Callable, Sequence
 import torch
 
 from calibrate.environment import device_name
-from perfmodel.errors import PerfModelError
 from perfmodel.tree import Strategy
 from runtime.generator import GenerationError, SpeculativeGenerator
 from runtime.model import CausalLM
@@ -245,13 +244,10 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: Sequence[list[i
     runs: list[RunRecord] = []
 
     speed = None  # the machine's speed against calibration's, when the model file has its reference pass
-    if predictor is not None and predictor.fitted.noise is not None:
-        from .speed import MachineSpeed
+    if predictor is not None:
+        from .speed import machine_speed_for
 
-        try:
-            speed = MachineSpeed(models.target, predictor.fitted.noise, str(device))
-        except PerfModelError as error:
-            raise BenchError(f"--model {config.model_path}: {error}") from None
+        speed = machine_speed_for(models.target, predictor.fitted.noise, device, config.model_path)
 
     def run_round(b: int, round_index: int, names: list[str]) -> None:
         nonlocal total

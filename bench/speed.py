@@ -26,7 +26,30 @@ import time
 from typing import Any
 
 from calibrate.noise import NoiseMonitor, reference_sampler
+from perfmodel.errors import PerfModelError
 from perfmodel.noise import NoiseFigure
+
+from .config import BenchError
+
+
+def machine_speed_for(target, calibration: NoiseFigure | None, device, model_path) -> "MachineSpeed | None":
+    """The reference-pass check for a model file that kept calibration's (None for older ones); a reference
+    it cannot read is refused in one line naming --model, before anything is measured."""
+    if calibration is None:
+        return None
+    try:
+        return MachineSpeed(target, calibration, str(device))
+    except PerfModelError as error:
+        raise BenchError(f"--model {model_path}: {error}") from None
+
+
+def speed_note(speed: dict[str, Any] | None) -> list[str]:
+    """`explain`'s line about the machine: the reference pass now against calibration."""
+    if not speed:
+        return []
+    return [f"the machine ran the reference pass ({speed['reference']}) in {speed['bench_ms']:.3g} ms during "
+            f"these rounds, {speed['calibration_ms']:.3g} ms during calibration: {speed['slowdown']:.2f}x; a "
+            "prediction error of that order is the machine's, not the model's"]
 
 
 class MachineSpeed:

@@ -11,7 +11,8 @@ import typer
 from perfmodel.errors import UsageError
 
 from .explain import render_explanation
-from .options import DeviceOpt, DraftOpt, DtypeOpt, JsonOpt, ModelFileArg, Stage2Opt, TargetOpt, check_counts
+from .options import (DeviceOpt, DraftOpt, DtypeOpt, JsonOpt, ModelFileArg, Stage2Opt, TargetOpt, ThreadsOpt,
+                      check_counts, set_threads)
 
 
 def explain(
@@ -33,6 +34,7 @@ def explain(
     seed: Annotated[int, typer.Option("--seed")] = 0,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
+    threads: ThreadsOpt = None,
     json_output: JsonOpt = False,
 ):
     """Predicted vs measured step at one batch size, term by term (tokens per step, draft passes by width,
@@ -48,9 +50,10 @@ def explain(
                          rounds=rounds, synthetic_acceptance=synthetic_acceptance, seed=seed, table_path=table,
                          model_path=model, trees=(tree,) if tree else (), stage2_path=stage2)
     check_input_files(model=model, table=table, prompts=prompts, stage2=stage2)
+    set_threads(threads)  # after the checks: a note must not come before a one-line error
     inputs = load_bench_inputs(config, target, draft, prompts, device, dtype)
-    explained, notes = run_explain(config, inputs.models, inputs.token_prompts, 4 if k is None else k)
+    explained, notes, machine_speed = run_explain(config, inputs.models, inputs.token_prompts, 4 if k is None else k)
     if json_output:
-        typer.echo(json.dumps({**explained.to_json(), "notes": inputs.notes + notes}))
+        typer.echo(json.dumps({**explained.to_json(), "machine_speed": machine_speed, "notes": inputs.notes + notes}))
         return
     render_explanation(explained.to_json(), inputs.notes + notes)

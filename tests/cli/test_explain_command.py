@@ -31,6 +31,29 @@ def test_explain_json_terms_sum_to_both_step_times(model_file):
     assert explained["notes"][0].startswith("predictions use")
 
 
+def test_explain_times_the_reference_pass_when_the_model_file_kept_it(tmp_path):
+    """A model file with calibration's reference pass (5 ms here): explain times it again on the real target,
+    before the one timed round and after it, and reports it against calibration's, in JSON and in a note."""
+    profile = build_profile(roofline_latency(), batch_sizes=(1, 2, 4), context_lens=(64, 256), max_k=4,
+                            acceptance=[0.6])
+    profile["noise"] = {"reference": "target b=1 n=1 L=64",
+                        "checks": [{"elapsed_s": 0.0, "median_ms": 5.0, "p10_ms": 4.9, "p90_ms": 5.2}]}
+    write_profile(tmp_path / "profile.json", profile)
+    assert invoke("fit", tmp_path / "profile.json", "-o", tmp_path / "model.json").exit_code == 0
+    result = invoke("explain", tmp_path / "model.json", "--batch-size", 2, "--k", 2, "--max-new-tokens", 6,
+                    "--rounds", 1, "--device", "cpu", "--threads", 1, "--json")
+    assert result.exit_code == 0, result.output
+    speed = json.loads(result.stdout)["machine_speed"]
+    assert speed["reference"] == "target b=1 n=1 L=64" and speed["calibration_ms"] == 5.0 and speed["checks"] == 2
+    assert speed["bench_ms"] > 0 and speed["slowdown"] == pytest.approx(speed["bench_ms"] / 5.0)
+    assert any(note.startswith("the machine ran the reference pass") for note in json.loads(result.stdout)["notes"])
+    profile["noise"]["reference"] = "draft b=1 n=1 L=64"  # not a target pass of one token: refused, naming --model
+    write_profile(tmp_path / "profile.json", profile)
+    assert invoke("fit", tmp_path / "profile.json", "-o", tmp_path / "bad.json").exit_code == 0
+    assert_one_line_error(invoke("explain", tmp_path / "bad.json", "--batch-size", 2, "--k", 2, "--device", "cpu"),
+                          "--model")
+
+
 def test_explain_refuses_two_strategies(model_file):
     assert_one_line_error(invoke("explain", model_file, "--batch-size", 2, "--k", 2, "--tree", "0,1"),
                           "one of --k, --table and --tree")
