@@ -42,6 +42,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from perfmodel.acceptance import expected_tokens
 from perfmodel.strategy import StepModel
 
 SIGNAL_BINS = 10  # bins of the draft's top probability
@@ -77,16 +78,12 @@ class DraftStop:
         self.model, self.chain_step_ms, self.margin = model, chain_step_ms, margin
         self.calibration = calibration or SignalCalibration()
         # tail[j][m - j]: the tokens a token at j brings by depth m, itself counted, the later ones at the
-        # calibrated conditional rates: 1 + alpha_{j+1} + alpha_{j+1} alpha_{j+2} + ... (j, m <= max_k)
+        # calibrated conditional rates: 1 + alpha_{j+1} + alpha_{j+1} alpha_{j+2} + ... (j, m <= max_k), i.e.
+        # E(m - j) of a chain whose alphas start at position j + 1 (0-based: alphas[j] is alpha_{j+1})
         alphas = model.acceptance.alphas(max_k)
-        self.tail = [[1.0] for _ in range(max_k + 1)]
-        for j in range(1, max_k + 1):
-            survive = 1.0
-            for alpha in alphas[j:]:  # alpha_{j+1}, ... (0-based: alphas[j] is alpha_{j+1})
-                survive *= alpha
-                self.tail[j].append(self.tail[j][-1] + survive)
+        self.tail = [[expected_tokens(alphas[j:], depth) for depth in range(max_k - j + 1)] for j in range(max_k + 1)]
         self.decision_s = 0.0  # this step's time spent in `propose`
-        self._costs: dict[tuple[int, int, int], list[tuple[float, float]]] = {}
+        self._costs: dict[tuple[int, int, int], list[float]] = {}  # (b, L, k) -> S_0..S_k
         self.plan(1, 1, 0)
 
     def plan(self, batch_size: int, context_len: int, k: int) -> None:
