@@ -184,6 +184,9 @@ def bench(
         "--resolve-rounds", help="At b <= 8, at most this many extra rounds of the table and the best fixed k "
                                  "alone while the table's paired regret straddles the 3 % goal or its interval "
                                  "is wider than ±3 % (0: none).")] = 30,
+    interleave: Annotated[str, typer.Option(
+        "--interleave", help="steps: a round's policies advance together, one step of each in turn, so they meet "
+                             "the same moments of the machine | runs: one whole generation after another.")] = "steps",
     sampling: Annotated[str, typer.Option("--sampling", help="greedy | T=0.8[,top_k=50][,top_p=0.9]")] = "greedy",
     synthetic_acceptance: Annotated[Optional[float], typer.Option("--synthetic-acceptance", help=(
         "Accept each draft token with probability α in (0, 1] instead of verifying (SYNTHETIC; for "
@@ -216,7 +219,7 @@ def bench(
         synthetic_acceptance=synthetic_acceptance, seed=seed, table_path=table, model_path=model,
         peers=tuple(name.strip() for name in peers.split(",") if name.strip()) if peers else (),
         trees=tuple(tree or ()), stage2_path=stage2, adaptive_path=adaptive, workload=workload,
-        second_prompts_path=second_prompts)
+        second_prompts_path=second_prompts, interleave=interleave)
     check_input_files(table=table, model=model, prompts=prompts, stage2=stage2, adaptive=adaptive,
                       second_prompts=second_prompts)
     writable_dir(out, "--out")  # before measuring: a file in the way would lose every measurement

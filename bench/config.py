@@ -22,6 +22,9 @@ TREE_AUTO = "auto"  # --tree auto: the performance model's best tree at batch si
 PEERS = ("transformers", "vllm")  # --peers: Hugging Face generate; vLLM's CPU build (bench/vllm/)
 
 
+INTERLEAVE_MODES = ("steps", "runs")
+
+
 class BenchError(SpecbatchError):
     """A bench configuration that cannot run; the message is one line naming the option."""
 
@@ -49,6 +52,9 @@ class BenchConfig:
     adaptive_path: Path | None = None  # specbatch.model/1: adds the "adaptive" policy (runtime.adaptive)
     workload: str = "heldout"  # heldout | mixed | switch (bench.workload)
     second_prompts_path: Path | None = None  # mixed / switch: the other population (default data/prompts/base64.jsonl)
+    # steps: a round's policies of ours advance in lockstep, a step of each in turn (bench.timing: why);
+    # runs: one whole generation after another
+    interleave: str = "steps"
 
     def __post_init__(self):
         check_config(self)
@@ -73,6 +79,8 @@ def check_config(config: BenchConfig) -> None:
         raise BenchError(f"--max-new-tokens must be positive, got {config.max_new_tokens}")
     if config.rounds <= 0:
         raise BenchError(f"--rounds must be positive, got {config.rounds}")
+    if config.interleave not in INTERLEAVE_MODES:
+        raise BenchError(f"--interleave {config.interleave!r}: expected one of {', '.join(INTERLEAVE_MODES)}")
     if config.resolve_rounds < 0:
         raise BenchError(f"--resolve-rounds must be >= 0, got {config.resolve_rounds}")
     if config.warmup_rounds < 0:

@@ -4,7 +4,9 @@ How the measurement is kept honest:
   * Interleaved rounds. Each round runs every policy once, in an order balanced for position and for
     the policy run just before (`balanced_order`, a Williams design), so slow drift of a shared machine
     (thermal state, a background job) and whatever a run leaves behind for the next spread over all
-    policies instead of picking the winner. One warm-up round per batch size runs
+    policies instead of picking the winner. Within a round our policies run in lockstep by default, a
+    step of each in turn (`bench.timing.time_lockstep`), so they meet the same spells of a CPU whose
+    speed changes every few seconds; the balanced order breaks their ties. One warm-up round per batch size runs
     first and is discarded: each (policy, b) has its own tensor shapes, whose first use pays
     allocator (and, on CUDA, kernel-selection) costs that steady-state serving does not.
   * Constant batch size. EOS is ignored (the generator gets `eos_token_ids=()`) and every row asks
@@ -49,7 +51,7 @@ from .policies import (
 )
 from .predict import add_predictions, load_predictor, resolve_auto_tree
 from .results import BatchResult, BenchResult, RunRecord, most_frequent_k, summarize_batch, summarize_policy
-from .timing import time_ours
+from .timing import time_lockstep, time_ours
 from .workload import Workload
 
 # Prompt length for models without a tokenizer (presets): about the held-out demo prompts' median
@@ -255,12 +257,21 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: Sequence[list[i
             speed.check(b)
         seed = config.seed + round_index + config.warmup_rounds  # the same for every policy in a round
         batch_prompts = round_prompts(b, round_index)
-        for name in balanced_order(names, round_index):
-            if name in policies:
-                measured = time_ours(generator, batch_prompts, policies[name].policy, config, seed)
+        order = balanced_order(names, round_index)
+        together = [name for name in order if name in policies] if config.interleave == "steps" else []
+        measured = {}
+        if len(together) > 1:  # ours in lockstep (bench.timing), then the peers back to back
+            measured = time_lockstep(generator, batch_prompts, [(name, policies[name].policy) for name in together],
+                                     config, seed)
+            order = together + [name for name in order if name not in policies]
+        for name in order:
+            if name in measured:
+                pass
+            elif name in policies:
+                measured[name] = time_ours(generator, batch_prompts, policies[name].policy, config, seed)
             else:
-                measured = time_peer(peers, name, batch_prompts, config, seed, device)
-            runs.append(RunRecord(batch_size=b, round=round_index, policy=name, **measured))
+                measured[name] = time_peer(peers, name, batch_prompts, config, seed, device)
+            runs.append(RunRecord(batch_size=b, round=round_index, policy=name, **measured[name]))
             total = max(total, len(runs))
             if on_run is not None:
                 on_run(runs[-1], len(runs), total)

@@ -39,6 +39,7 @@ def bench_json(result: BenchResult) -> dict[str, Any]:
         "trees": list(config.trees), "stage2": str(config.stage2_path) if config.stage2_path else None,
         "adaptive": str(config.adaptive_path) if config.adaptive_path else None, "workload": config.workload,
         "second_prompts": str(config.second_prompts_path) if config.second_prompts_path else None,
+        "interleave": config.interleave,
         "eos": "ignored: every row generates max_new_tokens",
         "tokens_per_s": "generated tokens / wall seconds of one generate() call, prefill and overhead included",
     }

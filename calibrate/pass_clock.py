@@ -7,7 +7,8 @@ longest row's cached length before the pass (what the pass's attention spans: sh
 the first calls of each model are the prefill, so the step passes are the last
 `len(stats.<role>_passes)` records, which must have the same shapes (checked). The clock synchronizes
 CUDA around each pass, as the generator's own timer does, so it adds no synchronization the run did not
-already have.
+already have. `records` may be swapped between passes: bench.timing's lockstep runs several
+generations on the same models and keeps one set of records per generation.
 
 Shared by `bench` (the decomposition of a prediction's error) and `calibrate` (in-situ timing: passes
 timed inside real speculative steps, calibrate/insitu.py).

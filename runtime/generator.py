@@ -157,7 +157,6 @@ class SpeculativeGenerator:
                    self.draft.config.max_position_embeddings if self.draft_is_model else 10**9)
 
     # ------------------------------------------------------------------ public
-    @torch.inference_mode()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, policy, sampling: Sampling = Sampling(),
                  seed: int = 0, synthetic_acceptance: float | None = None) -> GenerationResult:
         """Generate up to `max_new_tokens` per prompt; `policy(batch_size, context_len)` gives k each step.
@@ -165,8 +164,19 @@ class SpeculativeGenerator:
         `synthetic_acceptance` (benchmarks only) accepts each draft token with that probability instead
         of comparing with the target; every forward pass still runs.
         """
+        return run_to_end(self.generation(prompts, max_new_tokens, policy, sampling, seed, synthetic_acceptance))
+
+    @torch.inference_mode()
+    def generation(self, prompts: list[list[int]], max_new_tokens: int, policy, sampling: Sampling = Sampling(),
+                   seed: int = 0, synthetic_acceptance: float | None = None):
+        """`generate`, one unit of work at a time: a Python generator that yields after the prefill and
+        after every step (the fraction of the batch's tokens generated so far, 0..1) and returns the
+        GenerationResult. Several generations can so be advanced in turns on one thread (bench.lockstep:
+        contenders timed side by side, step by step); `stats.total_s` counts this generation's own time
+        only, not the time spent in others between its turns."""
         self._check(prompts, max_new_tokens, policy)
-        started = time.perf_counter()
+        resumed = time.perf_counter()
+        own_s = 0.0  # this generation's time between its turns
         timer = _Timer(self.device)
         stats = GenerationStats(synthetic_acceptance=synthetic_acceptance)
         rng = torch.Generator(device=self.device).manual_seed(seed)
@@ -196,6 +206,8 @@ class SpeculativeGenerator:
         stats.first_tokens = b
         done = self.finished_rows(first[:, None], torch.ones(b, dtype=torch.long), [1] * b, generated,
                                   [max_new_tokens] * b)
+        finished_tokens = 0  # tokens of the rows that already left the batch
+        wanted = b * max_new_tokens
         while True:
             if done:
                 keep = [i for i in range(len(rows)) if i not in done]
@@ -203,6 +215,7 @@ class SpeculativeGenerator:
                 for i, cut in done.items():
                     start = prompt_lens[rows[i]]
                     outputs[rows[i]] = tokens[i, start:start + cut].tolist()
+                    finished_tokens += max_new_tokens
                 if not keep:
                     break
                 index = torch.tensor(keep, device=self.device)
@@ -212,6 +225,9 @@ class SpeculativeGenerator:
                     draft_cache.keep_rows(index)
                 rows = [rows[i] for i in keep]
                 generated = [generated[i] for i in keep]
+            own_s += time.perf_counter() - resumed
+            yield (finished_tokens + sum(generated)) / wanted  # a turn ends: the prefill, or a step, is done
+            resumed = time.perf_counter()
             step_start = timer.now()
             # the context a step pays for: attention spans the longest row (shorter rows are masked)
             decided = time.perf_counter()
@@ -231,7 +247,7 @@ class SpeculativeGenerator:
             stats.other_s += stats.step_s[-1]
         stats.generated_tokens = sum(len(o) for o in outputs)
         stats.other_s -= stats.draft_s + stats.verify_s
-        stats.total_s = time.perf_counter() - started
+        stats.total_s = own_s + time.perf_counter() - resumed
         return GenerationResult(token_ids=outputs, stats=stats)
 
     @staticmethod
@@ -434,6 +450,15 @@ class SpeculativeGenerator:
             if keep < total or total >= limit or (eos_hits is not None and eos_hits[i] >= 0):
                 done[i] = keep
         return done
+
+
+def run_to_end(generation):
+    """Drive a `SpeculativeGenerator.generation` to its end; its GenerationResult."""
+    while True:
+        try:
+            next(generation)
+        except StopIteration as finished:
+            return finished.value
 
 
 def accept(draft_tokens, draft_probs, target_logits, sampling: Sampling, rng, synthetic: float | None = None):
