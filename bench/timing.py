@@ -1,25 +1,6 @@
-"""One wall clock for every contender, ours and the peers; our generations timed one after another or
-in lockstep.
-
-Lockstep (`--interleave steps`, the default). This VM's CPUs change speed by themselves: each vCPU
-independently runs at one of two speeds about 1.5x apart, for spells of half a second to tens of
-seconds (a fixed 64x64 matmul loop on each core: 0.61 against 0.94 ms, its two cores uncorrelated,
-r = -0.07 over 0.5 s windows; the demo target's reference pass: 2.5 against 3.6 ms). Generations run
-back to back (`--interleave runs`) take a second or more each, so two policies of one round often ran
-at different speeds. `time_lockstep` advances every contender's generation one turn at a time (its
-prefill, then one step: runtime.generator `SpeculativeGenerator.generation`) on the same thread, always
-the one furthest behind in the fraction of its tokens generated, so all of them go through their
-generations together, a step of each within milliseconds of the others', and meet the same spells of
-the machine. Measured on the demo pair, two identical k = 4 contenders, 16 rounds at b = 4 and 10 at
-b = 8 (`/tmp`-free re-run: docs/fidelity.md, "Lockstep"): the per-round spread of their log ratio fell
-from 7.3 % and 4.0 % back to back to 0.6 % and 0.7 % in lockstep.
-
-What it changes in a step: the step before it was usually another contender's, so its own KV cache and
-activations may have left the CPU's caches (the weights are shared). Ties in progress (identical
-contenders advance identically) go to the earliest in the round's balanced order: the second of two
-identical steps in a row ran ~0.8 % faster, and the balanced order gives every contender each place
-equally often, so that cancels over rounds. Peers (transformers, vLLM) run in their own loops and stay
-back to back.
+"""One wall clock for every contender, ours and the peers; our generations timed one after another
+(`--interleave runs`) or in lockstep, a step of each in turn (`--interleave steps`, the default:
+calibrate.lockstep says why). Peers (transformers, vLLM) run in their own loops, back to back.
 """
 from __future__ import annotations
 
@@ -29,10 +10,11 @@ from typing import Any, Sequence
 
 import torch
 
+from calibrate.lockstep import run_lockstep
+from calibrate.pass_clock import PassClock, measured_steps
 from runtime.generator import GenerationStats, SpeculativeGenerator
 
 from .config import BenchConfig
-from calibrate.pass_clock import PassClock, measured_steps
 
 
 def wall_clock(device: torch.device) -> float:
@@ -53,40 +35,17 @@ def time_ours(generator: SpeculativeGenerator, prompts: list[list[int]], policy,
     return measured_run(result.stats, clock, len(prompts), wall_clock(generator.device) - start)
 
 
-def next_turn(progress: dict[str, float], priority: Sequence[str]) -> str:
-    """The contender furthest behind (the smallest fraction of its tokens generated); among equals the
-    earliest in `priority`.
-
-    >>> next_turn({"a": 0.5, "b": 0.25, "c": 0.25}, ["c", "b", "a"])
-    'c'
-    """
-    return min((name for name in priority if name in progress), key=progress.__getitem__)
-
-
 def time_lockstep(generator: SpeculativeGenerator, prompts: list[list[int]], policies: Sequence[tuple[str, Any]],
                   config: BenchConfig, seed: int) -> dict[str, dict[str, Any]]:
-    """Every (name, policy) generating `prompts` in lockstep (module docstring), in `policies`' order
-    among equals; per name what `time_ours` gives, its seconds being its own turns' time only."""
+    """Every (name, policy) generating `prompts` in lockstep, ties going by `policies`' order; per name
+    what `time_ours` gives, its seconds being its own turns' time only."""
     clock = PassClock({"draft": generator.draft, "target": generator.target}, generator.device)
-    records = {name: {role: [] for role in clock.models} for name, _ in policies}  # each contender's passes
-    turns = {name: generator.generation(prompts, config.max_new_tokens, policy, config.sampling, seed,
-                                        config.synthetic_acceptance) for name, policy in policies}
-    progress = {name: 0.0 for name in turns}
-    order = [name for name, _ in policies]
-    finished: dict[str, GenerationStats] = {}
-    with clock:
-        while turns:
-            name = next_turn(progress, order)
-            clock.records = records[name]  # its passes go to its own records
-            try:
-                progress[name] = next(turns[name])
-            except StopIteration as done:
-                finished[name] = done.value.stats
-                del turns[name], progress[name]
+    generations = {name: generator.generation(prompts, config.max_new_tokens, policy, config.sampling, seed,
+                                              config.synthetic_acceptance) for name, policy in policies}
     measured = {}
-    for name in order:
-        clock.records = records[name]
-        measured[name] = measured_run(finished[name], clock, len(prompts), finished[name].total_s)
+    for name, (result, records) in run_lockstep(generations, clock).items():
+        clock.records = records
+        measured[name] = measured_run(result.stats, clock, len(prompts), result.stats.total_s)
     return measured
 
 

@@ -7,9 +7,13 @@ point, and so on. Why: this machine's speed moves by itself for seconds at a tim
 drift); measured point by point, one slow spell made every generation of one point slow, and the fit bent
 its curve to that point (on the demo pair the bench then ran b = 8, k = 4 18 % faster than predicted,
 and the table chose k = 2 there, 14 % slower than k = 4). Spread over sweeps, a slow spell spoils one
-generation of a point, and the point's other generations and its neighbours outvote it. Each generation
-follows a short warm-up generation on the same prompts (discarded: the first use of a shape pays the
-allocator), and runs with EOS ignored, so every row runs `new_tokens` tokens. Only full-batch steps count
+generation of a point, and the point's other generations and its neighbours outvote it. Within a sweep,
+the ks of one batch size are generated together in lockstep on the same prompts, a step of each in turn
+(calibrate.lockstep): the spells of this CPU's two speeds last from half a second to tens of seconds,
+so generations of one k after another met different speeds, and the differences between ks are what
+the table is made of. Each generation follows a short warm-up generation on the same prompts
+(discarded: the first use of a shape pays the allocator), and runs with EOS ignored, so every row runs
+`new_tokens` tokens. Only full-batch steps count
 (the batch thins out in the last steps), and only their passes. The rows are `perfmodel.insitu`'s, each
 marked with its sweep.
 
@@ -30,6 +34,7 @@ from runtime.generator import SpeculativeGenerator
 from runtime.policy import FixedK
 from runtime.sampling import Sampling
 
+from .lockstep import run_lockstep
 from .pass_clock import PassClock
 
 
@@ -100,22 +105,52 @@ def spread_batch(prompts: Sequence[list[int]], batch_size: int, sweep: int, swee
     return [list(ordered[(start + row) % len(ordered)]) for row in range(batch_size)]
 
 
-def measure_insitu(generator: SpeculativeGenerator, point: InSituPoint, prompts: Sequence[list[int]],
-                   new_tokens: int, sweeps: int, seed: int = 0) -> InSituResult | None:
-    """The rows of one generation; None when no full-batch step had its passes timed (too few new tokens)."""
+def insitu_groups(points: Sequence[InSituPoint]) -> list[list[InSituPoint]]:
+    """Consecutive points of one batch size and sweep, the ks generated together in lockstep.
+
+    >>> [[p.k for p in group] for group in insitu_groups([InSituPoint(1, 0), InSituPoint(1, 2), InSituPoint(2, 0)])]
+    [[0, 2], [0]]
+    """
+    groups: list[list[InSituPoint]] = []
+    for point in points:
+        if groups and (groups[-1][0].batch_size, groups[-1][0].sweep) == (point.batch_size, point.sweep):
+            groups[-1].append(point)
+        else:
+            groups.append([point])
+    return groups
+
+
+def measure_insitu(generator: SpeculativeGenerator, points: Sequence[InSituPoint], prompts: Sequence[list[int]],
+                   new_tokens: int, sweeps: int, seed: int = 0) -> list[InSituResult | None]:
+    """The rows of one generation per point, for points of one batch size and sweep (`insitu_groups`),
+    generated on the same prompts in lockstep (calibrate.lockstep: a step of each k in turn, so the ks
+    the table chooses between meet the same spells of the machine); a point's entry is None when no
+    full-batch step had its passes timed (too few new tokens)."""
+    b, sweep = points[0].batch_size, points[0].sweep
+    if any((p.batch_size, p.sweep) != (b, sweep) for p in points):
+        raise ValueError("in-situ points generated together must share a batch size and a sweep")
+    batch = spread_batch(prompts, b, sweep, sweeps)
+    # warm-up: a few steps meet every shape of a point (the first use of a shape pays the allocator)
+    for point in points:
+        generator.generate(batch, min(new_tokens, WARMUP_TOKENS), FixedK(point.k), Sampling(), seed)
+    policies = {point: _ContextLog(point.k) for point in points}
+    clock = PassClock({"draft": generator.draft, "target": generator.target}, generator.device)
+    ran = run_lockstep({point: generator.generation(batch, new_tokens, policy, Sampling(), seed + sweep)
+                        for point, policy in policies.items()}, clock)
+    results = []
+    for point in points:
+        result, clock.records = ran[point]
+        results.append(_rows(point, result.stats, clock, policies[point].contexts))
+    return results
+
+
+def _rows(point: InSituPoint, stats, clock: PassClock, contexts: list[int]) -> InSituResult | None:
     b = point.batch_size
-    batch = spread_batch(prompts, b, point.sweep, sweeps)
-    # warm-up: a few steps meet every shape of the point (the first use of a shape pays the allocator)
-    generator.generate(batch, min(new_tokens, WARMUP_TOKENS), FixedK(point.k), Sampling(), seed)
-    policy = _ContextLog(point.k)
-    with PassClock({"draft": generator.draft, "target": generator.target}, generator.device) as clock:
-        stats = generator.generate(batch, new_tokens, policy, Sampling(), seed + point.sweep).stats
     passes = clock.step_records(stats)
     full = [i for i, size in enumerate(stats.batch_size_per_step) if size == b]
     if passes is None or not full:
         return None
     records = [(role, *record) for role, rows in passes.items() for record in rows]
-    contexts = [policy.contexts[i] for i in full]
-    step = step_row([stats.step_s[i] for i in full], contexts, sum(stats.step_tokens[i] for i in full), b, point.k,
-                    point.sweep)
+    step = step_row([stats.step_s[i] for i in full], [contexts[i] for i in full],
+                    sum(stats.step_tokens[i] for i in full), b, point.k, point.sweep)
     return InSituResult(pass_rows(records, b, point.k, sweep=point.sweep), (step,))

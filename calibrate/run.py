@@ -40,7 +40,7 @@ from .errors import CalibrationError
 from .grid import (DEFAULT_BATCH_SIZES, DEFAULT_CONTEXT_LENS, DEFAULT_MAX_K, QUICK_BATCH_SIZES, QUICK_CONTEXT_LENS,
                    OverheadPoint, TreeOverheadPoint, check_grid_fits, fit_wide_passes, make_grid, merge_grids,
                    overhead_points, timing_points, tree_overhead_points)
-from .insitu import InSituPoint, insitu_points, measure_insitu
+from .insitu import InSituPoint, insitu_groups, insitu_points, measure_insitu
 from .models import (LoadedPair, ModelSpec, check_memory, check_pair, display_path, load_pair, memory_need,
                      model_info, resolve_model)
 from .noise import NoiseMonitor, reference_sampler
@@ -296,15 +296,16 @@ def _insitu_prompts(pair: LoadedPair, plan: _Plan) -> list[list[int]]:
     return acc.encode_prompts(pair.tokenizer, texts, max(1, room))
 
 
-def _insitu_row(plan: _Plan, generator, point: InSituPoint, prompts: list[list[int]]):
-    """One in-situ generation's rows; None when it runs out of memory or has no full-batch step."""
+def _insitu_rows(plan: _Plan, generator, points: list[InSituPoint], prompts: list[list[int]]):
+    """The rows of one in-situ generation per point (one batch size and sweep, in lockstep); a point's
+    entry is None when it has no full-batch step, all of them when the group runs out of memory."""
     try:
-        return measure_insitu(generator, point, prompts, plan.effort.insitu_tokens, plan.effort.insitu_sweeps)
+        return measure_insitu(generator, points, prompts, plan.effort.insitu_tokens, plan.effort.insitu_sweeps)
     except Exception as error:  # noqa: BLE001 - only out-of-memory is survivable
         if not is_out_of_memory(error):
             raise
     release_memory(plan.device)
-    return None
+    return [None] * len(points)
 
 
 def _greedy_entry(profile: Profile) -> AcceptanceEntry | None:
@@ -464,10 +465,10 @@ def _measure(pair: LoadedPair, plan: _Plan, grid: Grid, todo: _Todo, request: Ca
 
     generator = SpeculativeGenerator(pair.target, pair.draft, eos_token_ids=()) if todo.insitu else None
     insitu_prompts = _insitu_prompts(pair, plan) if todo.insitu else []
-    for point in todo.insitu:
-        row = _insitu_row(plan, generator, point, insitu_prompts)
-        label = f"in-situ b={point.batch_size} k={point.k} sweep {point.sweep}"
-        advance(label if row is not None else label + " (out of memory or no full-batch step, not recorded)", row)
+    for group in insitu_groups(todo.insitu):  # the ks of one batch size and sweep, in lockstep
+        for point, row in zip(group, _insitu_rows(plan, generator, group, insitu_prompts)):
+            label = f"in-situ b={point.batch_size} k={point.k} sweep {point.sweep}"
+            advance(label if row is not None else label + " (out of memory or no full-batch step, not recorded)", row)
 
     greedy = _greedy_entry(current())
     rank_table = greedy.rank_acceptance if greedy is not None else None

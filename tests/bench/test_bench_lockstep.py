@@ -10,7 +10,8 @@ import pytest
 
 from bench.config import BenchConfig, BenchError
 from bench.harness import run_bench
-from bench.timing import next_turn, time_lockstep
+from bench.timing import time_lockstep
+from calibrate.lockstep import next_turn
 from runtime.generator import SpeculativeGenerator
 from runtime.policy import FixedK
 

@@ -10,7 +10,7 @@ import pytest
 
 from calibrate.acceptance import encode_prompts, read_prompts
 from calibrate.grid import make_grid
-from calibrate.insitu import InSituPoint, insitu_points, measure_insitu
+from calibrate.insitu import InSituPoint, insitu_groups, insitu_points, measure_insitu
 from calibrate.store import measured_insitu_points
 from perfmodel.insitu import InSituStepRow
 from runtime.checkpoint import load_checkpoint
@@ -30,7 +30,8 @@ def generator_and_prompts():
 
 def test_a_point_accounts_for_every_pass_of_its_full_batch_steps(generator_and_prompts):
     generator, prompts = generator_and_prompts
-    results = [measure_insitu(generator, InSituPoint(2, 4, sweep), prompts, NEW_TOKENS, sweeps=2) for sweep in (1, 2)]
+    results = [measure_insitu(generator, [InSituPoint(2, 4, sweep)], prompts, NEW_TOKENS, sweeps=2)[0]
+               for sweep in (1, 2)]
     steps = tuple(row for result in results for row in result.steps)
     passes = tuple(row for result in results for row in result.passes)
     assert all((r.batch_size, r.k) == (2, 4) for r in steps + passes)
@@ -76,3 +77,19 @@ def test_rows_without_a_sweep_stand_for_every_sweep_of_their_point_on_resume():
     profile = SimpleNamespace(insitu_steps=(older, swept))
     assert measured_insitu_points(profile, sweeps=3) == \
         {InSituPoint(1, 2, 1), InSituPoint(1, 2, 2), InSituPoint(1, 2, 3), InSituPoint(2, 2, 1)}
+
+
+def test_the_ks_of_one_batch_size_and_sweep_are_generated_together_each_with_its_own_passes(generator_and_prompts):
+    generator, prompts = generator_and_prompts
+    points = [InSituPoint(2, 0, 1), InSituPoint(2, 3, 1)]
+    plain, chain = measure_insitu(generator, points, prompts, NEW_TOKENS, sweeps=2)
+    assert {r.k for r in plain.steps + plain.passes} == {0} and {r.k for r in chain.steps + chain.passes} == {3}
+    assert {r.new_tokens for r in plain.passes} == {1} and all(r.model == "target" for r in plain.passes)
+    assert {r.new_tokens for r in chain.passes if r.model == "target"} == {4}
+    assert plain.steps[0].tokens_per_step == 1.0
+    # the same prompts: both start from the same contexts
+    assert abs(plain.steps[0].context_len - chain.steps[0].context_len) <= NEW_TOKENS
+    with pytest.raises(ValueError, match="share a batch size and a sweep"):
+        measure_insitu(generator, [InSituPoint(2, 0, 1), InSituPoint(4, 0, 1)], prompts, NEW_TOKENS, sweeps=2)
+    assert [[p.k for p in group] for group in insitu_groups(insitu_points(make_grid((1, 2), (64,), 2), (0, 2), False,
+                                                                                   sweeps=2))] == [[0, 2]] * 4
