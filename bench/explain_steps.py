@@ -34,6 +34,16 @@ def explained_policy(batch: BatchResult, policies: dict[str, BenchPolicy]) -> tu
     return fixed_policy_name(batch.best_k), Strategy.from_k(batch.best_k)
 
 
+def pooled_context_len(runs: Sequence[RunRecord], batch_size: int, policy: str, default: float) -> float:
+    """The mean context of the pooled full-batch steps (each round's own, weighted by its steps): a
+    step's time is linear in its context, so the pooled steps' mean time is predicted at this context."""
+    weighted = [(run.measured_steps.steps, run.context_len) for run in runs
+                if run.batch_size == batch_size and run.policy == policy and not run.warmup and run.measured_steps
+                and run.context_len is not None]
+    steps = sum(n for n, _ in weighted)
+    return sum(n * context for n, context in weighted) / steps if steps else default
+
+
 def explain_batch(batch: BatchResult, runs: Sequence[RunRecord], predictor: Predictor,
                   policies: dict[str, BenchPolicy]) -> Explanation | None:
     from perfmodel.model import step_model
@@ -42,7 +52,8 @@ def explain_batch(batch: BatchResult, runs: Sequence[RunRecord], predictor: Pred
     measured = pooled_steps(runs, batch.batch_size, name)
     if measured is None:
         return None
-    return explain(step_model(predictor.fitted, predictor.acceptance), strategy, measured, batch.context_len)
+    context = round(pooled_context_len(runs, batch.batch_size, name, batch.context_len))
+    return explain(step_model(predictor.fitted, predictor.acceptance), strategy, measured, context)
 
 
 def add_explanations(batches: list[BatchResult], runs: Sequence[RunRecord], predictor: Predictor,

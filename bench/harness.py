@@ -301,7 +301,7 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: Sequence[list[i
     if predictor is not None:
         from .explain_steps import add_explanations
 
-        notes += add_predictions(batches, predictor, policies)
+        notes += add_predictions(batches, predictor, policies, runs)
         if speed is not None:
             from .speed import add_machine_speed
 

@@ -24,7 +24,7 @@ BENCH_SCHEMA = "specbatch.bench/1"
 # old columns first, in their old order: readers by position keep working
 CSV_COLUMNS = ("batch_size", "policy", "k", "median_tokens_per_s", "p10_tokens_per_s", "p90_tokens_per_s",
                "rounds", "acceptance", "median_steady_tokens_per_s", "predicted_tokens_per_s",
-               "synthetic_acceptance", "strategy")
+               "synthetic_acceptance", "strategy", "prediction_error")
 
 
 def bench_json(result: BenchResult) -> dict[str, Any]:
@@ -51,7 +51,7 @@ def bench_json(result: BenchResult) -> dict[str, Any]:
         batches.append(entry)
     runs = [{"order": i, "batch_size": r.batch_size, "round": r.round, "warmup": r.warmup, "policy": r.policy,
              "generated_tokens": r.generated_tokens, "seconds": r.seconds, "tokens_per_s": r.tokens_per_s,
-             "steady_tokens_per_s": r.steady_tokens_per_s, "step_seconds": r.step_seconds,
+             "steady_tokens_per_s": r.steady_tokens_per_s, "context_len": r.context_len, "step_seconds": r.step_seconds,
              "decision_seconds": r.decision_seconds, "k_counts_full_batch": r.k_counts_full_batch}
             for i, r in enumerate(result.runs)]
     return {"schema": BENCH_SCHEMA, "synthetic": result.synthetic, "config": config_json, "device": result.device,
@@ -70,7 +70,7 @@ def bench_csv(result: BenchResult) -> str:
             writer.writerow([batch.batch_size, p.policy, _cell(p.k), _cell(p.median_tokens_per_s),
                              _cell(p.p10_tokens_per_s), _cell(p.p90_tokens_per_s), p.rounds, _cell(p.acceptance),
                              _cell(p.median_steady_tokens_per_s), _cell(p.predicted_tokens_per_s), _cell(alpha),
-                             _cell(p.strategy)])
+                             _cell(p.strategy), _cell(p.prediction_error)])
     return buffer.getvalue()
 
 

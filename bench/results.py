@@ -39,6 +39,9 @@ class RunRecord:
     steady_tokens_per_s: float | None = None
     # perfmodel.explain.MeasuredSteps: the full-batch steps with each pass timed (`explain`); None for peers
     measured_steps: Any = None
+    # the context the full-batch steps paid for (their target passes' longest row, mean over those steps);
+    # None for peers: each round is predicted at its own context (bench.predict)
+    context_len: float | None = None
     step_seconds: float = 0.0  # the steps' wall time (GenerationStats.step_s summed)
     decision_seconds: float = 0.0  # of which the policy's own decisions (GenerationStats.decision_s summed)
 
@@ -68,7 +71,10 @@ class PolicyResult:
     median_steady_tokens_per_s: float | None = None  # full-batch steps only: compare with predictions
     p10_steady_tokens_per_s: float | None = None
     p90_steady_tokens_per_s: float | None = None
-    predicted_tokens_per_s: float | None = None
+    predicted_tokens_per_s: float | None = None  # median over rounds of each round's prediction at its context
+    # geometric mean over rounds of predicted / measured steady goodput - 1, each round predicted at its own
+    # context (bench.predict)
+    prediction_error: float | None = None
     # what ran (Strategy.describe(): "none", "chain k=3", "tree 0,1,0.0 (3 nodes) +ngram"); the table's
     # strategy at this batch size and the run's mean context; None for peers
     strategy: str | None = None

@@ -52,6 +52,8 @@ def time_lockstep(generator: SpeculativeGenerator, prompts: list[list[int]], pol
 def measured_run(stats: GenerationStats, clock: PassClock, batch_size: int, seconds: float) -> dict[str, Any]:
     """What a RunRecord keeps of one generation (bench.results)."""
     b = batch_size
+    records = clock.step_records(stats)
+    contexts = [context for batch, _, context, _ in (records or {}).get("target", []) if batch == b]
     full = [k for k, size in zip(stats.k_per_step, stats.batch_size_per_step) if size == b]
     nodes = [n for n, size in zip(stats.nodes_per_step, stats.batch_size_per_step) if size == b]
     return dict(generated_tokens=stats.generated_tokens, seconds=seconds, steps=stats.steps,
@@ -59,4 +61,5 @@ def measured_run(stats: GenerationStats, clock: PassClock, batch_size: int, seco
                 trials_per_position=list(stats.trials_per_position), k_counts_full_batch=dict(Counter(full)),
                 nodes_counts_full_batch=dict(Counter(nodes)), steady_tokens_per_s=stats.steady_tokens_per_s(b),
                 measured_steps=measured_steps(stats, clock, b), step_seconds=sum(stats.step_s),
+                context_len=sum(contexts) / len(contexts) if contexts else None,
                 decision_seconds=sum(stats.decision_s))

@@ -82,17 +82,17 @@ def render_bench(result, written: list[Path]) -> None:
                     f"{batch.table_speedup:.2f}x (wall {wall_speedup:.2f}x)"]
         if has_model:
             predicted, steady = shown.predicted_tokens_per_s, shown.median_steady_tokens_per_s
-            row += [f"{_rate(predicted)} vs {_rate(steady)}",
-                    _relative(None if predicted is None or not steady else predicted / steady - 1)]
+            row += [f"{_rate(predicted)} vs {_rate(steady)}", _relative(shown.prediction_error)]
         ratios = {f"{r.ours} / {r.theirs}": r.ratio for r in batch.peer_ratios}
         row += [f"{ratios[c]:.2f}x" if c in ratios else "-" for c in peer_columns]
         summary.add_row(*row)
     console.print(summary)
     if has_model:
         checked = any(batch.machine_speed for batch in result.batches)
-        errors = Table(title="prediction error: predicted / measured - 1 (median steady-state tokens/s: full-batch "
-                             "steps)" + ("; the reference pass's time during the rounds / during calibration "
-                                         "(bench.speed)" if checked else ""))
+        speed_note = "; the reference pass's time during the rounds / during calibration (bench.speed)"
+        errors = Table(title="prediction error: predicted / measured - 1 (steady-state tokens/s: full-batch steps; "
+                             "each round predicted at its own context, geometric mean over rounds)"
+                             + (speed_note if checked else ""))
         names = [p.policy for p in result.batches[0].policies if p.predicted_tokens_per_s is not None]
         for header in ["b", *(["reference pass vs calibration"] if checked else []), *names]:
             errors.add_column(header, justify="right")
@@ -100,9 +100,7 @@ def render_bench(result, written: list[Path]) -> None:
             cells = []
             for name in names:
                 policy = batch.policy(name)
-                predicted = policy.predicted_tokens_per_s if policy else None
-                steady = policy.median_steady_tokens_per_s if policy else None
-                cells.append(_relative(None if predicted is None or not steady else predicted / steady - 1))
+                cells.append(_relative(policy.prediction_error if policy else None))
             speed = batch.machine_speed
             slowdown = [] if not checked else ["-" if not speed else f"{speed['slowdown']:.2f}x"]
             errors.add_row(str(batch.batch_size), *slowdown, *cells)

@@ -3,6 +3,7 @@ decomposition of the table's prediction and the paired regret (structure only: n
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -79,3 +80,28 @@ def test_a_model_with_an_unreadable_reference_pass_is_refused_naming_the_file(ti
                          synthetic_acceptance=0.7, model_path=path)
     with pytest.raises(BenchError, match=r"^--model .*model\.json: noise reference 'draft b=1'"):
         run_bench(config, tiny_pair, prompts)
+
+
+def test_every_round_is_predicted_at_the_context_its_own_steps_paid_for(tiny_pair, prompts, table_path, tmp_path):
+    from bench.harness import cycled_prompts
+    from bench.predict import load_predictor
+    from runtime.sampling import Sampling
+
+    model = _model_file(tmp_path)
+    config = BenchConfig(batch_sizes=(1, 3), ks=(1, 2), max_new_tokens=6, rounds=3, warmup_rounds=1,
+                         resolve_rounds=0, synthetic_acceptance=0.7, table_path=table_path, model_path=model)
+    result = run_bench(config, tiny_pair, prompts)
+    predictor = load_predictor(model, Sampling(), 0.7)
+    for run in result.runs:
+        longest = max(len(p) for p in cycled_prompts(prompts, run.batch_size, (run.round + 1) * run.batch_size))
+        # the longest row's cache before each full-batch step's verify: the prompt, then what it generated
+        assert longest <= run.context_len <= longest + config.max_new_tokens
+    for batch in result.batches:
+        for name in ("k=0", "k=1", "k=2"):
+            policy = batch.policy(name)
+            timed = sorted((r for r in result.runs if r.batch_size == batch.batch_size and r.policy == name
+                            and not r.warmup), key=lambda r: r.round)
+            predicted = [predictor.tokens_per_s(batch.batch_size, policy.k, round(r.context_len)) for r in timed]
+            assert policy.predicted_tokens_per_s == pytest.approx(sorted(predicted)[1])  # the median of three
+            ratios = [p / r.steady_tokens_per_s for p, r in zip(predicted, timed)]
+            assert policy.prediction_error == pytest.approx(math.prod(ratios) ** (1 / 3) - 1)
