@@ -1,20 +1,22 @@
 """Several generations on one thread in lockstep: a turn of each (its prefill, then one step) in turn,
 always the one furthest behind in the fraction of its tokens generated.
 
-Why. This VM's CPUs change speed by themselves: each vCPU independently runs at one of two speeds about
-1.5x apart, for spells of half a second to tens of seconds (a fixed 64x64 matmul loop on each core: 0.61
-against 0.94 ms, the two cores uncorrelated, r = -0.07 over 0.5 s windows; the demo target's reference
-pass: 2.5 against 3.6 ms). Generations run one after another take a second or more each, so two
-policies compared back to back often ran at different speeds. In lockstep all of them go through their
-generations together, a step of each within milliseconds of the others', and meet the same spells of
-the machine: on the demo pair, two identical k = 4 contenders, the per-round spread of their log ratio
-fell from 7.3 % and 4.0 % back to back to 0.6 % and 0.7 % in lockstep (16 rounds at b = 4, 10 at b = 8;
-docs/fidelity.md, "Lockstep").
+Why. This VM's CPUs change speed by themselves: each vCPU, independently of the other, runs at one of
+two speeds about 1.6x apart, in spells of half a second to tens of seconds (`python -m bench.cpu_spells`:
+a fixed matmul loop pinned to each core; slow windows 1.62-1.66x the fastest, 15-44 % of the 0.5 s
+windows slow, the two cores' correlation r = -0.25 and +0.17 in two runs on 2026-12-01). Generations
+run one after another take a second or more each, so two policies compared back to back often ran at
+different speeds. In lockstep all of them go through their generations together, a step of each within
+milliseconds of the others', and meet the same spells of the machine. Two identical k = 4 contenders on
+the demo pair (`python -m bench.pairing_noise`, which generates the same rounds both ways): the spread
+over rounds of their log ratio fell from 10.1 % back to back to 1.4 % in lockstep at b = 4 (16 rounds),
+from 13.4 % to 1.6 % at b = 8 (10 rounds).
 
 What it changes in a step: the step before it was usually another generation's, so its own KV cache
 and activations may have left the CPU's caches (the weights are shared). Ties in progress (identical
-generations advance identically) go to the earliest in the caller's order: the second of two identical
-steps in a row ran ~0.8 % faster, so callers rotate the order (bench: the round's balanced order).
+generations advance identically) go to the earliest in the caller's order; the second of two identical
+steps in a row ran ~0.8 % faster in a first trial without rotation, so callers rotate the order (bench:
+the round's balanced order; with it the A/A ratios above were 1.003 and 1.001).
 
 Used by bench (a round's policies, bench.timing) and calibrate (the in-situ stage: every k of one batch
 size and sweep, calibrate.insitu), so the k the table chooses between were timed at the same moments.
