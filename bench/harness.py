@@ -298,6 +298,12 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: Sequence[list[i
         from .regret import add_paired_regret
 
         add_paired_regret(batches, runs, {k: fixed_policy_name(k) for k in fixed_ks}, TABLE_POLICY)
+    if adaptive is not None:
+        from .regret import add_adaptive_comparison
+
+        fixed_names = {k: fixed_policy_name(k) for k in fixed_ks}
+        add_adaptive_comparison(batches, runs, ADAPTIVE_POLICY, TABLE_POLICY, fixed_names,
+                                (config.rounds + 1) // 2 if config.workload == "switch" else None)
     if predictor is not None:
         from .explain_steps import add_explanations
 

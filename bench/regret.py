@@ -85,6 +85,23 @@ def paired_regret(table_by_round: dict[int, float], fixed_by_round: dict[str, di
     return PairedRegret(against, len(rounds), float(_regret(logs)), float(low), float(high), goal, per_k)
 
 
+def paired_ratio(numerator: dict[int, float], denominator: dict[int, float]) -> dict[str, Any] | None:
+    """numerator / denominator over the rounds where both ran: the geometric mean of the per-round ratios
+    and its 95 % bootstrap interval over rounds (as `paired_regret`); None without a common round.
+
+    >>> paired_ratio({0: 2.0, 1: 8.0}, {0: 1.0, 1: 2.0})["ratio"]  # sqrt(2 x 4)
+    2.8284271247461903
+    """
+    rounds = sorted(r for r in numerator if r in denominator)
+    if not rounds:
+        return None
+    logs = np.log([numerator[r] / denominator[r] for r in rounds])
+    rng = np.random.default_rng(BOOTSTRAP_SEED)
+    samples = np.exp(logs[rng.integers(0, len(logs), size=(BOOTSTRAP_SAMPLES, len(logs)))].mean(axis=1))
+    low, high = np.percentile(samples, [2.5, 97.5])
+    return {"rounds": len(rounds), "ratio": float(np.exp(logs.mean())), "ci95": [float(low), float(high)]}
+
+
 def rates_by_round(runs: Sequence[Any], batch_size: int, policy: str) -> dict[int, float]:
     """{round: steady-state tokens/s (wall tokens/s where no steady state)} of one policy's timed rounds."""
     return {r.round: (r.steady_tokens_per_s if r.steady_tokens_per_s is not None else r.tokens_per_s)
@@ -101,6 +118,36 @@ def add_paired_regret(batches: Sequence[Any], runs: Sequence[Any], fixed_names: 
         fixed = {name: rates_by_round(runs, batch.batch_size, name) for name in fixed_names.values()}
         found = paired_regret(table, fixed, fixed_names[batch.best_k])
         batch.paired_regret = None if found is None else found.to_json()
+
+
+def add_adaptive_comparison(batches: Sequence[Any], runs: Sequence[Any], adaptive_name: str, table_name: str,
+                            fixed_names: dict[int, str], first_phase_rounds: int | None = None) -> None:
+    """Set each batch's `adaptive` (when the adaptive policy ran): its steady-state goodput over the
+    table's and over the best fixed k's (in hindsight), paired per round (`paired_ratio`), and the share
+    of its steps' time its own decisions took (median and largest over rounds). With
+    `first_phase_rounds` (--workload switch: the rounds before the population changes) the ratio over the
+    table is also given per phase."""
+    for batch in batches:
+        adaptive = rates_by_round(runs, batch.batch_size, adaptive_name)
+        if not adaptive:
+            continue
+        shares = [r.decision_seconds / r.step_seconds for r in runs if r.batch_size == batch.batch_size
+                  and r.policy == adaptive_name and not r.warmup and r.step_seconds > 0]
+        best = fixed_names[batch.best_k]
+        found: dict[str, Any] = {
+            "vs_best_fixed": {"against": best, **(paired_ratio(adaptive, rates_by_round(runs, batch.batch_size, best))
+                                                  or {})},
+            "decision_share": {"median": float(np.median(shares)), "max": float(max(shares))} if shares else None,
+        }
+        table = rates_by_round(runs, batch.batch_size, table_name)
+        if table:
+            found["vs_table"] = paired_ratio(adaptive, table)
+            if first_phase_rounds is not None:
+                found["vs_table_by_phase"] = {
+                    phase: paired_ratio({r: g for r, g in adaptive.items() if (r < first_phase_rounds) == first},
+                                        table)
+                    for phase, first in (("first", True), ("second", False))}
+        batch.adaptive = found
 
 
 def resolve_regret(b: int, runs: list[Any], config: Any, fixed_ks: Sequence[int],

@@ -109,6 +109,7 @@ class BatchResult:
     # perfmodel.explain.Explanation.to_json() of the table's (else the best fixed k's) pooled rounds
     explanation: dict[str, Any] | None = None
     paired_regret: dict[str, Any] | None = None  # bench.regret.paired_regret(...).to_json()
+    adaptive: dict[str, Any] | None = None  # bench.regret.add_adaptive_comparison: adaptive / table, paired
     machine_speed: dict[str, Any] | None = None  # bench.speed.MachineSpeed.at(): reference pass vs calibration
 
     def policy(self, name: str) -> PolicyResult | None:

@@ -121,6 +121,7 @@ def render_bench(result, written: list[Path]) -> None:
                              f"({best['vs_plain']:.2f}x, {best['vs_best_chain']:.2f}x)")
             side.add_row(str(batch.batch_size), *cells)
         console.print(side)
+    _render_adaptive(console, result.batches)
     from console.explain import render_bench_fidelity
 
     render_bench_fidelity(console, result.batches)
@@ -135,3 +136,36 @@ def render_bench(result, written: list[Path]) -> None:
 
 def _short_policy(name: str, width: int = 28) -> str:
     return name if len(name) <= width else name[:width - 3] + "..."
+
+
+def _ratio_cell(found) -> str:
+    """A paired ratio with its interval ('1.04x [0.99, 1.09]'), '-' when absent."""
+    if not found or "ratio" not in found:
+        return "-"
+    return f"{found['ratio']:.3f}x [{found['ci95'][0]:.3f}, {found['ci95'][1]:.3f}]"
+
+
+def _render_adaptive(console, batches) -> None:
+    """The adaptive policy against the table and the best fixed k, paired per round (bench.regret)."""
+    from rich.table import Table
+
+    compared = [b for b in batches if b.adaptive]
+    if not compared:
+        return
+    phases = any("vs_table_by_phase" in b.adaptive for b in compared)
+    table = Table(title="adaptive, paired per round (geometric mean of adaptive / other, steady state), bootstrap "
+                        "95 %; its decisions' share of its steps' time")
+    headers = ["b", "rounds", "/ table", *(["/ table, first phase", "/ table, second phase"] if phases else []),
+               "/ best fixed k", "decisions, median [max]"]
+    for header in headers:
+        table.add_column(header, justify="right")
+    for batch in compared:
+        found = batch.adaptive
+        share = found.get("decision_share")
+        by_phase = found.get("vs_table_by_phase") or {}
+        best = found["vs_best_fixed"]
+        table.add_row(str(batch.batch_size), str(best.get("rounds", "-")), _ratio_cell(found.get("vs_table")),
+                      *([_ratio_cell(by_phase.get("first")), _ratio_cell(by_phase.get("second"))] if phases else []),
+                      f"{_ratio_cell(best)} ({best['against']})",
+                      "-" if not share else f"{100 * share['median']:.1f}% [{100 * share['max']:.1f}%]")
+    console.print(table)

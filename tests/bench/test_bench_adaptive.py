@@ -75,3 +75,36 @@ def test_bench_runs_adaptive_beside_the_table_on_a_mixed_workload(tiny_pair, tab
     doc = json.loads(json.dumps(bench_json(result)))
     assert doc["config"]["workload"] == "mixed" and doc["config"]["adaptive"] == str(model_file)
     assert all("decision_seconds" in run for run in doc["runs"])
+    # adaptive against the table and the best fixed k, paired per round (bench.regret.paired_ratio)
+    found = doc["batch_sizes"][0]["adaptive"]
+    steady = {name: {r.round: r.steady_tokens_per_s for r in result.runs if r.policy == name and not r.warmup}
+              for name in (ADAPTIVE_POLICY, "table")}
+    a, t = steady[ADAPTIVE_POLICY], steady["table"]
+    expected = (a[0] / t[0] * a[1] / t[1]) ** 0.5
+    assert found["vs_table"]["ratio"] == pytest.approx(expected) and found["vs_table"]["rounds"] == 2
+    low, high = found["vs_table"]["ci95"]
+    assert low <= found["vs_table"]["ratio"] <= high
+    assert found["vs_best_fixed"]["against"] == f"k={batch.best_k}"
+    shares = sorted(r.decision_seconds / r.step_seconds for r in runs if not r.warmup)
+    assert found["decision_share"]["max"] == pytest.approx(shares[-1])
+
+
+def test_paired_ratio_is_the_geometric_mean_of_the_rounds_ratios_and_switch_splits_it_by_phase():
+    from types import SimpleNamespace
+
+    from bench.regret import add_adaptive_comparison, paired_ratio
+
+    assert paired_ratio({0: 2.0, 1: 8.0, 5: 1.0}, {0: 1.0, 1: 2.0}) == \
+        {"rounds": 2, "ratio": pytest.approx(8 ** 0.5), "ci95": [pytest.approx(2.0), pytest.approx(4.0)]}
+    assert paired_ratio({0: 1.0}, {1: 1.0}) is None
+    run = lambda r, policy, rate: SimpleNamespace(batch_size=4, round=r, policy=policy, warmup=False,  # noqa: E731
+                                                  steady_tokens_per_s=rate, tokens_per_s=rate,
+                                                  decision_seconds=0.01 * (r + 1), step_seconds=1.0)
+    runs = [run(r, "adaptive", a) for r, a in enumerate((110, 120, 90, 80))] + \
+        [run(r, "table", 100) for r in range(4)] + [run(r, "k=0", 50) for r in range(4)]
+    batch = SimpleNamespace(batch_size=4, best_k=0, adaptive=None)
+    add_adaptive_comparison([batch], runs, "adaptive", "table", {0: "k=0"}, first_phase_rounds=2)
+    assert batch.adaptive["vs_table_by_phase"]["first"]["ratio"] == pytest.approx((1.1 * 1.2) ** 0.5)
+    assert batch.adaptive["vs_table_by_phase"]["second"]["ratio"] == pytest.approx((0.9 * 0.8) ** 0.5)
+    assert batch.adaptive["vs_best_fixed"]["ratio"] == pytest.approx((2.2 * 2.4 * 1.8 * 1.6) ** 0.25)
+    assert batch.adaptive["decision_share"] == {"median": pytest.approx(0.025), "max": pytest.approx(0.04)}
