@@ -83,7 +83,8 @@ class DraftStop:
         alphas = model.acceptance.alphas(max_k)
         self.tail = [[expected_tokens(alphas[j:], depth) for depth in range(max_k - j + 1)] for j in range(max_k + 1)]
         self.decision_s = 0.0  # this step's time spent in `propose`
-        self._costs: dict[tuple[int, int, int], list[float]] = {}  # (b, L, k) -> S_0..S_k
+        # (b, L, k) -> per position j = 1..k the gain threshold c_j (index j - 1), from S_0..S_k
+        self._thresholds: dict[tuple[int, int, int], list[float]] = {}
         self.plan(1, 1, 0)
 
     def plan(self, batch_size: int, context_len: int, k: int) -> None:
@@ -94,29 +95,41 @@ class DraftStop:
         self.expected_tokens = float(batch_size)
         self.decision_s = 0.0
         key = (batch_size, context_len, k)
-        if k > 0 and key not in self._costs:  # S_0..S_k from the step model, once per (b, L, k)
-            if len(self._costs) > 4096:
-                self._costs.clear()
+        if k > 0 and key not in self._thresholds:  # from the step model, once per (b, L, k)
+            if len(self._thresholds) > 4096:
+                self._thresholds.clear()
             self.model.prefetch(batch_size, context_len, k + 1)  # usually warm: the policy's choice asked first
-            self._costs[key] = [self.chain_step_ms(batch_size, context_len, m) for m in range(k + 1)]
-        self._step_ms = self._costs.get(key)
+            self._thresholds[key] = self.thresholds([self.chain_step_ms(batch_size, context_len, m)
+                                                     for m in range(k + 1)])
+        self._threshold = self._thresholds.get(key)
+
+    def thresholds(self, step_ms: list[float]) -> list[float]:
+        """Per position j = 1..k, c_j such that token j is worth proposing iff its gain dE_j >= E_{j-1} c_j.
+
+        The rule (module docstring), (1 + margin) (E_{j-1} + dE_j t_m) S_{j-1} >= E_{j-1} S_m for some
+        m in j..k with t_m = tail[j][m - j] >= 1, is linear in E_{j-1}: dE_j >= E_{j-1} (S_m / ((1 + margin)
+        S_{j-1}) - 1) / t_m for some m, i.e. dE_j >= E_{j-1} min_m of that. So a decision is one
+        comparison, whatever the depth looked ahead to.
+        """
+        k = len(step_ms) - 1
+        found = []
+        for j in range(1, k + 1):
+            stop_ms = step_ms[j - 1] * (1.0 + self.margin)
+            tail = self.tail[j]
+            depths = range(j, min(k, j + len(tail) - 1) + 1)
+            found.append(min((step_ms[m] / stop_ms - 1.0) / tail[m - j] for m in depths))
+        return found
 
     def propose(self, position: int, top_probabilities) -> bool:
         """Whether to propose draft token `position` (1-based), given each row's top probability of q_j."""
         started = time.perf_counter()
-        bins = self.calibration.index(top_probabilities.tolist())
-        rate = self.calibration.rate
-        reach = [r * rate[i] for r, i in zip(self.reach, bins)]  # P(row reaches and accepts token j)
+        bins, last, rate = self.calibration.bins, self.calibration.bins - 1, self.calibration.rate
+        indices = [min(int(p * bins), last) for p in top_probabilities.tolist()]
+        reach = [r * rate[i] for r, i in zip(self.reach, indices)]  # P(row reaches and accepts token j)
         gain = sum(reach)
-        step_ms, now = self._step_ms, self.expected_tokens
-        stop_ms = step_ms[position - 1]
-        tail = self.tail[position]
-        # (1 + margin) E_m * S_{j-1} >= E_{j-1} * S_m for some m in j..k: cross-multiplied, no division
-        stop_ms *= 1.0 + self.margin
-        worth = any((now + gain * tail[m - position]) * stop_ms >= now * step_ms[m]
-                    for m in range(position, min(self.k, position + len(tail) - 1) + 1))
+        worth = gain >= self.expected_tokens * self._threshold[position - 1]  # `thresholds`
         if worth:
-            self.signal_bins.append(bins)
+            self.signal_bins.append(indices)
             self.reach = reach
             self.expected_tokens += gain
         self.decision_s += time.perf_counter() - started
@@ -126,9 +139,12 @@ class DraftStop:
         """After the step: row i accepted `accepted[i]` of the proposed tokens; teach the calibration."""
         accepted = list(accepted)
         if self.signal_bins and len(accepted) == len(self.signal_bins[0]):
-            update = self.calibration.update
+            calibration = self.calibration
+            hits, trials, rate = calibration.hits, calibration.trials, calibration.rate
             for position, bins in enumerate(self.signal_bins, start=1):
-                for a, bin_index in zip(accepted, bins):
+                for a, i in zip(accepted, bins):
                     if a >= position - 1:  # the row reached this token: every earlier one was accepted
-                        update(bin_index, a >= position)
+                        trials[i] += 1.0  # SignalCalibration.update, inline (a step makes dozens)
+                        hits[i] += a >= position
+                        rate[i] = hits[i] / trials[i]
         self.signal_bins = []

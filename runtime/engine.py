@@ -278,17 +278,18 @@ class Engine:
         caches = self._views(0, b, fresh=False)
         sampling, rng = self._batch_sampling(self._rows)
         request_ids = [row.request.id for row in self._rows]
+        context = int(committed.max())  # what any policy is told: not its decision time
         started = time.perf_counter()
-        choice = hooks.ask(self.policy, request_ids, int(committed.max())) if self.generator.draft is not None else 0
+        choice = hooks.ask(self.policy, request_ids, context) if self.generator.draft is not None else 0
         decision_s = time.perf_counter() - started
         stats = GenerationStats()
         stop = hooks.draft_stop(self.policy) if self.generator.draft is not None else None
         new, counts = self.generator.step(choice, self.max_k, self._tokens[:b], committed, *caches, sampling, rng,
                                           stats, draft_stop=stop)
-        stats.decision_s.append(decision_s + self.generator.learn(self.policy, request_ids, stats, counts, stop))
+        counts_list = counts.tolist()
+        stats.decision_s.append(decision_s + self.generator.learn(self.policy, request_ids, stats, counts_list, stop))
         self._store_lengths(0, caches)
         self._committed[:b] = committed + counts
-        counts_list = counts.tolist()
         new_list = new.tolist()
         self.metrics.observe_step(describe_choice(choice), stats, b, time.perf_counter() - started)
         self._deliver(list(range(b)), new, counts, [t[:c] for t, c in zip(new_list, counts_list)], counts_list)

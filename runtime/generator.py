@@ -230,15 +230,16 @@ class SpeculativeGenerator:
             resumed = time.perf_counter()
             step_start = timer.now()
             # the context a step pays for: attention spans the longest row (shorter rows are masked)
+            context, ids = int(committed.max()), request_ids()  # what any policy is told: not its decision time
             decided = time.perf_counter()
-            choice = hooks.ask(policy, request_ids(), int(committed.max())) if self.draft is not None else 0
+            choice = hooks.ask(policy, ids, context) if self.draft is not None else 0
             decision_s = time.perf_counter() - decided
             new, counts = self.step(choice, max_k, tokens, committed, target_cache, draft_cache, sampling, rng,
                                     stats, timer, synthetic_acceptance, draft_stop=stop)
-            decision_s += self.learn(policy, request_ids(), stats, counts, stop)
+            counts_list = counts.tolist()
+            decision_s += self.learn(policy, ids, stats, counts_list, stop)
             stats.decision_s.append(decision_s)
             committed = committed + counts
-            counts_list = counts.tolist()
             stats.step_tokens.append(sum(min(c, max_new_tokens - g) for c, g in zip(counts_list, generated)))
             for i, c in enumerate(counts_list):
                 generated[i] += c
@@ -251,12 +252,13 @@ class SpeculativeGenerator:
         return GenerationResult(token_ids=outputs, stats=stats)
 
     @staticmethod
-    def learn(policy, request_ids, stats: GenerationStats, counts, stop) -> float:
-        """Tell a learning policy what the chain step just run gave each row; returns the seconds the
-        policy spent (learning, and its draft stop's decisions during the step)."""
+    def learn(policy, request_ids, stats: GenerationStats, counts: list[int], stop) -> float:
+        """Tell a learning policy what the chain step just run gave each row (`counts`: tokens kept per row,
+        on the host); returns the seconds the policy spent (learning, and its draft stop's decisions during
+        the step)."""
         started = time.perf_counter()
         if stats.nodes_per_step[-1] == stats.k_per_step[-1]:  # a chain (trees teach no per-token rate)
-            hooks.report(policy, request_ids, stats.k_per_step[-1], (counts - 1).tolist())
+            hooks.report(policy, request_ids, stats.k_per_step[-1], [c - 1 for c in counts])
         return time.perf_counter() - started + (stop.decision_s if stop is not None else 0.0)
 
     # ------------------------------------------------------------------ the steps (the engine's too)
@@ -397,7 +399,9 @@ class SpeculativeGenerator:
             stats.draft_passes.append((b, step_input.shape[1]))
             q = None if sampling.greedy else probabilities(logits, sampling)
             if draft_stop is not None:
+                started = time.perf_counter()  # the draft's confidence exists for the stop: its time is the stop's
                 top = (torch.softmax(logits.float(), -1) if q is None else q).amax(-1)  # (b,)
+                draft_stop.decision_s += time.perf_counter() - started
                 if not draft_stop.propose(position, top):
                     return (torch.stack(proposed, dim=1) if proposed else None,
                             torch.stack(dists, dim=1) if dists else None, len(proposed))

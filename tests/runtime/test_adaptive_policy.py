@@ -192,3 +192,38 @@ def test_draft_stop_overrides_the_plan_only_beyond_its_margin():
         assert stop.propose(1, np.array([0.95]))
         assert stop.propose(2, unsure) is proposed
     assert AdaptivePolicy(model, max_k=2).draft_stop.margin == 0.03
+
+
+def test_the_per_step_goodput_equals_the_vectorized_one_with_and_without_capped_rows():
+    """`choose` computes G in plain Python (one line per candidate, a bisection for rows whose E_r hits
+    k + 1); it must equal `predicted_goodput` (the closed form over every row) wherever the rows sit."""
+    policy = AdaptivePolicy(constructed_model(alpha=0.5), max_k=8, early_stop=False)
+    rng = np.random.default_rng(5)
+    capped = 0
+    for trial in range(200):
+        rows = [("row", trial, i) for i in range(int(rng.integers(1, 33)))]
+        for r in rows:  # rho = (4 + a) / (4 + 20) from 0.18 to 5.2: above 1 / (E_cal(1) - 1) = 2, k = 1 is capped
+            policy.acceptance.counts[r] = [float(rng.uniform(0.2, 120)), 20.0, 1.0]
+        capped += max(policy.acceptance.mean_list(rows)) > policy._rho_cap
+        context = int(rng.integers(10, 600))
+        assert policy._goodput_list(rows, context) == pytest.approx(policy.predicted_goodput(rows, context).tolist(),
+                                                                    rel=1e-12)
+        policy.acceptance.release(rows)
+    assert 20 < capped < 200  # both paths were exercised
+    assert policy._rho_cap == pytest.approx(1 / (1 - 0.5))  # k = 1: E_cal(1) - 1 = 0.5
+
+
+def test_draft_stop_thresholds_are_the_look_ahead_rule_solved_for_the_gain():
+    """dE_j >= E_{j-1} c_j  iff  (1 + margin) (E_{j-1} + dE_j t_m) S_{j-1} >= E_{j-1} S_m for some m."""
+    model = StepModel(constructed_latency, OverheadModel(()), acceptance_from_user([0.8, 0.7, 0.9, 0.6]))
+    rng = np.random.default_rng(2)
+    for trial in range(50):
+        k = int(rng.integers(1, 9))
+        step_ms = np.cumsum(rng.uniform(0.1, 3.0, k + 1)).tolist()  # increasing, with bends
+        stop = DraftStop(model, lambda b, L, m: step_ms[m], max_k=8, margin=float(rng.choice([0.0, 0.03])))
+        thresholds = stop.thresholds(step_ms)
+        for j in range(1, k + 1):
+            for now, gain in rng.uniform(0.01, 4.0, size=(20, 2)):
+                t, s = stop.tail[j], step_ms[j - 1] * (1 + stop.margin)
+                rule = any((now + gain * t[m - j]) * s >= now * step_ms[m] for m in range(j, k + 1))
+                assert (gain >= now * thresholds[j - 1]) == rule
