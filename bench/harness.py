@@ -341,10 +341,11 @@ def _adaptive_policy(config: BenchConfig, models: BenchModels):
     from runtime.assembly import check_stage2_file
 
     policy = adaptive_policy(config.adaptive_path, staged=models.stage2 is not None,
-                             mode="greedy" if config.sampling.greedy else "sampling")
+                             mode="greedy" if config.sampling.greedy else "sampling",
+                             early_stop=config.adaptive_draft_stop)
     if policy.needs_stage2:
         if config.stage2_path is None:
-            return adaptive_policy(config.adaptive_path, staged=False)
+            return adaptive_policy(config.adaptive_path, staged=False, early_stop=config.adaptive_draft_stop)
         check_stage2_file(config.stage2_path, policy.stage2_record["sha256"], "--adaptive's model measured")
     return policy
 

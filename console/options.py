@@ -154,7 +154,11 @@ TreeOpt = Annotated[Optional[str], typer.Option(
                    "list of paths, or auto (the tree the performance model in --model picks per batch size).")]
 AdaptiveOpt = Annotated[Optional[Path], typer.Option(
     "--adaptive", help="specbatch.model/1 file: choose the strategy every step from the fitted model and each "
-                       "request's acceptance learned online, with draft-side early stop (runtime/adaptive.py).")]
+                       "request's acceptance learned online (runtime/adaptive.py).")]
+DraftStopOpt = Annotated[bool, typer.Option(
+    "--draft-stop", help="With --adaptive: the draft stops proposing within a step when its own confidence says the "
+                         "next token no longer pays by 10 % (off by default: on the demo pair it cost more than it "
+                         "won, docs/adaptive.md).")]
 Stage2Opt = Annotated[Optional[Path], typer.Option(
     "--stage2", help="n-gram file (specbatch.ngram/1) that speeds up the draft model's own drafting.")]
 AcceptanceOpt = Annotated[Optional[str], typer.Option(

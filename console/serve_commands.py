@@ -25,6 +25,8 @@ def serve_command(
     adaptive: Annotated[Optional[Path], typer.Option(
         "--adaptive", help="specbatch.model/1 file: choose k every step from the model and each request's "
                            "acceptance learned online, instead of a table.")] = None,
+    draft_stop: Annotated[bool, typer.Option(
+        "--draft-stop", help="With --adaptive: the draft-side early stop (off by default, docs/adaptive.md).")] = False,
     host: Annotated[str, typer.Option(
         "--host", help="Address to bind (loopback by default; there is no authentication).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port")] = 8000,
@@ -51,7 +53,8 @@ def serve_command(
     """Serve the pair over an OpenAI-compatible HTTP API with continuous batching; the table picks k every step."""
     from serve.server import ServeOptions, serve
 
-    serve(ServeOptions(target=target, draft=draft, table=table, k=k, tree=tree, adaptive=adaptive, host=host, port=port,
+    serve(ServeOptions(target=target, draft=draft, table=table, k=k, tree=tree, adaptive=adaptive,
+                       draft_stop=draft_stop, host=host, port=port,
                        max_batch_size=max_batch_size, kv_budget_tokens=kv_budget_tokens, max_waiting=max_waiting,
                        max_tokens_limit=max_tokens_limit, device=device, dtype=dtype, profile=profile,
                        threads=threads, model_name=model_name, drain_s=drain_s))

@@ -179,14 +179,15 @@ def second_stage_for(policy, stage2: Path | None, target_model):
     return load_ngram(stage2, "--stage2", target_model)
 
 
-def adaptive_for_pair(model_file: Path, running: dict, force: bool, mode: str = "greedy", staged: bool = True):
+def adaptive_for_pair(model_file: Path, running: dict, force: bool, mode: str = "greedy", staged: bool = True,
+                      draft_stop: bool = False):
     """`--adaptive MODEL.json`: the adaptive policy (runtime.adaptive) from a model made for the `running`
     pair (`check_made_for`); its second-stage chains only when the model measured the second stage."""
     from runtime.adaptive import adaptive_policy
 
     if not Path(model_file).is_file():
         raise UsageError(f"--adaptive {model_file}: no such file")
-    policy = adaptive_policy(Path(model_file), staged=staged, mode=mode)
+    policy = adaptive_policy(Path(model_file), staged=staged, mode=mode, early_stop=draft_stop)
     check_made_for(f"--adaptive {model_file}", policy.made_for, running, force)
     return policy
 
@@ -204,6 +205,7 @@ class GenerationRequest:
     stage2: Path | None = None
     model: Path | None = None  # for --tree auto
     adaptive: Path | None = None  # a specbatch.model/1 file: the adaptive policy (runtime.adaptive)
+    draft_stop: bool = False  # with adaptive: the draft-side early stop (runtime.draft_stop)
     force: bool = False  # use a table or model made for another pair
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -220,6 +222,8 @@ class GenerationRequest:
             raise UsageError("--k, --table, --tree and --adaptive are mutually exclusive")
         if self.adaptive is not None and not self.adaptive.is_file():
             raise UsageError(f"--adaptive {self.adaptive}: no such file")
+        if self.draft_stop and self.adaptive is None:
+            raise UsageError("--draft-stop is part of the adaptive policy: give --adaptive MODEL.json")
         if not self.prompts:
             raise UsageError("give at least one --prompt or a --prompts-file")
         if self.max_new_tokens <= 0:  # checked here, before a model is loaded
@@ -281,7 +285,7 @@ def generate_texts(request: GenerationRequest, loaded_pair=None) -> Generation:
         if draft_model is not None:
             running["draft"] = (str(draft_model.path), directory_fingerprint(draft_model.path))
         policy = adaptive_for_pair(request.adaptive, running, request.force,
-                                   "greedy" if sampling.greedy else "sampling")
+                                   "greedy" if sampling.greedy else "sampling", draft_stop=request.draft_stop)
     elif request.tree is not None:
         policy = strategy_policy(request.tree, request.stage2, request.model, len(request.prompts))
     elif request.table is not None:

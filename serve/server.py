@@ -34,6 +34,7 @@ class ServeOptions:
     k: int | None = None
     tree: str | None = None
     adaptive: Path | None = None  # a specbatch.model/1 file: the adaptive policy (runtime.adaptive)
+    draft_stop: bool = False  # with adaptive: the draft-side early stop (runtime.draft_stop)
     host: str = "127.0.0.1"
     port: int = 8000
     max_batch_size: int = 32
@@ -86,6 +87,8 @@ def choose_policy(options: ServeOptions, target_dir: Path, draft_dir: Path | Non
 
     if sum(x is not None for x in (options.table, options.k, options.tree, options.adaptive)) > 1:
         raise ServeError("--table, --k, --tree and --adaptive are mutually exclusive")
+    if options.draft_stop and options.adaptive is None:
+        raise ServeError("--draft-stop is part of the adaptive policy: give --adaptive MODEL.json")
     if options.adaptive is not None:
         from perfmodel.jsonio import directory_fingerprint
         from runtime.assembly import adaptive_for_pair
@@ -94,7 +97,7 @@ def choose_policy(options: ServeOptions, target_dir: Path, draft_dir: Path | Non
             raise ServeError("--adaptive speculates: it needs a draft model (--draft DIR)")
         running = {role: (str(path), directory_fingerprint(path)) for role, path in
                    (("target", target_dir), ("draft", draft_dir))}
-        policy = adaptive_for_pair(options.adaptive, running, force=False)
+        policy = adaptive_for_pair(options.adaptive, running, force=False, draft_stop=options.draft_stop)
     elif options.k is not None:
         if options.k < 0:
             raise ServeError(f"--k must be >= 0, got {options.k}")

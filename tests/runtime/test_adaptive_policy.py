@@ -12,7 +12,7 @@ import pytest
 from perfmodel.acceptance import acceptance_from_user
 from perfmodel.overhead import OverheadModel
 from perfmodel.strategy import StepModel
-from runtime.adaptive import AdaptivePolicy, RequestAcceptance
+from runtime.adaptive import STOP_MARGIN, AdaptivePolicy, RequestAcceptance
 from runtime.draft_stop import DraftStop, SignalCalibration
 
 DRAFT_MS, TARGET_MS, PER_TOKEN_MS = 1.0, 10.0, 1.5
@@ -179,7 +179,7 @@ def test_draft_stop_looks_ahead_to_the_planned_depth_where_the_step_time_is_not_
 
 def test_draft_stop_overrides_the_plan_only_beyond_its_margin():
     """Stopping after token 1 beats proposing token 2 by 2.5 %: without a margin the stop cuts, with the
-    policy's 3 % it keeps to the plan; the policy hands its switch margin to its stop."""
+    policy's 3 % it keeps to the plan; the policy's own stop has a margin of its own, 10 %."""
     model = StepModel(constructed_latency, OverheadModel(()), acceptance_from_user([0.5]))
     step_ms = {0: 10.0, 1: 12.0, 2: 14.4}
     unsure = np.array([0.35])  # bin 3: calibrated prior 0.35
@@ -191,7 +191,8 @@ def test_draft_stop_overrides_the_plan_only_beyond_its_margin():
         stop.plan(1, 64, 2)
         assert stop.propose(1, np.array([0.95]))
         assert stop.propose(2, unsure) is proposed
-    assert AdaptivePolicy(model, max_k=2).draft_stop.margin == 0.03
+    assert AdaptivePolicy(model, max_k=2).draft_stop is None  # off unless asked for (runtime.adaptive.DRAFT_STOP)
+    assert AdaptivePolicy(model, max_k=2, early_stop=True).draft_stop.margin == STOP_MARGIN == 0.10
 
 
 def test_the_per_step_goodput_equals_the_vectorized_one_with_and_without_capped_rows():
