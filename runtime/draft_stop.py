@@ -21,11 +21,13 @@ decides for the whole batch (the batch shares one shape) whether to propose it:
     costs little more up to a tile or thread boundary, a fitted curve with a bend): there the myopic
     rule stopped at the first token that did not pay alone, although it and the next ones together
     did (on the demo pair's idle-machine fit, G(k) dipped at k = 3 at b = 12).
-  * the stop overrides the plan only with the evidence the policy needs to change k: stopping must
-    beat the best continuation by more than `margin` (the policy's switch margin, 3 %). The model's
-    step times are good to about 10 % on a CPU, and without a margin the stop acted on differences of
-    1-2 %: at b = 16 on the demo pair it cut 48 of 55 planned k = 4 steps to 1-3 tokens (with or
-    without the look-ahead), where a fixed k = 4 ran faster.
+  * the stop overrides the plan only when stopping beats the best continuation by more than `margin`
+    (the adaptive policy's STOP_MARGIN, 10 %). The model's step times are good to about 10 % on a
+    CPU; without a margin the stop acted on differences of 1-2 % (at b = 16 on the demo pair it cut
+    48 of 55 planned k = 4 steps to 1-3 tokens, where a fixed k = 4 ran faster), and at 3 % it still
+    cost more than at 10 % at b = 1-8 (runtime.adaptive: DRAFT_STOP, measured in lockstep).
+  * the decision is one comparison per position: the rule is linear in E_{j-1}, so per (b, L, k) it
+    is solved once into a gain threshold per position (`thresholds`).
 
 Lossless. The decision to propose token j uses only what is known before token j is drawn: the
 committed prefix, the draft tokens 1..j-1 (each row's context before j), the draft's distribution q_j

@@ -228,3 +228,22 @@ def test_draft_stop_thresholds_are_the_look_ahead_rule_solved_for_the_gain():
                 t, s = stop.tail[j], step_ms[j - 1] * (1 + stop.margin)
                 rule = any((now + gain * t[m - j]) * s >= now * step_ms[m] for m in range(j, k + 1))
                 assert (gain >= now * thresholds[j - 1]) == rule
+
+
+def test_steps_without_speculation_age_the_evidence_but_not_the_prior():
+    """A request judged poor (k = 0 chosen) gets no new evidence; its estimate must drift back toward the
+    calibrated pair, (n0 w + A keep^t) / (n0 w + X keep^t) after t plain steps, so it is tried again."""
+    acceptance = RequestAcceptance([0.0, 1.0, 1.8], prior_tokens=4.0, memory_tokens=64.0)
+    acceptance.observe(["r"], 2, [0])
+    acceptance.observe(["r"], 2, [0])
+    accepted, expected, weight = acceptance.counts["r"]
+    before = acceptance.means(["r"])[0]
+    keep = 1 - 1 / 64
+    for t in range(1, 129):
+        acceptance.observe(["r"], 0, [0])
+        assert acceptance.counts["r"][2] == weight  # the prior's weight does not fade without evidence
+        mean = acceptance.means(["r"])[0]
+        assert mean == pytest.approx((4 * weight + accepted * keep ** t) / (4 * weight + expected * keep ** t))
+    assert before < 0.6 < mean < 1.0
+    acceptance.observe(["unseen"], 0, [0])  # a request never observed stays unseen (at the prior)
+    assert "unseen" not in acceptance.counts
