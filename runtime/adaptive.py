@@ -174,6 +174,7 @@ class AdaptivePolicy:
         self._prior_extra = np.array([model.tokens_per_step(s) - 1.0 for s in self.candidates])  # E_cal(s) - 1
         self._step_ms: dict[tuple[int, int], np.ndarray] = {}
         self._line_cache: dict[tuple[int, int], list[tuple[float, float]]] = {}
+        self._catch_up_cache: dict[tuple[int, int, int], float] = {}
         # per candidate, the rho above which E_r = 1 + rho (E_cal - 1) passes its k + 1 cap (`_goodput_list`)
         self._depths = self._depth.tolist()
         # what `choose` returns per candidate (a Strategy only where the generator needs more than k), and the
@@ -239,9 +240,7 @@ class AdaptivePolicy:
         tokens = 1.0 + np.minimum(self._depth, np.multiply.outer(ratios, self._prior_extra)).mean(0)
         step_ms = self._step_times(b, bucket)
         if self._lag_steps > 0 and self.candidates[self._current].tree is None:
-            catch_up_ms = (self._latency("draft", b, self._lag_steps + 1, bucket)
-                           - self._latency("draft", b, 1, bucket)) / self.horizon_steps
-            step_ms = step_ms + self._is_chain * catch_up_ms
+            step_ms = step_ms + self._is_chain * self._catch_up_ms(b, bucket, self._lag_steps)
         return b * tokens / step_ms * 1e3
 
     def _goodput_list(self, request_ids: Sequence[Hashable], context_len: int) -> list[float]:
@@ -252,13 +251,16 @@ class AdaptivePolicy:
             G_s = A_s (1 + mean_r min(k_s, rho_r (E_cal(s) - 1)))
                 = A_s + (B_s sum_{rho_r <= c_s} rho_r + A_s k_s #{rho_r > c_s}) / b,   c_s = k_s / (E_cal(s) - 1),
         with the rows' rho sorted once and a bisection per candidate; when every rho_r is below the smallest
-        c_s (the usual case) it is A_s + mean(rho) B_s. While the draft lags after k = 0 (a catch-up cost
-        on every chain) the numpy path."""
+        c_s (the usual case) it is A_s + mean(rho) B_s. While the draft lags after k = 0, every chain's S_s
+        grows by the catch-up cost c (once per (b, L bucket, lag)): A_s and B_s scale by S_s / (S_s + c)."""
         ratios = self.acceptance.mean_list(request_ids)
-        if self._lag_steps > 0 and self._current is not None and self.candidates[self._current].tree is None:
-            return self.predicted_goodput(request_ids, context_len).tolist()
-        b = len(ratios)
-        lines = self._lines(b, self._bucket(context_len))
+        b, bucket = len(ratios), self._bucket(context_len)
+        lines = self._lines(b, bucket)
+        if self._lag_steps > 0 and self._depths[self._current] == 0:
+            catch_up_ms = self._catch_up_ms(b, bucket, self._lag_steps)
+            per_ms = catch_up_ms / (b * 1e3)  # A_s = b 1e3 / S_s, so S_s / (S_s + c) = 1 / (1 + c A_s / (b 1e3))
+            lines = [(a / (1.0 + per_ms * a), slope / (1.0 + per_ms * a)) if depth else (a, slope)
+                     for (a, slope), depth in zip(lines, self._depths)]
         if max(ratios) <= self._rho_cap:
             rho = sum(ratios) / b
             return [a + rho * slope for a, slope in lines]
@@ -269,6 +271,17 @@ class AdaptivePolicy:
             below = bisect_right(ratios, cap)  # rows whose E_r is not capped for this candidate
             goodput.append(a + (slope * (prefix[below - 1] if below else 0.0) + a * depth * (b - below)) / b)
         return goodput
+
+    def _catch_up_ms(self, batch_size: int, bucket: int, lag_steps: int) -> float:
+        """The draft's extra first-pass time after `lag_steps` steps at k = 0, spread over `horizon_steps`."""
+        key = (batch_size, bucket, lag_steps)
+        found = self._catch_up_cache.get(key)
+        if found is None:
+            if len(self._catch_up_cache) > 4096:
+                self._catch_up_cache.clear()
+            found = self._catch_up_cache[key] = (self._latency("draft", batch_size, lag_steps + 1, bucket)
+                                                 - self._latency("draft", batch_size, 1, bucket)) / self.horizon_steps
+        return found
 
     def _lines(self, batch_size: int, bucket: int) -> list[tuple[float, float]]:
         """(A_s, B_s) of every candidate at (b, L bucket): G_s = A_s + mean(rho) B_s (`_goodput_list`)."""

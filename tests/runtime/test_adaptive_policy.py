@@ -141,6 +141,7 @@ def test_catch_up_after_k0_steps_is_charged_to_chains():
     step_ms = lambda g, k: 1e3 * (1 + sum(0.05 ** i for i in range(1, k + 1))) / g  # noqa: E731
     for k in (1, 2):
         assert step_ms(charged[k], k) - step_ms(fresh[k], k) == pytest.approx(2.0 / 4)
+    assert policy._goodput_list(["r"], 64) == pytest.approx(charged.tolist(), rel=1e-12)  # the per-step path too
 
 
 def test_draft_stop_proposes_while_the_next_token_pays_by_hand():
