@@ -5,10 +5,11 @@ How the measurement is kept honest:
     the policy run just before (`balanced_order`, a Williams design), so slow drift of a shared machine
     (thermal state, a background job) and whatever a run leaves behind for the next spread over all
     policies instead of picking the winner. Within a round our policies run in lockstep by default, a
-    step of each in turn (`bench.timing.time_lockstep`), so they meet the same spells of a CPU whose
-    speed changes every few seconds; the balanced order breaks their ties. One warm-up round per batch size runs
-    first and is discarded: each (policy, b) has its own tensor shapes, whose first use pays
-    allocator (and, on CUDA, kernel-selection) costs that steady-state serving does not.
+    step of each in turn (`bench.timing.time_lockstep`, calibrate.lockstep), so they meet the same
+    spells of a CPU whose speed changes every few seconds; the balanced order breaks their ties. One
+    warm-up round per batch size runs first and is discarded: each (policy, b) has its own tensor
+    shapes, whose first use pays allocator (and, on CUDA, kernel-selection) costs that steady-state
+    serving does not.
   * Constant batch size. EOS is ignored (the generator gets `eos_token_ids=()`) and every row asks
     for the same `max_new_tokens`, so no row leaves the batch early because its text ended. Rows
     still advance at different speeds under speculation (they accept different numbers of tokens),
@@ -265,12 +266,9 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: Sequence[list[i
                                      config, seed)
             order = together + [name for name in order if name not in policies]
         for name in order:
-            if name in measured:
-                pass
-            elif name in policies:
-                measured[name] = time_ours(generator, batch_prompts, policies[name].policy, config, seed)
-            else:
-                measured[name] = time_peer(peers, name, batch_prompts, config, seed, device)
+            if name not in measured:
+                measured[name] = time_ours(generator, batch_prompts, policies[name].policy, config, seed) \
+                    if name in policies else time_peer(peers, name, batch_prompts, config, seed, device)
             runs.append(RunRecord(batch_size=b, round=round_index, policy=name, **measured[name]))
             total = max(total, len(runs))
             if on_run is not None:

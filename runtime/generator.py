@@ -171,7 +171,7 @@ class SpeculativeGenerator:
                    seed: int = 0, synthetic_acceptance: float | None = None):
         """`generate`, one unit of work at a time: a Python generator that yields after the prefill and
         after every step (the fraction of the batch's tokens generated so far, 0..1) and returns the
-        GenerationResult. Several generations can so be advanced in turns on one thread (bench.lockstep:
+        GenerationResult. Several generations can so be advanced in turns on one thread (calibrate.lockstep:
         contenders timed side by side, step by step); `stats.total_s` counts this generation's own time
         only, not the time spent in others between its turns."""
         self._check(prompts, max_new_tokens, policy)
