@@ -28,6 +28,7 @@ lets the fit tell the context's cost from the batch size's.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import groupby
 from typing import Sequence
 
 from perfmodel.insitu import InSituPassRow, InSituStepRow, pass_rows, step_row
@@ -113,13 +114,7 @@ def insitu_groups(points: Sequence[InSituPoint]) -> list[list[InSituPoint]]:
     >>> [[p.k for p in group] for group in insitu_groups([InSituPoint(1, 0), InSituPoint(1, 2), InSituPoint(2, 0)])]
     [[0, 2], [0]]
     """
-    groups: list[list[InSituPoint]] = []
-    for point in points:
-        if groups and (groups[-1][0].batch_size, groups[-1][0].sweep) == (point.batch_size, point.sweep):
-            groups[-1].append(point)
-        else:
-            groups.append([point])
-    return groups
+    return [list(group) for _, group in groupby(points, key=lambda point: (point.batch_size, point.sweep))]
 
 
 def measure_insitu(generator: SpeculativeGenerator, points: Sequence[InSituPoint], prompts: Sequence[list[int]],
