@@ -13,7 +13,7 @@ the ks of one batch size are generated together in lockstep on the same prompts,
 so generations of one k after another met different speeds, and the differences between ks are what
 the table is made of (measured, default calibrations on a machine whose reference pass lay 25 % from
 its median on average: the step time of each k relative to k = 4 at one batch size varied across the
-three sweeps by 16.6 % back to back, 3.9 % in lockstep, median standard deviations; docs/fidelity.md).
+three sweeps by 16.6 % back to back, 3.9 % in lockstep, median standard deviations; docs/lockstep.md).
 Each generation follows a short warm-up generation on the same prompts (discarded: the first use of a
 shape pays the allocator), and runs with EOS ignored, so every row runs `new_tokens` tokens. Only
 full-batch steps count (the batch thins out in the last steps), and only their passes. The rows are
