@@ -72,16 +72,16 @@ from perfmodel.errors import UsageError
 from perfmodel.strategy import StepModel
 from perfmodel.tree import Strategy, chain
 
-from .draft_stop import DraftStop
+from .draft_stop import DraftStop, cached
 
 PRIOR_TOKENS = 4.0  # the prior rho = 1 is worth this many expected accepted tokens (<2 demo steps at k = 4)
 MEMORY_TOKENS = 64.0  # a request's evidence fades with each draft token: (1 - 1/64) per token
 SWITCH_MARGIN = 0.03  # relative predicted gain a challenger needs
 # The draft stop is off unless asked for (--draft-stop), and overrides the planned k only when stopping wins
 # by 10 %: measured on the demo pair in lockstep (python -m bench.adaptive_variants, docs/adaptive.md), the
-# policy without the stop was within -1 % to +1 % of the policy with it at a 10 % margin at b = 1-8 on
-# held-out and mixed prompts, and 0.5-3.5 % ahead of it at the 3 % margin it had (the stop's own decisions
-# cost ~1-2 % of a step on this CPU; its cuts won back less).
+# policy without the stop was -1.8 % to +2.0 % from the policy with it at a 10 % margin at b = 1-8 on
+# held-out and mixed prompts (ahead at 5 of 6 points), and 0.5-3.5 % ahead of it at the 3 % margin it
+# had (the stop's own decisions cost ~1-2 % of a step on this CPU; its cuts won back less).
 DRAFT_STOP = False
 STOP_MARGIN = 0.10
 PERSIST_STEPS = 2  # consecutive steps it needs it for, at an unchanged batch size
@@ -274,35 +274,22 @@ class AdaptivePolicy:
 
     def _catch_up_ms(self, batch_size: int, bucket: int, lag_steps: int) -> float:
         """The draft's extra first-pass time after `lag_steps` steps at k = 0, spread over `horizon_steps`."""
-        key = (batch_size, bucket, lag_steps)
-        found = self._catch_up_cache.get(key)
-        if found is None:
-            if len(self._catch_up_cache) > 4096:
-                self._catch_up_cache.clear()
-            found = self._catch_up_cache[key] = (self._latency("draft", batch_size, lag_steps + 1, bucket)
-                                                 - self._latency("draft", batch_size, 1, bucket)) / self.horizon_steps
-        return found
+        return cached(self._catch_up_cache, (batch_size, bucket, lag_steps),
+                      lambda: (self._latency("draft", batch_size, lag_steps + 1, bucket)
+                               - self._latency("draft", batch_size, 1, bucket)) / self.horizon_steps)
 
     def _lines(self, batch_size: int, bucket: int) -> list[tuple[float, float]]:
         """(A_s, B_s) of every candidate at (b, L bucket): G_s = A_s + mean(rho) B_s (`_goodput_list`)."""
-        key = (batch_size, bucket)
-        lines = self._line_cache.get(key)
-        if lines is None:
-            if len(self._line_cache) > 4096:
-                self._line_cache.clear()
+        def make():
             scale = batch_size * 1e3 / self._step_times(batch_size, bucket)
-            lines = self._line_cache[key] = list(zip(scale.tolist(), (scale * self._prior_extra).tolist()))
-        return lines
+            return list(zip(scale.tolist(), (scale * self._prior_extra).tolist()))
+        return cached(self._line_cache, (batch_size, bucket), make)
 
     def _step_times(self, batch_size: int, bucket: int) -> np.ndarray:
-        key = (batch_size, bucket)
-        if key not in self._step_ms:
-            if len(self._step_ms) > 4096:  # a long-running server sees many (b, L) pairs
-                self._step_ms.clear()
+        def make():
             self.model.prefetch(batch_size, bucket, self.max_k + 2)  # every pass width a candidate runs, at once
-            self._step_ms[key] = np.array([self.model.evaluate(s, batch_size, bucket).step_ms
-                                           for s in self.candidates])
-        return self._step_ms[key]
+            return np.array([self.model.evaluate(s, batch_size, bucket).step_ms for s in self.candidates])
+        return cached(self._step_ms, (batch_size, bucket), make)
 
     def _chain_step_ms(self, batch_size: int, bucket: int, k: int) -> float:
         """Predicted step time of a plain chain of k (the draft stop's threshold)."""

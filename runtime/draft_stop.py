@@ -48,7 +48,19 @@ from perfmodel.acceptance import expected_tokens
 from perfmodel.strategy import StepModel
 
 SIGNAL_BINS = 10  # bins of the draft's top probability
+CACHE_ENTRIES = 4096  # a long-running server sees many (b, L) pairs: a per-(b, L) cache past this is emptied
 SIGNAL_PRIOR_TRIALS = 4.0  # pseudo-trials per bin, prior mean = the bin's centre
+
+
+def cached(cache: dict, key, make: Callable[[], object]):
+    """cache[key], made by `make()` the first time it is asked for; emptied when it grows past CACHE_ENTRIES
+    (the policy's and the stop's step-time figures per (b, L bucket), which a decision only looks up)."""
+    found = cache.get(key)
+    if found is None:
+        if len(cache) > CACHE_ENTRIES:
+            cache.clear()
+        found = cache[key] = make()
+    return found
 
 
 class SignalCalibration:
@@ -96,14 +108,14 @@ class DraftStop:
         self.reach = [1.0] * batch_size  # P(the row accepted every token proposed so far)
         self.expected_tokens = float(batch_size)
         self.decision_s = 0.0
-        key = (batch_size, context_len, k)
-        if k > 0 and key not in self._thresholds:  # from the step model, once per (b, L, k)
-            if len(self._thresholds) > 4096:
-                self._thresholds.clear()
-            self.model.prefetch(batch_size, context_len, k + 1)  # usually warm: the policy's choice asked first
-            self._thresholds[key] = self.thresholds([self.chain_step_ms(batch_size, context_len, m)
-                                                     for m in range(k + 1)])
-        self._threshold = self._thresholds.get(key)
+        self._threshold = None if k == 0 else cached(
+            self._thresholds, (batch_size, context_len, k),
+            lambda: self.thresholds(self._step_ms_up_to(batch_size, context_len, k)))
+
+    def _step_ms_up_to(self, batch_size: int, context_len: int, k: int) -> list[float]:
+        """S_0..S_k from the step model."""
+        self.model.prefetch(batch_size, context_len, k + 1)  # usually warm: the policy's choice asked first
+        return [self.chain_step_ms(batch_size, context_len, m) for m in range(k + 1)]
 
     def thresholds(self, step_ms: list[float]) -> list[float]:
         """Per position j = 1..k, c_j such that token j is worth proposing iff its gain dE_j >= E_{j-1} c_j.
