@@ -281,8 +281,9 @@ def table(
     output: Annotated[Path, typer.Option("-o", "--output", help="Where to write the table (or its export).")],
     max_batch: MaxBatchOpt = 64,
     context_lens: Annotated[Optional[str], typer.Option(
-        "--context-lens", help="One table bucket per context length, e.g. 512,2048,8192 "
-                               "(default: one bucket at the profile's middle context length).")] = None,
+        "--context-lens", help="One table bucket per context length, e.g. 512,2048,8192 (default: the profiled "
+                               "context range in steps of at most 1.41x; vllm/trtllm: one bucket at the "
+                               "profile's middle context length).")] = None,
     acceptance: AcceptanceOpt = None,
     max_k: MaxKOpt = None,
     strategies: Annotated[str, typer.Option(
@@ -311,10 +312,13 @@ def table(
     lengths = parse_int_list("--context-lens", context_lens)
     from perfmodel.jsonio import check_not_input, writable_path
     from perfmodel.model import choose_acceptance, compute_table, load_model
+    from perfmodel.table import ENGINE_FORMATS
 
     check_not_input(output, [model], "--output")
     writable_path(output, "--output")
     fitted = load_model(model)
+    if not lengths and fmt in ENGINE_FORMATS:  # an engine's schedule knows batch sizes only: one bucket
+        lengths = [fitted.default_context_len()]
     chosen = choose_acceptance(fitted, acceptance_override(acceptance), str(model))
     result = compute_table(fitted, chosen, max_batch, lengths, max_k, strategies=strategies,
                            max_tree_nodes=max_tree_nodes)

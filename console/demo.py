@@ -31,7 +31,7 @@ def run_demo(out: Path, race_sizes: tuple[int, ...], prompts_shown: int, max_new
         save_model,
     )
     from perfmodel.profile import load_profile
-    from perfmodel.table import write_table
+    from perfmodel.table import ENGINE_FORMATS, write_table
     from runtime.assembly import (
         GenerationRequest,
         generate_texts,
@@ -62,11 +62,14 @@ def run_demo(out: Path, race_sizes: tuple[int, ...], prompts_shown: int, max_new
     render_fit(fitted, model_path)
 
     console.rule("[bold]3/5 the table: best strategy (none, chain of k, tree, +n-gram stage) for every batch size")
-    table = compute_table(fitted, choose_acceptance(fitted, None, str(model_path)), max_batch)
+    acceptance = choose_acceptance(fitted, None, str(model_path))
+    table = compute_table(fitted, acceptance, max_batch)
+    engine_table = compute_table(fitted, acceptance, max_batch, [fitted.default_context_len()])  # one bucket
     notes = fitted.extrapolation_notes(max_batch, [b.context_len for b in table.buckets], table.max_k)
     for name, fmt in EXPORTS.items():
         try:  # a rising k is capped for TensorRT-LLM; an export an engine cannot express is a note, not a stop
-            notes += write_table(out / name, table, fmt, clamp=fmt == "trtllm")
+            notes += write_table(out / name, engine_table if fmt in ENGINE_FORMATS else table, fmt,
+                                 clamp=fmt == "trtllm")
         except PerfModelError as error:
             notes.append(f"{name} not written: {error}")
     render_table(table, notes, table_path)

@@ -90,7 +90,9 @@ def render_table(result, notes: list[str], output: Path) -> None:
     acc = result.acceptance
     console.print(f"acceptance ({acc['source']}): per position {acc['per_position']}, "
                   f"constant-alpha fit {acc['constant_alpha']:.3f} (rmse {acc['constant_alpha_rmse']:.3f})")
-    for bucket in result.buckets:
+    if len(result.buckets) > 1:
+        console.print(_bucket_matrix(result))
+    for bucket in result.buckets if len(result.buckets) == 1 else ():
         view = Table(title=f"best strategy per batch size, context {bucket.context_len} (runs collapsed)")
         for column in ("b", "strategy", "k*", "tokens/s", "speedup vs k=0", "runner-up", "min margin"):
             view.add_column(column, justify="right")
@@ -113,6 +115,35 @@ def render_table(result, notes: list[str], output: Path) -> None:
     for note in notes:
         console.print(f"[yellow]note:[/] {note}")
     console.print(f"wrote {output}")
+
+
+def _bucket_matrix(result):
+    """A table of several context buckets: one row per run of batch sizes over which no bucket's choice
+    changes, one column per bucket (predicted goodputs are in the JSON and CSV, and `query --table`)."""
+    from rich.table import Table
+
+    columns = [[entry.chosen() for entry in bucket.entries] for bucket in result.buckets]
+    view = Table(title="best k per batch size (rows, b) and context length (columns), runs collapsed; "
+                       "+ng: the n-gram second stage, tN: a tree of N nodes")
+    view.add_column("b", justify="right")
+    for bucket in result.buckets:
+        view.add_column(str(bucket.context_len), justify="right")
+    max_batch = min(len(column) for column in columns)
+    start = 1
+    for b in range(1, max_batch + 1):
+        if b == max_batch or any(column[b] != column[b - 1] for column in columns):
+            view.add_row(str(start) if start == b else f"{start}-{b}",
+                         *(_short_name(column[b - 1]) for column in columns))
+            start = b + 1
+    return view
+
+
+def _short_name(strategy) -> str:
+    """'0', '4', '7+ng', 't5+ng' (a tree's node count): a matrix cell."""
+    if strategy.kind == "none":
+        return "0"
+    text = str(strategy.k) if strategy.kind == "chain" else f"t{strategy.tree.num_nodes}"
+    return text + ("+ng" if strategy.stage2 else "")
 
 
 def _span(first: float, last: float, fmt: str) -> str:

@@ -43,6 +43,10 @@ from .tree import Strategy
 
 MODEL_SCHEMA = "specbatch.model/1"
 MIN_REGIME_POINTS = 4  # the roofline's parameter count: fewer points in a regime leave its rate loose
+# A table's default buckets step by this factor over the profiled contexts: a nearest-bucket lookup is then
+# never more than ~17 % of the context away from a bucket. One bucket at the middle context put a batch of
+# 32 held-out prompts (served at L ~ 254) on L = 128's k = 2, 7 % below the k = 4 the model picks there.
+TABLE_BUCKET_RATIO = 2 ** 0.5
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,20 @@ class FittedModel:
         lengths = sorted(self.grid.context_lens)
         return lengths[(len(lengths) - 1) // 2]
 
+    def profiled_context_range(self) -> tuple[int, int]:
+        """The contexts the fit saw: the grid's, and those real steps ran at when in-situ rows were fitted."""
+        return (int(min(fit.points.context_len.min() for fit in self.roles.values())),
+                int(max(fit.points.context_len.max() for fit in self.roles.values())))
+
+    def table_context_lens(self) -> list[int]:
+        """A table's default buckets: the profiled context range in steps of at most TABLE_BUCKET_RATIO,
+        both ends included, so the runtime's nearest-bucket lookup reads the choice the model makes near
+        the context each step runs at (a padded batch runs at its longest row's, which grows with b)."""
+        lo, hi = self.profiled_context_range()
+        lo = max(lo, 1)
+        steps = max(1, int(np.ceil(np.log(hi / lo) / np.log(TABLE_BUCKET_RATIO) - 1e-9))) if hi > lo else 0
+        return sorted({int(round(lo * (hi / lo) ** (i / steps))) for i in range(steps + 1)} if steps else {lo})
+
     def extrapolation_notes(self, max_batch: int, context_lens: Sequence[int], max_k: int) -> list[str]:
         """Where a table or query asks the model beyond what the profile measured."""
         notes = []
@@ -105,9 +123,7 @@ class FittedModel:
             notes.append(f"extrapolating: batch sizes above {max(self.grid.batch_sizes)} were not measured; there the "
                          "fitted time at the grid's edge grows as the roofline alone (perfmodel.extrapolation); "
                          "calibrate --batch-sizes up to the largest served to measure them")
-        # the contexts the fit saw (the grid's; in-situ rows add the contexts real steps ran at)
-        lo = int(min(fit.points.context_len.min() for fit in self.roles.values()))
-        hi = int(max(fit.points.context_len.max() for fit in self.roles.values()))
+        lo, hi = self.profiled_context_range()
         outside = [L for L in context_lens if not lo <= L <= hi]
         if outside:
             notes.append(f"extrapolating: context lengths {outside} lie outside the profiled [{lo}, {hi}]; the "
@@ -306,19 +322,22 @@ def evaluate_strategy(fitted: FittedModel, strategy: Strategy, batch_size: int, 
 def compute_table(fitted: FittedModel, acceptance: AcceptanceModel, max_batch: int,
                   context_lens: Sequence[int] | None = None, max_k: int | None = None, *,
                   strategies: str = "all", max_tree_nodes: int = MAX_TREE_NODES) -> Table:
-    """The best strategy for b = 1..max_batch in one bucket per context length (default: one, the
-    profile's middle). `strategies` restricts the family ("chain" gives the chain-only table of old);
-    each entry's k is its strategy's k (a tree's depth). The table's max_k covers every entry's k."""
+    """The best strategy for b = 1..max_batch in one bucket per context length (default: the profiled
+    context range in steps of TABLE_BUCKET_RATIO, `FittedModel.table_context_lens`). `strategies`
+    restricts the family ("chain" gives the chain-only table of old); each entry's k is its strategy's k
+    (a tree's depth). The table's max_k covers every entry's k."""
     max_k = fitted.grid.max_k if max_k is None else max_k
     if max_batch < 1:
         raise PerfModelError(f"--max-batch must be >= 1, found {max_batch}")
-    lengths = sorted(set(context_lens)) if context_lens else [fitted.default_context_len()]
+    lengths = sorted(set(context_lens)) if context_lens else fitted.table_context_lens()
     family = strategy_family(fitted, acceptance, max_k, strategies, max_tree_nodes)
     model = step_model(fitted, acceptance)
+    widest_pass = max([s.tree.num_nodes for s in family if s.tree is not None], default=0) + 2
     buckets = []
     for context_len in lengths:
         entries = []
         for b in range(1, max_batch + 1):
+            model.prefetch(b, context_len, widest_pass)  # every pass width at (b, L) in one call per role
             c = model.choose(family, b, context_len)
             runner_up = c.runner_up
             entries.append(TableEntry(b, c.best.k, c.best.tokens_per_s, c.speedup,

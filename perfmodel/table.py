@@ -374,6 +374,7 @@ def to_csv(table: Table) -> str:
 
 
 TABLE_FORMATS = ("json", "csv", "vllm", "trtllm")
+ENGINE_FORMATS = ("vllm", "trtllm")  # schedules by batch size only: one context bucket
 
 
 def check_table_format(fmt: str, draft: str | os.PathLike | None = None, clamp: bool = False) -> None:

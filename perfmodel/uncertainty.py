@@ -144,8 +144,9 @@ def choices_tie(acceptance: AcceptanceModel, best: Strategy, goodput_best: float
 
 def table_tie_notes(table, acceptance: AcceptanceModel, z: float = Z95) -> list[str]:
     """One note per run of batch sizes whose chosen strategy and runner-up are within the combined
-    acceptance uncertainty: 'b = 3-8: k = 4 or 5: indistinguishable ...'."""
-    notes = []
+    acceptance uncertainty: 'b = 3-8: k = 4 or 5: indistinguishable ...'; the same run in several
+    context buckets is one note naming them."""
+    found: dict[tuple, list] = {}  # (first b, last b, best, runner-up) -> [contexts, largest interval in %]
     for bucket in table.buckets:
         runs: list[list] = []  # [first b, last b, best, runner-up, largest interval in %]
         for entry in bucket.entries:
@@ -162,11 +163,37 @@ def table_tie_notes(table, acceptance: AcceptanceModel, z: float = Z95) -> list[
                 runs[-1][1], runs[-1][4] = entry.batch_size, max(runs[-1][4], width)
             else:
                 runs.append([entry.batch_size, entry.batch_size, best, runner, width])
-        where = f" (context {bucket.context_len})" if len(table.buckets) > 1 else ""
         for first, last, best, runner, width in runs:
-            span = f"b = {first}" if first == last else f"b = {first}-{last}"
-            notes.append(f"{span}{where}: {_name(best)} or {_name(runner)}: indistinguishable (goodputs within "
-                         f"the acceptance uncertainty, up to ±{width:.1f} %)")
+            seen = found.setdefault((first, last, best, runner), [[], 0.0])
+            seen[0].append(bucket.context_len)
+            seen[1] = max(seen[1], width)
+    if len(table.buckets) > 1:
+        return _bucket_tie_notes(found, len(table.buckets))
+    notes = []
+    for (first, last, best, runner), (_, width) in found.items():
+        span = f"b = {first}" if first == last else f"b = {first}-{last}"
+        notes.append(f"{span}: {_name(best)} or {_name(runner)}: indistinguishable (goodputs within "
+                     f"the acceptance uncertainty, up to ±{width:.1f} %)")
+    return notes
+
+
+def _bucket_tie_notes(found: dict, bucket_count: int) -> list[str]:
+    """Several buckets: the ties every bucket shares as one note, then one note per bucket for the rest."""
+    def tie(first, last, best, runner):
+        return f"{first if first == last else f'{first}-{last}'} {_name(best)} or {_name(runner)}"
+
+    shared = {key: value for key, value in found.items() if len(value[0]) == bucket_count}
+    notes = [f"b = {tie(*key)} (every context): indistinguishable (goodputs within the acceptance "
+             f"uncertainty, up to ±{width:.1f} %)" for key, (_, width) in shared.items()]
+    by_context: dict[int, list] = {}
+    for key, (contexts, width) in found.items():
+        if key not in shared:
+            for context in contexts:
+                by_context.setdefault(context, []).append((key, width))
+    for context in sorted(by_context):
+        ties = by_context[context]
+        notes.append(f"context {context}: indistinguishable (within the acceptance uncertainty, up to "
+                     f"±{max(w for _, w in ties):.1f} %) at b = " + "; ".join(tie(*key) for key, _ in ties))
     return notes
 
 

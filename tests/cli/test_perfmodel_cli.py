@@ -66,15 +66,24 @@ def test_table_json_and_exports(files, tmp_path):
     result = invoke("table", files["model"], "-o", out, "--max-batch", "16")
     assert result.exit_code == 0, result.output
     table = load_table(out)
-    assert [e.batch_size for e in table.buckets[0].entries] == list(range(1, 17))
-    assert table.buckets[0].context_len == 512  # the middle of the profiled 128, 512, 2048
-    assert "k*" in result.stdout and "speedup vs k=0" in result.stdout
-    ks = [e.k for e in table.buckets[0].entries]
+    # by default the profiled 128..2048 in steps of at most sqrt(2) (hand-computed: 128 * 2 ** (i / 2))
+    contexts = [128, 181, 256, 362, 512, 724, 1024, 1448, 2048]
+    assert [b.context_len for b in table.buckets] == contexts
+    assert all([e.batch_size for e in b.entries] == list(range(1, 17)) for b in table.buckets)
+    header = next(line for line in result.stdout.splitlines() if " b " in line and "2048" in line)
+    assert [int(cell) for cell in header.replace("┃", " ").split()[1:]] == contexts  # one column per bucket
+    ks = [e.k for e in table.bucket_for(512).entries]  # the middle of the profiled 128, 512, 2048
 
     result = invoke("table", files["model"], "-o", tmp_path / "t.csv", "--max-batch", "16", "--format", "csv")
     lines = (tmp_path / "t.csv").read_text().splitlines()
-    assert lines[0] == "batch_size,k,predicted_tokens_per_s,predicted_speedup,context_len,strategy" and len(lines) == 17
-    assert [int(line.split(",")[1]) for line in lines[1:]] == ks
+    assert lines[0] == "batch_size,k,predicted_tokens_per_s,predicted_speedup,context_len,strategy"
+    assert len(lines) == 1 + 16 * len(contexts)
+    assert [int(line.split(",")[1]) for line in lines[1:] if line.split(",")[4] == "512"] == ks
+
+    result = invoke("table", files["model"], "-o", tmp_path / "one.json", "--max-batch", "16", "--context-lens", "512")
+    assert result.exit_code == 0, result.output
+    assert "k*" in result.stdout and "speedup vs k=0" in result.stdout  # one bucket: the detailed view
+    assert [e.k for e in load_table(tmp_path / "one.json").buckets[0].entries] == ks
 
     draft = tmp_path / "draft"  # the synthetic profile's draft is no directory: name one
     draft.mkdir()
@@ -128,12 +137,13 @@ def test_query_json(files):
 def test_query_a_table_gives_the_tables_choice(files, tmp_path):
     out = tmp_path / "table.json"
     invoke("table", files["model"], "-o", out, "--max-batch", "8")
-    result = invoke("query", "--table", out, "--batch-size", "3", "--json")
+    result = invoke("query", "--table", out, "--batch-size", "3", "--context-len", "512", "--json")
     assert result.exit_code == 0, result.output
     answer = json.loads(result.stdout)
-    assert answer["best_k"] == load_table(out).lookup(3)
+    assert answer["best_k"] == load_table(out).lookup(3, 512)
     [candidate] = answer["candidates"]
-    direct = json.loads(invoke("query", files["model"], "--batch-size", "3", "--strategies", "chain", "--json").stdout)
+    direct = json.loads(invoke("query", files["model"], "--batch-size", "3", "--context-len", "512",
+                               "--strategies", "chain", "--json").stdout)
     same = direct["candidates"][candidate["k"]]
     assert candidate["tokens_per_s"] == pytest.approx(same["tokens_per_s"], rel=1e-5)
     assert candidate["step_ms"] == pytest.approx(same["step_ms"], rel=1e-5)

@@ -63,3 +63,19 @@ def test_arrays_of_pass_widths_give_the_scalar_values_inside_and_outside_the_gri
     for k in range(9):
         assert warm.evaluate(Strategy.from_k(k), 12, 192).step_ms == pytest.approx(
             cold.evaluate(Strategy.from_k(k), 12, 192).step_ms, rel=1e-12)
+
+
+def test_default_table_buckets_step_over_the_profiled_contexts():
+    from types import SimpleNamespace
+
+    from perfmodel.model import TABLE_BUCKET_RATIO, FittedModel
+
+    def buckets(lo, hi):
+        return FittedModel.table_context_lens(SimpleNamespace(profiled_context_range=lambda: (lo, hi)))
+
+    assert buckets(128, 2048) == [128, 181, 256, 362, 512, 724, 1024, 1448, 2048]  # 128 * 2 ** (i / 2)
+    assert buckets(100, 100) == [100]
+    assert buckets(100, 120) == [100, 120]  # closer than the ratio: both ends, nothing between
+    lengths = buckets(38, 387)  # an in-situ profile's range: 7 equal steps of (387 / 38) ** (1 / 7) = 1.39
+    assert lengths[0] == 38 and lengths[-1] == 387 and len(lengths) == 8
+    assert max(b / a for a, b in zip(lengths, lengths[1:])) <= TABLE_BUCKET_RATIO * 1.01

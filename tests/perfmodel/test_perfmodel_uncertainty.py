@@ -82,6 +82,19 @@ def test_table_notes_name_the_indistinguishable_choices():
     assert notes == [notes[0]] and notes[0].startswith("b = 1-2: k = 3 or k = 2: indistinguishable")
 
 
+def test_table_notes_group_the_ties_of_several_buckets():
+    acceptance = _model((1.0, 1.5, 1.75, 1.875), (0.0, 0.02, 0.03, 0.03))
+    tied_everywhere = TableEntry(1, 3, 100.0, 2.0, 2, 0.01)
+    apart = TableEntry(2, 3, 180.0, 1.9, 2, 0.10)
+    short = (tied_everywhere, apart, TableEntry(3, 2, 250.0, 1.5, 3, 0.01))
+    long = (tied_everywhere, apart, TableEntry(3, 2, 250.0, 1.5, 3, 0.10))
+    table = Table("t", "d", "cpu", "now", 3, acceptance.to_json(), (Bucket(128, short), Bucket(512, long)))
+    notes = table_tie_notes(table, acceptance)
+    # b = 1 ties in both buckets: one note for both; b = 3 ties at context 128 only
+    assert len(notes) == 2 and notes[0].startswith("b = 1 k = 3 or k = 2 (every context): indistinguishable")
+    assert notes[1].startswith("context 128: indistinguishable") and notes[1].endswith("at b = 3 k = 2 or k = 3")
+
+
 def test_the_paired_difference_uses_each_prompts_counts():
     from perfmodel.uncertainty import choices_tie, paired_difference_se
 
