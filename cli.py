@@ -183,9 +183,10 @@ def bench(
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Per row; EOS is ignored.")] = 64,
     rounds: Annotated[int, typer.Option("--rounds", help="Timed interleaved rounds per batch size.")] = 5,
     resolve_rounds: Annotated[int, typer.Option(
-        "--resolve-rounds", help="At b <= 8, at most this many extra rounds of the table and the best fixed k "
-                                 "alone while the table's paired regret straddles the 3 % goal or its interval "
-                                 "is wider than ±3 % (0: none).")] = 30,
+        "--resolve-rounds", help="At most this many extra rounds of the table and the best fixed k alone while "
+                                 "the table's paired regret straddles the 3 % goal or its interval is wider than "
+                                 "±3 % (0: none); above b = 8 no more than the batch size's own rounds' "
+                                 "generations.")] = 30,
     interleave: Annotated[str, typer.Option(
         "--interleave", help="steps: a round's policies advance together, one step of each in turn, so they meet "
                              "the same moments of the machine | runs: one whole generation after another.")] = "steps",

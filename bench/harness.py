@@ -58,8 +58,10 @@ from .workload import Workload
 # Prompt length for models without a tokenizer (presets): about the held-out demo prompts' median
 # (70 bytes, one token per byte with the demo pair's byte-level tokenizer).
 RANDOM_PROMPT_TOKENS = 64
-# Extra paired rounds (`resolve_regret`) only at small batch sizes, where a round costs little and the
-# table's choice matters most; at b = 16-32 a round of two generations costs seconds on a CPU.
+# Extra paired rounds (`resolve_regret`): up to --resolve-rounds at small batch sizes, where a round costs
+# little and the table's choice matters most; above, at most as many generations as the batch size's own
+# rounds ran (rounds x contenders / 2 pairs), so a large batch size's time at most doubles (a b = 32 round
+# of two generations took about 3 s on the demo pair, one CPU thread).
 RESOLVE_MAX_BATCH = 8
 
 
@@ -284,10 +286,11 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: Sequence[list[i
             if speed is not None:
                 speed.check(b)  # after the last round too: the rounds are bracketed
             # not on `switch`: every extra round would come from the second population, tilting the pairs
-            if table is not None and b <= RESOLVE_MAX_BATCH and config.resolve_rounds and config.workload != "switch":
+            if table is not None and config.resolve_rounds and config.workload != "switch":
                 from .regret import resolve_regret
 
-                notes += resolve_regret(b, runs, config, fixed_ks, lambda r, pair: run_round(b, r, pair))
+                cap = None if b <= RESOLVE_MAX_BATCH else config.rounds * len(contenders(b)) // 2
+                notes += resolve_regret(b, runs, config, fixed_ks, lambda r, pair: run_round(b, r, pair), cap)
     notes += list(dict.fromkeys(f"warning: {w.message}" for w in caught))
 
     batches = [_batch_result(b, contenders(b), runs, config, timed_rounds(b), policies)

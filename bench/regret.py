@@ -151,10 +151,10 @@ def add_adaptive_comparison(batches: Sequence[Any], runs: Sequence[Any], adaptiv
 
 
 def resolve_regret(b: int, runs: list[Any], config: Any, fixed_ks: Sequence[int],
-                   run_pair: Callable[[int, list[str]], None]) -> list[str]:
+                   run_pair: Callable[[int, list[str]], None], max_extra: int | None = None) -> list[str]:
     """Extra paired rounds at batch size b until the table's paired regret against the best fixed k in
     hindsight is settled (bench.regret: a verdict, from a 95 % interval no wider than ±goal), at most
-    `config.resolve_rounds`.
+    `max_extra` (default `config.resolve_rounds`).
 
     Only the two policies of the pair run (alternating which goes first), so a round costs two
     generations, not one per contender; the best fixed k is re-chosen from the medians after every
@@ -162,8 +162,9 @@ def resolve_regret(b: int, runs: list[Any], config: Any, fixed_ks: Sequence[int]
     from .policies import TABLE_POLICY, fixed_policy_name
 
     goal = f"{100 * REGRET_GOAL:g} %"
+    limit = config.resolve_rounds if max_extra is None else min(max_extra, config.resolve_rounds)
     fixed_names = {k: fixed_policy_name(k) for k in fixed_ks}
-    for extra in range(config.resolve_rounds + 1):
+    for extra in range(limit + 1):
         timed = [r for r in runs if r.batch_size == b and not r.warmup]
         best_k = max(fixed_ks, key=lambda k: (ranked_rate(timed, fixed_names[k], k), -k))
         fixed = {name: rates_by_round(runs, b, name) for name in fixed_names.values()}
@@ -174,14 +175,14 @@ def resolve_regret(b: int, runs: list[Any], config: Any, fixed_ks: Sequence[int]
             verdict = "no pair" if found is None else found.verdict
             return [f"b = {b}: {extra} extra paired rounds (table and the best fixed k alone) settled the "
                     f"paired regret: {verdict} against the {goal} goal"]
-        if extra == config.resolve_rounds:
+        if extra == limit:
             break
         run_pair(config.rounds + extra, [TABLE_POLICY, fixed_names[best_k]])
     interval = f"95 % interval {100 * found.low:.1f}% to {100 * found.high:.1f}%"
     if found.verdict == "not resolved":
-        return [f"b = {b}: the paired regret is still not resolved after {config.resolve_rounds} extra paired "
+        return [f"b = {b}: the paired regret is still not resolved after {limit} extra paired "
                 f"rounds ({interval} straddles the {goal} goal; --resolve-rounds sets how many)"]
-    return [f"b = {b}: {found.verdict}, but after {config.resolve_rounds} extra paired rounds the {interval} is still "
+    return [f"b = {b}: {found.verdict}, but after {limit} extra paired rounds the {interval} is still "
             f"wider than ±{goal}: a noisy machine (--resolve-rounds sets how many)"]
 
 

@@ -92,6 +92,14 @@ def test_extra_paired_rounds_stop_at_the_cap_and_say_so():
     assert calls == [5, 6, 7] and "still not resolved after 3 extra paired rounds" in notes[0]
     assert "straddles the 3 % goal" in notes[0]
 
+    # a batch size's own cap (the harness's, above b = 8) stops it sooner, never later than --resolve-rounds
+    runs, calls = _straddling_rounds(), []
+    notes = resolve_regret(4, runs, BenchConfig(rounds=5, resolve_rounds=30), (0, 4), run_pair, max_extra=2)
+    assert calls == [5, 6] and "still not resolved after 2 extra paired rounds" in notes[0]
+    runs, calls = _straddling_rounds(), []
+    resolve_regret(4, runs, BenchConfig(rounds=5, resolve_rounds=1), (0, 4), run_pair, max_extra=15)
+    assert calls == [5]
+
 
 def test_no_extra_rounds_when_the_regret_is_already_resolved():
     from bench.config import BenchConfig
