@@ -44,7 +44,7 @@ from .tree import Strategy
 MODEL_SCHEMA = "specbatch.model/1"
 MIN_REGIME_POINTS = 4  # the roofline's parameter count: fewer points in a regime leave its rate loose
 # A table's default buckets step by this factor over the profiled contexts: a nearest-bucket lookup is then
-# never more than ~17 % of the context away from a bucket. One bucket at the middle context put a batch of
+# never more than 21 % above a bucket or 15 % below one. One bucket at the middle context put a batch of
 # 32 held-out prompts (served at L ~ 254) on L = 128's k = 2, 7 % below the k = 4 the model picks there.
 TABLE_BUCKET_RATIO = 2 ** 0.5
 
