@@ -339,7 +339,7 @@ def query(
     table_path: Annotated[Optional[Path], typer.Option(
         "--table", help="specbatch.table/1 file instead of a model.")] = None,
     context_len: Annotated[Optional[int], typer.Option("--context-len", help=(
-        "Mean context length (default: the profile's middle one / the table's first bucket)."))] = None,
+        "Mean context length (default: the profile's middle one / the table's middle bucket)."))] = None,
     acceptance: AcceptanceOpt = None,
     max_k: MaxKOpt = None,
     tree: TreeOpt = None,

@@ -130,7 +130,10 @@ def table_answer(table: Table, batch_size: int, context_len: int | None = None) 
     """The table's own choice with the goodput it predicted (None beyond its largest batch size, whose
     numbers belong to another batch size). The step time follows from G = b * E / S when E is known:
     chains, from the E(k) the table was computed with (measured, else from per-position acceptance, as
-    the model does); trees leave it None."""
+    the model does); trees leave it None. No `context_len`: the table's middle bucket (the shorter of the
+    two middle ones), as a model's query takes the profile's middle context."""
+    if context_len is None:
+        context_len = table.buckets[(len(table.buckets) - 1) // 2].context_len
     strategy = table.strategy(batch_size, context_len)
     bucket = table.bucket_for(context_len)
     per_position = table.acceptance.get("per_position")

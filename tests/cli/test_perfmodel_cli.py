@@ -147,6 +147,9 @@ def test_query_a_table_gives_the_tables_choice(files, tmp_path):
     same = direct["candidates"][candidate["k"]]
     assert candidate["tokens_per_s"] == pytest.approx(same["tokens_per_s"], rel=1e-5)
     assert candidate["step_ms"] == pytest.approx(same["step_ms"], rel=1e-5)
+    # no --context-len: the middle of the table's nine buckets (128 ... 2048), 512, the profile's middle too
+    plain = json.loads(invoke("query", "--table", out, "--batch-size", "3", "--json").stdout)
+    assert plain["context_len"] == 512 and plain["candidates"] == answer["candidates"]
 
 
 def test_plot_writes_an_image(files, tmp_path):
