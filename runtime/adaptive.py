@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_right
+from dataclasses import replace
 from itertools import accumulate
 from pathlib import Path
 from typing import Hashable, Sequence
@@ -69,6 +70,7 @@ from typing import Hashable, Sequence
 import numpy as np
 
 from perfmodel.errors import UsageError
+from perfmodel.schedule import staged_rounds
 from perfmodel.strategy import StepModel
 from perfmodel.tree import Strategy, chain
 
@@ -87,6 +89,68 @@ STOP_MARGIN = 0.10
 PERSIST_STEPS = 2  # consecutive steps it needs it for, at an unchanged batch size
 HORIZON_STEPS = 8  # steps a one-time catch-up cost is spread over
 CONTEXT_BUCKET = 64  # context lengths are rounded up to this many tokens for the step-time cache
+# The second stage's guess rate, learnt from the draft passes staged steps take (`GuessRate`): evidence
+# fades by this factor per staged step (the calibrated rate's weight too), and the rate is looked up on
+# a grid of rank-0 guess accuracies (every rank scaled alike), so step times stay cached per grid level.
+GUESS_MEMORY_STEPS = 8.0
+GUESS_PRIOR_STEPS = 2.0
+GUESS_LEVELS = 21  # rank-0 accuracy 0, 0.05, ..., 1
+
+
+class GuessRate:
+    """How often the n-gram second stage guesses the draft's next token, learnt online from the rounds a
+    staged chain step took. A staged chain of k drafts in rounds: each wrong guess costs one more draft
+    pass, so a step's pass count R (1..k) is a direct, timing-free reading of the guess rate. The profile
+    measured the rate on the calibration prompts (`Stage2Info.guess_accuracy`, per rank); on text the
+    n-gram knows less (base64 against code) a staged step drafts as many passes as a plain chain, each one
+    wider, and costs more than it (13.8 against 11.5 ms on one demo batch). Per observed step the rank-0
+    accuracy a for which the model's expected rounds (`perfmodel.schedule.staged_rounds`, at this batch
+    size and candidate) equal R is read off a curve over GUESS_LEVELS values of a, and averaged with the
+    calibrated a (worth GUESS_PRIOR_STEPS steps), every weight fading by (1 - 1/GUESS_MEMORY_STEPS) per
+    staged step, so the estimate follows a batch whose population changes. Ranks > 0 scale with rank 0."""
+
+    def __init__(self, calibrated: Sequence[float], memory_steps: float = GUESS_MEMORY_STEPS,
+                 prior_steps: float = GUESS_PRIOR_STEPS, levels: int = GUESS_LEVELS):
+        self.calibrated = tuple(float(a) for a in calibrated)
+        self.levels = np.unique(np.append(np.linspace(0.0, 1.0, levels), min(1.0, self.calibrated[0])))
+        self.calibrated_level = int(np.abs(self.levels - self.calibrated[0]).argmin())
+        self.keep, self.prior_steps = 1.0 - 1.0 / memory_steps, prior_steps
+        self._curves: dict[tuple[Strategy, int], list[float]] = {}
+        self.reset()
+
+    def reset(self) -> None:
+        self.evidence, self.weight, self.prior_weight = 0.0, 0.0, 1.0
+        self.current = self.calibrated_level
+
+    @property
+    def rank0(self) -> float:
+        """The current estimate of the rank-0 guess accuracy."""
+        prior = self.prior_steps * self.prior_weight
+        return (prior * self.calibrated[0] + self.evidence) / (prior + self.weight)
+
+    def level(self) -> int:
+        """The grid level nearest the estimate (the calibrated rate: its own level, exactly)."""
+        return self.current
+
+    def accuracy(self, level: int) -> tuple[float, ...]:
+        """Per-rank accuracies at a grid level: every rank scaled like rank 0, none above 1."""
+        if self.calibrated[0] <= 0:
+            return self.calibrated
+        scale = self.levels[level] / self.calibrated[0]
+        return tuple(min(1.0, a * scale) for a in self.calibrated)
+
+    def observe(self, strategy: Strategy, batch_size: int, passes: int) -> None:
+        """A staged chain `strategy` over `batch_size` rows took `passes` draft passes."""
+        if self.calibrated[0] <= 0 or strategy.k < 2:  # nothing to guess below two draft tokens
+            return
+        rounds = cached(self._curves, (strategy, batch_size), lambda: [
+            staged_rounds(strategy.tree, batch_size, self.accuracy(i)).expected_rounds
+            for i in range(len(self.levels))])  # falling with the accuracy, from k to 1
+        observed = float(np.interp(-float(passes), [-r for r in rounds], self.levels))
+        self.evidence = self.evidence * self.keep + observed
+        self.weight = self.weight * self.keep + 1.0
+        self.prior_weight *= self.keep
+        self.current = int(np.abs(self.levels - self.rank0).argmin())
 
 
 class RequestAcceptance:
@@ -172,8 +236,11 @@ class AdaptivePolicy:
         self._depth = np.array([s.k for s in self.candidates])
         self._is_chain = self._depth > 0
         self._prior_extra = np.array([model.tokens_per_step(s) - 1.0 for s in self.candidates])  # E_cal(s) - 1
-        self._step_ms: dict[tuple[int, int], np.ndarray] = {}
-        self._line_cache: dict[tuple[int, int], list[tuple[float, float]]] = {}
+        # the second stage's guess rate, learnt online; the step times of its staged candidates per grid level
+        self.guess = GuessRate(model.stage2.guess_accuracy) if staged else None
+        self._staged_models: dict[int, StepModel] = {}
+        self._step_ms: dict[tuple[int, int, int], np.ndarray] = {}
+        self._line_cache: dict[tuple[int, int, int], list[tuple[float, float]]] = {}
         self._catch_up_cache: dict[tuple[int, int, int], float] = {}
         # per candidate, the rho above which E_r = 1 + rho (E_cal - 1) passes its k + 1 cap (`_goodput_list`)
         self._depths = self._depth.tolist()
@@ -225,6 +292,11 @@ class AdaptivePolicy:
         self.acceptance.observe(request_ids, proposed, accepted)
         if self.draft_stop is not None:
             self.draft_stop.observe(accepted)
+
+    def observe_draft_passes(self, batch_size: int, passes: int) -> None:
+        """After a chain step: the draft passes it took (a staged chain's rounds teach the guess rate)."""
+        if self.guess is not None and self._current is not None and self.candidates[self._current].stage2:
+            self.guess.observe(self.candidates[self._current], batch_size, passes)
 
     def release(self, request_ids: Sequence[Hashable]) -> None:
         self.acceptance.release(request_ids)
@@ -283,13 +355,29 @@ class AdaptivePolicy:
         def make():
             scale = batch_size * 1e3 / self._step_times(batch_size, bucket)
             return list(zip(scale.tolist(), (scale * self._prior_extra).tolist()))
-        return cached(self._line_cache, (batch_size, bucket), make)
+        return cached(self._line_cache, (batch_size, bucket, self._guess_level()), make)
 
     def _step_times(self, batch_size: int, bucket: int) -> np.ndarray:
+        level = self._guess_level()
+
         def make():
             self.model.prefetch(batch_size, bucket, self.max_k + 2)  # every pass width a candidate runs, at once
-            return np.array([self.model.evaluate(s, batch_size, bucket).step_ms for s in self.candidates])
-        return cached(self._step_ms, (batch_size, bucket), make)
+            staged = self._staged_model(level)
+            return np.array([(staged if s.stage2 else self.model).evaluate(s, batch_size, bucket).step_ms
+                             for s in self.candidates])
+        return cached(self._step_ms, (batch_size, bucket, level), make)
+
+    def _guess_level(self) -> int:
+        return 0 if self.guess is None else self.guess.level()
+
+    def _staged_model(self, level: int) -> StepModel:
+        """The step model with the second stage's guess rate at `level` (the calibrated one: the model itself);
+        pass latencies are shared, the staged schedules are its own."""
+        if self.guess is None or level == self.guess.calibrated_level:
+            return self.model
+        return cached(self._staged_models, level, lambda: replace(
+            self.model, stage2=replace(self.model.stage2, guess_accuracy=self.guess.accuracy(level)),
+            _schedule_cache={}))
 
     def _chain_step_ms(self, batch_size: int, bucket: int, k: int) -> float:
         """Predicted step time of a plain chain of k (the draft stop's threshold)."""
@@ -304,6 +392,8 @@ class AdaptivePolicy:
     def _reset(self) -> None:
         self._current, self._batch_size, self._streak, self._lag_steps = None, 0, 0, 0
         self.last_decision_s = 0.0
+        if self.guess is not None:
+            self.guess.reset()
 
 
 def adaptive_policy(model_file: Path, max_k: int | None = None, staged: bool = False, mode: str = "greedy",

@@ -62,6 +62,7 @@ class GenerationStats:
     target_passes: list[tuple[int, int]] = field(default_factory=list)
     nodes_per_step: list[int] = field(default_factory=list)  # draft tokens verified per row (k for a chain)
     planned_k_per_step: list[int] = field(default_factory=list)  # the policy's depth; k_per_step is what ran
+    draft_passes_per_step: list[int] = field(default_factory=list)  # the draft's forward passes in each step
     # wall time of the policy's own work per step (choosing, the draft stop's decisions, learning from the
     # outcome): "decision cost < 2 % of the step" is sum(decision_s) / sum(step_s)
     decision_s: list[float] = field(default_factory=list)
@@ -259,6 +260,7 @@ class SpeculativeGenerator:
         started = time.perf_counter()
         if stats.nodes_per_step[-1] == stats.k_per_step[-1]:  # a chain (trees teach no per-token rate)
             hooks.report(policy, request_ids, stats.k_per_step[-1], [c - 1 for c in counts])
+            hooks.report_draft_passes(policy, len(request_ids), stats.draft_passes_per_step[-1])
         return time.perf_counter() - started + (stop.decision_s if stop is not None else 0.0)
 
     # ------------------------------------------------------------------ the steps (the engine's too)
@@ -287,6 +289,7 @@ class SpeculativeGenerator:
         `draft_stop` (runtime.draft_stop.DraftStop) may end a plain chain's drafting early; k_per_step
         records the draft tokens really proposed, planned_k_per_step the policy's k."""
         timer = timer or _Timer(self.device)
+        passes_before = len(stats.draft_passes)
         tree, staged = self._strategy(choice)
         k = 0 if tree is None else tree.depth
         if tree is not None and tree.num_nodes > max_k:
@@ -304,6 +307,7 @@ class SpeculativeGenerator:
             ran_k = nodes = new.shape[1] - 1
         stats.nodes_per_step.append(nodes)
         stats.planned_k_per_step.append(k)
+        stats.draft_passes_per_step.append(len(stats.draft_passes) - passes_before)
         # write the step's tokens after each row's committed prefix (beyond `counts` is scratch)
         positions = committed[:, None] + torch.arange(new.shape[1], device=self.device)
         tokens.scatter_(1, positions, new)

@@ -73,6 +73,8 @@ class FixedStrategy:
 #   choose(request_ids, context_len) -> k | Strategy   instead of policy(batch_size, context_len);
 #   observe(request_ids, proposed, accepted)            after a chain step, per row (a request id each);
 #   release(request_ids)                                when requests leave (finished, cancelled);
+#   observe_draft_passes(batch_size, passes)            after a chain step: the draft's forward passes in it
+#                                                       (a staged chain's rounds tell how well the n-gram guessed);
 # and `draft_stop` (runtime.draft_stop.DraftStop or None), which the step asks while drafting a chain.
 
 def ask(policy, request_ids, context_len: int):
@@ -86,6 +88,13 @@ def report(policy, request_ids, proposed: int, accepted) -> None:
     observe = getattr(policy, "observe", None)
     if observe is not None:
         observe(request_ids, proposed, accepted)
+
+
+def report_draft_passes(policy, batch_size: int, passes: int) -> None:
+    """Tell a learning policy how many draft passes the chain step just run took."""
+    observe = getattr(policy, "observe_draft_passes", None)
+    if observe is not None:
+        observe(batch_size, passes)
 
 
 def release(policy, request_ids) -> None:

@@ -248,3 +248,59 @@ def test_steps_without_speculation_age_the_evidence_but_not_the_prior():
     assert before < 0.6 < mean < 1.0
     acceptance.observe(["unseen"], 0, [0])  # a request never observed stays unseen (at the prior)
     assert "unseen" not in acceptance.counts
+
+
+# ---------------------------------------------------------------- the second stage's guess rate
+
+def test_guess_rate_follows_a_constructed_guess_accuracy():
+    """Rounds drawn by `simulate_staged_rounds` (the schedule's independent Monte Carlo) at a known
+    rank-0 accuracy: the estimate settles near it, follows a change within a few steps, and resets."""
+    from perfmodel.schedule import simulate_staged_rounds
+    from perfmodel.tree import Strategy, chain
+    from runtime.adaptive import GuessRate
+
+    staged = Strategy(chain(5), stage2=True)
+    for true, b, tolerance in ((0.1, 1, 0.05), (0.5, 1, 0.05), (0.9, 1, 0.05), (0.5, 4, 0.1), (0.9, 4, 0.05)):
+        guess = GuessRate([0.7])
+        assert guess.rank0 == 0.7 and guess.accuracy(guess.level()) == (0.7,)  # the calibrated rate, exactly
+        estimates = []
+        for rounds in simulate_staged_rounds(staged.tree, b, [true], draws=200, seed=3).rounds:
+            guess.observe(staged, b, int(rounds))
+            estimates.append(guess.rank0)
+        assert abs(np.mean(estimates[20:]) - true) < tolerance, (true, b)
+    guess = GuessRate([0.9])
+    for _ in range(10):
+        guess.observe(staged, 1, 5)  # every guess wrong: five rounds for five draft tokens
+    assert guess.rank0 < 0.3 and guess.accuracy(guess.level())[0] < 0.3
+    guess.observe(Strategy(chain(1), stage2=True), 1, 1)  # one draft token: nothing was guessed, no evidence
+    assert guess.rank0 < 0.3
+    guess.reset()
+    assert guess.rank0 == 0.9
+
+
+def test_the_policy_leaves_a_staged_chain_whose_guesses_fail():
+    """Draft passes cost 1 ms whatever their width (constructed_latency), so a staged chain that guesses
+    90 % right drafts in fewer passes and wins; one whose every guess fails drafts k passes plus the
+    n-gram's queries and loses to the plain chain of the same k. The policy learns that from the rounds."""
+    from perfmodel.profile import Stage2Info
+
+    stage2 = Stage2Info("ngram", "0" * 64, (0.9,), query_overhead_ms=0.2, query_ms_per_context=0.01)
+    model = StepModel(constructed_latency, OverheadModel(()), acceptance_from_user([0.8]), stage2)
+    policy = AdaptivePolicy(model, max_k=6, staged=True, early_stop=False)
+    rows = [("r", 0)]
+    first = policy.choose(rows, 100)
+    assert not isinstance(first, int) and first.stage2  # fewer draft passes: the staged chain wins
+    goodput = policy.predicted_goodput(rows, 100)
+    plain_best = max(range(7), key=lambda k: goodput[k])
+    for _ in range(12):
+        k = first.k
+        policy.observe(rows, k, [k])  # the target accepts everything: rho stays high, k stays long
+        policy.observe_draft_passes(1, k)  # but every guess failed: k rounds
+        choice = policy.choose(rows, 100)
+        if isinstance(choice, int):
+            break
+        first = choice
+    assert isinstance(choice, int) and choice > 0  # a plain chain now
+    staged_ms = policy._step_times(1, 128)
+    assert all(staged_ms[policy.max_k + k] > staged_ms[k] for k in range(2, 7))  # staged k now above plain k
+    assert choice == plain_best or goodput[choice] >= goodput[plain_best] / (1 + policy.switch_margin)

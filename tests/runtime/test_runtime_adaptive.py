@@ -100,3 +100,20 @@ def test_engine_with_adaptive_under_staggered_arrivals_equals_solo_greedy(greedy
     assert policy.acceptance.counts == {}
     assert all(ids <= {r.id for r in requests} and len(ids) <= 5 for ids in seen)
     assert engine.metrics.snapshot()["decision_seconds_sum"] > 0
+
+
+def test_each_step_reports_its_draft_passes(greedy_target, greedy_draft_sometimes, prompts8):
+    """A plain chain of k drafts in k passes (the first one 1 or 2 wide); the counts per step add up to
+    the passes recorded, and a learning policy is told them (what teaches it the second stage's rate;
+    the engine goes through the same `learn`)."""
+    told = []
+
+    class Listening(FixedK):
+        def observe_draft_passes(self, batch_size, passes):
+            told.append(passes)
+
+    stats = SpeculativeGenerator(greedy_target, greedy_draft_sometimes).generate(
+        prompts8[:3], N_NEW, Listening(3)).stats
+    assert stats.draft_passes_per_step == [3] * stats.steps
+    assert sum(stats.draft_passes_per_step) == len(stats.draft_passes)  # the prefill's are not recorded there
+    assert told == stats.draft_passes_per_step
