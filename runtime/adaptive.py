@@ -52,9 +52,17 @@ alone decide, as the table would switch at once. Switching costs it accounts for
     steps and added to every chain candidate's S while the current strategy is k = 0.
 The state resets when the last live request is released (an idle engine, the end of a `generate`).
 
+The second stage (`GuessRate`). A staged candidate's step time depends on how often the n-gram guesses
+the draft's next token, which the profile measured on its own prompts and which differs by population
+as much as acceptance does. A staged step's draft pass count is a timing-free reading of it (one more
+round per wrong guess), so after each staged step the policy reads off the guess rate that explains the
+rounds, averages it with the calibrated one (fading, like rho), and evaluates the staged candidates with
+it (per grid level, so their step times stay cached).
+
 Rows are identified by stable request ids, never batch indices (rows leave and join): the generator and
-the engine call `choose(request_ids, L)` before a step, `observe(request_ids, proposed, accepted)` after
-it and `release(request_ids)` when requests end (the optional hooks of `runtime.policy`).
+the engine call `choose(request_ids, L)` before a step, `observe(request_ids, proposed, accepted)` and
+`observe_draft_passes(b, passes)` after it and `release(request_ids)` when requests end (the optional
+hooks of `runtime.policy`).
 Draft-side early stop (`runtime.draft_stop.DraftStop`) runs inside plain chain steps when `early_stop`
 (`--draft-stop`; off by default, see DRAFT_STOP), with its own margin (STOP_MARGIN, 10 %).
 """
@@ -94,7 +102,7 @@ CONTEXT_BUCKET = 64  # context lengths are rounded up to this many tokens for th
 # a grid of rank-0 guess accuracies (every rank scaled alike), so step times stay cached per grid level.
 GUESS_MEMORY_STEPS = 8.0
 GUESS_PRIOR_STEPS = 2.0
-GUESS_LEVELS = 21  # rank-0 accuracy 0, 0.05, ..., 1
+GUESS_LEVELS = 11  # rank-0 accuracy 0, 0.1, ..., 1 (and the calibrated one)
 
 
 class GuessRate:
@@ -112,10 +120,12 @@ class GuessRate:
     def __init__(self, calibrated: Sequence[float], memory_steps: float = GUESS_MEMORY_STEPS,
                  prior_steps: float = GUESS_PRIOR_STEPS, levels: int = GUESS_LEVELS):
         self.calibrated = tuple(float(a) for a in calibrated)
-        self.levels = np.unique(np.append(np.linspace(0.0, 1.0, levels), min(1.0, self.calibrated[0])))
-        self.calibrated_level = int(np.abs(self.levels - self.calibrated[0]).argmin())
+        # plain lists: `observe` runs between forward passes, where numpy calls on a few numbers are slow
+        # (85-90 us a step with np.interp against a few us for this; see AdaptivePolicy._goodput_list)
+        self.levels = sorted({i / (levels - 1) for i in range(levels)} | {min(1.0, self.calibrated[0])})
+        self.calibrated_level = self.levels.index(min(1.0, self.calibrated[0]))
         self.keep, self.prior_steps = 1.0 - 1.0 / memory_steps, prior_steps
-        self._curves: dict[tuple[Strategy, int], list[float]] = {}
+        self._curves: dict[tuple[int, int], list[float]] = {}
         self.reset()
 
     def reset(self) -> None:
@@ -143,14 +153,28 @@ class GuessRate:
         """A staged chain `strategy` over `batch_size` rows took `passes` draft passes."""
         if self.calibrated[0] <= 0 or strategy.k < 2:  # nothing to guess below two draft tokens
             return
-        rounds = cached(self._curves, (strategy, batch_size), lambda: [
+        rounds = cached(self._curves, (strategy.k, batch_size), lambda: [  # staged candidates are chains
             staged_rounds(strategy.tree, batch_size, self.accuracy(i)).expected_rounds
             for i in range(len(self.levels))])  # falling with the accuracy, from k to 1
-        observed = float(np.interp(-float(passes), [-r for r in rounds], self.levels))
-        self.evidence = self.evidence * self.keep + observed
+        self.evidence = self.evidence * self.keep + _read_off(rounds, self.levels, float(passes))
         self.weight = self.weight * self.keep + 1.0
         self.prior_weight *= self.keep
-        self.current = int(np.abs(self.levels - self.rank0).argmin())
+        estimate, levels = self.rank0, self.levels
+        above = min(bisect_right(levels, estimate), len(levels) - 1)
+        self.current = above if above == 0 or levels[above] - estimate < estimate - levels[above - 1] else above - 1
+
+
+def _read_off(falling: list[float], levels: list[float], value: float) -> float:
+    """The level at which the falling curve (one value per level) passes `value`, linearly between levels;
+    the end levels beyond the curve's range."""
+    if value >= falling[0]:
+        return levels[0]
+    for i in range(1, len(falling)):
+        if value >= falling[i]:
+            span = falling[i - 1] - falling[i]
+            share = (falling[i - 1] - value) / span if span > 0 else 1.0
+            return levels[i - 1] + share * (levels[i] - levels[i - 1])
+    return levels[-1]
 
 
 class RequestAcceptance:

@@ -292,7 +292,7 @@ def test_the_policy_leaves_a_staged_chain_whose_guesses_fail():
     assert not isinstance(first, int) and first.stage2  # fewer draft passes: the staged chain wins
     goodput = policy.predicted_goodput(rows, 100)
     plain_best = max(range(7), key=lambda k: goodput[k])
-    for _ in range(12):
+    for _ in range(24):
         k = first.k
         policy.observe(rows, k, [k])  # the target accepts everything: rho stays high, k stays long
         policy.observe_draft_passes(1, k)  # but every guess failed: k rounds
