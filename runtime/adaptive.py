@@ -159,9 +159,14 @@ class GuessRate:
         self.evidence = self.evidence * self.keep + _read_off(rounds, self.levels, float(passes))
         self.weight = self.weight * self.keep + 1.0
         self.prior_weight *= self.keep
-        estimate, levels = self.rank0, self.levels
+        estimate, levels, current = self.rank0, self.levels, self.current
+        # a new level (and the staged candidates' step times evaluated there) only when the estimate is
+        # nearer to it than to the current one by a quarter of their distance: no flapping on a boundary
         above = min(bisect_right(levels, estimate), len(levels) - 1)
-        self.current = above if above == 0 or levels[above] - estimate < estimate - levels[above - 1] else above - 1
+        nearest = above if above == 0 or levels[above] - estimate < estimate - levels[above - 1] else above - 1
+        if nearest != current and abs(estimate - levels[current]) - abs(estimate - levels[nearest]) > \
+                0.25 * abs(levels[current] - levels[nearest]):
+            self.current = nearest
 
 
 def _read_off(falling: list[float], levels: list[float], value: float) -> float:
@@ -263,7 +268,8 @@ class AdaptivePolicy:
         # the second stage's guess rate, learnt online; the step times of its staged candidates per grid level
         self.guess = GuessRate(model.stage2.guess_accuracy) if staged else None
         self._staged_models: dict[int, StepModel] = {}
-        self._step_ms: dict[tuple[int, int, int], np.ndarray] = {}
+        self._step_ms: dict[tuple[int, int, int], np.ndarray] = {}  # (b, L bucket, guess level)
+        self._plain_ms: dict[tuple[int, int], list] = {}  # (b, L bucket): the unstaged candidates' (None: staged)
         self._line_cache: dict[tuple[int, int, int], list[tuple[float, float]]] = {}
         self._catch_up_cache: dict[tuple[int, int, int], float] = {}
         # per candidate, the rho above which E_r = 1 + rho (E_cal - 1) passes its k + 1 cap (`_goodput_list`)
@@ -384,11 +390,15 @@ class AdaptivePolicy:
     def _step_times(self, batch_size: int, bucket: int) -> np.ndarray:
         level = self._guess_level()
 
-        def make():
+        def plain():
             self.model.prefetch(batch_size, bucket, self.max_k + 2)  # every pass width a candidate runs, at once
+            return [self.model.evaluate(s, batch_size, bucket).step_ms if not s.stage2 else None
+                    for s in self.candidates]
+
+        def make():  # at a new guess level only the staged candidates are evaluated again
             staged = self._staged_model(level)
-            return np.array([(staged if s.stage2 else self.model).evaluate(s, batch_size, bucket).step_ms
-                             for s in self.candidates])
+            return np.array([ms if ms is not None else staged.evaluate(s, batch_size, bucket).step_ms
+                             for s, ms in zip(self.candidates, cached(self._plain_ms, (batch_size, bucket), plain))])
         return cached(self._step_ms, (batch_size, bucket, level), make)
 
     def _guess_level(self) -> int:
