@@ -313,13 +313,11 @@ def table(
     lengths = parse_int_list("--context-lens", context_lens)
     from perfmodel.jsonio import check_not_input, writable_path
     from perfmodel.model import choose_acceptance, compute_table, load_model
-    from perfmodel.table import ENGINE_FORMATS
 
     check_not_input(output, [model], "--output")
     writable_path(output, "--output")
     fitted = load_model(model)
-    if not lengths and fmt in ENGINE_FORMATS:  # an engine's schedule knows batch sizes only: one bucket
-        lengths = [fitted.default_context_len()]
+    lengths = lengths or fitted.table_context_lens(fmt)
     chosen = choose_acceptance(fitted, acceptance_override(acceptance), str(model))
     result = compute_table(fitted, chosen, max_batch, lengths, max_k, strategies=strategies,
                            max_tree_nodes=max_tree_nodes)

@@ -64,7 +64,7 @@ def run_demo(out: Path, race_sizes: tuple[int, ...], prompts_shown: int, max_new
     console.rule("[bold]3/5 the table: best strategy (none, chain of k, tree, +n-gram stage) for every batch size")
     acceptance = choose_acceptance(fitted, None, str(model_path))
     table = compute_table(fitted, acceptance, max_batch)
-    engine_table = compute_table(fitted, acceptance, max_batch, [fitted.default_context_len()])  # one bucket
+    engine_table = compute_table(fitted, acceptance, max_batch, fitted.table_context_lens("vllm"))  # one bucket
     notes = fitted.extrapolation_notes(max_batch, [b.context_len for b in table.buckets], table.max_k)
     for name, fmt in EXPORTS.items():
         try:  # a rising k is capped for TensorRT-LLM; an export an engine cannot express is a note, not a stop

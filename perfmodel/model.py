@@ -38,7 +38,7 @@ from .overhead import OverheadModel
 from .profile import ROLES, DeviceInfo, Grid, ModelInfo, Profile, Stage2Info
 from .sources import ISOLATED, SOURCES, SourceChoice, choose_source, source_points, source_report
 from .strategy import MAX_TREE_NODES, StepModel, StrategyCandidate, StrategyChoice, candidate_strategies
-from .table import Bucket, Table, TableEntry
+from .table import ENGINE_FORMATS, Bucket, Table, TableEntry
 from .tree import Strategy
 
 MODEL_SCHEMA = "specbatch.model/1"
@@ -107,10 +107,13 @@ class FittedModel:
         return (int(min(fit.points.context_len.min() for fit in self.roles.values())),
                 int(max(fit.points.context_len.max() for fit in self.roles.values())))
 
-    def table_context_lens(self) -> list[int]:
+    def table_context_lens(self, fmt: str = "json") -> list[int]:
         """A table's default buckets: the profiled context range in steps of at most TABLE_BUCKET_RATIO,
         both ends included, so the runtime's nearest-bucket lookup reads the choice the model makes near
-        the context each step runs at (a padded batch runs at its longest row's, which grows with b)."""
+        the context each step runs at (a padded batch runs at its longest row's, which grows with b).
+        An engine export (`fmt` vllm or trtllm) keys on batch size alone: one bucket, the middle context."""
+        if fmt in ENGINE_FORMATS:
+            return [self.default_context_len()]
         lo, hi = self.profiled_context_range()
         lo = max(lo, 1)
         steps = max(1, int(np.ceil(np.log(hi / lo) / np.log(TABLE_BUCKET_RATIO) - 1e-9))) if hi > lo else 0

@@ -139,7 +139,8 @@ class GuessRate:
         return (prior * self.calibrated[0] + self.evidence) / (prior + self.weight)
 
     def level(self) -> int:
-        """The grid level nearest the estimate (the calibrated rate: its own level, exactly)."""
+        """The grid level the estimate sits at (moved in `observe`, with a quarter-step hysteresis; the
+        calibrated rate is a level of its own, exactly)."""
         return self.current
 
     def accuracy(self, level: int) -> tuple[float, ...]:
