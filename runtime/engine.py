@@ -291,7 +291,7 @@ class Engine:
         self._store_lengths(0, caches)
         self._committed[:b] = committed + counts
         new_list = new.tolist()
-        self.metrics.observe_step(describe_choice(choice), stats, b, time.perf_counter() - started)
+        self.metrics.observe_step(describe_choice(choice), stats, b, time.perf_counter() - started, sum(counts_list))
         self._deliver(list(range(b)), new, counts, [t[:c] for t, c in zip(new_list, counts_list)], counts_list)
 
     def _views(self, start: int, count: int, fresh: bool):

@@ -36,11 +36,20 @@ class EngineMetrics:
     step_bucket_counts: list[int] = field(default_factory=lambda: [0] * (len(STEP_BUCKETS_S) + 1))
     step_seconds_sum: float = 0.0
     decision_seconds_sum: float = 0.0  # the policy's own work (runtime.adaptive); its share of step_seconds_sum
+    # per strategy label (describe_choice): steps, their seconds, the tokens they committed over all rows, and
+    # the rows they ran on; a policy's mix over time is the difference of two snapshots
+    by_strategy: dict[str, dict[str, float]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def observe_step(self, strategy: str, stats, batch_size: int, seconds: float) -> None:
-        """One speculative step (stats: the runtime.generator.GenerationStats of that step alone)."""
+    def observe_step(self, strategy: str, stats, batch_size: int, seconds: float, tokens: int) -> None:
+        """One speculative step (stats: the runtime.generator.GenerationStats of that step alone; tokens: what
+        it committed over all rows)."""
         with self._lock:
+            mix = self.by_strategy.setdefault(strategy, {"steps": 0, "seconds": 0.0, "tokens": 0, "rows": 0})
+            mix["steps"] += 1
+            mix["seconds"] += seconds
+            mix["tokens"] += tokens
+            mix["rows"] += batch_size
             self.steps_total += 1
             self.strategy, self.batch_size = strategy, batch_size
             self.k, self.draft_tokens = stats.k_per_step[-1], stats.nodes_per_step[-1]
@@ -80,4 +89,5 @@ class EngineMetrics:
                 "strategy": self.strategy, "k": self.k, "draft_tokens": self.draft_tokens,
                 "batch_size": self.batch_size, "step_bucket_counts": list(self.step_bucket_counts),
                 "step_seconds_sum": self.step_seconds_sum, "decision_seconds_sum": self.decision_seconds_sum,
+                "by_strategy": {name: dict(mix) for name, mix in self.by_strategy.items()},
             }

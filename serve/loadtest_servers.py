@@ -4,6 +4,7 @@ time from /proc, and our engine's step counters from /metrics (or from an engine
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -114,28 +115,63 @@ def own_cpu_s() -> float:
 
 
 def engine_counters(snapshot: dict) -> dict:
-    return {"steps": snapshot["steps_total"], "step_s": snapshot["step_seconds_sum"]}
+    return {"steps": snapshot["steps_total"], "step_s": snapshot["step_seconds_sum"],
+            "by_strategy": {name: dict(mix) for name, mix in snapshot["by_strategy"].items()}}
+
+
+_MIX_SERIES = {"specbatch_strategy_steps_total": "steps", "specbatch_strategy_step_seconds_total": "seconds",
+               "specbatch_strategy_tokens_total": "tokens", "specbatch_strategy_rows_total": "rows"}
 
 
 def scrape_counters(url: str) -> dict | None:
     """Our engine's step counters from a server's /metrics; None for a server without them (vLLM)."""
     import httpx
 
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return parse_counters(httpx.get(f"{url}/metrics", timeout=10).text)
+
+
+def parse_counters(text: str) -> dict | None:
+    """The counters scrape_counters reads, from a /metrics page's text (serve.metrics.render_metrics)."""
     if "specbatch_steps_total" not in text:
         return None
     samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
-    return {"steps": float(samples["specbatch_steps_total"]), "step_s": float(samples["specbatch_step_seconds_sum"])}
+    by_strategy: dict[str, dict[str, float]] = {}
+    for series, value in samples.items():
+        name, _, labels = series.partition('{strategy="')
+        if name in _MIX_SERIES:
+            label = re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), labels[:-2])
+            by_strategy.setdefault(label, {})[_MIX_SERIES[name]] = float(value)
+    return {"steps": float(samples["specbatch_steps_total"]), "step_s": float(samples["specbatch_step_seconds_sum"]),
+            "by_strategy": by_strategy}
+
+
+def strategy_mix(before: dict, after: dict) -> dict:
+    """What a run's steps ran, by strategy: share of the steps, mean step time, tokens per step (all rows),
+    mean batch size; from two counter readings."""
+    steps_total = after["steps"] - before["steps"]
+    mix = {}
+    for label, counts in after["by_strategy"].items():
+        prior = before["by_strategy"].get(label, {})
+        steps = counts["steps"] - prior.get("steps", 0)
+        if steps <= 0:
+            continue
+        mix[label] = {"share": steps / steps_total,
+                      "step_ms": 1000 * (counts["seconds"] - prior.get("seconds", 0.0)) / steps,
+                      "tokens_per_step": (counts["tokens"] - prior.get("tokens", 0)) / steps,
+                      "mean_batch_size": (counts["rows"] - prior.get("rows", 0)) / steps}
+    return dict(sorted(mix.items(), key=lambda item: -item[1]["share"]))
 
 
 def engine_use(before: dict | None, after: dict | None, run: dict) -> dict:
-    """How the engine spent the run: mean step time, and the share of the run's span spent in steps
-    (below 1 at saturation: time lost between steps, to prefill, or to the HTTP side holding the GIL)."""
+    """How the engine spent the run: mean step time, the share of the run's span spent in steps
+    (below 1 at saturation: time lost between steps, to prefill, or to the HTTP side holding the GIL),
+    and the strategies its steps ran."""
     if before is None or after is None:
-        return {"engine_steps": None, "engine_step_ms_mean": None, "engine_busy_fraction": None}
+        return {"engine_steps": None, "engine_step_ms_mean": None, "engine_busy_fraction": None, "strategy_mix": None}
     steps, step_s = after["steps"] - before["steps"], after["step_s"] - before["step_s"]
     return {"engine_steps": steps, "engine_step_ms_mean": 1000 * step_s / steps if steps else None,
-            "engine_busy_fraction": step_s / run["span_s"] if run["span_s"] else None}
+            "engine_busy_fraction": step_s / run["span_s"] if run["span_s"] else None,
+            "strategy_mix": strategy_mix(before, after) if steps else {}}
 
 
 def machine_note() -> dict:

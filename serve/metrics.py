@@ -47,6 +47,13 @@ def render_metrics(snapshot: dict, running: int, waiting: int, reserved_tokens: 
     metric("batch_size", "gauge", "Rows in the last step.", [("", snapshot["batch_size"])])
     metric("strategy_info", "gauge", "The strategy of the last step, as a label.",
            [(f'{{strategy="{_label(snapshot["strategy"])}"}}', 1)])
+    mix = sorted(snapshot["by_strategy"].items())
+    for name, key, help_text in (
+            ("strategy_steps_total", "steps", "Speculative steps run, by strategy."),
+            ("strategy_step_seconds_total", "seconds", "Wall time of those steps, by strategy."),
+            ("strategy_tokens_total", "tokens", "Tokens those steps committed over all rows, by strategy."),
+            ("strategy_rows_total", "rows", "Rows those steps ran on (their batch sizes summed), by strategy.")):
+        metric(name, "counter", help_text, [(f'{{strategy="{_label(label)}"}}', counts[key]) for label, counts in mix])
     lines.append("# HELP specbatch_step_seconds Wall time of one speculative step (all rows).")
     lines.append("# TYPE specbatch_step_seconds histogram")
     cumulative = 0

@@ -64,6 +64,8 @@ def test_health_models_and_metrics(server):
     assert samples['specbatch_strategy_info{strategy="chain k=3"}'] == 1
     assert 'specbatch_acceptance_rate{position="3"}' in samples
     assert samples['specbatch_step_seconds_bucket{le="+Inf"}'] == samples["specbatch_step_seconds_count"] > 0
+    strategy_steps = [v for name, v in samples.items() if name.startswith("specbatch_strategy_steps_total{")]
+    assert sum(strategy_steps) == samples["specbatch_steps_total"]
 
 
 def test_completion_equals_solo_greedy_with_usage(server):

@@ -57,6 +57,9 @@ def test_short_loadtest_over_http_and_in_process(tmp_path):
         ("http", 5, 0, 0, 0), ("in-process", 5, 0, 0, 0)]
     for run in report["runs"]:
         assert run["ttft_ms"]["p50"] <= run["e2e_ms"]["p50"] and run["throughput_tokens_per_s"] > 0
+        (label, mix), = run["strategy_mix"].items()  # a fixed k runs one strategy in every step
+        assert label == "chain k=2" and mix["share"] == 1.0
+        assert mix["mean_batch_size"] <= mix["tokens_per_step"] <= 3 * mix["mean_batch_size"]
     assert json.loads((tmp_path / "loadtest.json").read_text())["schema"] == "specbatch.loadtest/1"
     assert (tmp_path / "loadtest.csv").read_text().startswith("policy,mode,rate_per_s")
     assert (tmp_path / "latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -128,3 +131,32 @@ def test_vllm_table_policy_refuses_trees(tmp_path):
     config = _vllm_config(tmp_path, ("vllm:table",), table=tmp_path / "t.json")
     with pytest.raises(LoadtestError, match="vllm:table: --table .* has trees or the n-gram second stage"):
         vllm_speculative_config(config, "vllm:table")
+
+
+def test_strategy_mix_survives_the_metrics_page_and_is_the_difference_of_two_readings():
+    from runtime.engine_metrics import EngineMetrics
+    from runtime.generator import GenerationStats
+    from serve.loadtest_servers import engine_counters, parse_counters, strategy_mix
+    from serve.metrics import render_metrics
+
+    def step(metrics, label, seconds, tokens, rows):
+        stats = GenerationStats()
+        stats.k_per_step.append(2)
+        stats.nodes_per_step.append(2)
+        metrics.observe_step(label, stats, rows, seconds, tokens)
+
+    metrics = EngineMetrics()
+    step(metrics, "chain k=2", 0.010, 6, 2)
+    before = engine_counters(metrics.snapshot())
+    odd = 'tree "a\\b" (3 nodes)'  # a label the exposition format has to escape
+    for seconds, tokens in ((0.020, 9), (0.040, 3)):
+        step(metrics, odd, seconds, tokens, 3)
+    step(metrics, "chain k=2", 0.030, 4, 2)
+    page = render_metrics(metrics.snapshot(), 0, 0, 0, 0, "m")
+    after = parse_counters(page)
+    assert after["by_strategy"] == engine_counters(metrics.snapshot())["by_strategy"]
+    mix = strategy_mix(before, after)
+    assert list(mix) == [odd, "chain k=2"]  # most used first
+    assert mix[odd] == pytest.approx({"share": 2 / 3, "step_ms": 30.0, "tokens_per_step": 6.0, "mean_batch_size": 3})
+    assert mix["chain k=2"] == pytest.approx({"share": 1 / 3, "step_ms": 30.0, "tokens_per_step": 4.0,
+                                              "mean_batch_size": 2})
