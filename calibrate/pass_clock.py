@@ -87,7 +87,8 @@ def measured_steps(stats, clock: PassClock, batch_size: int) -> MeasuredSteps | 
     if seconds is None:
         return None
     record = {"batch_size_per_step": stats.batch_size_per_step, "step_s": stats.step_s,
-              "step_tokens": stats.step_tokens, "draft_passes": stats.draft_passes,
+              "step_tokens": stats.step_tokens, "step_tokens_drawn": stats.step_tokens_drawn,
+              "draft_passes": stats.draft_passes,
               "target_passes": stats.target_passes, "draft_pass_s": seconds["draft"],
               "target_pass_s": seconds["target"]}
     return measured_from_stats(record, batch_size)

@@ -43,15 +43,35 @@ def explanation_table(explained: dict[str, Any], title: str | None = None):
     tokens = explained["tokens_per_step"]
     table.add_row("step", "", "", f"{_ms(step['predicted'])} | {_ms(step['measured'])}", "",
                   _pct(1 - step["predicted"] / measured_step))
-    table.add_row("tokens per step (per row)", "", "", f"{tokens['predicted']:.3f} | {tokens['measured']:.3f}", "",
-                  _pct(tokens["predicted"] / tokens["measured"] - 1))
+    drawn = tokens.get("measured_drawn")
+    if drawn is None:  # a bench.json from before the drawn tokens were kept
+        table.add_row("tokens per step (per row)", "", "", f"{tokens['predicted']:.3f} | {tokens['measured']:.3f}", "",
+                      _pct(tokens["predicted"] / tokens["measured"] - 1))
+        return table
+    half = tokens.get("drawn_halfwidth95")
+    spread = f" ±{half:.3f}" if half is not None else ""
+    table.add_row("tokens per step (per row)", "", "", f"{tokens['predicted']:.3f} | {drawn:.3f}{spread}", "",
+                  _pct(tokens["predicted"] / drawn - 1))
+    table.add_row("cut at max new tokens", "", "", f"{drawn:.3f} | {tokens['measured']:.3f}", "",
+                  _pct(drawn / tokens["measured"] - 1))
     return table
 
 
 def culprit_line(explained: dict[str, Any]) -> str:
+    """The largest term; when that is tokens per step inside its sampling interval, says so (more steps
+    would tell) and names the largest term after it."""
     culprit = explained["culprit"]
-    return (f"b={explained['batch_size']}: prediction {_pct(explained['error'])}; the largest term is "
+    line = (f"b={explained['batch_size']}: prediction {_pct(explained['error'])}; the largest term is "
             f"{culprit['term']} ({_pct(culprit['effect'])} on the predicted goodput)")
+    tokens = explained["tokens_per_step"]
+    if culprit["term"] == "tokens per step" and tokens.get("within_noise"):
+        low, high = tokens["effect_ci95"]
+        interval = f"[{_pct(low)}, {_pct(high) if high is not None else 'inf'}]"
+        rest = [e for e in explained.get("effects", []) if e["term"] != "tokens per step"]
+        after = f"; the next is {rest[0]['term']} ({_pct(rest[0]['effect'])})" if rest else ""
+        line += (f", inside its 95 % sampling interval {interval} over {explained['steps']} steps: "
+                 f"noise, not the model's E{after}")
+    return line
 
 
 def render_explanation(explained: dict[str, Any], notes: list[str]) -> None:

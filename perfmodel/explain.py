@@ -23,22 +23,35 @@ Each effect is given as how far it pushes the predicted goodput above the measur
 tokens per step +(E_p / E_m - 1), a step-time difference -(predicted_ms - measured_ms) / S_m. The term
 with the largest effect is the one that carries the error.
 
+Tokens per step are two effects. E is a mean over random steps, so the measured one is a draw: its
+95 % sampling interval is +-1.96 s / sqrt(n) over the n full-batch steps (s: the spread of a step's tokens
+per row, measured, or for a chain the model's own spread Var(T) / b when that is larger), and a tokens effect inside it is not evidence that the model's E is off (a synthetic-acceptance
+run, whose E is exact by construction, measured E 18 % above the exact one over 16 steps at b = 1 on gpt2-large).
+And a row's last step keeps only the tokens it still needed (`max_new_tokens`), which E does not know:
+"cut at max new tokens" is E drawn / E kept - 1 (about -4 % at b = 1 for 24 new tokens and k = 2). The
+interval treats steps as independent; steps of one prompt are not (its acceptance is its own), so for
+real acceptance over few prompts it is a lower bound on the noise.
+
 Assumptions: the measured overhead is the steps' wall time minus their timed passes (so it also holds
 n-gram queries and the timing itself); the prediction is taken at one context length (the run's mean
 attended context) while the measured passes span the run's contexts.
 """
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from .acceptance import extend_alphas
 from .errors import PerfModelError
 from .strategy import StepModel
 from .tree import Strategy
 
 OVERHEAD = "overhead"  # the term outside forward passes (n-gram queries included)
 TOKENS = "tokens per step"
+CUT = "cut at max new tokens"
+Z95 = 1.959964  # the two-sided 95 % normal quantile
 
 
 @dataclass(frozen=True)
@@ -60,11 +73,35 @@ class MeasuredSteps:
     step_seconds: float  # summed wall time of those steps (passes and everything between them)
     tokens: int  # tokens those steps added, all rows together
     passes: tuple[PassTally, ...]
+    # what those steps produced before the cut at max_new_tokens, all rows together, and the sum over steps of
+    # (a step's drawn tokens per row)^2, for the sampling interval; None from stats that did not keep them
+    drawn_tokens: int | None = None
+    drawn_square_sum: float | None = None
 
     @property
     def tokens_per_step(self) -> float:
-        """Per row, as E is."""
+        """Per row, as E is (kept tokens: what the goodput counts)."""
         return self.tokens / (self.steps * self.batch_size)
+
+    @property
+    def drawn_tokens_per_step(self) -> float:
+        """Per row, before the cut at max_new_tokens: the draws of E (the kept tokens where not recorded)."""
+        return (self.drawn_tokens if self.drawn_tokens is not None else self.tokens) / (self.steps * self.batch_size)
+
+    @property
+    def drawn_variance(self) -> float | None:
+        """The sample variance of a step's drawn tokens per row; None below 2 steps or without the squares."""
+        if self.drawn_square_sum is None or self.steps < 2:
+            return None
+        mean = self.drawn_tokens_per_step
+        return max(0.0, (self.drawn_square_sum - self.steps * mean * mean) / (self.steps - 1))
+
+    def drawn_halfwidth(self, model_variance: float = 0.0) -> float | None:
+        """The 95 % sampling half-width of `drawn_tokens_per_step`, from the larger of the sample variance and
+        `model_variance` (what the model says a step's tokens per row spread by): a few steps that happen to
+        agree must not claim a precision the model says they cannot have. None without the squares."""
+        variance = self.drawn_variance
+        return None if variance is None else Z95 * math.sqrt(max(variance, model_variance) / self.steps)
 
     @property
     def step_ms(self) -> float:
@@ -78,21 +115,25 @@ class MeasuredSteps:
         for p in self.passes + other.passes:
             tally[(p.role, p.new_tokens)][0] += p.count
             tally[(p.role, p.new_tokens)][1] += p.seconds
+        both = self.drawn_square_sum is not None and other.drawn_square_sum is not None
         return MeasuredSteps(self.batch_size, self.steps + other.steps, self.step_seconds + other.step_seconds,
                              self.tokens + other.tokens,
-                             tuple(PassTally(r, n, c, s) for (r, n), (c, s) in sorted(tally.items())))
+                             tuple(PassTally(r, n, c, s) for (r, n), (c, s) in sorted(tally.items())),
+                             self.drawn_tokens + other.drawn_tokens if both else None,
+                             self.drawn_square_sum + other.drawn_square_sum if both else None)
 
     def to_json(self) -> dict[str, Any]:
         return {"batch_size": self.batch_size, "steps": self.steps, "step_seconds": self.step_seconds,
-                "tokens": self.tokens,
+                "tokens": self.tokens, "drawn_tokens": self.drawn_tokens, "drawn_square_sum": self.drawn_square_sum,
                 "passes": [{"role": p.role, "new_tokens": p.new_tokens, "count": p.count, "seconds": p.seconds}
                            for p in self.passes]}
 
 
 def measured_from_stats(stats: dict[str, Any], batch_size: int) -> MeasuredSteps | None:
     """The full-batch steps of one generation, from its stats: the generator's per-step lists
-    (`batch_size_per_step`, `step_s`, `step_tokens`), its per-pass shapes (`draft_passes`, `target_passes`:
-    [batch, new tokens] per pass) and each pass's seconds (`draft_pass_s`, `target_pass_s`, same order).
+    (`batch_size_per_step`, `step_s`, `step_tokens`, optionally `step_tokens_drawn`), its per-pass shapes
+    (`draft_passes`, `target_passes`: [batch, new tokens] per pass) and each pass's seconds (`draft_pass_s`,
+    `target_pass_s`, same order).
     A pass at batch b belongs to a full-batch step: the batch only shrinks. None without full-batch steps."""
     full = [i for i, b in enumerate(stats["batch_size_per_step"]) if b == batch_size]
     if not full:
@@ -106,9 +147,12 @@ def measured_from_stats(stats: dict[str, Any], batch_size: int) -> MeasuredSteps
             if b == batch_size:
                 tally[(role, int(n))][0] += 1
                 tally[(role, int(n))][1] += float(s)
+    drawn = stats.get("step_tokens_drawn")
     return MeasuredSteps(batch_size, len(full), sum(stats["step_s"][i] for i in full),
                          sum(stats["step_tokens"][i] for i in full),
-                         tuple(PassTally(r, n, c, s) for (r, n), (c, s) in sorted(tally.items())))
+                         tuple(PassTally(r, n, c, s) for (r, n), (c, s) in sorted(tally.items())),
+                         sum(drawn[i] for i in full) if drawn else None,
+                         sum((drawn[i] / batch_size) ** 2 for i in full) if drawn else None)
 
 
 @dataclass(frozen=True)
@@ -149,6 +193,8 @@ class Explanation:
     predicted_step_ms: float
     measured_step_ms: float
     terms: tuple[Term, ...]
+    measured_drawn_tokens_per_step: float | None = None  # before the cut at max_new_tokens
+    drawn_halfwidth: float | None = None  # its 95 % sampling half-width
 
     @property
     def predicted_tokens_per_s(self) -> float:
@@ -165,7 +211,12 @@ class Explanation:
 
     def effects(self) -> list[tuple[str, float]]:
         """(label, first-order push of the predicted goodput above the measured one), largest first."""
-        found = [(TOKENS, self.predicted_tokens_per_step / self.measured_tokens_per_step - 1.0)]
+        drawn = self.measured_drawn_tokens_per_step
+        if drawn is None:
+            found = [(TOKENS, self.predicted_tokens_per_step / self.measured_tokens_per_step - 1.0)]
+        else:  # (E_p / E_drawn) (E_drawn / E_kept) = E_p / E_kept
+            found = [(TOKENS, self.predicted_tokens_per_step / drawn - 1.0),
+                     (CUT, drawn / self.measured_tokens_per_step - 1.0)]
         for term in self.terms:
             if term.role is None:
                 found.append((term.name, -term.time_ms / self.measured_step_ms))
@@ -178,12 +229,32 @@ class Explanation:
     def culprit(self) -> tuple[str, float]:
         return self.effects()[0]
 
+    @property
+    def tokens_interval(self) -> tuple[float, float] | None:
+        """The tokens effect's 95 % sampling interval, E_p / (E_drawn -+ half-width) - 1; None without one."""
+        drawn, half = self.measured_drawn_tokens_per_step, self.drawn_halfwidth
+        if drawn is None or half is None:
+            return None
+        high = self.predicted_tokens_per_step / (drawn - half) - 1.0 if drawn > half else math.inf
+        return self.predicted_tokens_per_step / (drawn + half) - 1.0, high
+
+    @property
+    def tokens_within_noise(self) -> bool | None:
+        """Whether the measured E is within its sampling interval of the predicted one (None: unknown)."""
+        interval = self.tokens_interval
+        return None if interval is None else interval[0] <= 0.0 <= interval[1]
+
     def to_json(self) -> dict[str, Any]:
         name, effect = self.culprit
         return {
             "batch_size": self.batch_size, "context_len": self.context_len, "strategy": self.strategy,
             "steps": self.steps,
-            "tokens_per_step": {"predicted": self.predicted_tokens_per_step, "measured": self.measured_tokens_per_step},
+            "tokens_per_step": {"predicted": self.predicted_tokens_per_step, "measured": self.measured_tokens_per_step,
+                                "measured_drawn": self.measured_drawn_tokens_per_step,
+                                "drawn_halfwidth95": self.drawn_halfwidth,
+                                "effect_ci95": [x if math.isfinite(x) else None for x in self.tokens_interval]
+                                if self.tokens_interval else None,
+                                "within_noise": self.tokens_within_noise},
             "step_ms": {"predicted": self.predicted_step_ms, "measured": self.measured_step_ms},
             "tokens_per_s": {"predicted": self.predicted_tokens_per_s, "measured": self.measured_tokens_per_s},
             "error": self.error,
@@ -195,6 +266,21 @@ class Explanation:
             "effects": [{"term": label, "effect": value} for label, value in self.effects()],
             "culprit": {"term": name, "effect": effect},
         }
+
+
+def chain_tokens_variance(alphas: Sequence[float], k: int) -> float:
+    """Var(tokens a row gains in a chain step of k): with A the accepted count and s_j = P(A >= j) =
+    alpha_1 ... alpha_j, E[A] = sum_j s_j and E[A^2] = sum_j (2j - 1) s_j.
+
+    >>> round(chain_tokens_variance([0.8], 2), 4)  # T = 1, 2, 3 with 0.2, 0.16, 0.64
+    0.6464
+    """
+    survival, product = [], 1.0
+    for alpha in extend_alphas(alphas, k):
+        product *= alpha
+        survival.append(product)
+    mean = sum(survival)
+    return sum((2 * j + 1) * s for j, s in enumerate(survival)) - mean * mean
 
 
 def explain(model: StepModel, strategy: Strategy, measured: MeasuredSteps, context_len: int) -> Explanation:
@@ -216,9 +302,15 @@ def explain(model: StepModel, strategy: Strategy, measured: MeasuredSteps, conte
         t_m = tally.seconds / tally.count * 1e3 if tally and tally.count else None
         terms.append(Term(f"{role} n={n}", c_p * t_p, c_m * (t_m or 0.0), role, n, c_p, c_m, t_p, t_m))
     passes_ms = sum(t.measured_ms for t in terms)
+    # rows draw independently under the model: a step's mean over b rows spreads by Var / b (chains; a
+    # tree's spread is left to the sample)
+    model_variance = chain_tokens_variance(model.acceptance.per_position, strategy.k) / b \
+        if strategy.kind == "chain" and strategy.k > 0 else 0.0
     terms.append(Term(OVERHEAD, candidate.overhead_ms + candidate.ngram_ms, measured.step_ms - passes_ms))
     return Explanation(b, context_len, strategy.describe(), measured.steps, candidate.tokens_per_step,
-                       measured.tokens_per_step, candidate.step_ms, measured.step_ms, tuple(terms))
+                       measured.tokens_per_step, candidate.step_ms, measured.step_ms, tuple(terms),
+                       measured.drawn_tokens_per_step if measured.drawn_tokens is not None else None,
+                       measured.drawn_halfwidth(model_variance))
 
 
 def explanation_lines(explanation: Explanation, top: int = 3) -> Sequence[str]:

@@ -58,6 +58,9 @@ class GenerationStats:
     synthetic_acceptance: float | None = None
     step_s: list[float] = field(default_factory=list)  # wall time of each step, all passes and overhead
     step_tokens: list[int] = field(default_factory=list)  # tokens each step added (within max_new_tokens)
+    # what each step produced over all rows before the cut at max_new_tokens (a finishing row's last step keeps
+    # only what it still needed): the per-step draws of E(k) that perfmodel.explain compares with the model
+    step_tokens_drawn: list[int] = field(default_factory=list)
     draft_passes: list[tuple[int, int]] = field(default_factory=list)  # (batch size, new tokens) per pass
     target_passes: list[tuple[int, int]] = field(default_factory=list)
     nodes_per_step: list[int] = field(default_factory=list)  # draft tokens verified per row (k for a chain)
@@ -242,6 +245,7 @@ class SpeculativeGenerator:
             stats.decision_s.append(decision_s)
             committed = committed + counts
             stats.step_tokens.append(sum(min(c, max_new_tokens - g) for c, g in zip(counts_list, generated)))
+            stats.step_tokens_drawn.append(sum(counts_list))
             for i, c in enumerate(counts_list):
                 generated[i] += c
             done = self.finished_rows(new, counts, counts_list, generated, [max_new_tokens] * len(rows))

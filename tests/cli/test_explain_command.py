@@ -97,3 +97,33 @@ def test_bench_prints_the_paired_regret_and_the_decomposition():
     assert "missed (interval wider than ±3 %)" in console.export_text()
     assert "the largest term is tokens per step (+7.7% on the predicted goodput)" in text
     assert "+4.5%" in text  # the draft pass time: -(-1.0) / 22 ms
+
+
+def test_a_tokens_term_inside_its_sampling_interval_is_called_noise():
+    import pytest
+
+    from perfmodel.explain import MeasuredSteps, explain
+    from perfmodel.acceptance import acceptance_from_user
+    from perfmodel.overhead import OverheadModel
+    from perfmodel.strategy import StepModel
+    from perfmodel.tree import Strategy
+
+    from console.explain import culprit_line, explanation_table
+
+    # passes of no time and a 30 ms overhead: the measured steps below (30 ms, no passes timed) match it exactly
+    model = StepModel(lambda role, b, n, L: 0.0, OverheadModel(((1, 2, 30.0),)), acceptance_from_user([0.8]))
+    # 16 steps at b = 1, k = 2 (E = 2.44 exactly, Var 0.6464: a 95 % half-width of 1.96 x sqrt(0.6464 / 16) =
+    # 0.394 over 16 steps, above what the samples below spread by)
+    def measured(drawn, kept, square_sum):
+        return MeasuredSteps(1, 16, 16 * 0.030, kept, (), drawn_tokens=drawn, drawn_square_sum=square_sum)
+    # 46 drawn (14 steps of 3, 2 of 2): 2.875, 2.2 half-widths above 2.44 (the gpt2-large synthetic run's figure)
+    far = explain(model, Strategy.from_k(2), measured(46, 44, 14 * 9 + 2 * 4), 96).to_json()
+    assert far["tokens_per_step"]["drawn_halfwidth95"] == pytest.approx(1.959964 * (0.6464 / 16) ** 0.5)
+    assert far["tokens_per_step"]["within_noise"] is False
+    line = culprit_line(far)
+    assert "the largest term is tokens per step" in line and "noise" not in line
+    # 44 drawn (12 of 3, 4 of 2): 2.75, within 0.394 of 2.44
+    near = explain(model, Strategy.from_k(2), measured(44, 42, 12 * 9 + 4 * 4), 96).to_json()
+    assert near["tokens_per_step"]["within_noise"] is True
+    assert "inside its 95 % sampling interval" in culprit_line(near) and "over 16 steps" in culprit_line(near)
+    assert "cut at max new tokens" in explanation_table(near).columns[0].cells

@@ -21,6 +21,7 @@ STATS = {
     "batch_size_per_step": [2, 2, 2, 2, 1],
     "step_s": [0.020, 0.022, 0.024, 0.022, 0.015],  # full batch: 88 ms over 4 steps = 22 ms
     "step_tokens": [4, 3, 2, 4, 2],  # full batch: 13 tokens / (4 steps x 2 rows) = 1.625
+    "step_tokens_drawn": [4, 4, 2, 4, 2],  # before the cut: 14 / 8 = 1.75; per row 2, 2, 1, 2
     "draft_passes": [[2, 1], [2, 1], [2, 2], [2, 1], [2, 1], [2, 1], [2, 2], [2, 1], [1, 2], [1, 1]],
     "draft_pass_s": [.002, .002, .004, .002, .002, .002, .004, .002, .003, .001],
     "target_passes": [[2, 3], [2, 3], [2, 3], [2, 3], [1, 3]],
@@ -62,7 +63,7 @@ def test_decomposition_sums_to_prediction_and_measurement():
     # goodput: G_p / G_m = (E_p / E_m) / (S_p / S_m) exactly
     assert result.predicted_tokens_per_step == pytest.approx(1.75)
     assert result.error == pytest.approx((1.75 / 1.625) / (20.9375 / 22.0) - 1)
-    assert result.culprit == ("tokens per step", pytest.approx(1.75 / 1.625 - 1))
+    assert result.culprit == ("cut at max new tokens", pytest.approx(1.75 / 1.625 - 1))  # E drawn = E_p
     effects = dict(result.effects())
     assert effects["overhead"] == pytest.approx(0.5 / 22)
     assert effects["draft n=2: pass time"] == pytest.approx(0.5 / 22)
@@ -96,3 +97,28 @@ def test_the_fidelity_modules_import_no_torch():
     result = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_drawn_tokens_their_interval_and_the_cut():
+    # drawn per row per step 2, 2, 1, 2: mean 1.75, sample variance (13 - 4 x 1.75^2) / 3 = 0.25, so the
+    # 95 % half-width is 1.96 x 0.5 / 2 = 0.49
+    measured = measured_from_stats(STATS, 2)
+    assert (measured.drawn_tokens, measured.drawn_square_sum) == (14, pytest.approx(13.0))
+    assert measured.drawn_tokens_per_step == pytest.approx(1.75)
+    assert measured.drawn_halfwidth() == pytest.approx(1.959964 * 0.5 / 2)
+    result = explain(MODEL, Strategy.from_k(2), measured, context_len=64)
+    # the model's own spread is larger: T = 1, 2, 3 with 0.5, 0.25, 0.25, Var 0.6875, over 2 rows 0.34375
+    half = 1.959964 * (0.34375 / 4) ** 0.5
+    assert result.drawn_halfwidth == pytest.approx(half)
+    effects = dict(result.effects())
+    assert effects["tokens per step"] == pytest.approx(0.0)  # E_p = 1.75 = E drawn
+    assert effects["cut at max new tokens"] == pytest.approx(1.75 / 1.625 - 1)
+    assert result.error == pytest.approx((1.75 / 1.625) / (20.9375 / 22.0) - 1)  # the product is unchanged
+    assert result.tokens_interval == pytest.approx((1.75 / (1.75 + half) - 1, 1.75 / (1.75 - half) - 1))
+    assert result.tokens_within_noise is True
+    doubled = measured.merged(measured)  # the same spread over twice the steps: the interval shrinks
+    assert doubled.drawn_halfwidth() == pytest.approx(1.959964 * (0.25 * 6 / 7 / 8) ** 0.5)  # (26 - 8 x 1.75^2) / 7
+    older = measured_from_stats({k: v for k, v in STATS.items() if k != "step_tokens_drawn"}, 2)
+    assert older.drawn_tokens is None and older.drawn_halfwidth() is None
+    assert explain(MODEL, Strategy.from_k(2), older, 64).tokens_within_noise is None
+    assert "cut at max new tokens" not in dict(explain(MODEL, Strategy.from_k(2), older, 64).effects())

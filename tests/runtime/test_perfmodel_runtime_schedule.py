@@ -66,3 +66,28 @@ def test_random_acceptance_keeps_the_shape(greedy_target, greedy_draft_sometimes
 def test_no_speculation_is_one_target_pass(greedy_target, greedy_draft_sometimes, prompts8):
     for batch, passes in run(greedy_target, greedy_draft_sometimes, prompts8, 0, 0.5):
         assert Counter(passes) == predicted(batch, 0, 0.5)
+
+
+def test_synthetic_draws_of_e_cover_the_exact_e_and_the_cut_lowers_what_is_kept(greedy_target, greedy_draft_sometimes,
+                                                                                 prompts8):
+    """Synthetic acceptance 0.8 at k = 2 has E = 1 + 0.8 + 0.64 exactly: the drawn tokens per step of 30
+    generations (fixed seeds) lie within their 95 % sampling interval of it, and the kept ones (a row's
+    last step cut at max_new_tokens) lie below the drawn ones."""
+    from perfmodel.explain import measured_from_stats
+    from runtime.generator import SpeculativeGenerator
+    from runtime.policy import FixedK
+
+    generator = SpeculativeGenerator(greedy_target, greedy_draft_sometimes)
+    pooled = None
+    for seed in range(30):
+        stats = generator.generate(prompts8[:1], 12, FixedK(2), seed=seed, synthetic_acceptance=0.8).stats
+        assert stats.step_tokens_drawn[:-1] == stats.step_tokens[:-1]  # only the last step is cut
+        record = {"batch_size_per_step": stats.batch_size_per_step, "step_s": stats.step_s,
+                  "step_tokens": stats.step_tokens, "step_tokens_drawn": stats.step_tokens_drawn,
+                  "draft_passes": [], "target_passes": [], "draft_pass_s": [], "target_pass_s": []}
+        steps = measured_from_stats(record, 1)
+        pooled = steps if pooled is None else pooled.merged(steps)
+    exact = 1 + 0.8 + 0.64
+    assert abs(pooled.drawn_tokens_per_step - exact) <= pooled.drawn_halfwidth()
+    assert 0.05 < pooled.drawn_halfwidth() < 0.5
+    assert pooled.tokens_per_step < pooled.drawn_tokens_per_step
