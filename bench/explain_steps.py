@@ -17,12 +17,11 @@ from .predict import Predictor
 from .results import BatchResult, RunRecord
 
 
-def pooled_steps(runs: Sequence[RunRecord], batch_size: int, policy: str):
-    """The measured full-batch steps of one policy's timed rounds at one batch size, pooled; None if none."""
+def pooled_steps(runs: Sequence[RunRecord]):
+    """The measured full-batch steps of timed rounds (one policy, one batch size), pooled; None if none."""
     pooled = None
     for run in runs:
-        if run.batch_size == batch_size and run.policy == policy and not run.warmup and run.measured_steps:
-            pooled = run.measured_steps if pooled is None else pooled.merged(run.measured_steps)
+        pooled = run.measured_steps if pooled is None else pooled.merged(run.measured_steps)
     return pooled
 
 
@@ -34,40 +33,82 @@ def explained_policy(batch: BatchResult, policies: dict[str, BenchPolicy]) -> tu
     return fixed_policy_name(batch.best_k), Strategy.from_k(batch.best_k)
 
 
-def pooled_context_len(runs: Sequence[RunRecord], batch_size: int, policy: str, default: float) -> float:
+def pooled_context_len(runs: Sequence[RunRecord], default: float) -> float:
     """The mean context of the pooled full-batch steps (each round's own, weighted by its steps): a
     step's time is linear in its context, so the pooled steps' mean time is predicted at this context."""
-    weighted = [(run.measured_steps.steps, run.context_len) for run in runs
-                if run.batch_size == batch_size and run.policy == policy and not run.warmup and run.measured_steps
-                and run.context_len is not None]
+    weighted = [(run.measured_steps.steps, run.context_len) for run in runs if run.context_len is not None]
     steps = sum(n for n, _ in weighted)
     return sum(n * context for n, context in weighted) / steps if steps else default
 
 
+def table_rounds(table, batch_size: int,
+                 runs: Sequence[RunRecord]) -> tuple[Strategy | None, list[RunRecord], str | None]:
+    """The table's most-run strategy at this batch size and the rounds that ran it alone, with a note when
+    other rounds were left out. A table with several context buckets may choose differently in different
+    rounds (their contexts differ) or within one (the context grows past a bucket edge); pooled, such
+    rounds mix passes of several widths, and one strategy's prediction set against them explains nothing
+    (measured: b = 32, k = 2 in 10 rounds and k = 4 in 3, explained as k = 4 with a mix term of -77 %)."""
+    groups: dict[str, tuple[Strategy, list[RunRecord]]] = {}
+    mixed = 0
+    for run in runs:
+        ran = set(run.k_counts_full_batch)
+        strategy = table_strategy(table, batch_size, round(run.context_len)) if run.context_len is not None else None
+        if strategy is None or len(ran) != 1 or strategy.k not in ran or len(run.nodes_counts_full_batch) > 1:
+            mixed += 1  # several strategies in one round, or not the one its mean context looks up
+            continue
+        groups.setdefault(strategy.describe(), (strategy, []))[1].append(run)
+    if not groups:
+        return None, [], (f"no decomposition at batch size {batch_size}: the table changed strategy within every "
+                          f"round ({mixed})")
+    counted = {name: sum(r.measured_steps.steps for r in group) for name, (_, group) in groups.items()}
+    name = max(counted, key=counted.get)
+    strategy, chosen = groups[name]
+    if len(groups) == 1 and not mixed:
+        return strategy, chosen, None
+    others = [f"{other} in {len(group)}" for other, (_, group) in groups.items() if other != name]
+    if mixed:
+        others.append(f"several strategies in {mixed}")
+    return strategy, chosen, (f"decomposition at b = {batch_size}: the table ran {name} in {len(chosen)} rounds, "
+                              f"{', '.join(others)}; the decomposition is {name}'s, over its rounds")
+
+
 def explain_batch(batch: BatchResult, runs: Sequence[RunRecord], predictor: Predictor,
-                  policies: dict[str, BenchPolicy]) -> Explanation | None:
+                  policies: dict[str, BenchPolicy]) -> tuple[Explanation | None, str | None]:
+    """The explanation at one batch size (None without full-batch steps), and a note on what it left out."""
     from perfmodel.model import step_model
 
     name, strategy = explained_policy(batch, policies)
-    measured = pooled_steps(runs, batch.batch_size, name)
+    chosen = [run for run in runs if run.batch_size == batch.batch_size and run.policy == name and not run.warmup
+              and run.measured_steps]
+    note = None
+    if name == TABLE_POLICY and chosen:
+        strategy, chosen, note = table_rounds(policies[TABLE_POLICY].policy, batch.batch_size, chosen)
+        if strategy is None:
+            return None, note
+    measured = pooled_steps(chosen)
     if measured is None:
-        return None
-    context = round(pooled_context_len(runs, batch.batch_size, name, batch.context_len))
-    return explain(step_model(predictor.fitted, predictor.acceptance), strategy, measured, context)
+        return None, note
+    context = round(pooled_context_len(chosen, batch.context_len))
+    return explain(step_model(predictor.fitted, predictor.acceptance), strategy, measured, context), note
 
 
 def add_explanations(batches: list[BatchResult], runs: Sequence[RunRecord], predictor: Predictor,
                      policies: dict[str, BenchPolicy]) -> list[str]:
-    """Set each batch's `explanation`; returns notes for the batch sizes that could not be explained."""
+    """Set each batch's `explanation`; returns notes for the batch sizes that could not be explained, or whose
+    table ran several strategies."""
     notes = []
     for batch in batches:
         try:
-            found = explain_batch(batch, runs, predictor, policies)
+            found, note = explain_batch(batch, runs, predictor, policies)
         except PerfModelError as error:
             notes.append(f"no decomposition at batch size {batch.batch_size}: {error}")
             continue
+        if note is not None:
+            notes.append(note)
         if found is None:
-            notes.append(f"no decomposition at batch size {batch.batch_size}: no full-batch steps with timed passes")
+            if note is None:
+                notes.append(f"no decomposition at batch size {batch.batch_size}: no full-batch steps with timed "
+                             "passes")
             continue
         batch.explanation = found.to_json()
     return notes

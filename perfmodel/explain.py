@@ -24,13 +24,14 @@ tokens per step +(E_p / E_m - 1), a step-time difference -(predicted_ms - measur
 with the largest effect is the one that carries the error.
 
 Tokens per step are two effects. E is a mean over random steps, so the measured one is a draw: its
-95 % sampling interval is +-1.96 s / sqrt(n) over the n full-batch steps (s: the spread of a step's tokens
-per row, measured, or for a chain the model's own spread Var(T) / b when that is larger), and a tokens effect inside it is not evidence that the model's E is off (a synthetic-acceptance
-run, whose E is exact by construction, measured E 18 % above the exact one over 16 steps at b = 1 on gpt2-large).
-And a row's last step keeps only the tokens it still needed (`max_new_tokens`), which E does not know:
-"cut at max new tokens" is E drawn / E kept - 1 (about -4 % at b = 1 for 24 new tokens and k = 2). The
-interval treats steps as independent; steps of one prompt are not (its acceptance is its own), so for
-real acceptance over few prompts it is a lower bound on the noise.
+95 % sampling interval is +-1.96 s / sqrt(n) over the n full-batch steps (s: the spread of a step's
+tokens per row as measured, or for a chain the model's own Var(T) / b where that is larger), and a
+tokens effect inside it is no evidence that the model's E is off (a synthetic-acceptance run's E is
+exact by construction, yet the gpt2-large one measured 18 % above it over 16 steps at b = 1, 2.2
+half-widths). And a row's last step keeps only the tokens it still needed (`max_new_tokens`), which E
+does not know: "cut at max new tokens" is E drawn / E kept - 1 (about +4 % at b = 1 for 24 new tokens
+and k = 2). The interval treats steps as independent; steps of one prompt are not (its acceptance is
+its own), so for real acceptance over few prompts it is a lower bound on the noise.
 
 Assumptions: the measured overhead is the steps' wall time minus their timed passes (so it also holds
 n-gram queries and the timing itself); the prediction is taken at one context length (the run's mean

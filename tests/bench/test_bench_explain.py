@@ -105,3 +105,35 @@ def test_every_round_is_predicted_at_the_context_its_own_steps_paid_for(tiny_pai
             assert policy.predicted_tokens_per_s == pytest.approx(sorted(predicted)[1])  # the median of three
             ratios = [p / r.steady_tokens_per_s for p, r in zip(predicted, timed)]
             assert policy.prediction_error == pytest.approx(math.prod(ratios) ** (1 / 3) - 1)
+
+
+def test_a_table_that_chose_differently_by_round_is_explained_on_its_most_run_strategy(tmp_path):
+    """Two buckets (k = 2 at context 100, k = 4 at 300): rounds at 90 and 120 ran k = 2, one at 310 ran k = 4,
+    one crossed the bucket edge (k = 2 and 4 in its steps). Explained: k = 2 over its two rounds alone."""
+    from bench.explain_steps import pooled_context_len, table_rounds
+    from bench.results import RunRecord
+    from perfmodel.explain import MeasuredSteps
+    from runtime.policy import TableK
+
+    def entries(k):
+        return [{"batch_size": 1, "k": k, "predicted_tokens_per_s": 1.0, "predicted_speedup": 1.0,
+                 "runner_up_k": None, "margin": None}]
+    table = {"schema": "specbatch.table/1", "target": "t", "draft": "d", "device": "cpu",
+             "created_utc": "2026-12-01T00:00:00Z", "max_k": 4, "acceptance": {},
+             "buckets": [{"context_len": 100, "entries": entries(2)}, {"context_len": 300, "entries": entries(4)}]}
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(table))
+
+    def run(context, ks, steps):
+        return RunRecord(1, 0, "table", 10, 1.0, k_counts_full_batch=ks, nodes_counts_full_batch=ks,
+                         measured_steps=MeasuredSteps(1, steps, 0.01 * steps, 3 * steps, ()), context_len=context)
+
+    runs = [run(90, {2: 5}, 5), run(310, {4: 6}, 6), run(120, {2: 4}, 4), run(190, {2: 2, 4: 3}, 5)]
+    strategy, chosen, note = table_rounds(TableK(path), 1, runs)
+    assert strategy.k == 2 and chosen == [runs[0], runs[2]]
+    assert note == ("decomposition at b = 1: the table ran chain k=2 in 2 rounds, chain k=4 in 1, several "
+                    "strategies in 1; the decomposition is chain k=2's, over its rounds")
+    assert pooled_context_len(chosen, 0) == pytest.approx((5 * 90 + 4 * 120) / 9)
+    alone = table_rounds(TableK(path), 1, [runs[1]])
+    assert alone[0].k == 4 and alone[2] is None
+    assert table_rounds(TableK(path), 1, [runs[3]])[0] is None
