@@ -116,4 +116,6 @@ def loadtest_command(
         vllm_table=table, vllm_max_num_seqs=max_batch_size)
     report = run_loadtest(config, out)
     render_runs(report["runs"])
+    for note in report["notes"]:
+        typer.echo(f"note: {note}")
     typer.echo(f"wrote {out / 'loadtest.json'}, {out / 'loadtest.csv'} and {out / 'latency.png'}")

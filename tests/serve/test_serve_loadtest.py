@@ -160,3 +160,29 @@ def test_strategy_mix_survives_the_metrics_page_and_is_the_difference_of_two_rea
     assert mix[odd] == pytest.approx({"share": 2 / 3, "step_ms": 30.0, "tokens_per_step": 6.0, "mean_batch_size": 3})
     assert mix["chain k=2"] == pytest.approx({"share": 1 / 3, "step_ms": 30.0, "tokens_per_step": 4.0,
                                               "mean_batch_size": 2})
+
+
+def test_a_chain_table_against_a_staged_adaptive_is_called_out(tmp_path):
+    """The golden model measured the second stage: against its chain-only table the load test notes that
+    the two policies choose among different strategies; against the golden all-strategies table (it has
+    staged entries) and without an adaptive policy it says nothing."""
+    from pathlib import Path
+
+    from perfmodel.model import choose_acceptance, compute_table, load_model
+    from perfmodel.table import save_table
+    from serve.loadtest import candidate_set_notes
+
+    golden = Path(__file__).parents[1] / "perfmodel" / "golden" / "query"
+    model = golden / "model.json"
+    fitted = load_model(model)
+    chain = tmp_path / "chain.json"
+    save_table(chain, compute_table(fitted, choose_acceptance(fitted, None, str(model)), 4, strategies="chain"))
+
+    def notes(table, policies):
+        return candidate_set_notes(LoadtestConfig(policies=policies, rates_per_s=(1.0,),
+                                                  server_args=("--table", str(table))))
+
+    (found,) = notes(chain, ("table", f"adaptive={model}"))
+    assert found.startswith(f"the table {chain} has no second-stage entries but {model} measured the second stage")
+    assert notes(golden / "table.json", ("table", f"adaptive={model}")) == []
+    assert notes(chain, ("table", "k=2")) == []
