@@ -54,6 +54,19 @@ def expected_tokens(alphas: Sequence[float], k: int) -> float:
     return 1.0 + float(survival.sum())
 
 
+def tokens_variance(alphas: Sequence[float], k: int) -> float:
+    """Var(tokens a row gains in a chain step of k), from the same survival s_i = prod_{j<=i} alpha_j as
+    E(k): with A the accepted count, E[A] = sum_i s_i and E[A^2] = sum_i (2i - 1) s_i.
+
+    >>> round(tokens_variance([0.8], 2), 4)  # T = 1, 2, 3 with 0.2, 0.16, 0.64
+    0.6464
+    """
+    if k <= 0:
+        return 0.0
+    survival = np.cumprod(extend_alphas(alphas, k))
+    return float(((2 * np.arange(1, k + 1) - 1) * survival).sum() - survival.sum() ** 2)
+
+
 @dataclass(frozen=True)
 class ConstantAlphaFit:
     """The single alpha whose powers best match the measured cumulative products (least squares)."""

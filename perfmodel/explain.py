@@ -25,13 +25,14 @@ with the largest effect is the one that carries the error.
 
 Tokens per step are two effects. E is a mean over random steps, so the measured one is a draw: its
 95 % sampling interval is +-1.96 s / sqrt(n) over the n full-batch steps (s: the spread of a step's
-tokens per row as measured, or for a chain the model's own Var(T) / b where that is larger), and a
-tokens effect inside it is no evidence that the model's E is off (a synthetic-acceptance run's E is
-exact by construction, yet the gpt2-large one measured 18 % above it over 16 steps at b = 1, 2.2
-half-widths). And a row's last step keeps only the tokens it still needed (`max_new_tokens`), which E
-does not know: "cut at max new tokens" is E drawn / E kept - 1 (about +4 % at b = 1 for 24 new tokens
-and k = 2). The interval treats steps as independent; steps of one prompt are not (its acceptance is
-its own), so for real acceptance over few prompts it is a lower bound on the noise.
+tokens per row as measured, or for a chain the model's own Var(T) / b where that is larger,
+`acceptance.tokens_variance`), and a tokens effect inside it is no evidence that the model's E is off
+(a synthetic-acceptance run's E is exact by construction, yet the gpt2-large one measured 18 % above it
+over 16 steps at b = 1, 2.2 half-widths). And a row's last step keeps only the tokens it still needed
+(`max_new_tokens`), which E does not know: "cut at max new tokens" is E drawn / E kept - 1 (about +4 %
+at b = 1 for 24 new tokens and k = 2). The interval treats steps as independent; steps of one prompt
+are not (its acceptance is its own), so for real acceptance over few prompts it is a lower bound on
+the noise.
 
 Assumptions: the measured overhead is the steps' wall time minus their timed passes (so it also holds
 n-gram queries and the timing itself); the prediction is taken at one context length (the run's mean
@@ -44,7 +45,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from .acceptance import extend_alphas
+from .acceptance import tokens_variance
 from .errors import PerfModelError
 from .strategy import StepModel
 from .tree import Strategy
@@ -269,21 +270,6 @@ class Explanation:
         }
 
 
-def chain_tokens_variance(alphas: Sequence[float], k: int) -> float:
-    """Var(tokens a row gains in a chain step of k): with A the accepted count and s_j = P(A >= j) =
-    alpha_1 ... alpha_j, E[A] = sum_j s_j and E[A^2] = sum_j (2j - 1) s_j.
-
-    >>> round(chain_tokens_variance([0.8], 2), 4)  # T = 1, 2, 3 with 0.2, 0.16, 0.64
-    0.6464
-    """
-    survival, product = [], 1.0
-    for alpha in extend_alphas(alphas, k):
-        product *= alpha
-        survival.append(product)
-    mean = sum(survival)
-    return sum((2 * j + 1) * s for j, s in enumerate(survival)) - mean * mean
-
-
 def explain(model: StepModel, strategy: Strategy, measured: MeasuredSteps, context_len: int) -> Explanation:
     """Predicted against measured, term by term (see the module docstring)."""
     b = measured.batch_size
@@ -305,7 +291,7 @@ def explain(model: StepModel, strategy: Strategy, measured: MeasuredSteps, conte
     passes_ms = sum(t.measured_ms for t in terms)
     # rows draw independently under the model: a step's mean over b rows spreads by Var / b (chains; a
     # tree's spread is left to the sample)
-    model_variance = chain_tokens_variance(model.acceptance.per_position, strategy.k) / b \
+    model_variance = tokens_variance(model.acceptance.per_position, strategy.k) / b \
         if strategy.kind == "chain" and strategy.k > 0 else 0.0
     terms.append(Term(OVERHEAD, candidate.overhead_ms + candidate.ngram_ms, measured.step_ms - passes_ms))
     return Explanation(b, context_len, strategy.describe(), measured.steps, candidate.tokens_per_step,
