@@ -268,7 +268,9 @@ def fit(
         roles = {role: {key: value for key, value in obj.items() if key != "points"}
                  for role, obj in model_to_json(fitted)["roles"].items()}
         source = None if fitted.timing_source is None else fitted.timing_source.to_json()
-        typer.echo(json.dumps({"model": str(output), "roles": roles, "timing_source": source}))
+        correction = None if fitted.step_correction is None else fitted.step_correction.to_json()
+        typer.echo(json.dumps({"model": str(output), "roles": roles, "timing_source": source,
+                               "step_correction": correction}))
         return
     from console.model import render_fit
 

@@ -34,6 +34,10 @@ at b = 1 for 24 new tokens and k = 2). The interval treats steps as independent;
 are not (its acceptance is its own), so for real acceptance over few prompts it is a lower bound on
 the noise.
 
+A model with the in-situ step correction between chains (perfmodel.step_correction) predicts a chain's
+step as its passes and overhead times a factor; the difference is the term "in-situ step correction",
+measured as 0, so the terms still sum to the prediction and to the measurement.
+
 Assumptions: the measured overhead is the steps' wall time minus their timed passes (so it also holds
 n-gram queries and the timing itself); the prediction is taken at one context length (the run's mean
 attended context) while the measured passes span the run's contexts.
@@ -51,6 +55,7 @@ from .strategy import StepModel
 from .tree import Strategy
 
 OVERHEAD = "overhead"  # the term outside forward passes (n-gram queries included)
+CORRECTION = "in-situ step correction"  # the model's own factor on a chain's step, perfmodel.step_correction
 TOKENS = "tokens per step"
 CUT = "cut at max new tokens"
 Z95 = 1.959964  # the two-sided 95 % normal quantile
@@ -294,6 +299,8 @@ def explain(model: StepModel, strategy: Strategy, measured: MeasuredSteps, conte
     model_variance = tokens_variance(model.acceptance.per_position, strategy.k) / b \
         if strategy.kind == "chain" and strategy.k > 0 else 0.0
     terms.append(Term(OVERHEAD, candidate.overhead_ms + candidate.ngram_ms, measured.step_ms - passes_ms))
+    if candidate.correction_ms:  # a model term with nothing measured beside it: its effect is its own size
+        terms.append(Term(CORRECTION, candidate.correction_ms, 0.0))
     return Explanation(b, context_len, strategy.describe(), measured.steps, candidate.tokens_per_step,
                        measured.tokens_per_step, candidate.step_ms, measured.step_ms, tuple(terms),
                        measured.drawn_tokens_per_step if measured.drawn_tokens is not None else None,

@@ -37,6 +37,7 @@ from .noise import NoiseFigure
 from .overhead import OverheadModel
 from .profile import ROLES, DeviceInfo, Grid, ModelInfo, Profile, Stage2Info
 from .sources import ISOLATED, SOURCES, SourceChoice, choose_source, source_points, source_report
+from .step_correction import StepCorrection, fit_step_correction
 from .strategy import MAX_TREE_NODES, StepModel, StrategyCandidate, StrategyChoice, candidate_strategies
 from .table import ENGINE_FORMATS, Bucket, Table, TableEntry
 from .tree import Strategy
@@ -83,6 +84,7 @@ class FittedModel:
     stage2: Stage2Info | None = None  # the n-gram second stage, when the profile measured one
     timing_source: SourceChoice | None = None  # which pass timings `roles` were fitted to, when there was a choice
     noise: NoiseFigure | None = None  # the profile's reference-pass checks: bench compares the machine's speed
+    step_correction: StepCorrection | None = None  # chains' step ratios from lockstep in-situ steps
 
     def fingerprints(self) -> dict | None:
         """{"target", "draft"} content fingerprints of the pair (None when the profile predates them)."""
@@ -145,7 +147,8 @@ class FittedModel:
         report = choice.report(choice.chosen)
         held = "" if report.heldout_step_mape_pct is None else f", {report.heldout_step_mape_pct:.1f} % held out"
         return [f"pass latency fitted to the {choice.chosen} timings (chosen by {choice.criterion}: "
-                f"{report.step_mape_pct:.1f} % on the profile's measured steps{held})"]
+                f"{report.step_mape_pct:.1f} % on the profile's measured steps{held})",
+                *([] if self.step_correction is None else [self.step_correction.note()])]
 
     def strategy_notes(self, strategies: Sequence[Strategy]) -> list[str]:
         """Where trees and the second stage ask the model beyond what the profile measured."""
@@ -269,13 +272,22 @@ def fit_profile(profile: Profile, holdout: bool = False) -> FittedModel:
     overhead = overhead_model(profile)
     acceptance = tuple(acceptance_from_profile(entry) for entry in profile.acceptance)
     roles, choice = fit_sources(profile, holdout, overhead, _step_acceptance(acceptance))
-    return FittedModel(
+    fitted = FittedModel(
         created_utc=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         profile_created_utc=profile.created_utc,
         device=profile.device, target_info=profile.target, draft_info=profile.draft, grid=profile.grid,
         roles=roles, overhead=overhead, acceptance=acceptance, stage2=profile.stage2, timing_source=choice,
         noise=profile.noise,
     )
+    greedy = _step_acceptance(acceptance)
+    if not profile.insitu_steps or greedy is None:
+        return fitted
+    model = step_model(fitted, greedy)
+    def predicted_ms(row) -> float:
+        return model.evaluate(Strategy.from_k(row.k), row.batch_size, row.context_len).step_ms
+
+    correction = fit_step_correction(profile.insitu_steps, predicted_ms)
+    return replace(fitted, step_correction=correction)
 
 
 # ---------------------------------------------------------------- what the model is used for
@@ -293,7 +305,7 @@ def choose_acceptance(fitted: FittedModel, override: Sequence[float] | None, sou
 def step_model(fitted: FittedModel, acceptance: AcceptanceModel, stage2: Stage2Info | None = None) -> StepModel:
     """What strategies are evaluated with; `stage2` replaces the profile's second-stage measurements."""
     return StepModel(fitted.latency_ms, fitted.overhead, acceptance, fitted.stage2 if stage2 is None else stage2,
-                     vectorized_latency=True)
+                     fitted.step_correction, vectorized_latency=True)
 
 
 def strategy_family(fitted: FittedModel, acceptance: AcceptanceModel, max_k: int | None = None,
@@ -414,6 +426,7 @@ def model_to_json(fitted: FittedModel) -> dict:
         "acceptance": [model.to_json() for model in fitted.acceptance],
         "stage2": None if fitted.stage2 is None else fitted.stage2.to_json(),
         **({} if fitted.timing_source is None else {"timing_source": fitted.timing_source.to_json()}),
+        **({} if fitted.step_correction is None else {"step_correction": fitted.step_correction.to_json()}),
     }
 
 
@@ -477,12 +490,14 @@ def model_from_json(obj: dict, source: str = "model") -> FittedModel:
         acceptance = tuple(AcceptanceModel.from_json(entry, source) for entry in obj["acceptance"])
         created = str(obj["created_utc"])
         timing_source = None if obj.get("timing_source") is None else SourceChoice.from_json(obj["timing_source"])
+        correction = None if obj.get("step_correction") is None else \
+            StepCorrection.from_json(obj["step_correction"], f"{source}: step_correction")
     except (KeyError, TypeError, ValueError, IndexError) as error:
         if isinstance(error, PerfModelError):
             raise
         raise PerfModelError(f"{source}: malformed model file ({type(error).__name__}: {error})") from None
     return FittedModel(created, stub.created_utc, stub.device, stub.target, stub.draft, stub.grid, roles,
-                       overhead, acceptance, stage2, timing_source, stub.noise)
+                       overhead, acceptance, stage2, timing_source, stub.noise, correction)
 
 
 def save_model(path: str | os.PathLike, fitted: FittedModel) -> None:
