@@ -149,18 +149,29 @@ def shrunk_means(pairs: Residuals, skip_sweep: int | None = None) -> dict[tuple[
     return out
 
 
-def fit_step_correction(steps: Sequence, predicted_ms: Callable[[Any], float]) -> StepCorrection | None:
-    """The correction from in-situ step rows (`perfmodel.insitu.InSituStepRow`: batch_size, k, sweep,
-    median_ms) and the model's prediction of each; None when there is nothing to pair or hold out."""
+def step_residuals(steps: Sequence, predicted_ms: Callable[[Any], float]) -> Residuals:
+    """r(b, k, s) of the lockstep rows (sweep known), one per (b, k, sweep): the first when a merged profile
+    has more."""
     residuals: Residuals = {}
     for row in steps:
         if row.sweep is None:
             continue  # older profiles measured point by point: no lockstep sweep to pair within
-        key = (row.batch_size, row.k, row.sweep)
-        if key in residuals:
-            continue  # one row per (b, k, sweep) is what calibrate writes; a merged profile keeps the first
-        residuals[key] = math.log(row.median_ms / predicted_ms(row))
-    pairs = paired(residuals)
+        residuals.setdefault((row.batch_size, row.k, row.sweep), math.log(row.median_ms / predicted_ms(row)))
+    return residuals
+
+
+def paired_error_pct(steps: Sequence, predicted_ms: Callable[[Any], float]) -> float | None:
+    """Mean |d| in per cent: how far a model's ratios between the ks of a batch size are from the ratios
+    measured side by side (None: nothing to pair). With another calibration's steps it is a held-out test of
+    a model and its correction (`python -m bench.step_ratios`)."""
+    pairs = paired(step_residuals(steps, predicted_ms))
+    return 100 * statistics.fmean(abs(d) for d in pairs.values()) if pairs else None
+
+
+def fit_step_correction(steps: Sequence, predicted_ms: Callable[[Any], float]) -> StepCorrection | None:
+    """The correction from in-situ step rows (`perfmodel.insitu.InSituStepRow`: batch_size, k, sweep,
+    median_ms) and the model's prediction of each; None when there is nothing to pair or hold out."""
+    pairs = paired(step_residuals(steps, predicted_ms))
     sweeps = sorted({s for _, _, s in pairs})
     if len(sweeps) < MIN_SWEEPS_TO_VALIDATE:
         return None

@@ -10,7 +10,7 @@ from perfmodel.acceptance import acceptance_from_user
 from perfmodel.errors import PerfModelError
 from perfmodel.explain import CORRECTION, MeasuredSteps, PassTally, explain
 from perfmodel.overhead import OverheadModel
-from perfmodel.step_correction import StepCorrection, fit_step_correction
+from perfmodel.step_correction import StepCorrection, fit_step_correction, paired_error_pct
 from perfmodel.strategy import StepModel
 from perfmodel.tree import Strategy, parse_tree
 
@@ -51,6 +51,15 @@ def test_ratios_are_recovered_and_the_machine_speed_cancels():
     assert correction.heldout_uncorrected_pct == pytest.approx(
         100 * sum(abs(math.log(r) - mean_log) for r in TRUE_RATIO.values()) / 3)
     assert correction.applied
+
+
+def test_paired_error_of_a_model_on_lockstep_steps():
+    mean_log = sum(math.log(r) for r in TRUE_RATIO.values()) / 3
+    by_hand = 100 * sum(abs(math.log(r) - mean_log) for r in TRUE_RATIO.values()) / 3
+    assert paired_error_pct(lockstep(), predicted) == pytest.approx(by_hand)
+    # a model that knows the ratios (whatever its level) has none; rows without a sweep have nothing to pair
+    assert paired_error_pct(lockstep(), lambda row: 3.0 * predicted(row) * TRUE_RATIO[row.k]) == pytest.approx(0.0)
+    assert paired_error_pct([Step(4, 2, None, 1.0), Step(4, 0, None, 2.0)], predicted) is None
 
 
 def test_a_factor_within_its_own_spread_is_shrunk_to_nothing():

@@ -1,0 +1,54 @@
+"""Does a model's in-situ step correction predict another calibration's lockstep steps? The paired step-time
+error (perfmodel.step_correction.paired_error_pct) of each model, with and without its correction, on each
+profile's in-situ steps: a model on its own profile is in-sample, on another calibration's it is held out.
+
+    python -m bench.step_ratios --models m1.json,m2.json --profiles p1.json,p2.json
+
+Measured on the demo pair (two default calibrations of one VM 10 minutes apart, docs/fidelity.md "Stop 25").
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from perfmodel.errors import PerfModelError
+from perfmodel.model import load_model, step_model
+from perfmodel.profile import load_profile
+from perfmodel.step_correction import paired_error_pct
+from perfmodel.tree import Strategy
+
+
+def errors(model_path: str, profile_path: str) -> tuple[float | None, float | None]:
+    """(uncorrected, corrected) paired step error of `model_path` on `profile_path`'s lockstep steps, in %."""
+    fitted, profile = load_model(model_path), load_profile(profile_path)
+    greedy = next((a for a in fitted.acceptance if a.mode == "greedy"), None)
+    if greedy is None:
+        raise SystemExit(f"{model_path}: no greedy acceptance: the in-situ steps ran greedily")
+    found = []
+    for variant in (dataclasses.replace(fitted, step_correction=None), fitted):
+        model = step_model(variant, greedy)
+        found.append(paired_error_pct(profile.insitu_steps, lambda row: model.evaluate(
+            Strategy.from_k(row.k), row.batch_size, row.context_len).step_ms))
+    return found[0], found[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", required=True, help="comma-separated model files (specbatch fit)")
+    parser.add_argument("--profiles", required=True, help="comma-separated profiles with in-situ steps in sweeps")
+    args = parser.parse_args()
+    print("model, profile: paired step error by the model alone -> with its correction")
+    for model_path in args.models.split(","):
+        for profile_path in args.profiles.split(","):
+            try:
+                plain, corrected = errors(model_path, profile_path)
+            except PerfModelError as error:
+                raise SystemExit(f"error: {error}") from None
+            if plain is None:
+                print(f"{model_path}, {profile_path}: no lockstep steps (sweeps) to pair")
+                continue
+            print(f"{model_path}, {profile_path}: {plain:.2f} % -> {corrected:.2f} %")
+
+
+if __name__ == "__main__":
+    main()
