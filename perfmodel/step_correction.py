@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -53,6 +53,8 @@ class StepCorrection:
     sweeps: int
     heldout_error_pct: float  # mean |d| on held-out sweeps with c fitted on the others, corrected
     heldout_uncorrected_pct: float  # mean |d| on the same rows: the model alone
+    # (b, k) -> factor, filled as asked: an online policy asks about the same few at every step
+    _factors: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def applied(self) -> bool:
@@ -72,6 +74,12 @@ class StepCorrection:
 
     def factor(self, batch_size: int, k: int) -> float:
         """exp(c(b, k)): the chain's step time over the model's; 1 where it does not apply."""
+        key = (batch_size, k)
+        if key not in self._factors:
+            self._factors[key] = self._factor(batch_size, k)
+        return self._factors[key]
+
+    def _factor(self, batch_size: int, k: int) -> float:
         if not self.applied:
             return 1.0
         sizes = self.batch_sizes
