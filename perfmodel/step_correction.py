@@ -19,9 +19,10 @@ A chain of k at batch size b (k = 0 included: plain decoding is the table's base
 to take exp(c(b, k)) times the model's step time. The corrections average to 0 over the measured ks at
 each b, so they move the model's ratios between ks, never its level (which `fit --holdout` and the bench
 judge). Between measured batch sizes c is interpolated linearly in log b, between measured ks linearly
-in k, and beyond the largest measured k it is held; beyond the measured batch sizes there is none (the
-roofline alone extrapolates, perfmodel.extrapolation). Trees and second-stage steps were not measured in
-situ and are not corrected.
+in k, and beyond the largest measured k or b it is held, as perfmodel.extrapolation carries the fitted
+time at the grid's edge and grows it by the roofline alone (dropping it there made the chain table jump
+from k = 4 at b = 32 to k = 2 at b = 33 on the demo pair). Trees and second-stage steps were not measured
+in situ and are not corrected.
 
 It is applied only when it predicts a sweep it did not see better than the model alone: leave one sweep
 out, fit c on the others, and compare mean |d| with mean |d - c| on the sweep left out. Both figures are
@@ -83,8 +84,8 @@ class StepCorrection:
         if not self.applied:
             return 1.0
         sizes = self.batch_sizes
-        if not sizes[0] <= batch_size <= sizes[-1]:
-            return 1.0
+        if batch_size >= sizes[-1] or batch_size <= sizes[0]:
+            return math.exp(self._at_batch(sizes[-1] if batch_size >= sizes[-1] else sizes[0], k))
         if batch_size in sizes:
             return math.exp(self._at_batch(batch_size, k))
         above = next(i for i, b in enumerate(sizes) if b > batch_size)

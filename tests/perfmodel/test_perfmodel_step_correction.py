@@ -98,13 +98,14 @@ def test_a_correction_that_does_not_predict_held_out_sweeps_is_not_applied():
     assert "not applied" in correction.note()
 
 
-def test_interpolation_between_measured_points_and_none_beyond_the_batch_sizes():
+def test_interpolation_between_measured_points_and_the_edge_held_beyond():
     correction = StepCorrection({(2, 0): 0.0, (2, 4): 0.2, (8, 0): 0.1, (8, 4): -0.1}, 3, 1.0, 2.0)
     assert correction.factor(2, 2) == pytest.approx(math.exp(0.1))  # halfway in k
     assert correction.factor(2, 8) == pytest.approx(math.exp(0.2))  # held beyond the largest measured k
     assert correction.factor(4, 0) == pytest.approx(math.exp(0.05))  # halfway in log b
     assert correction.factor(4, 4) == pytest.approx(math.exp(0.05))
-    assert correction.factor(1, 4) == 1.0 and correction.factor(16, 4) == 1.0  # outside the measured b
+    assert correction.factor(1, 4) == pytest.approx(math.exp(0.2))  # below the measured b: the smallest's
+    assert correction.factor(64, 4) == pytest.approx(math.exp(-0.1))  # beyond: the largest's, as the latency
 
 
 def test_json_round_trip_and_malformed_input():
@@ -135,7 +136,8 @@ def test_the_step_model_scales_chains_and_leaves_trees_alone():
     tree = Strategy(parse_tree("0,1,0.0"))
     assert corrected.evaluate(tree, 2, 64).step_ms == plain.evaluate(tree, 2, 64).step_ms
     assert corrected.evaluate(tree, 2, 64).correction_ms == 0.0
-    assert corrected.evaluate(Strategy.from_k(2), 64, 64).correction_ms == 0.0  # beyond the measured b
+    beyond = corrected.evaluate(Strategy.from_k(2), 64, 64)  # beyond the measured b: the edge's factor
+    assert beyond.step_ms == pytest.approx(1.2 * plain.evaluate(Strategy.from_k(2), 64, 64).step_ms)
 
 
 def test_the_decomposition_names_the_correction_and_still_sums():
