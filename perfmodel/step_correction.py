@@ -21,10 +21,8 @@ each b, so they move the model's ratios between ks, never its level (which `fit 
 judge). Between measured batch sizes c is interpolated linearly in log b, between measured ks linearly
 in k, and beyond the largest measured k or b it is held, as perfmodel.extrapolation carries the fitted
 time at the grid's edge and grows it by the roofline alone (dropping it there made the chain table jump
-from k = 4 at b = 32 to k = 2 at b = 33 on the demo pair). A chain with the n-gram second stage takes its
-chain's factor: the same verify pass and target, only the drafting differs, and leaving it uncorrected
-would let the correction alone decide between a chain and its staged twin. Trees were not measured in situ
-and are not corrected: they stand against the chains' mean (the corrections average to zero).
+from k = 4 at b = 32 to k = 2 at b = 33 on the demo pair). Trees and second-stage steps were not measured
+in situ and are not corrected.
 
 It is applied only when it predicts a sweep it did not see better than the model alone: leave one sweep
 out, fit c on the others, and compare mean |d| with mean |d - c| on the sweep left out. Both figures are

@@ -21,7 +21,7 @@ S (expected step time): the forward passes the runtime makes (`schedule.step_pas
 `schedule.tree_step` / `schedule.staged_step` for trees and staged steps), each weighted by its
 expected count, plus the n-gram queries (expected queries x query_overhead_ms + expected
 contexts x query_ms_per_context), plus the step overhead (`OverheadModel.step_overhead_ms`); for no
-speculation and chains (staged or not), times the in-situ step correction when the model has one
+speculation and chains, times the in-situ step correction when the model has one
 (`perfmodel.step_correction`: their ratios as calibrate measured them side by side).
 
 The candidates (`candidate_strategies`): none; chains k = 1..max_k; trees grown greedily from the
@@ -225,7 +225,7 @@ class StepModel:
                         + step.ngram_contexts * self.stage2.query_ms_per_context)
         step_ms = forward_ms + ngram_ms + overhead_ms
         correction_ms = 0.0
-        if self.step_correction is not None and strategy.kind in ("none", "chain"):  # staged chains too
+        if self.step_correction is not None and strategy.kind in ("none", "chain") and not strategy.stage2:
             correction_ms = (self.step_correction.factor(batch_size, strategy.k) - 1.0) * step_ms
         step_ms += correction_ms
         tokens = self.tokens_per_step(strategy)

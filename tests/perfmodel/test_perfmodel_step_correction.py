@@ -10,7 +10,6 @@ from perfmodel.acceptance import acceptance_from_user
 from perfmodel.errors import PerfModelError
 from perfmodel.explain import CORRECTION, MeasuredSteps, PassTally, explain
 from perfmodel.overhead import OverheadModel
-from perfmodel.profile import Stage2Info
 from perfmodel.step_correction import StepCorrection, fit_step_correction, paired_error_pct
 from perfmodel.strategy import StepModel
 from perfmodel.tree import Strategy, parse_tree
@@ -126,18 +125,14 @@ def latency_ms(role, b, n, L):
 CORRECTED = StepCorrection({(2, 0): 0.0, (2, 2): math.log(1.2), (2, 4): 0.0}, 3, 1.0, 2.0)
 
 
-def test_the_step_model_scales_chains_and_their_staged_twins_and_leaves_trees_alone():
+def test_the_step_model_scales_chains_and_leaves_trees_alone():
     acceptance = dataclasses.replace(acceptance_from_user([0.5, 0.5, 0.5, 0.5]), rank_acceptance=((0.5, 0.2),) * 2)
-    stage2 = Stage2Info("ngram.bin", "ab" * 32, (0.5,), query_overhead_ms=0.05, query_ms_per_context=0.001)
-    plain = StepModel(latency_ms, OverheadModel(()), acceptance, stage2)
-    corrected = StepModel(latency_ms, OverheadModel(()), acceptance, stage2, step_correction=CORRECTED)
+    plain = StepModel(latency_ms, OverheadModel(()), acceptance)
+    corrected = StepModel(latency_ms, OverheadModel(()), acceptance, step_correction=CORRECTED)
     base, chain = plain.evaluate(Strategy.from_k(2), 2, 64), corrected.evaluate(Strategy.from_k(2), 2, 64)
     assert chain.step_ms == pytest.approx(1.2 * base.step_ms)
     assert chain.correction_ms == pytest.approx(0.2 * base.step_ms)
     assert chain.tokens_per_s == pytest.approx(base.tokens_per_s / 1.2)
-    staged_plain = plain.evaluate(Strategy.from_k(2, stage2=True), 2, 64)
-    staged = corrected.evaluate(Strategy.from_k(2, stage2=True), 2, 64)  # the chain's factor: same verify pass
-    assert staged.step_ms == pytest.approx(1.2 * staged_plain.step_ms)
     tree = Strategy(parse_tree("0,1,0.0"))
     assert corrected.evaluate(tree, 2, 64).step_ms == plain.evaluate(tree, 2, 64).step_ms
     assert corrected.evaluate(tree, 2, 64).correction_ms == 0.0
