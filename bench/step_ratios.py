@@ -9,13 +9,12 @@ Measured on the demo pair (two default calibrations of one VM 10 minutes apart, 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 from perfmodel.errors import PerfModelError
-from perfmodel.model import load_model, step_model
+from perfmodel.model import load_model
 from perfmodel.profile import load_profile
+from perfmodel.sources import predict_steps
 from perfmodel.step_correction import paired_error_pct
-from perfmodel.tree import Strategy
 
 
 def errors(model_path: str, profile_path: str) -> tuple[float | None, float | None]:
@@ -24,12 +23,12 @@ def errors(model_path: str, profile_path: str) -> tuple[float | None, float | No
     greedy = next((a for a in fitted.acceptance if a.mode == "greedy"), None)
     if greedy is None:
         raise SystemExit(f"{model_path}: no greedy acceptance: the in-situ steps ran greedily")
-    found = []
-    for variant in (dataclasses.replace(fitted, step_correction=None), fitted):
-        model = step_model(variant, greedy)
-        found.append(paired_error_pct(profile.insitu_steps, lambda row: model.evaluate(
-            Strategy.from_k(row.k), row.batch_size, row.context_len).step_ms))
-    return found[0], found[1]
+    steps = profile.insitu_steps
+    plain = predict_steps(fitted.latency_ms, fitted.overhead, greedy, steps)
+    correction = fitted.step_correction
+    corrected = plain if correction is None else \
+        [ms * correction.factor(row.batch_size, row.k) for ms, row in zip(plain, steps)]
+    return paired_error_pct(steps, plain), paired_error_pct(steps, corrected)
 
 
 def main() -> None:

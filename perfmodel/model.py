@@ -36,7 +36,7 @@ from .jsonio import read_json, rounded, write_json_atomic
 from .noise import NoiseFigure
 from .overhead import OverheadModel
 from .profile import ROLES, DeviceInfo, Grid, ModelInfo, Profile, Stage2Info
-from .sources import ISOLATED, SOURCES, SourceChoice, choose_source, source_points, source_report
+from .sources import ISOLATED, SOURCES, SourceChoice, choose_source, predict_steps, source_points, source_report
 from .step_correction import StepCorrection, fit_step_correction
 from .strategy import MAX_TREE_NODES, StepModel, StrategyCandidate, StrategyChoice, candidate_strategies
 from .table import ENGINE_FORMATS, Bucket, Table, TableEntry
@@ -271,7 +271,8 @@ def fit_profile(profile: Profile, holdout: bool = False) -> FittedModel:
     has in-situ rows), keep the overhead rows and the acceptance; `holdout` adds held-out errors."""
     overhead = overhead_model(profile)
     acceptance = tuple(acceptance_from_profile(entry) for entry in profile.acceptance)
-    roles, choice = fit_sources(profile, holdout, overhead, _step_acceptance(acceptance))
+    greedy = _step_acceptance(acceptance)
+    roles, choice = fit_sources(profile, holdout, overhead, greedy)
     fitted = FittedModel(
         created_utc=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         profile_created_utc=profile.created_utc,
@@ -279,15 +280,10 @@ def fit_profile(profile: Profile, holdout: bool = False) -> FittedModel:
         roles=roles, overhead=overhead, acceptance=acceptance, stage2=profile.stage2, timing_source=choice,
         noise=profile.noise,
     )
-    greedy = _step_acceptance(acceptance)
     if not profile.insitu_steps or greedy is None:
         return fitted
-    model = step_model(fitted, greedy)
-    def predicted_ms(row) -> float:
-        return model.evaluate(Strategy.from_k(row.k), row.batch_size, row.context_len).step_ms
-
-    correction = fit_step_correction(profile.insitu_steps, predicted_ms)
-    return replace(fitted, step_correction=correction)
+    predicted_ms = predict_steps(fitted.latency_ms, overhead, greedy, profile.insitu_steps)
+    return replace(fitted, step_correction=fit_step_correction(profile.insitu_steps, predicted_ms))
 
 
 # ---------------------------------------------------------------- what the model is used for

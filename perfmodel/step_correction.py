@@ -35,7 +35,7 @@ import math
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -158,18 +158,18 @@ def shrunk_means(pairs: Residuals, skip_sweep: int | None = None) -> dict[tuple[
     return out
 
 
-def step_residuals(steps: Sequence, predicted_ms: Callable[[Any], float]) -> Residuals:
+def step_residuals(steps: Sequence, predicted_ms: Sequence[float]) -> Residuals:
     """r(b, k, s) of the lockstep rows (sweep known), one per (b, k, sweep): the first when a merged profile
-    has more."""
+    has more. `predicted_ms[i]` is the model's time of `steps[i]` (e.g. perfmodel.sources.predict_steps)."""
     residuals: Residuals = {}
-    for row in steps:
+    for row, predicted in zip(steps, predicted_ms, strict=True):
         if row.sweep is None:
             continue  # older profiles measured point by point: no lockstep sweep to pair within
-        residuals.setdefault((row.batch_size, row.k, row.sweep), math.log(row.median_ms / predicted_ms(row)))
+        residuals.setdefault((row.batch_size, row.k, row.sweep), math.log(row.median_ms / predicted))
     return residuals
 
 
-def paired_error_pct(steps: Sequence, predicted_ms: Callable[[Any], float]) -> float | None:
+def paired_error_pct(steps: Sequence, predicted_ms: Sequence[float]) -> float | None:
     """Mean |d| in per cent: how far a model's ratios between the ks of a batch size are from the ratios
     measured side by side (None: nothing to pair). With another calibration's steps it is a held-out test of
     a model and its correction (`python -m bench.step_ratios`)."""
@@ -177,7 +177,7 @@ def paired_error_pct(steps: Sequence, predicted_ms: Callable[[Any], float]) -> f
     return 100 * statistics.fmean(abs(d) for d in pairs.values()) if pairs else None
 
 
-def fit_step_correction(steps: Sequence, predicted_ms: Callable[[Any], float]) -> StepCorrection | None:
+def fit_step_correction(steps: Sequence, predicted_ms: Sequence[float]) -> StepCorrection | None:
     """The correction from in-situ step rows (`perfmodel.insitu.InSituStepRow`: batch_size, k, sweep,
     median_ms) and the model's prediction of each; None when there is nothing to pair or hold out."""
     pairs = paired(step_residuals(steps, predicted_ms))

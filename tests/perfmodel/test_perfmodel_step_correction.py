@@ -35,12 +35,13 @@ def lockstep(batch_size=4, noise=None):
             for s in SPEED for k in PREDICTED_MS]
 
 
-def predicted(row):
-    return PREDICTED_MS[row.k]
+def predicted(rows, ratio=lambda row: 1.0):
+    """The model's time of each row, aligned with them."""
+    return [PREDICTED_MS[row.k] * ratio(row) for row in rows]
 
 
 def test_ratios_are_recovered_and_the_machine_speed_cancels():
-    correction = fit_step_correction(lockstep(), predicted)
+    correction = fit_step_correction(lockstep(), predicted(lockstep()))
     mean_log = sum(math.log(r) for r in TRUE_RATIO.values()) / 3
     for k, ratio in TRUE_RATIO.items():  # no spread between sweeps: nothing to shrink
         assert correction.log_factors[(4, k)] == pytest.approx(math.log(ratio) - mean_log)
@@ -56,16 +57,18 @@ def test_ratios_are_recovered_and_the_machine_speed_cancels():
 def test_paired_error_of_a_model_on_lockstep_steps():
     mean_log = sum(math.log(r) for r in TRUE_RATIO.values()) / 3
     by_hand = 100 * sum(abs(math.log(r) - mean_log) for r in TRUE_RATIO.values()) / 3
-    assert paired_error_pct(lockstep(), predicted) == pytest.approx(by_hand)
+    assert paired_error_pct(lockstep(), predicted(lockstep())) == pytest.approx(by_hand)
     # a model that knows the ratios (whatever its level) has none; rows without a sweep have nothing to pair
-    assert paired_error_pct(lockstep(), lambda row: 3.0 * predicted(row) * TRUE_RATIO[row.k]) == pytest.approx(0.0)
-    assert paired_error_pct([Step(4, 2, None, 1.0), Step(4, 0, None, 2.0)], predicted) is None
+    knows = predicted(lockstep(), lambda row: 3.0 * TRUE_RATIO[row.k])
+    assert paired_error_pct(lockstep(), knows) == pytest.approx(0.0)
+    unswept = [Step(4, 2, None, 1.0), Step(4, 0, None, 2.0)]
+    assert paired_error_pct(unswept, predicted(unswept)) is None
 
 
 def test_a_factor_within_its_own_spread_is_shrunk_to_nothing():
     # k = 4's paired residual swings by +-10 % between sweeps around a mean of +-0 : shrunk to exactly 0
     swing = {(4, 1): 1.10, (4, 2): 0.90, (4, 3): 1.0}
-    correction = fit_step_correction(lockstep(noise=swing), predicted)
+    correction = fit_step_correction(lockstep(noise=swing), predicted(lockstep(noise=swing)))
     d = {}
     for s in SPEED:
         logs = {k: math.log(TRUE_RATIO[k] * swing.get((k, s), 1.0)) for k in PREDICTED_MS}
@@ -82,17 +85,18 @@ def test_a_factor_within_its_own_spread_is_shrunk_to_nothing():
 
 def test_nothing_to_validate_or_pair_gives_no_correction():
     two_sweeps = [row for row in lockstep() if row.sweep != 3]
-    assert fit_step_correction(two_sweeps, predicted) is None
-    assert fit_step_correction([Step(r.batch_size, r.k, None, r.median_ms) for r in lockstep()], predicted) is None
+    assert fit_step_correction(two_sweeps, predicted(two_sweeps)) is None
+    unswept = [Step(r.batch_size, r.k, None, r.median_ms) for r in lockstep()]
+    assert fit_step_correction(unswept, predicted(unswept)) is None
     one_k = [row for row in lockstep() if row.k == 2]
-    assert fit_step_correction(one_k, predicted) is None
+    assert fit_step_correction(one_k, predicted(one_k)) is None
 
 
 def test_a_correction_that_does_not_predict_held_out_sweeps_is_not_applied():
     # each sweep's ratios are reversed from the last: learned on two, the third is missed by more
     flips = {(2, 1): 1.2, (2, 2): 1 / 1.2, (2, 3): 1.2, (4, 1): 1 / 1.2, (4, 2): 1.2, (4, 3): 1 / 1.2}
     rows = [Step(4, k, s, PREDICTED_MS[k] * SPEED[s] * flips.get((k, s), 1.0)) for s in SPEED for k in PREDICTED_MS]
-    correction = fit_step_correction(rows, predicted)
+    correction = fit_step_correction(rows, predicted(rows))
     assert correction.heldout_error_pct >= correction.heldout_uncorrected_pct
     assert not correction.applied and correction.factor(4, 2) == 1.0
     assert "not applied" in correction.note()
@@ -109,7 +113,7 @@ def test_interpolation_between_measured_points_and_the_edge_held_beyond():
 
 
 def test_json_round_trip_and_malformed_input():
-    correction = fit_step_correction(lockstep(), predicted)
+    correction = fit_step_correction(lockstep(), predicted(lockstep()))
     again = StepCorrection.from_json(correction.to_json(), "m.json: step_correction")
     assert again.factor(4, 2) == pytest.approx(correction.factor(4, 2), rel=1e-6) and again.applied
     with pytest.raises(PerfModelError, match=r"^m.json: step_correction: malformed step correction \(KeyError"):
