@@ -23,13 +23,19 @@ The prompts are held out from the acceptance measurement (the prompts after the 
 by length, and sweep s of `sweeps` takes b consecutive prompts at position (s - 1) / (sweeps - 1) of the
 way from the shortest to the longest: the context a pass pays for is the longest row's, which grows with
 b when prompts are drawn at random, so spreading them gives every batch size short and long contexts and
-lets the fit tell the context's cost from the batch size's.
+lets the fit tell the context's cost from the batch size's. Random weights (shape presets, a bare
+config.json) have no text to continue and no acceptance of their own: their prompts are random token ids
+of lengths spread the same way (`random_prompts`), and each draft token is accepted with the profile's
+given acceptance (the runtime's synthetic acceptance), so their steps run the pass mix the model
+predicts for it: a step's time depends on the shapes it runs, not on which tokens fill them.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import groupby
 from typing import Sequence
+
+import numpy as np
 
 from perfmodel.insitu import InSituPassRow, InSituStepRow, pass_rows, step_row
 from perfmodel.profile import Grid
@@ -108,6 +114,19 @@ def spread_batch(prompts: Sequence[list[int]], batch_size: int, sweep: int, swee
     return [list(ordered[(start + row) % len(ordered)]) for row in range(batch_size)]
 
 
+def random_prompts(vocab_size: int, count: int, shortest: int, longest: int, seed: int = 0) -> list[list[int]]:
+    """`count` prompts of random token ids, their lengths evenly spread from `shortest` to `longest`.
+
+    >>> [len(p) for p in random_prompts(100, 3, 4, 8)]
+    [4, 6, 8]
+    """
+    if not 1 <= shortest <= longest:
+        raise ValueError(f"need 1 <= shortest <= longest, got {shortest}, {longest}")
+    rng = np.random.default_rng(seed)
+    lengths = np.linspace(shortest, longest, count).round().astype(int)
+    return [rng.integers(0, vocab_size, size=int(n)).tolist() for n in lengths]
+
+
 def insitu_groups(points: Sequence[InSituPoint]) -> list[list[InSituPoint]]:
     """Consecutive points of one batch size and sweep, the ks generated together in lockstep.
 
@@ -118,21 +137,26 @@ def insitu_groups(points: Sequence[InSituPoint]) -> list[list[InSituPoint]]:
 
 
 def measure_insitu(generator: SpeculativeGenerator, points: Sequence[InSituPoint], prompts: Sequence[list[int]],
-                   new_tokens: int, sweeps: int, seed: int = 0) -> list[InSituResult | None]:
+                   new_tokens: int, sweeps: int, seed: int = 0,
+                   synthetic_acceptance: tuple[float, ...] | None = None) -> list[InSituResult | None]:
     """The rows of one generation per point, for points of one batch size and sweep (`insitu_groups`),
     generated on the same prompts in lockstep (calibrate.lockstep: a step of each k in turn, so the ks
     the table chooses between meet the same spells of the machine); a point's entry is None when no
-    full-batch step had its passes timed (too few new tokens)."""
+    full-batch step had its passes timed (too few new tokens). `synthetic_acceptance` (random weights:
+    the given per-position acceptance) accepts draft tokens with those probabilities instead of by
+    comparison, so the steps run the pass mix the model predicts for that acceptance."""
     b, sweep = points[0].batch_size, points[0].sweep
     if any((p.batch_size, p.sweep) != (b, sweep) for p in points):
         raise ValueError("in-situ points generated together must share a batch size and a sweep")
     batch = spread_batch(prompts, b, sweep, sweeps)
     # warm-up: a few steps meet every shape of a point (the first use of a shape pays the allocator)
     for point in points:
-        generator.generate(batch, min(new_tokens, WARMUP_TOKENS), FixedK(point.k), Sampling(), seed)
+        generator.generate(batch, min(new_tokens, WARMUP_TOKENS), FixedK(point.k), Sampling(), seed,
+                           synthetic_acceptance)
     policies = {point: _ContextLog(point.k) for point in points}
     clock = PassClock({"draft": generator.draft, "target": generator.target}, generator.device)
-    ran = run_lockstep({point: generator.generation(batch, new_tokens, policy, Sampling(), seed + sweep)
+    ran = run_lockstep({point: generator.generation(batch, new_tokens, policy, Sampling(), seed + sweep,
+                                                    synthetic_acceptance)
                         for point, policy in policies.items()}, clock)
     results = []
     for point in points:

@@ -7,8 +7,9 @@ second stage when one is given (guess accuracy on the greedy continuations, quer
 timings, chain step overheads, in-situ timing (passes and steps timed inside real generation with fixed
 k, calibrate/insitu.py), and tree step overheads. The profile is written after every point.
 
-In-situ timing needs real prompts and real acceptance: with --acceptance (random weights) it is skipped
-and the performance model uses the isolated timings alone.
+In-situ timing generates on the prompts after the acceptance ones; with --acceptance (random weights)
+on random token ids, each draft token accepted with the given acceptance (calibrate.insitu), so the
+fit can check its step model against measured steps for shape presets too.
 
 Tree overheads are measured at every batch size for trees grown from the measured rank acceptance
 (`perfmodel.tree.grow_tree`, depth up to max_k) at the Effort's `tree_nodes` sizes, with and without
@@ -40,7 +41,7 @@ from .errors import CalibrationError
 from .grid import (DEFAULT_BATCH_SIZES, DEFAULT_CONTEXT_LENS, DEFAULT_MAX_K, QUICK_BATCH_SIZES, QUICK_CONTEXT_LENS,
                    OverheadPoint, TreeOverheadPoint, check_grid_fits, fit_wide_passes, make_grid, merge_grids,
                    overhead_points, timing_points, tree_overhead_points)
-from .insitu import InSituPoint, insitu_groups, insitu_points, measure_insitu
+from .insitu import InSituPoint, insitu_groups, insitu_points, measure_insitu, random_prompts
 from .models import (LoadedPair, ModelSpec, check_memory, check_pair, display_path, load_pair, memory_need,
                      model_info, resolve_model)
 from .noise import NoiseMonitor, reference_sampler
@@ -130,11 +131,6 @@ class _Plan:
     @property
     def trees(self) -> bool:
         """Whether tree overheads are measured: they need a measured rank acceptance."""
-        return self.user_acceptance is None
-
-    @property
-    def insitu(self) -> bool:
-        """Whether passes are timed inside real generation: it needs real prompts and real acceptance."""
         return self.user_acceptance is None
 
 
@@ -288,19 +284,25 @@ def _tree_overhead_row(pair: LoadedPair, plan: _Plan, point: TreeOverheadPoint, 
 def _insitu_prompts(pair: LoadedPair, plan: _Plan) -> list[list[int]]:
     """The prompts after the acceptance ones (all of them when there are no more), cut so that the contexts
     stay within the grid's largest (the steps the table is computed for, and little time spent beyond)
-    and within both models' positions with room for the generation and the longest chain."""
+    and within both models' positions with room for the generation and the longest chain. Random weights:
+    random token ids, twice the largest batch size of them, from the grid's smallest context up."""
     effort = plan.effort
-    texts = list(plan.prompts[effort.prompt_count:]) or list(plan.prompts)
     limit = min(plan.target.config.max_position_embeddings, plan.draft.config.max_position_embeddings)
-    room = min(limit - plan.grid.max_k - 2, max(plan.grid.context_lens)) - effort.insitu_tokens
-    return acc.encode_prompts(pair.tokenizer, texts, max(1, room))
+    room = max(1, min(limit - plan.grid.max_k - 2, max(plan.grid.context_lens)) - effort.insitu_tokens)
+    if plan.user_acceptance is not None:
+        vocab_size = min(plan.target.config.vocab_size, plan.draft.config.vocab_size)
+        return random_prompts(vocab_size, 2 * max(plan.grid.batch_sizes),
+                              min(min(plan.grid.context_lens), room), room)
+    texts = list(plan.prompts[effort.prompt_count:]) or list(plan.prompts)
+    return acc.encode_prompts(pair.tokenizer, texts, room)
 
 
 def _insitu_rows(plan: _Plan, generator, points: list[InSituPoint], prompts: list[list[int]]):
     """The rows of one in-situ generation per point (one batch size and sweep, in lockstep); a point's
     entry is None when it has no full-batch step, all of them when the group runs out of memory."""
     try:
-        return measure_insitu(generator, points, prompts, plan.effort.insitu_tokens, plan.effort.insitu_sweeps)
+        return measure_insitu(generator, points, prompts, plan.effort.insitu_tokens, plan.effort.insitu_sweeps,
+                              synthetic_acceptance=plan.user_acceptance)
     except Exception as error:  # noqa: BLE001 - only out-of-memory is survivable
         if not is_out_of_memory(error):
             raise
@@ -372,8 +374,7 @@ def _calibrate(request: CalibrationRequest, plan: _Plan, on_progress, on_estimat
     all_trees = tree_overhead_points(grid, plan.effort.tree_nodes, plan.stage2 is not None) if plan.trees else []
     done_trees = measured_tree_overhead_points(profile)
     effort = plan.effort
-    all_insitu = (insitu_points(grid, effort.insitu_ks, effort.insitu_every_other_batch_size, effort.insitu_sweeps)
-                  if plan.insitu else [])
+    all_insitu = insitu_points(grid, effort.insitu_ks, effort.insitu_every_other_batch_size, effort.insitu_sweeps)
     done_insitu = measured_insitu_points(profile, effort.insitu_sweeps)
     todo = _Todo(acceptance=[s for s in plan.samplings if acc.sampling_key(s) not in done_acceptance],
                  stage2=plan.stage2 is not None and profile.stage2 is None,

@@ -55,7 +55,7 @@ class GenerationStats:
     verify_s: float = 0.0  # target forward passes after prefill
     other_s: float = 0.0  # everything else in the steps: sampling, acceptance, bookkeeping
     total_s: float = 0.0
-    synthetic_acceptance: float | None = None
+    synthetic_acceptance: float | tuple[float, ...] | None = None  # one probability, or one per draft position
     step_s: list[float] = field(default_factory=list)  # wall time of each step, all passes and overhead
     step_tokens: list[int] = field(default_factory=list)  # tokens each step added (within max_new_tokens)
     # what each step produced over all rows before the cut at max_new_tokens (a finishing row's last step keeps
@@ -162,17 +162,19 @@ class SpeculativeGenerator:
 
     # ------------------------------------------------------------------ public
     def generate(self, prompts: list[list[int]], max_new_tokens: int, policy, sampling: Sampling = Sampling(),
-                 seed: int = 0, synthetic_acceptance: float | None = None) -> GenerationResult:
+                 seed: int = 0, synthetic_acceptance: float | tuple[float, ...] | None = None) -> GenerationResult:
         """Generate up to `max_new_tokens` per prompt; `policy(batch_size, context_len)` gives k each step.
 
-        `synthetic_acceptance` (benchmarks only) accepts each draft token with that probability instead
-        of comparing with the target; every forward pass still runs.
+        `synthetic_acceptance` (benchmarks and calibrating random weights only) accepts each draft token
+        with that probability instead of comparing with the target (a tuple: the probability at each draft
+        position given the ones before were accepted, its last value for later positions); every forward
+        pass still runs.
         """
         return run_to_end(self.generation(prompts, max_new_tokens, policy, sampling, seed, synthetic_acceptance))
 
     @torch.inference_mode()
     def generation(self, prompts: list[list[int]], max_new_tokens: int, policy, sampling: Sampling = Sampling(),
-                   seed: int = 0, synthetic_acceptance: float | None = None):
+                   seed: int = 0, synthetic_acceptance: float | tuple[float, ...] | None = None):
         """`generate`, one unit of work at a time: a Python generator that yields after the prefill and
         after every step (the fraction of the batch's tokens generated so far, 0..1) and returns the
         GenerationResult. Several generations can so be advanced in turns on one thread (calibrate.lockstep:
@@ -491,7 +493,7 @@ def accept(draft_tokens, draft_probs, target_logits, sampling: Sampling, rng, sy
         if synthetic is None:
             agree = draft_tokens == target_choice[:, :k]
         else:
-            agree = uniform((b, k), rng, rows.device) < synthetic
+            agree = uniform((b, k), rng, rows.device) < synthetic_threshold(synthetic, k, rows.device)
         accepted = agree.long().cumprod(1).sum(1)
         return accepted, target_choice[rows, accepted]
     p = probabilities(target_logits, sampling)  # (b, k+1, vocab)
@@ -503,7 +505,7 @@ def accept(draft_tokens, draft_probs, target_logits, sampling: Sampling, rng, sy
         q_draft = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
         agree = u * q_draft < p_draft  # u < p/q without dividing by q
     else:
-        agree = u < synthetic
+        agree = u < synthetic_threshold(synthetic, k, rows.device)
     accepted = agree.long().cumprod(1).sum(1)
     p_next = p[rows, accepted]  # (b, vocab)
     if synthetic is not None:
@@ -513,6 +515,14 @@ def accept(draft_tokens, draft_probs, target_logits, sampling: Sampling, rng, sy
     mass = residual.sum(-1, keepdim=True)
     residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_next)  # p == q up to rounding
     return accepted, sample(residual, rng)
+
+
+def synthetic_threshold(synthetic: float | tuple[float, ...], k: int, device):
+    """The acceptance probability of draft positions 1..k: one for all, or one per position (the last
+    value for positions beyond the given ones), as a tensor that broadcasts over the rows."""
+    if isinstance(synthetic, (int, float)):
+        return float(synthetic)
+    return torch.tensor([synthetic[min(i, len(synthetic) - 1)] for i in range(k)], device=device)
 
 
 def _count_acceptance(stats: GenerationStats, accepted: torch.Tensor, k: int) -> None:

@@ -287,6 +287,24 @@ def test_accept_greedy():
     assert nxt.tolist() == [2, 0, 1]
 
 
+
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=1.0)])
+def test_per_position_synthetic_acceptance_draws_the_exact_accepted_counts(sampling):
+    """Synthetic acceptance (0.9, 0.5) at k = 3: position 1 accepted with 0.9, positions 2 and 3 with 0.5
+    each given the ones before (the last value repeats), so P(0, 1, 2, 3 accepted) = 0.1, 0.45, 0.225,
+    0.225 exactly; 40,000 rows pass a chi-square test, and one probability for all positions (0.9) would not."""
+    rows, k = 40_000, 3
+    rng = torch.Generator().manual_seed(0)
+    logits = torch.randn(rows, k + 1, V, generator=rng)
+    draft_tokens = torch.randint(0, V, (rows, k), generator=rng)
+    draft_probs = torch.softmax(torch.randn(rows, k, V, generator=rng), -1)
+    accepted, _ = accept(draft_tokens, draft_probs, logits, sampling, rng, (0.9, 0.5))
+    counts = np.bincount(accepted.numpy(), minlength=k + 1)
+    exact = np.array([0.1, 0.45, 0.225, 0.225])
+    assert scipy_stats.chisquare(counts, rows * exact).pvalue > ALPHA
+    constant = np.array([0.1, 0.09, 0.081, 0.729])
+    assert scipy_stats.chisquare(counts, rows * constant).pvalue < ALPHA
+
 # ------------------------------------------------------------------------------- the --sampling option
 @pytest.mark.parametrize("text, expected", [
     ("greedy", Sampling()), ("T=0.8", Sampling(temperature=0.8)),
