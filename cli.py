@@ -269,9 +269,8 @@ def fit(
                  for role, obj in model_to_json(fitted)["roles"].items()}
         source = None if fitted.timing_source is None else fitted.timing_source.to_json()
         correction = None if fitted.step_correction is None else fitted.step_correction.to_json()
-        anchor = None if fitted.shape_anchor is None else fitted.shape_anchor.to_json()
         typer.echo(json.dumps({"model": str(output), "roles": roles, "timing_source": source,
-                               "step_correction": correction, "shape_anchor": anchor}))
+                               "step_correction": correction}))
         return
     from console.model import render_fit
 

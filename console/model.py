@@ -71,8 +71,6 @@ def render_fit(fitted, output: Path, holdout: bool = False, noise=None) -> None:
             console.print(f"[yellow]note:[/] {role}: {note}")
     if fitted.timing_source is not None:
         render_sources(console, fitted.timing_source, holdout)
-    if fitted.shape_anchor is not None:
-        console.print(f"[yellow]note:[/] {fitted.shape_anchor.note()}")
     if fitted.step_correction is not None:
         console.print(f"[yellow]note:[/] {fitted.step_correction.note()}")
     if noise is not None:

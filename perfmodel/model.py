@@ -17,10 +17,7 @@ against measured latency without the profile.
 
 When the profile has in-situ rows (`perfmodel.insitu`), the latency model is fitted from each timing
 source (isolated, in-situ, both) and the one that predicts the measured steps better is kept
-(`perfmodel.sources`); `timing_source` (optional in the file) reports every source's step errors. The
-fit is then held to the isolated grid's timings at the shapes it measured when that predicts the in-situ
-steps' ratios better (`shape_anchor`, perfmodel.shape_anchor), and the chains' step ratios are corrected
-by the lockstep steps (`step_correction`, perfmodel.step_correction); both optional in the file.
+(`perfmodel.sources`); `timing_source` (optional in the file) reports every source's step errors.
 """
 from __future__ import annotations
 
@@ -40,7 +37,6 @@ from .noise import NoiseFigure
 from .overhead import OverheadModel
 from .profile import ROLES, DeviceInfo, Grid, ModelInfo, Profile, Stage2Info
 from .sources import ISOLATED, SOURCES, SourceChoice, choose_source, predict_steps, source_points, source_report
-from .shape_anchor import ShapeAnchor, fit_shape_anchor
 from .step_correction import StepCorrection, fit_step_correction
 from .strategy import MAX_TREE_NODES, StepModel, StrategyCandidate, StrategyChoice, candidate_strategies
 from .table import ENGINE_FORMATS, Bucket, Table, TableEntry
@@ -89,7 +85,6 @@ class FittedModel:
     timing_source: SourceChoice | None = None  # which pass timings `roles` were fitted to, when there was a choice
     noise: NoiseFigure | None = None  # the profile's reference-pass checks: bench compares the machine's speed
     step_correction: StepCorrection | None = None  # chains' step ratios from lockstep in-situ steps
-    shape_anchor: ShapeAnchor | None = None  # the fit held to the isolated grid's timings (perfmodel.shape_anchor)
 
     def fingerprints(self) -> dict | None:
         """{"target", "draft"} content fingerprints of the pair (None when the profile predates them)."""
@@ -100,12 +95,9 @@ class FittedModel:
     def latency_ms(self, role: str, batch_size: int, new_tokens: int, context_len: int) -> float:
         """Predicted time of one forward pass; matches strategy.LatencyFn (and takes arrays too: arrays in,
         array out). Outside the measured grid the fit's edge value grows as the roofline alone
-        (perfmodel.extrapolation); a shape anchor, when applied, holds it to the grid's timings."""
+        (perfmodel.extrapolation)."""
         fit = self.roles[role]
-        fitted_ms = bounded_latency_ms(fit.model, fit.points, batch_size, new_tokens, context_len)
-        if self.shape_anchor is None:
-            return fitted_ms
-        return fitted_ms * self.shape_anchor.factor(role, batch_size, new_tokens, context_len)
+        return bounded_latency_ms(fit.model, fit.points, batch_size, new_tokens, context_len)
 
     def default_context_len(self) -> int:
         """The context length used when none is given: the middle of the profiled context lengths."""
@@ -156,7 +148,6 @@ class FittedModel:
         held = "" if report.heldout_step_mape_pct is None else f", {report.heldout_step_mape_pct:.1f} % held out"
         return [f"pass latency fitted to the {choice.chosen} timings (chosen by {choice.criterion}: "
                 f"{report.step_mape_pct:.1f} % on the profile's measured steps{held})",
-                *([] if self.shape_anchor is None else [self.shape_anchor.note()]),
                 *([] if self.step_correction is None else [self.step_correction.note()])]
 
     def strategy_notes(self, strategies: Sequence[Strategy]) -> list[str]:
@@ -291,12 +282,8 @@ def fit_profile(profile: Profile, holdout: bool = False) -> FittedModel:
     )
     if not profile.insitu_steps or greedy is None:
         return fitted
-    steps = profile.insitu_steps
-    anchor = fit_shape_anchor(profile.timings, fitted.latency_ms, steps,
-                              lambda latency_ms: predict_steps(latency_ms, overhead, greedy, steps))
-    fitted = replace(fitted, shape_anchor=anchor)
-    predicted_ms = predict_steps(fitted.latency_ms, overhead, greedy, steps)
-    return replace(fitted, step_correction=fit_step_correction(steps, predicted_ms))
+    predicted_ms = predict_steps(fitted.latency_ms, overhead, greedy, profile.insitu_steps)
+    return replace(fitted, step_correction=fit_step_correction(profile.insitu_steps, predicted_ms))
 
 
 # ---------------------------------------------------------------- what the model is used for
@@ -436,7 +423,6 @@ def model_to_json(fitted: FittedModel) -> dict:
         "stage2": None if fitted.stage2 is None else fitted.stage2.to_json(),
         **({} if fitted.timing_source is None else {"timing_source": fitted.timing_source.to_json()}),
         **({} if fitted.step_correction is None else {"step_correction": fitted.step_correction.to_json()}),
-        **({} if fitted.shape_anchor is None else {"shape_anchor": fitted.shape_anchor.to_json()}),
     }
 
 
@@ -502,13 +488,12 @@ def model_from_json(obj: dict, source: str = "model") -> FittedModel:
         timing_source = None if obj.get("timing_source") is None else SourceChoice.from_json(obj["timing_source"])
         correction = None if obj.get("step_correction") is None else \
             StepCorrection.from_json(obj["step_correction"], f"{source}: step_correction")
-        anchor = None if obj.get("shape_anchor") is None else ShapeAnchor.from_json(obj["shape_anchor"], source)
     except (KeyError, TypeError, ValueError, IndexError) as error:
         if isinstance(error, PerfModelError):
             raise
         raise PerfModelError(f"{source}: malformed model file ({type(error).__name__}: {error})") from None
     return FittedModel(created, stub.created_utc, stub.device, stub.target, stub.draft, stub.grid, roles,
-                       overhead, acceptance, stage2, timing_source, stub.noise, correction, anchor)
+                       overhead, acceptance, stage2, timing_source, stub.noise, correction)
 
 
 def save_model(path: str | os.PathLike, fitted: FittedModel) -> None:
