@@ -281,7 +281,6 @@ def test_random_weights_take_the_given_acceptance(pair, tmp_path):
     assert entry.rank_acceptance is None and not any(r.tree_nodes for r in profile.overheads)  # no tree to grow
 
 
-
 def test_random_weights_time_steps_in_situ_at_the_given_acceptance(pair, tmp_path):
     """Random weights never agree by themselves; the in-situ steps accept at the given acceptance, so at
     1.0 every chain step of k = 2 keeps k + 1 tokens per row (the last, cut at max new tokens, fewer),
@@ -299,6 +298,7 @@ def test_random_weights_time_steps_in_situ_at_the_given_acceptance(pair, tmp_pat
         assert step.tokens_per_step == 1.0 if k == 0 else 2.5 < step.tokens_per_step <= 3.0
     fitted = fit_profile(profile)
     assert fitted.timing_source is not None and len(fitted.timing_source.reports) == 3  # isolated, in-situ, both
+
 
 def test_second_stage_errors_name_the_option_and_the_file(pair, tmp_path):
     out = tmp_path / "profile.json"

@@ -287,7 +287,6 @@ def test_accept_greedy():
     assert nxt.tolist() == [2, 0, 1]
 
 
-
 @pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=1.0)])
 def test_per_position_synthetic_acceptance_draws_the_exact_accepted_counts(sampling):
     """Synthetic acceptance (0.9, 0.5) at k = 3: position 1 accepted with 0.9, positions 2 and 3 with 0.5
@@ -304,6 +303,7 @@ def test_per_position_synthetic_acceptance_draws_the_exact_accepted_counts(sampl
     assert scipy_stats.chisquare(counts, rows * exact).pvalue > ALPHA
     constant = np.array([0.1, 0.09, 0.081, 0.729])
     assert scipy_stats.chisquare(counts, rows * constant).pvalue < ALPHA
+
 
 # ------------------------------------------------------------------------------- the --sampling option
 @pytest.mark.parametrize("text, expected", [
