@@ -4,7 +4,7 @@ profile's in-situ steps: a model on its own profile is in-sample, on another cal
 
     python -m bench.step_ratios --models m1.json,m2.json --profiles p1.json,p2.json
 
-Measured on the demo pair (two default calibrations of one VM 10 minutes apart, docs/fidelity.md "Stop 25").
+Measured on the demo pair (two default calibrations of one VM 10 minutes apart, docs/fidelity-runs.md "Stop 25").
 """
 from __future__ import annotations
 
