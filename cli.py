@@ -13,10 +13,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from calibrate import grid as _grid  # plain data: --help's defaults
-from perfmodel.errors import UsageError
-from runtime.assembly import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET  # imports runtime: OpenMP default first
-from console.options import (  # noqa: F401 - option types and parsing shared by every command
+from specbatch.calibrate import grid as _grid  # plain data: --help's defaults
+from specbatch.perfmodel.errors import UsageError
+from specbatch.runtime.assembly import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET  # imports runtime: OpenMP default first
+from specbatch.console.options import (  # noqa: F401 - option types and parsing shared by every command
     one_line_errors, parse_int_list, check_counts, acceptance_override, read_prompts_file, set_threads, _ints,
     TargetOpt, DraftOpt, DeviceOpt, DtypeOpt, ModelFileArg, JsonOpt, TreeOpt, Stage2Opt, AcceptanceOpt,
     ThreadsOpt, ForceOpt, MaxKOpt, MaxBatchOpt, AdaptiveOpt, DraftStopOpt, _MODEL_HELP,
@@ -64,7 +64,7 @@ def generate(
     """Generate text with batched speculative decoding (all prompts in one batch).
 
     --draft may also be an n-gram file (.safetensors from data/train_ngram.py): the n-gram alone drafts."""
-    from runtime.assembly import GenerationRequest, generate_texts
+    from specbatch.runtime.assembly import GenerationRequest, generate_texts
 
     texts = list(prompt or []) + (read_prompts_file(prompts_file) if prompts_file is not None else [])
     request = GenerationRequest(
@@ -76,7 +76,7 @@ def generate(
     if json_output:
         typer.echo(json.dumps(generation.to_json()))
         return
-    from console.generation import render_generation
+    from specbatch.console.generation import render_generation
 
     render_generation(generation.outputs, generation.stats, generation.policy, generation.sampling)
 
@@ -127,9 +127,9 @@ def calibrate_command(
 ):
     """Time the pair's forward passes over (batch size, new tokens, context) and measure acceptance (per
     position, and per depth and rank for trees) and the n-gram second stage: a profile."""
-    from calibrate.run import CalibrationRequest
-    from calibrate.stage2 import stage2_for_calibration
-    from console.calibration import calibrate_with_progress, render_calibration
+    from specbatch.calibrate.run import CalibrationRequest
+    from specbatch.calibrate.stage2 import stage2_for_calibration
+    from specbatch.console.calibration import calibrate_with_progress, render_calibration
 
     request = CalibrationRequest(
         target=target or str(DEMO_TARGET), draft=draft or str(DEMO_DRAFT), out=out, device=device, dtype=dtype,
@@ -209,11 +209,11 @@ def bench(
 ):
     """Measure k = 0, every fixed k, trees, staged drafting and the table at every batch size, interleaved;
     regret, speedup, and chain vs tree vs staged side by side."""
-    from bench.assembly import check_input_files, load_bench_inputs
-    from bench.config import BenchConfig
-    from runtime.sampling import parse_sampling
+    from specbatch.bench.assembly import check_input_files, load_bench_inputs
+    from specbatch.bench.config import BenchConfig
+    from specbatch.runtime.sampling import parse_sampling
 
-    from perfmodel.jsonio import writable_dir
+    from specbatch.perfmodel.jsonio import writable_dir
 
     config = BenchConfig(  # every option is checked before a model is loaded
         batch_sizes=tuple(parse_int_list("--batch-sizes", batch_sizes)), ks=tuple(parse_int_list("--ks", ks, 0)),
@@ -229,9 +229,9 @@ def bench(
     set_threads(threads)  # after the checks: a note must not come before a one-line error
     inputs = load_bench_inputs(config, target, draft, prompts, device, dtype, force)
     config = inputs.config  # with the table's own n-gram when it names one
-    from bench.harness import run_bench
-    from bench.outputs import bench_json, write_outputs
-    from console.bench import bench_with_progress, render_bench
+    from specbatch.bench.harness import run_bench
+    from specbatch.bench.outputs import bench_json, write_outputs
+    from specbatch.console.bench import bench_with_progress, render_bench
 
     run = run_bench if json_output else bench_with_progress
     result = run(config, inputs.models, inputs.token_prompts)
@@ -255,9 +255,9 @@ def fit(
 ):
     """Fit each role's pass latency T(b, n, L) from a profile; report parameters and errors. With in-situ
     rows in the profile, from the timing source (isolated, in-situ, both) that predicts measured steps best."""
-    from perfmodel.jsonio import check_not_input, writable_path
-    from perfmodel.model import fit_profile, model_to_json, save_model
-    from perfmodel.profile import load_profile
+    from specbatch.perfmodel.jsonio import check_not_input, writable_path
+    from specbatch.perfmodel.model import fit_profile, model_to_json, save_model
+    from specbatch.perfmodel.profile import load_profile
 
     check_not_input(output, [profile], "--output")
     writable_path(output, "--output")  # before the fit: a bad -o fails in a second
@@ -272,7 +272,7 @@ def fit(
         typer.echo(json.dumps({"model": str(output), "roles": roles, "timing_source": source,
                                "step_correction": correction}))
         return
-    from console.model import render_fit
+    from specbatch.console.model import render_fit
 
     render_fit(fitted, output, holdout, loaded.noise)
 
@@ -307,14 +307,14 @@ def table(
     """Best strategy (none, a chain of k, a tree, with or without the second stage) for every batch size
     1..max-batch, with its predicted gain. vllm/trtllm exports express chains only (a tree's depth as k)."""
     check_counts(max_batch=max_batch, max_k=max_k)
-    from perfmodel.table import check_table_format, write_table
+    from specbatch.perfmodel.table import check_table_format, write_table
 
     check_table_format(fmt, draft, clamp)
     if max_tree_nodes < 1:
         raise UsageError(f"--max-tree-nodes must be >= 1, got {max_tree_nodes}")
     lengths = parse_int_list("--context-lens", context_lens)
-    from perfmodel.jsonio import check_not_input, writable_path
-    from perfmodel.model import choose_acceptance, compute_table, load_model
+    from specbatch.perfmodel.jsonio import check_not_input, writable_path
+    from specbatch.perfmodel.model import choose_acceptance, compute_table, load_model
 
     check_not_input(output, [model], "--output")
     writable_path(output, "--output")
@@ -324,8 +324,8 @@ def table(
     result = compute_table(fitted, chosen, max_batch, lengths, max_k, strategies=strategies,
                            max_tree_nodes=max_tree_nodes)
     export_notes = write_table(output, result, fmt, draft=draft, clamp=clamp)
-    from console.model import render_table
-    from perfmodel.uncertainty import table_tie_notes
+    from specbatch.console.model import render_table
+    from specbatch.perfmodel.uncertainty import table_tie_notes
 
     notes = fitted.extrapolation_notes(max_batch, [b.context_len for b in result.buckets], result.max_k)
     render_table(result, notes + table_tie_notes(result, chosen) + export_notes, output)
@@ -363,8 +363,8 @@ def query(
     if strategies not in ("all", "tree", "chain"):
         raise UsageError(f"--strategies: {strategies!r} is not one of all, tree, chain")
     if model is not None:
-        from perfmodel.model import choose_acceptance, load_model
-        from perfmodel.query import chain_answer, strategy_answer
+        from specbatch.perfmodel.model import choose_acceptance, load_model
+        from specbatch.perfmodel.query import chain_answer, strategy_answer
 
         fitted = load_model(model)
         chosen = choose_acceptance(fitted, acceptance_override(acceptance), str(model))
@@ -374,14 +374,14 @@ def query(
             answer = strategy_answer(fitted, chosen, batch_size, tree or "auto", context_len, max_k, stage2,
                                      str(model), strategies)
     else:
-        from perfmodel.query import table_answer
-        from perfmodel.table import load_table
+        from specbatch.perfmodel.query import table_answer
+        from specbatch.perfmodel.table import load_table
 
         answer = table_answer(load_table(table_path), batch_size, context_len)
     if json_output:
         typer.echo(json.dumps(answer.to_json()))
         return
-    from console.model import render_query
+    from specbatch.console.model import render_query
 
     render_query(answer.to_json(), list(answer.notes))
 
@@ -398,8 +398,8 @@ def plot(
 ):
     """Goodput heatmap over (b, k) with the k*(b) curve, and fitted vs measured latency per role."""
     check_counts(max_batch=max_batch, max_k=max_k, context_len=context_len)
-    from perfmodel.model import choose_acceptance, load_model
-    from perfmodel.plot import plot_model
+    from specbatch.perfmodel.model import choose_acceptance, load_model
+    from specbatch.perfmodel.plot import plot_model
 
     fitted = load_model(model)
     chosen = choose_acceptance(fitted, acceptance_override(acceptance), str(model))
@@ -424,19 +424,19 @@ def demo(
     race_sizes = parse_int_list("--batch-sizes", batch_sizes)
     if prompts_shown <= 0 or max_new_tokens <= 0 or rounds <= 0 or max_batch <= 0:
         raise UsageError("--prompts-shown, --max-new-tokens, --rounds and --max-batch must be positive")
-    from perfmodel.jsonio import writable_dir
+    from specbatch.perfmodel.jsonio import writable_dir
 
     writable_dir(out, "--out")  # before the first measurement
     writable_dir(out / "bench", "--out")  # where the race's files go
     set_threads(threads)
-    from console.demo import run_demo
+    from specbatch.console.demo import run_demo
 
     run_demo(out, tuple(race_sizes), prompts_shown, max_new_tokens, rounds, max_batch, device)
 
 
 
-from console.explain_command import explain  # noqa: E402 - registered below
-from console.serve_commands import loadtest_command, serve_command  # noqa: E402
+from specbatch.console.explain_command import explain  # noqa: E402 - registered below
+from specbatch.console.serve_commands import loadtest_command, serve_command  # noqa: E402
 
 app.command()(one_line_errors(explain))
 

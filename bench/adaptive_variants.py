@@ -18,13 +18,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from calibrate.acceptance import encode_prompts, read_prompts
-from calibrate.lockstep import run_lockstep
-from calibrate.pass_clock import PassClock
-from runtime.adaptive import adaptive_policy
-from runtime.assembly import load_pair
-from runtime.generator import SpeculativeGenerator
-from runtime.policy import FixedK
+from specbatch.calibrate.acceptance import encode_prompts, read_prompts
+from specbatch.calibrate.lockstep import run_lockstep
+from specbatch.calibrate.pass_clock import PassClock
+from specbatch.runtime.adaptive import adaptive_policy
+from specbatch.runtime.assembly import load_pair
+from specbatch.runtime.generator import SpeculativeGenerator
+from specbatch.runtime.policy import FixedK
 
 from .harness import balanced_order
 from .regret import paired_ratio

@@ -7,8 +7,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from perfmodel.errors import UsageError
-from runtime.assembly import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET, LOW_ACCEPTANCE_PROMPTS
+from specbatch.perfmodel.errors import UsageError
+from specbatch.runtime.assembly import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET, LOW_ACCEPTANCE_PROMPTS
 
 from .config import BenchConfig, BenchModels
 from .harness import RANDOM_PROMPT_TOKENS, random_prompts
@@ -35,12 +35,12 @@ def load_bench_inputs(config: BenchConfig, target: str | None, draft: str | None
     """Check that the table and model files were made for this pair (`force` overrides), load the pair on
     the device, encode the prompts (random token prompts for a pair without a tokenizer) and load the
     second stage (`config`'s, else the one the table names), checked against the target's vocabulary."""
-    from calibrate.acceptance import read_prompts
-    from calibrate.environment import resolve_device
-    from calibrate.models import check_pair, resolve_model
-    from calibrate.models import load_pair as load_specs
-    from runtime.assembly import files_for_pair, load_ngram
-    from runtime.checkpoint import parse_dtype
+    from specbatch.calibrate.acceptance import read_prompts
+    from specbatch.calibrate.environment import resolve_device
+    from specbatch.calibrate.models import check_pair, resolve_model
+    from specbatch.calibrate.models import load_pair as load_specs
+    from specbatch.runtime.assembly import files_for_pair, load_ngram
+    from specbatch.runtime.checkpoint import parse_dtype
 
     target_spec = resolve_model(target or str(DEMO_TARGET), "target")
     draft_spec = resolve_model(draft or str(DEMO_DRAFT), "draft")

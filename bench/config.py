@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from perfmodel.errors import PerfModelError, SpecbatchError
-from perfmodel.tree import Tree, parse_tree
-from runtime.model import CausalLM
-from runtime.sampling import Sampling
+from specbatch.perfmodel.errors import PerfModelError, SpecbatchError
+from specbatch.perfmodel.tree import Tree, parse_tree
+from specbatch.runtime.model import CausalLM
+from specbatch.runtime.sampling import Sampling
 
 TREE_AUTO = "auto"  # --tree auto: the performance model's best tree at batch size 1
 PEERS = ("transformers", "vllm")  # --peers: Hugging Face generate; vLLM's CPU build (bench/vllm/)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from perfmodel.errors import PerfModelError
-from perfmodel.explain import Explanation, explain
-from perfmodel.tree import Strategy
+from specbatch.perfmodel.errors import PerfModelError
+from specbatch.perfmodel.explain import Explanation, explain
+from specbatch.perfmodel.tree import Strategy
 
 from .policies import TABLE_POLICY, BenchPolicy, fixed_policy_name, table_strategy
 from .predict import Predictor
@@ -75,7 +75,7 @@ def table_rounds(table, batch_size: int,
 def explain_batch(batch: BatchResult, runs: Sequence[RunRecord], predictor: Predictor,
                   policies: dict[str, BenchPolicy]) -> tuple[Explanation | None, str | None]:
     """The explanation at one batch size (None without full-batch steps), and a note on what it left out."""
-    from perfmodel.model import step_model
+    from specbatch.perfmodel.model import step_model
 
     name, strategy = explained_policy(batch, policies)
     chosen = [run for run in runs if run.batch_size == batch.batch_size and run.policy == name and not run.warmup
@@ -122,13 +122,13 @@ def run_explain(config, models, prompts: Sequence[list[int]],
     against the model in `config.model_path` at the rounds' mean attended context. Where the model file
     kept calibration's reference pass, it is timed again before every timed round and after the last
     (bench.speed), and the third value is the machine's speed against calibration's (else None)."""
-    from perfmodel.model import step_model
-    from runtime.generator import SpeculativeGenerator
-    from runtime.policy import FixedK, FixedStrategy, TableK
+    from specbatch.perfmodel.model import step_model
+    from specbatch.runtime.generator import SpeculativeGenerator
+    from specbatch.runtime.policy import FixedK, FixedStrategy, TableK
 
     from .config import BenchError, tree_from_spec
     from .harness import attended_context_len, check_context, cycled_prompts, timed_round_prompts
-    from calibrate.pass_clock import PassClock, measured_steps
+    from specbatch.calibrate.pass_clock import PassClock, measured_steps
     from .predict import load_predictor
     from .speed import machine_speed_for, speed_note
 

@@ -32,10 +32,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from calibrate.environment import device_name
-from perfmodel.tree import Strategy
-from runtime.generator import GenerationError, SpeculativeGenerator
-from runtime.model import CausalLM
+from specbatch.calibrate.environment import device_name
+from specbatch.perfmodel.tree import Strategy
+from specbatch.runtime.generator import GenerationError, SpeculativeGenerator
+from specbatch.runtime.model import CausalLM
 
 from .config import TREE_AUTO, BenchConfig, BenchError, BenchModels, tree_from_spec
 from .peers import load_peers, time_peer
@@ -161,7 +161,7 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: Sequence[list[i
     called after every generation (the CLI's progress bar). Everything that can be refused (a missing
     draft or n-gram model, a bad model file, --tree auto's resolution) is refused before measuring.
     """
-    from runtime.policy import TableK
+    from specbatch.runtime.policy import TableK
 
     workload = prompts if isinstance(prompts, Workload) else None
     if workload is not None:
@@ -338,8 +338,8 @@ def run_bench(config: BenchConfig, models: BenchModels, prompts: Sequence[list[i
 def _adaptive_policy(config: BenchConfig, models: BenchModels):
     """The adaptive contender: second-stage chains among its candidates when the run has the n-gram its
     model measured (checked by sha256), plain chains otherwise."""
-    from runtime.adaptive import adaptive_policy
-    from runtime.assembly import check_stage2_file
+    from specbatch.runtime.adaptive import adaptive_policy
+    from specbatch.runtime.assembly import check_stage2_file
 
     policy = adaptive_policy(config.adaptive_path, staged=models.stage2 is not None,
                              mode="greedy" if config.sampling.greedy else "sampling",

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from perfmodel.jsonio import write_bytes_atomic
+from specbatch.perfmodel.jsonio import write_bytes_atomic
 
 from .policies import STAGED_SUFFIX, TABLE_POLICY, TREE_PREFIX, fixed_policy_name, policy_family
 from .results import BenchResult, PolicyResult, compared_rate

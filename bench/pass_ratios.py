@@ -19,8 +19,8 @@ from collections import defaultdict
 
 import torch
 
-from calibrate.benchmarks import forward_sampler, random_tokens
-from runtime.assembly import load_pair
+from specbatch.calibrate.benchmarks import forward_sampler, random_tokens
+from specbatch.runtime.assembly import load_pair
 
 WINDOW_S = 2.0
 REFERENCE = ("target", 1, 1, 128)  # (role, b, n, L): calibrate's default reference pass

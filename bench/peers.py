@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from runtime.sampling import Sampling
+from specbatch.runtime.sampling import Sampling
 
 from .config import BenchConfig, BenchModels
 from .policies import HF_ASSISTED

@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from perfmodel.tree import Strategy, Tree, chain, parse_tree  # noqa: F401 - parse_tree: the doctests
-from runtime.policy import FixedK, FixedStrategy
+from specbatch.perfmodel.tree import Strategy, Tree, chain, parse_tree  # noqa: F401 - parse_tree: the doctests
+from specbatch.runtime.policy import FixedK, FixedStrategy
 
 TABLE_POLICY = "table"
 ADAPTIVE_POLICY = "adaptive"

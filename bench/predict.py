@@ -11,9 +11,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from perfmodel.errors import PerfModelError
-from perfmodel.tree import Strategy, Tree
-from runtime.sampling import Sampling
+from specbatch.perfmodel.errors import PerfModelError
+from specbatch.perfmodel.tree import Strategy, Tree
+from specbatch.runtime.sampling import Sampling
 
 from .config import BenchError
 from .policies import BenchPolicy, policy_family, table_strategy
@@ -34,7 +34,7 @@ class Predictor:
     def strategy_tokens_per_s(self, batch_size: int, strategy: Strategy, context_len: int) -> float:
         """A tree's or a staged step's goodput; PerfModelError when the model lacks rank acceptance
         (trees) or second-stage measurements (+ngram)."""
-        from perfmodel.model import evaluate_strategy
+        from specbatch.perfmodel.model import evaluate_strategy
 
         return float(evaluate_strategy(self.fitted, strategy, batch_size, context_len, self.acceptance).tokens_per_s)
 
@@ -46,8 +46,8 @@ def load_predictor(model_path: str | os.PathLike, sampling: Sampling, synthetic_
     use. Real runs use the profile's measurement for the same decoding mode (greedy, or sampling at
     the same temperature) when the profile has one, else its first entry (and say so).
     """
-    from perfmodel.acceptance import acceptance_from_user
-    from perfmodel.model import choose_acceptance, load_model
+    from specbatch.perfmodel.acceptance import acceptance_from_user
+    from specbatch.perfmodel.model import choose_acceptance, load_model
 
     fitted = load_model(model_path)
     if synthetic_acceptance is not None:
@@ -66,7 +66,7 @@ def resolve_auto_tree(predictor: Predictor, model_path, context_len: int, staged
     """--tree auto: the performance model's best tree at batch size 1 and the bench's context, among
     grown trees ("tree" family) or, when a second stage is benchmarked and the model measured one,
     among trees with and without it ("all"). Returns the tree and why it was chosen, for the note."""
-    from perfmodel.model import query_strategies
+    from specbatch.perfmodel.model import query_strategies
 
     if predictor.acceptance.rank_acceptance is None:
         raise BenchError(f"--tree auto: {model_path} has no rank acceptance (per depth and rank) in "

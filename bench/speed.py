@@ -25,9 +25,9 @@ import statistics
 import time
 from typing import Any
 
-from calibrate.noise import NoiseMonitor, reference_sampler
-from perfmodel.errors import PerfModelError
-from perfmodel.noise import NoiseFigure
+from specbatch.calibrate.noise import NoiseMonitor, reference_sampler
+from specbatch.perfmodel.errors import PerfModelError
+from specbatch.perfmodel.noise import NoiseFigure
 
 from .config import BenchError
 

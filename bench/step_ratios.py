@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import argparse
 
-from perfmodel.errors import PerfModelError
-from perfmodel.model import load_model
-from perfmodel.profile import load_profile
-from perfmodel.sources import predict_steps
-from perfmodel.step_correction import paired_error_pct
+from specbatch.perfmodel.errors import PerfModelError
+from specbatch.perfmodel.model import load_model
+from specbatch.perfmodel.profile import load_profile
+from specbatch.perfmodel.sources import predict_steps
+from specbatch.perfmodel.step_correction import paired_error_pct
 
 
 def errors(model_path: str, profile_path: str) -> tuple[float | None, float | None]:

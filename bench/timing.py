@@ -10,9 +10,9 @@ from typing import Any, Sequence
 
 import torch
 
-from calibrate.lockstep import run_lockstep
-from calibrate.pass_clock import PassClock, measured_steps
-from runtime.generator import GenerationStats, SpeculativeGenerator
+from specbatch.calibrate.lockstep import run_lockstep
+from specbatch.calibrate.pass_clock import PassClock, measured_steps
+from specbatch.runtime.generator import GenerationStats, SpeculativeGenerator
 
 from .config import BenchConfig
 

@@ -73,15 +73,15 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from perfmodel.acceptance import extend_alphas, parse_acceptance_option
-from perfmodel.errors import PerfModelError
-from perfmodel.profile import AcceptanceEntry
-from perfmodel.uncertainty import ratio_standard_error
-from runtime.generator import SpeculativeGenerator
-from runtime.model import CausalLM
-from runtime.policy import FixedK
-from runtime.sampling import Sampling, SamplingError, probabilities
-from runtime.sampling import parse_sampling as parse_sampling_option
+from specbatch.perfmodel.acceptance import extend_alphas, parse_acceptance_option
+from specbatch.perfmodel.errors import PerfModelError
+from specbatch.perfmodel.profile import AcceptanceEntry
+from specbatch.perfmodel.uncertainty import ratio_standard_error
+from specbatch.runtime.generator import SpeculativeGenerator
+from specbatch.runtime.model import CausalLM
+from specbatch.runtime.policy import FixedK
+from specbatch.runtime.sampling import Sampling, SamplingError, probabilities
+from specbatch.runtime.sampling import parse_sampling as parse_sampling_option
 
 from .errors import CalibrationError
 

@@ -20,11 +20,11 @@ from typing import Callable
 
 import torch
 
-from perfmodel.profile import Grid, TimingRow
-from runtime.generator import SpeculativeGenerator
-from runtime.model import CausalLM, KVCache
-from runtime.policy import FixedK, FixedStrategy
-from runtime.sampling import Sampling
+from specbatch.perfmodel.profile import Grid, TimingRow
+from specbatch.runtime.generator import SpeculativeGenerator
+from specbatch.runtime.model import CausalLM, KVCache
+from specbatch.runtime.policy import FixedK, FixedStrategy
+from specbatch.runtime.sampling import Sampling
 
 from .environment import synchronizer
 from .grid import TimingPoint, new_tokens_at

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from perfmodel.profile import DeviceInfo
+from specbatch.perfmodel.profile import DeviceInfo
 
 from .errors import CalibrationError
 

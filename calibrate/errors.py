@@ -1,7 +1,7 @@
 """The error calibrate raises for bad input (a SpecbatchError: the CLI prints it as one line)."""
 from __future__ import annotations
 
-from perfmodel.errors import SpecbatchError
+from specbatch.perfmodel.errors import SpecbatchError
 
 
 class CalibrationError(SpecbatchError):

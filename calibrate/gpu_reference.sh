@@ -32,7 +32,7 @@ for pair in "opt-6.7b opt-125m" "llama-2-7b llama-68m"; do
     read -r target draft <<< "$pair"
     profile="$OUT/$gpu-$target-$draft.json"
     echo "calibrating $target + $draft -> $profile"
-    timeout 170 python cli.py calibrate --target "$target" --draft "$draft" "${common[@]}" --out "$profile" \
+    timeout 170 specbatch calibrate --target "$target" --draft "$draft" "${common[@]}" --out "$profile" \
         || { echo "calibration of $target + $draft failed or timed out (exit $?)" >&2; status=1; }
 done
 ls -l "$OUT"

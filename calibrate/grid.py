@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from perfmodel.profile import Grid
-from runtime.config import ModelConfig
+from specbatch.perfmodel.profile import Grid
+from specbatch.runtime.config import ModelConfig
 
 from .errors import CalibrationError
 

@@ -37,11 +37,11 @@ from typing import Sequence
 
 import numpy as np
 
-from perfmodel.insitu import InSituPassRow, InSituStepRow, pass_rows, step_row
-from perfmodel.profile import Grid
-from runtime.generator import SpeculativeGenerator
-from runtime.policy import FixedK
-from runtime.sampling import Sampling
+from specbatch.perfmodel.insitu import InSituPassRow, InSituStepRow, pass_rows, step_row
+from specbatch.perfmodel.profile import Grid
+from specbatch.runtime.generator import SpeculativeGenerator
+from specbatch.runtime.policy import FixedK
+from specbatch.runtime.sampling import Sampling
 
 from .lockstep import run_lockstep
 from .pass_clock import PassClock

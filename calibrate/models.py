@@ -12,11 +12,11 @@ from pathlib import Path
 
 import torch
 
-from perfmodel.jsonio import directory_fingerprint, model_fingerprint
-from perfmodel.profile import Grid, ModelInfo
-from runtime.checkpoint import build_model, load_checkpoint
-from runtime.config import ConfigError, ModelConfig, load_config
-from runtime.model import CausalLM
+from specbatch.perfmodel.jsonio import directory_fingerprint, model_fingerprint
+from specbatch.perfmodel.profile import Grid, ModelInfo
+from specbatch.runtime.checkpoint import build_model, load_checkpoint
+from specbatch.runtime.config import ConfigError, ModelConfig, load_config
+from specbatch.runtime.model import CausalLM
 
 from .errors import CalibrationError
 from .grid import new_tokens_at

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from perfmodel.noise import NoiseCheck, NoiseFigure
+from specbatch.perfmodel.noise import NoiseCheck, NoiseFigure
 
 from .timing import Clock, percentile
 

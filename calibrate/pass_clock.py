@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from perfmodel.explain import MeasuredSteps, measured_from_stats
+from specbatch.perfmodel.explain import MeasuredSteps, measured_from_stats
 
 
 class PassClock:

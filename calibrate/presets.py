@@ -7,7 +7,7 @@ Only the fields the runtime reads are kept; each entry names the repository it w
 """
 from __future__ import annotations
 
-from runtime.config import ModelConfig, config_from_dict
+from specbatch.runtime.config import ModelConfig, config_from_dict
 
 from .errors import CalibrationError
 

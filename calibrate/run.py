@@ -26,12 +26,12 @@ from typing import Callable
 
 import torch
 
-from perfmodel.jsonio import exclusive_lock, file_sha256, writable_path
-from perfmodel.profile import AcceptanceEntry, Grid, OverheadRow, Profile
-from perfmodel.tree import Strategy, expected_tree_tokens, grow_tree
-from runtime.checkpoint import CheckpointError, parse_dtype
-from runtime.generator import SpeculativeGenerator
-from runtime.sampling import Sampling
+from specbatch.perfmodel.jsonio import exclusive_lock, file_sha256, writable_path
+from specbatch.perfmodel.profile import AcceptanceEntry, Grid, OverheadRow, Profile
+from specbatch.perfmodel.tree import Strategy, expected_tree_tokens, grow_tree
+from specbatch.runtime.checkpoint import CheckpointError, parse_dtype
+from specbatch.runtime.generator import SpeculativeGenerator
+from specbatch.runtime.sampling import Sampling
 
 from . import acceptance as acc
 from . import stage2 as st2

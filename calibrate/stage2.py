@@ -32,9 +32,9 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from perfmodel.profile import Stage2Info
-from runtime.assembly import DEMO_DRAFT, DEMO_NGRAM
-from runtime.ngram import NGramError, NGramModel, tokenizer_fingerprint
+from specbatch.perfmodel.profile import Stage2Info
+from specbatch.runtime.assembly import DEMO_DRAFT, DEMO_NGRAM
+from specbatch.runtime.ngram import NGramError, NGramModel, tokenizer_fingerprint
 
 from .acceptance import RANKS, ScoredRow
 from .errors import CalibrationError

@@ -13,9 +13,9 @@ from dataclasses import asdict, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
-from perfmodel.errors import PerfModelError
-from perfmodel.jsonio import rounded, write_text_atomic
-from perfmodel.profile import (AcceptanceEntry, DeviceInfo, Grid, ModelInfo, OverheadRow, Profile, Stage2Info,
+from specbatch.perfmodel.errors import PerfModelError
+from specbatch.perfmodel.jsonio import rounded, write_text_atomic
+from specbatch.perfmodel.profile import (AcceptanceEntry, DeviceInfo, Grid, ModelInfo, OverheadRow, Profile, Stage2Info,
                                TimingRow, load_profile, save_profile)
 
 from .errors import CalibrationError

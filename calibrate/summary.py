@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from perfmodel.profile import AcceptanceEntry, Profile
-from runtime.sampling import Sampling
+from specbatch.perfmodel.profile import AcceptanceEntry, Profile
+from specbatch.runtime.sampling import Sampling
 
 from .store import csv_path_for
 from .timing import Clock

@@ -14,7 +14,7 @@ def bench_with_progress(config, models, token_prompts):
         TimeRemainingColumn,
     )
 
-    from bench.harness import run_bench
+    from specbatch.bench.harness import run_bench
 
     columns = (TextColumn("[bold]bench"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
                TimeRemainingColumn())
@@ -46,8 +46,8 @@ def render_bench(result, written: list[Path]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from bench.policies import TABLE_POLICY, fixed_policy_name
-    from bench.results import compared_rate
+    from specbatch.bench.policies import TABLE_POLICY, fixed_policy_name
+    from specbatch.bench.results import compared_rate
 
     console = Console()
     config = result.config
@@ -122,11 +122,11 @@ def render_bench(result, written: list[Path]) -> None:
             side.add_row(str(batch.batch_size), *cells)
         console.print(side)
     _render_adaptive(console, result.batches)
-    from console.explain import render_bench_fidelity
+    from specbatch.console.explain import render_bench_fidelity
 
     render_bench_fidelity(console, result.batches)
     if result.vllm is not None:
-        from bench.vllm.compare import render
+        from specbatch.bench.vllm.compare import render
 
         console.print(render(result.vllm), markup=False, highlight=False, soft_wrap=True)
     for note in result.notes:

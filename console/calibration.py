@@ -25,7 +25,7 @@ def calibrate_with_progress(request, show: bool):
         TimeRemainingColumn,
     )
 
-    from calibrate.run import calibrate
+    from specbatch.calibrate.run import calibrate
 
     if not show:
         return calibrate(request)

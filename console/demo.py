@@ -9,37 +9,37 @@ from pathlib import Path
 
 from rich.console import Console
 
-from runtime.assembly import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET
+from specbatch.runtime.assembly import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET
 
 EXPORTS = {"table.json": "json", "table.csv": "csv", "vllm.json": "vllm", "trtllm.json": "trtllm"}
 
 
 def run_demo(out: Path, race_sizes: tuple[int, ...], prompts_shown: int, max_new_tokens: int, rounds: int,
              max_batch: int, device: str | None) -> None:
-    from bench.config import BenchConfig, BenchModels
-    from bench.outputs import write_outputs
-    from bench.results import compared_rate
-    from calibrate.acceptance import read_prompts
-    from calibrate.run import CalibrationRequest
-    from calibrate.stage2 import stage2_for_calibration
-    from perfmodel.errors import PerfModelError
-    from perfmodel.jsonio import write_text_atomic
-    from perfmodel.model import (
+    from specbatch.bench.config import BenchConfig, BenchModels
+    from specbatch.bench.outputs import write_outputs
+    from specbatch.bench.results import compared_rate
+    from specbatch.calibrate.acceptance import read_prompts
+    from specbatch.calibrate.run import CalibrationRequest
+    from specbatch.calibrate.stage2 import stage2_for_calibration
+    from specbatch.perfmodel.errors import PerfModelError
+    from specbatch.perfmodel.jsonio import write_text_atomic
+    from specbatch.perfmodel.model import (
         choose_acceptance,
         compute_table,
         fit_profile,
         save_model,
     )
-    from perfmodel.profile import load_profile
-    from perfmodel.table import ENGINE_FORMATS, write_table
-    from runtime.assembly import (
+    from specbatch.perfmodel.profile import load_profile
+    from specbatch.perfmodel.table import ENGINE_FORMATS, write_table
+    from specbatch.runtime.assembly import (
         GenerationRequest,
         generate_texts,
         generations_jsonl,
         load_pair,
         second_stage_for,
     )
-    from runtime.policy import TableK
+    from specbatch.runtime.policy import TableK
 
     from .bench import bench_with_progress
     from .calibration import calibrate_with_progress, render_calibration

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from perfmodel.errors import UsageError
+from specbatch.perfmodel.errors import UsageError
 
 from .explain import render_explanation
 from .options import (DeviceOpt, DraftOpt, DtypeOpt, JsonOpt, ModelFileArg, Stage2Opt, TargetOpt, ThreadsOpt,
@@ -42,9 +42,9 @@ def explain(
     check_counts(batch_size=batch_size, max_k=k)
     if sum(option is not None for option in (k, table, tree)) > 1:
         raise UsageError("give one of --k, --table and --tree")
-    from bench.assembly import check_input_files, load_bench_inputs
-    from bench.config import BenchConfig
-    from bench.explain_steps import run_explain
+    from specbatch.bench.assembly import check_input_files, load_bench_inputs
+    from specbatch.bench.config import BenchConfig
+    from specbatch.bench.explain_steps import run_explain
 
     config = BenchConfig(batch_sizes=(batch_size,), ks=(4 if k is None else k,), max_new_tokens=max_new_tokens,
                          rounds=rounds, synthetic_acceptance=synthetic_acceptance, seed=seed, table_path=table,

@@ -12,8 +12,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from calibrate import presets as _presets
-from perfmodel.errors import SpecbatchError, UsageError
+from specbatch.calibrate import presets as _presets
+from specbatch.perfmodel.errors import SpecbatchError, UsageError
 
 
 def one_line_errors(command):
@@ -39,7 +39,7 @@ def one_line_errors(command):
 
 def _say_warnings(caught) -> None:
     """Each distinct TableRangeWarning once, as a note; any other warning as Python would show it."""
-    from perfmodel.table import TableRangeWarning
+    from specbatch.perfmodel.table import TableRangeWarning
 
     said = set()
     for warning in caught:
@@ -76,13 +76,13 @@ def check_counts(max_batch: int | None = None, max_k: int | None = None, batch_s
 def acceptance_override(text: str | None):
     if text is None:
         return None
-    from perfmodel.acceptance import parse_acceptance_option
+    from specbatch.perfmodel.acceptance import parse_acceptance_option
 
     return parse_acceptance_option(text, "--acceptance")
 
 
 def read_prompts_file(path: Path, option: str = "--prompts-file") -> list[str]:
-    from calibrate.acceptance import read_prompts
+    from specbatch.calibrate.acceptance import read_prompts
 
     return read_prompts(path, option)
 

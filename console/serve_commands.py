@@ -7,8 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from perfmodel.errors import UsageError
-from runtime.assembly import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET
+from specbatch.perfmodel.errors import UsageError
+from specbatch.runtime.assembly import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET
 
 from .options import DeviceOpt, DraftOpt, DtypeOpt, TargetOpt, read_prompts_file
 
@@ -51,7 +51,7 @@ def serve_command(
     dtype: DtypeOpt = None,
 ):
     """Serve the pair over an OpenAI-compatible HTTP API with continuous batching; the table picks k every step."""
-    from serve.server import ServeOptions, serve
+    from specbatch.serve.server import ServeOptions, serve
 
     serve(ServeOptions(target=target, draft=draft, table=table, k=k, tree=tree, adaptive=adaptive,
                        draft_stop=draft_stop, host=host, port=port,
@@ -91,8 +91,8 @@ def loadtest_command(
     profile: Annotated[Optional[Path], typer.Option("--profile", help="Quick-profile file the servers share.")] = None,
 ):
     """Open-loop load test: the same Poisson/Gamma arrival trace against a server per policy (loopback)."""
-    from serve.loadtest import LoadtestConfig, run_loadtest
-    from serve.loadtest_report import Slo, render_runs
+    from specbatch.serve.loadtest import LoadtestConfig, run_loadtest
+    from specbatch.serve.loadtest_report import Slo, render_runs
 
     low, _, high = max_tokens.partition("-")
     if not (low.isdigit() and high.isdigit() and 0 < int(low) <= int(high)):

@@ -35,10 +35,10 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from perfmodel.jsonio import atomic_output, write_text_atomic  # noqa: E402
-from runtime.checkpoint import internal_to_hf_llama  # noqa: E402
-from runtime.config import ModelConfig  # noqa: E402
-from runtime.model import CausalLM  # noqa: E402
+from specbatch.perfmodel.jsonio import atomic_output, write_text_atomic  # noqa: E402
+from specbatch.runtime.checkpoint import internal_to_hf_llama  # noqa: E402
+from specbatch.runtime.config import ModelConfig  # noqa: E402
+from specbatch.runtime.model import CausalLM  # noqa: E402
 
 BOS, EOS, PAD = 256, 257, 258
 VOCAB_SIZE = 259

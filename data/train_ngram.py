@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "data"))
 
-from runtime.ngram import NGramModel, tokenizer_fingerprint  # noqa: E402
+from specbatch.runtime.ngram import NGramModel, tokenizer_fingerprint  # noqa: E402
 from train_demo_pair import VOCAB_SIZE, split_of, token_stream  # noqa: E402
 
 SPLIT = ROOT / "data" / "models" / "split.json"

@@ -77,10 +77,10 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
-from perfmodel.errors import UsageError
-from perfmodel.schedule import staged_rounds
-from perfmodel.strategy import StepModel
-from perfmodel.tree import Strategy, chain
+from specbatch.perfmodel.errors import UsageError
+from specbatch.perfmodel.schedule import staged_rounds
+from specbatch.perfmodel.strategy import StepModel
+from specbatch.perfmodel.tree import Strategy, chain
 
 from .draft_stop import DraftStop, cached
 
@@ -436,7 +436,7 @@ def adaptive_policy(model_file: Path, max_k: int | None = None, staged: bool = F
     """The adaptive policy from a specbatch.model/1 file: its latency fit, its overhead and, as the prior,
     its acceptance measured in `mode` (greedy | sampling; else its first entry). `max_k` defaults to the
     profile's; `staged` adds the second-stage chains (needs the profile's stage2 measurements)."""
-    from perfmodel.model import choose_acceptance, load_model, step_model
+    from specbatch.perfmodel.model import choose_acceptance, load_model, step_model
 
     fitted = load_model(model_file)
     acceptance = next((a for a in fitted.acceptance if a.mode == mode), None) or \

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from perfmodel.errors import UsageError
+from specbatch.perfmodel.errors import UsageError
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 DEMO_TARGET = DATA_DIR / "models" / "demo-target"
@@ -31,7 +31,7 @@ def default_device() -> str:
 def load_pair(target: str | None, draft: str | None, device: str | None, dtype: str | None,
               need_draft: bool = True):
     """Load target (and draft) model directories; defaults are the bundled demo pair."""
-    from runtime.checkpoint import load_checkpoint, parse_dtype
+    from specbatch.runtime.checkpoint import load_checkpoint, parse_dtype
 
     device = device or default_device()
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
@@ -62,7 +62,7 @@ def load_ngram(path: Path | str, option: str, target_model=None, *, vocab_size: 
                model_dir: Path | None = None):
     """An n-gram file checked against the target's vocabulary and tokenizer (one-line errors); the
     target is a loaded checkpoint, or its vocabulary size and directory (None for shape presets)."""
-    from runtime.ngram import NGramModel, tokenizer_fingerprint
+    from specbatch.runtime.ngram import NGramModel, tokenizer_fingerprint
 
     if target_model is not None:
         vocab_size, model_dir = target_model.config.vocab_size, Path(target_model.path)
@@ -75,7 +75,7 @@ def load_ngram(path: Path | str, option: str, target_model=None, *, vocab_size: 
 
 def check_stage2_file(path: Path, expected_sha256: str, what: str) -> None:
     """The one sha256 check of an n-gram file against the one a table or model was computed with."""
-    from perfmodel.jsonio import file_sha256
+    from specbatch.perfmodel.jsonio import file_sha256
 
     digest = file_sha256(Path(path))
     if digest != expected_sha256:
@@ -87,14 +87,14 @@ def strategy_policy(tree: str, stage2: Path | None, model_file: Path | None, max
     """The policy for --tree SPEC (the same tree every step) or --tree auto: the strategy the performance
     model in `model_file` predicts best at each batch size up to `max_batch` (trees and chains, and with
     the second stage when --stage2 is given), computed here as an in-memory table."""
-    from perfmodel.tree import Strategy, parse_tree
-    from runtime.policy import FixedStrategy, TableK
+    from specbatch.perfmodel.tree import Strategy, parse_tree
+    from specbatch.runtime.policy import FixedStrategy, TableK
 
     if tree != "auto":
         return FixedStrategy(Strategy(parse_tree(tree), stage2=stage2 is not None))
     if model_file is None:
         raise UsageError("--tree auto needs --model FILE (a specbatch.model/1 file from `specbatch fit`)")
-    from perfmodel.model import choose_acceptance, compute_table, load_model
+    from specbatch.perfmodel.model import choose_acceptance, compute_table, load_model
 
     fitted = load_model(model_file)
     if stage2 is not None and fitted.stage2 is None:
@@ -131,8 +131,8 @@ def files_for_pair(table: Path | None, model: Path | None, stage2: Path | None, 
     """`bench`: --table and --model must be made for the `running` pair (see `check_made_for`), and a table
     whose entries use the second stage brings its own n-gram file when --stage2 is not given. Returns the
     n-gram file to use (None: none)."""
-    from perfmodel.model import load_model
-    from perfmodel.table import load_table
+    from specbatch.perfmodel.model import load_model
+    from specbatch.perfmodel.table import load_table
 
     for option, path in (("--model", model), ("--adaptive", adaptive)):
         if path is not None:
@@ -153,7 +153,7 @@ def recorded_stage2(recorded: dict | None, what: str) -> Path:
     """The n-gram file a table names ({"file", "sha256"}): its recorded path while that file's sha256 still
     matches, else the bundled n-gram when it is that file (older tables recorded a path relative to the
     directory they were made in)."""
-    from perfmodel.jsonio import file_sha256
+    from specbatch.perfmodel.jsonio import file_sha256
 
     if not recorded:
         raise UsageError(f"{what} uses the n-gram second stage but names no n-gram file; pass --stage2 FILE")
@@ -183,7 +183,7 @@ def adaptive_for_pair(model_file: Path, running: dict, force: bool, mode: str = 
                       draft_stop: bool = False):
     """`--adaptive MODEL.json`: the adaptive policy (runtime.adaptive) from a model made for the `running`
     pair (`check_made_for`); its second-stage chains only when the model measured the second stage."""
-    from runtime.adaptive import adaptive_policy
+    from specbatch.runtime.adaptive import adaptive_policy
 
     if not Path(model_file).is_file():
         raise UsageError(f"--adaptive {model_file}: no such file")
@@ -260,9 +260,9 @@ class Generation:
 def generate_texts(request: GenerationRequest, loaded_pair=None) -> Generation:
     """Encode the prompts, build the policy and second stage, generate in one batch, decode.
     `loaded_pair` (target, draft) reuses models already loaded (the demo)."""
-    from runtime.generator import SpeculativeGenerator
-    from runtime.policy import FixedK, TableK
-    from runtime.sampling import Sampling
+    from specbatch.runtime.generator import SpeculativeGenerator
+    from specbatch.runtime.policy import FixedK, TableK
+    from specbatch.runtime.sampling import Sampling
 
     sampling = Sampling(temperature=request.temperature, top_k=request.top_k, top_p=request.top_p)
     ngram_draft = is_ngram_file(request.draft)
@@ -279,7 +279,7 @@ def generate_texts(request: GenerationRequest, loaded_pair=None) -> Generation:
     draft_runner = load_ngram(request.draft, "--draft", target_model) if ngram_draft else \
         (draft_model.model if draft_model else None)
     if request.adaptive is not None:
-        from perfmodel.jsonio import directory_fingerprint
+        from specbatch.perfmodel.jsonio import directory_fingerprint
 
         running = {"target": (str(target_model.path), directory_fingerprint(target_model.path))}
         if draft_model is not None:
@@ -294,7 +294,7 @@ def generate_texts(request: GenerationRequest, loaded_pair=None) -> Generation:
         policy = FixedK(request.k if request.k is not None else (DEFAULT_K_WITH_DRAFT if draft_runner else 0))
     table = getattr(policy, "table", None)
     if table is not None:
-        from perfmodel.jsonio import directory_fingerprint
+        from specbatch.perfmodel.jsonio import directory_fingerprint
 
         running = {"target": (str(target_model.path), directory_fingerprint(target_model.path))}
         if draft_model is not None:

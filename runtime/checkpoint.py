@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from perfmodel.errors import SpecbatchError
+from specbatch.perfmodel.errors import SpecbatchError
 
 from .config import ConfigError, ModelConfig, load_config
 from .model import CausalLM, rope_inverse_frequencies

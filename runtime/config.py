@@ -9,7 +9,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from perfmodel.errors import SpecbatchError
+from specbatch.perfmodel.errors import SpecbatchError
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 SUPPORTED_MODEL_TYPES = LLAMA_FAMILY + ("gpt2", "opt")

@@ -44,8 +44,8 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from perfmodel.acceptance import expected_tokens
-from perfmodel.strategy import StepModel
+from specbatch.perfmodel.acceptance import expected_tokens
+from specbatch.perfmodel.strategy import StepModel
 
 SIGNAL_BINS = 10  # bins of the draft's top probability
 CACHE_ENTRIES = 4096  # a long-running server sees many (b, L) pairs: a per-(b, L) cache past this is emptied

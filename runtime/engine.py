@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from perfmodel.errors import SpecbatchError
+from specbatch.perfmodel.errors import SpecbatchError
 
 from . import policy as hooks
 from .engine_metrics import EngineMetrics, describe_choice

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from perfmodel.errors import SpecbatchError
+from specbatch.perfmodel.errors import SpecbatchError
 
-from perfmodel.tree import chain
+from specbatch.perfmodel.tree import chain
 
 from . import policy as hooks
 from .model import CausalLM, TreeAttention

@@ -36,8 +36,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from perfmodel.errors import SpecbatchError
-from perfmodel.jsonio import atomic_output
+from specbatch.perfmodel.errors import SpecbatchError
+from specbatch.perfmodel.jsonio import atomic_output
 
 SCHEMA = "specbatch.ngram/1"
 GOOD_TURING_MAX_COUNT = 5  # Katz's k: counts above are taken as reliable and not discounted

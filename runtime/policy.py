@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from perfmodel.errors import UsageError
+from specbatch.perfmodel.errors import UsageError
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class TableK:
     `source` is a table file or an in-memory `perfmodel.table.Table` (e.g. computed for --tree auto)."""
 
     def __init__(self, source):
-        from perfmodel.table import Table, load_table
+        from specbatch.perfmodel.table import Table, load_table
 
         self.table = source if isinstance(source, Table) else load_table(Path(source))
         self.name = "the performance model's choice" if isinstance(source, Table) else f"table {Path(source).name}"

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from perfmodel.errors import UsageError
+from specbatch.perfmodel.errors import UsageError
 
 
 class SamplingError(UsageError):

@@ -34,7 +34,7 @@ from functools import lru_cache
 
 import torch
 
-from perfmodel.tree import Tree, tree_buffers
+from specbatch.perfmodel.tree import Tree, tree_buffers
 
 from .model import CausalLM, KVCache, TreeAttention
 from .sampling import Sampling, probabilities, sample, uniform

@@ -19,8 +19,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from runtime.engine import EngineClosed, EngineError, QueueFull, Request as EngineRequest
-from runtime.sampling import Sampling
+from specbatch.runtime.engine import EngineClosed, EngineError, QueueFull, Request as EngineRequest
+from specbatch.runtime.sampling import Sampling
 
 from . import protocol
 from .metrics import CONTENT_TYPE, render_metrics

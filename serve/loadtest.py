@@ -80,13 +80,13 @@ class LoadtestConfig:
 
 def vllm_speculative_config(config: LoadtestConfig, policy: str) -> dict | None:
     """What `vllm:table` / `vllm:k=K` pass to vLLM's --speculative-config (None: plain decoding)."""
-    from perfmodel.table import load_table, to_vllm
+    from specbatch.perfmodel.table import load_table, to_vllm
 
     name = policy.removeprefix(VLLM_PREFIX)
     if name == "table":
         if config.vllm_table is None:
             raise LoadtestError(f"policy {policy}: give --table FILE (its --format vllm export is what vLLM runs)")
-        from bench.vllm.compare import VllmError, check_chains_only
+        from specbatch.bench.vllm.compare import VllmError, check_chains_only
 
         table = load_table(config.vllm_table)
         try:
@@ -105,7 +105,7 @@ def check_vllm_policies(config: LoadtestConfig) -> None:
     """vllm:* policies are refused before any server starts when vLLM cannot run them."""
     if not any(p.startswith(VLLM_PREFIX) for p in config.policies):
         return
-    from bench.vllm.compare import vllm_missing
+    from specbatch.bench.vllm.compare import vllm_missing
 
     if (missing := vllm_missing()) is not None:
         raise LoadtestError(f"--policies: {missing}")
@@ -210,7 +210,7 @@ async def _run_all(trace, one, start: float, max_duration_s: float) -> list[Requ
 async def replay_engine(runner, encode, trace: list[TraceItem], prompts: tuple[str, ...],
                         max_duration_s: float) -> list[RequestRecord]:
     """The same trace straight into an engine in this process (no HTTP): the HTTP layer's cost."""
-    from runtime.engine import Request
+    from specbatch.runtime.engine import Request
 
     loop = asyncio.get_running_loop()
     encoded = {i: tuple(encode(p)) for i, p in enumerate(prompts)}
@@ -324,9 +324,9 @@ def solo_references(config: LoadtestConfig):
     generated once per prompt at the largest max_tokens: greedy outputs of fewer tokens are its prefixes)."""
     import torch
 
-    from runtime.checkpoint import load_checkpoint, parse_dtype
-    from runtime.generator import SpeculativeGenerator
-    from runtime.policy import FixedK
+    from specbatch.runtime.checkpoint import load_checkpoint, parse_dtype
+    from specbatch.runtime.generator import SpeculativeGenerator
+    from specbatch.runtime.policy import FixedK
 
     from .server import DEMO_TARGET
 
@@ -355,8 +355,8 @@ def candidate_set_notes(config: LoadtestConfig) -> list[str]:
     adaptive = [p.split("=", 1)[1] for p in config.policies if p.startswith("adaptive=")]
     if "table" not in config.policies or "--table" not in table_args or not adaptive:
         return []
-    from perfmodel.model import load_model
-    from perfmodel.table import load_table
+    from specbatch.perfmodel.model import load_model
+    from specbatch.perfmodel.table import load_table
 
     if load_table(Path(table_args["--table"])).stage2 is not None:
         return []
@@ -370,7 +370,7 @@ def run_loadtest(config: LoadtestConfig, out: Path, on_run=None) -> dict:
     """Every policy against the same traces; writes loadtest.json, loadtest.csv and latency.png in `out`."""
     import torch
 
-    from perfmodel.jsonio import write_json_atomic, write_text_atomic
+    from specbatch.perfmodel.jsonio import write_json_atomic, write_text_atomic
 
     from .loadtest_report import plot_latency, to_csv
 

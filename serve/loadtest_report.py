@@ -128,7 +128,7 @@ def plot_latency(runs: list[dict], path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from perfmodel.jsonio import atomic_output
+    from specbatch.perfmodel.jsonio import atomic_output
 
     http = [r for r in runs if r["mode"] == "http"]
     cvs = sorted({r["cv"] for r in http})

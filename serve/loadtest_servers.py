@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from perfmodel.errors import SpecbatchError
+from specbatch.perfmodel.errors import SpecbatchError
 
 LOOPBACK = "127.0.0.1"
 
@@ -102,7 +102,7 @@ class VllmServerProcess(ServerProcess):
     max_num_seqs: int = 32
 
     def command(self) -> list[str]:
-        from bench.vllm.compare import RUN_SH
+        from specbatch.bench.vllm.compare import RUN_SH
 
         return ["bash", str(RUN_SH), "-m", "vllm.entrypoints.openai.api_server", "--model", self.target_dir,
                 "--host", LOOPBACK, "--port", str(self.port), "--dtype", "float32", "--enforce-eager",

@@ -1,7 +1,7 @@
 """GET /metrics: the engine's counters in the Prometheus text exposition format (version 0.0.4)."""
 from __future__ import annotations
 
-from runtime.engine_metrics import STEP_BUCKETS_S
+from specbatch.runtime.engine_metrics import STEP_BUCKETS_S
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -14,7 +14,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from perfmodel.errors import SpecbatchError
+from specbatch.perfmodel.errors import SpecbatchError
 
 
 class RequestError(SpecbatchError):

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import threading
 
-from runtime.engine import Engine, Event, Request
+from specbatch.runtime.engine import Engine, Event, Request
 
 log = logging.getLogger("specbatch.serve")
 

@@ -15,8 +15,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from perfmodel.errors import SpecbatchError
-from runtime.assembly import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET
+from specbatch.perfmodel.errors import SpecbatchError
+from specbatch.runtime.assembly import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET
 
 log = logging.getLogger("specbatch.serve")
 
@@ -61,10 +61,10 @@ def default_profile_path(target: Path, draft: Path, device: str, dtype: str, thr
 def quick_table(target: Path, draft: Path, device: str, dtype: str | None, threads: int, max_batch: int,
                 profile: Path | None):
     """A chain table for b = 1..max_batch from a quick profile of this machine (measured once, cached)."""
-    from calibrate.run import CalibrationRequest, calibrate
-    from perfmodel.model import choose_acceptance, compute_table, fit_profile
-    from perfmodel.profile import load_profile
-    from runtime.checkpoint import parse_dtype
+    from specbatch.calibrate.run import CalibrationRequest, calibrate
+    from specbatch.perfmodel.model import choose_acceptance, compute_table, fit_profile
+    from specbatch.perfmodel.profile import load_profile
+    from specbatch.runtime.checkpoint import parse_dtype
 
     dtype_label = str(parse_dtype(dtype, device)).removeprefix("torch.")
     path = profile or default_profile_path(target, draft, device, dtype_label, threads)
@@ -82,16 +82,16 @@ def quick_table(target: Path, draft: Path, device: str, dtype: str | None, threa
 
 
 def choose_policy(options: ServeOptions, target_dir: Path, draft_dir: Path | None, device: str, threads: int):
-    from perfmodel.tree import Strategy, parse_tree
-    from runtime.policy import FixedK, FixedStrategy, TableK
+    from specbatch.perfmodel.tree import Strategy, parse_tree
+    from specbatch.runtime.policy import FixedK, FixedStrategy, TableK
 
     if sum(x is not None for x in (options.table, options.k, options.tree, options.adaptive)) > 1:
         raise ServeError("--table, --k, --tree and --adaptive are mutually exclusive")
     if options.draft_stop and options.adaptive is None:
         raise ServeError("--draft-stop is part of the adaptive policy: give --adaptive MODEL.json")
     if options.adaptive is not None:
-        from perfmodel.jsonio import directory_fingerprint
-        from runtime.assembly import adaptive_for_pair
+        from specbatch.perfmodel.jsonio import directory_fingerprint
+        from specbatch.runtime.assembly import adaptive_for_pair
 
         if draft_dir is None:
             raise ServeError("--adaptive speculates: it needs a draft model (--draft DIR)")
@@ -122,10 +122,10 @@ def build(options: ServeOptions):
     """(runner, served model) ready for `create_app`; loads the models and chooses the policy."""
     import torch
 
-    from runtime.assembly import second_stage_for
-    from runtime.checkpoint import load_checkpoint, parse_dtype
-    from runtime.engine import Engine, EngineConfig
-    from runtime.generator import SpeculativeGenerator
+    from specbatch.runtime.assembly import second_stage_for
+    from specbatch.runtime.checkpoint import load_checkpoint, parse_dtype
+    from specbatch.runtime.engine import Engine, EngineConfig
+    from specbatch.runtime.generator import SpeculativeGenerator
 
     from .app import ServedModel
     from .runner import EngineRunner

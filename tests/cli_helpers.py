@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typer.testing import CliRunner
 
-import cli
+from specbatch import cli
 
 runner = CliRunner()
 

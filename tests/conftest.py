@@ -24,4 +24,4 @@ for path in (str(Path(__file__).resolve().parent), str(ROOT)):
         sys.path.remove(path)
     sys.path.insert(0, path)
 
-import runtime  # noqa: E402,F401 - bounds OpenMP's spinning before any test imports torch (runtime/__init__.py)
+import specbatch.runtime  # noqa: E402,F401 - bounds OpenMP's spinning before any test imports torch (runtime/__init__.py)

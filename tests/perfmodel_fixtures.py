@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from perfmodel.latency import RoleShape, RooflineParams
+from specbatch.perfmodel.latency import RoleShape, RooflineParams
 
 
 def model_info(parameters: int, layers: int, hidden: int, heads: int, kv_heads: int, bytes_per_weight: int,

@@ -5,15 +5,15 @@ import contextlib
 
 import torch
 
-from runtime.generator import SpeculativeGenerator
-from runtime.policy import FixedK
+from specbatch.runtime.generator import SpeculativeGenerator
+from specbatch.runtime.policy import FixedK
 
 
 @contextlib.contextmanager
 def demo_server(**options):
     """The bundled demo pair behind the real HTTP stack, in this process, on one torch thread."""
-    from serve.app import create_app
-    from serve.server import BackgroundServer, ServeOptions, build
+    from specbatch.serve.app import create_app
+    from specbatch.serve.server import BackgroundServer, ServeOptions, build
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -18,8 +18,8 @@ import json
 import pytest
 import torch
 
-from runtime.checkpoint import build_model
-from runtime.config import ModelConfig
+from specbatch.runtime.checkpoint import build_model
+from specbatch.runtime.config import ModelConfig
 
 VOCAB = 64
 

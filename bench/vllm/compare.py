@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from perfmodel.errors import SpecbatchError
+from specbatch.perfmodel.errors import SpecbatchError
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -100,7 +100,7 @@ class VllmWorker:
 
     def __init__(self, name: str, target_dir: Path, max_num_seqs: int, speculative_config: dict | None,
                  workdir: Path):
-        from perfmodel.jsonio import write_json_atomic
+        from specbatch.perfmodel.jsonio import write_json_atomic
 
         config_path = workdir / f"{name}.config.json"
         write_json_atomic(config_path, speculative_config)
@@ -173,9 +173,9 @@ def compare(table_path: Path, prompts: list[list[int]], batch_sizes: list[int], 
     without EOS ids (loaded from target_dir/draft_dir when None). Raises VllmError, one line."""
     import torch
 
-    from perfmodel.table import TableRangeWarning, load_table, to_vllm
-    from runtime.assembly import DEMO_DRAFT, DEMO_TARGET
-    from runtime.policy import FixedK, TableK
+    from specbatch.perfmodel.table import TableRangeWarning, load_table, to_vllm
+    from specbatch.runtime.assembly import DEMO_DRAFT, DEMO_TARGET
+    from specbatch.runtime.policy import FixedK, TableK
 
     target_dir, draft_dir = Path(target_dir or DEMO_TARGET), Path(draft_dir or DEMO_DRAFT)
     if (missing := vllm_missing()) is not None:
@@ -185,8 +185,8 @@ def compare(table_path: Path, prompts: list[list[int]], batch_sizes: list[int], 
     if not prompts:
         raise VllmError("no prompts to compare on")
     if generator is None:
-        from runtime.checkpoint import load_checkpoint
-        from runtime.generator import SpeculativeGenerator
+        from specbatch.runtime.checkpoint import load_checkpoint
+        from specbatch.runtime.generator import SpeculativeGenerator
 
         generator = SpeculativeGenerator(load_checkpoint(target_dir).model, load_checkpoint(draft_dir).model)
     # one context bucket is what vLLM gets too: every context maps to it, which is no news worth a warning
@@ -244,9 +244,9 @@ def render(comparison: Comparison) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from calibrate.acceptance import read_prompts
-    from runtime.assembly import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET
-    from runtime.checkpoint import load_tokenizer
+    from specbatch.calibrate.acceptance import read_prompts
+    from specbatch.runtime.assembly import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET
+    from specbatch.runtime.checkpoint import load_tokenizer
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--table", type=Path, required=True, help="specbatch.table/1 file (chains only)")
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, help="torch threads of ours (default: as `specbatch` chooses)")
     parser.add_argument("-o", "--output", type=Path, help="also write the comparison as JSON here")
     args = parser.parse_args(argv)
-    from console.options import set_threads
+    from specbatch.console.options import set_threads
 
     set_threads(args.threads)
     tokenizer = load_tokenizer(args.target)
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
                          args.max_new_tokens, args.rounds, args.target, args.draft)
     print(render(comparison))
     if args.output is not None:
-        from perfmodel.jsonio import write_json_atomic
+        from specbatch.perfmodel.jsonio import write_json_atomic
 
         write_json_atomic(args.output, asdict(comparison))
 

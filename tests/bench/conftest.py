@@ -6,9 +6,9 @@ from torch_fixtures import *  # noqa: F401,F403 - fixtures are found by name
 
 import pytest
 
-from bench.config import BenchModels
-from bench.harness import random_prompts
-from runtime.checkpoint import build_model
+from specbatch.bench.config import BenchModels
+from specbatch.bench.harness import random_prompts
+from specbatch.runtime.checkpoint import build_model
 
 VOCAB = 64  # tests/conftest.py's tiny Llama vocabulary
 
@@ -39,6 +39,6 @@ def table_path(write_table):
 @pytest.fixture(scope="module")
 def ngram():
     """A tiny second stage over the test vocabulary: a trigram model of random sequences."""
-    from runtime.ngram import NGramModel
+    from specbatch.runtime.ngram import NGramModel
 
     return NGramModel.fit(random_prompts(20, 30, VOCAB, seed=9), VOCAB)

@@ -9,12 +9,12 @@ import json
 
 import pytest
 
-from bench.config import BenchConfig, BenchError
-from bench.harness import run_bench
-from bench.policies import ADAPTIVE_POLICY, policy_family
-from bench.workload import Workload
-from perfmodel.model import fit_profile, save_model
-from perfmodel.profile import profile_from_json
+from specbatch.bench.config import BenchConfig, BenchError
+from specbatch.bench.harness import run_bench
+from specbatch.bench.policies import ADAPTIVE_POLICY, policy_family
+from specbatch.bench.workload import Workload
+from specbatch.perfmodel.model import fit_profile, save_model
+from specbatch.perfmodel.profile import profile_from_json
 from perfmodel_fixtures import CPU_MODELS, build_profile, cpu_like_latency
 
 A = tuple((1, 2, i) for i in range(10))  # population A: prompts starting 1, 2
@@ -70,7 +70,7 @@ def test_bench_runs_adaptive_beside_the_table_on_a_mixed_workload(tiny_pair, tab
     assert adaptive.rounds == 2 and adaptive.strategy == "adaptive" and policy_family(ADAPTIVE_POLICY) == "adaptive"
     runs = [r for r in result.runs if r.policy == ADAPTIVE_POLICY]
     assert len(runs) == 3 and all(0 < r.decision_seconds < r.step_seconds for r in runs)
-    from bench.outputs import bench_json
+    from specbatch.bench.outputs import bench_json
 
     doc = json.loads(json.dumps(bench_json(result)))
     assert doc["config"]["workload"] == "mixed" and doc["config"]["adaptive"] == str(model_file)
@@ -92,7 +92,7 @@ def test_bench_runs_adaptive_beside_the_table_on_a_mixed_workload(tiny_pair, tab
 def test_paired_ratio_is_the_geometric_mean_of_the_rounds_ratios_and_switch_splits_it_by_phase():
     from types import SimpleNamespace
 
-    from bench.regret import add_adaptive_comparison, paired_ratio
+    from specbatch.bench.regret import add_adaptive_comparison, paired_ratio
 
     assert paired_ratio({0: 2.0, 1: 8.0, 5: 1.0}, {0: 1.0, 1: 2.0}) == \
         {"rounds": 2, "ratio": pytest.approx(8 ** 0.5), "ci95": [pytest.approx(2.0), pytest.approx(4.0)]}

@@ -7,14 +7,14 @@ import math
 
 import pytest
 
-from bench.config import BenchConfig
-from bench.harness import run_bench
-from bench.outputs import write_outputs
+from specbatch.bench.config import BenchConfig
+from specbatch.bench.harness import run_bench
+from specbatch.bench.outputs import write_outputs
 
 
 def _model_file(tmp_path):
-    from perfmodel.model import fit_profile, save_model
-    from perfmodel.profile import profile_from_json
+    from specbatch.perfmodel.model import fit_profile, save_model
+    from specbatch.perfmodel.profile import profile_from_json
     from perfmodel_fixtures import build_profile, roofline_latency
 
     obj = build_profile(roofline_latency(), batch_sizes=(1, 2, 4, 8), context_lens=(128, 512), max_k=4,
@@ -70,7 +70,7 @@ def test_bench_explains_the_tables_prediction_at_every_batch_size(tiny_pair, pro
 
 
 def test_a_model_with_an_unreadable_reference_pass_is_refused_naming_the_file(tiny_pair, prompts, tmp_path):
-    from bench.config import BenchError
+    from specbatch.bench.config import BenchError
 
     path = _model_file(tmp_path)
     obj = json.loads(path.read_text())
@@ -83,9 +83,9 @@ def test_a_model_with_an_unreadable_reference_pass_is_refused_naming_the_file(ti
 
 
 def test_every_round_is_predicted_at_the_context_its_own_steps_paid_for(tiny_pair, prompts, table_path, tmp_path):
-    from bench.harness import cycled_prompts
-    from bench.predict import load_predictor
-    from runtime.sampling import Sampling
+    from specbatch.bench.harness import cycled_prompts
+    from specbatch.bench.predict import load_predictor
+    from specbatch.runtime.sampling import Sampling
 
     model = _model_file(tmp_path)
     config = BenchConfig(batch_sizes=(1, 3), ks=(1, 2), max_new_tokens=6, rounds=3, warmup_rounds=1,
@@ -110,10 +110,10 @@ def test_every_round_is_predicted_at_the_context_its_own_steps_paid_for(tiny_pai
 def test_a_table_that_chose_differently_by_round_is_explained_on_its_most_run_strategy(tmp_path):
     """Two buckets (k = 2 at context 100, k = 4 at 300): rounds at 90 and 120 ran k = 2, one at 310 ran k = 4,
     one crossed the bucket edge (k = 2 and 4 in its steps). Explained: k = 2 over its two rounds alone."""
-    from bench.explain_steps import pooled_context_len, table_rounds
-    from bench.results import RunRecord
-    from perfmodel.explain import MeasuredSteps
-    from runtime.policy import TableK
+    from specbatch.bench.explain_steps import pooled_context_len, table_rounds
+    from specbatch.bench.results import RunRecord
+    from specbatch.perfmodel.explain import MeasuredSteps
+    from specbatch.runtime.policy import TableK
 
     def entries(k):
         return [{"batch_size": 1, "k": k, "predicted_tokens_per_s": 1.0, "predicted_speedup": 1.0,

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 
-from bench.config import BenchConfig, BenchError
-from bench.harness import run_bench
-from bench.timing import time_lockstep
-from calibrate.lockstep import next_turn
-from runtime.generator import SpeculativeGenerator
-from runtime.policy import FixedK
+from specbatch.bench.config import BenchConfig, BenchError
+from specbatch.bench.harness import run_bench
+from specbatch.bench.timing import time_lockstep
+from specbatch.calibrate.lockstep import next_turn
+from specbatch.runtime.generator import SpeculativeGenerator
+from specbatch.runtime.policy import FixedK
 
 
 def test_next_turn_is_the_one_furthest_behind_and_ties_go_by_priority():

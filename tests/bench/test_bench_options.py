@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from bench.config import BenchConfig, BenchError
-from bench.outputs import BENCH_SCHEMA
-from runtime.sampling import Sampling
+from specbatch.bench.config import BenchConfig, BenchError
+from specbatch.bench.outputs import BENCH_SCHEMA
+from specbatch.runtime.sampling import Sampling
 
 
 # ---------------------------------------------------------------------------------------------- bad input
@@ -56,7 +56,7 @@ def cli_pair(tmp_path_factory, vocab_size):
 
 
 def _invoke(args):
-    from cli import app
+    from specbatch.cli import app
 
     return CliRunner().invoke(app, ["bench", *args])
 

@@ -3,8 +3,8 @@ import math
 
 import pytest
 
-from bench.regret import paired_regret, rates_by_round
-from bench.results import RunRecord
+from specbatch.bench.regret import paired_regret, rates_by_round
+from specbatch.bench.results import RunRecord
 
 
 def test_pairing_removes_a_shared_slowdown():
@@ -60,8 +60,8 @@ def _straddling_rounds() -> list[RunRecord]:
 
 
 def test_extra_paired_rounds_run_until_the_regret_is_resolved():
-    from bench.config import BenchConfig
-    from bench.regret import resolve_regret
+    from specbatch.bench.config import BenchConfig
+    from specbatch.bench.regret import resolve_regret
 
     runs, pairs = _straddling_rounds(), []
 
@@ -78,8 +78,8 @@ def test_extra_paired_rounds_run_until_the_regret_is_resolved():
 
 
 def test_extra_paired_rounds_stop_at_the_cap_and_say_so():
-    from bench.config import BenchConfig
-    from bench.regret import resolve_regret
+    from specbatch.bench.config import BenchConfig
+    from specbatch.bench.regret import resolve_regret
 
     runs, calls = _straddling_rounds(), []
 
@@ -102,8 +102,8 @@ def test_extra_paired_rounds_stop_at_the_cap_and_say_so():
 
 
 def test_no_extra_rounds_when_the_regret_is_already_resolved():
-    from bench.config import BenchConfig
-    from bench.regret import resolve_regret
+    from specbatch.bench.config import BenchConfig
+    from specbatch.bench.regret import resolve_regret
 
     runs = []
     for r in range(5):
@@ -112,8 +112,8 @@ def test_no_extra_rounds_when_the_regret_is_already_resolved():
 
 
 def test_a_verdict_from_a_wide_interval_is_not_settled_and_gets_extra_rounds():
-    from bench.config import BenchConfig
-    from bench.regret import resolve_regret
+    from specbatch.bench.config import BenchConfig
+    from specbatch.bench.regret import resolve_regret
 
     # the table 8-20 % behind k=4 in every round: "missed", but the interval is wider than ±3 %
     runs = []

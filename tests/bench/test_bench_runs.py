@@ -15,11 +15,11 @@ import sys
 
 import pytest
 
-from bench.config import BenchConfig, BenchError, BenchModels
-from bench.harness import balanced_order, check_context, run_bench
-from bench.outputs import BENCH_SCHEMA, CSV_COLUMNS, write_outputs
-from bench.policies import HF_ASSISTED, HF_GREEDY, TABLE_POLICY, bench_policies
-from runtime.sampling import Sampling
+from specbatch.bench.config import BenchConfig, BenchError, BenchModels
+from specbatch.bench.harness import balanced_order, check_context, run_bench
+from specbatch.bench.outputs import BENCH_SCHEMA, CSV_COLUMNS, write_outputs
+from specbatch.bench.policies import HF_ASSISTED, HF_GREEDY, TABLE_POLICY, bench_policies
+from specbatch.runtime.sampling import Sampling
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +158,7 @@ def test_peers_generate_exactly_max_new_tokens(tmp_path, prompts, vocab_size):
     transformers = pytest.importorskip("transformers")
     import torch
 
-    from runtime.checkpoint import load_checkpoint
+    from specbatch.runtime.checkpoint import load_checkpoint
 
     directories = []
     for name, layers in (("target", 2), ("draft", 1)):

@@ -2,10 +2,10 @@
 slowdown per batch size, hand-computed."""
 import pytest
 
-from bench.results import BatchResult
-from bench.speed import MachineSpeed, add_machine_speed
-from calibrate.noise import NoiseMonitor
-from perfmodel.noise import NoiseCheck, NoiseFigure
+from specbatch.bench.results import BatchResult
+from specbatch.bench.speed import MachineSpeed, add_machine_speed
+from specbatch.calibrate.noise import NoiseMonitor
+from specbatch.perfmodel.noise import NoiseCheck, NoiseFigure
 
 
 def scripted(values):

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from bench.harness import balanced_order, cycled_prompts
-from bench.policies import HF_GREEDY, TABLE_POLICY, bench_policies
-from bench.results import RunRecord, summarize_batch, summarize_policy
+from specbatch.bench.harness import balanced_order, cycled_prompts
+from specbatch.bench.policies import HF_GREEDY, TABLE_POLICY, bench_policies
+from specbatch.bench.results import RunRecord, summarize_batch, summarize_policy
 
 
 def test_balanced_order_and_prompt_cycling_helpers():
@@ -87,7 +87,7 @@ def test_comparison_ties_go_to_the_policy_run_first():
 
 
 def test_long_tree_specs_give_short_unique_names():
-    from perfmodel.tree import parse_tree
+    from specbatch.perfmodel.tree import parse_tree
 
     wide = ",".join(str(r) for r in range(16))  # 37 characters: one more path passes the 40 of a name
     first, second = parse_tree(wide + ",0.0"), parse_tree(wide + ",1.0")

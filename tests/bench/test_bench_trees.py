@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from bench.config import BenchConfig, BenchError
-from bench.harness import run_bench
-from bench.outputs import CSV_COLUMNS, write_outputs
-from bench.policies import TABLE_POLICY, tree_policy_name
+from specbatch.bench.config import BenchConfig, BenchError
+from specbatch.bench.harness import run_bench
+from specbatch.bench.outputs import CSV_COLUMNS, write_outputs
+from specbatch.bench.policies import TABLE_POLICY, tree_policy_name
 
 TREES = ("0,1,0.0", "chain:2")
 STAGED_POLICIES = ["k=0", "k=1", "k=2", "tree:0,1,0.0", "tree:chain:2",
@@ -76,8 +76,8 @@ def test_bench_json_and_csv_carry_the_strategy(staged_run):
 
 # -------------------------------------------------------------------------------- --tree auto and predictions
 def _model_file(tmp_path, rank_acceptance):
-    from perfmodel.model import fit_profile, save_model
-    from perfmodel.profile import profile_from_json
+    from specbatch.perfmodel.model import fit_profile, save_model
+    from specbatch.perfmodel.profile import profile_from_json
     from perfmodel_fixtures import build_profile, roofline_latency
 
     obj = build_profile(roofline_latency(), batch_sizes=(1, 2, 4, 8), context_lens=(128, 512), max_k=4,
@@ -103,7 +103,7 @@ def test_tree_auto_without_rank_acceptance_is_one_line(tiny_pair, prompts, tmp_p
 
 
 def test_tree_auto_becomes_the_models_best_tree_and_trees_are_predicted(tiny_pair, prompts, ngram, tmp_path):
-    from perfmodel.model import choose_acceptance, load_model, query_strategies
+    from specbatch.perfmodel.model import choose_acceptance, load_model, query_strategies
 
     model_path = _model_file(tmp_path, [[0.7, 0.15, 0.05]] * 4)
     models = dataclasses.replace(tiny_pair, stage2=ngram)

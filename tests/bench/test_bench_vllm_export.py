@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from perfmodel.jsonio import write_json_atomic
-from perfmodel.table import Bucket, Table, TableEntry, save_table, to_vllm
+from specbatch.perfmodel.jsonio import write_json_atomic
+from specbatch.perfmodel.table import Bucket, Table, TableEntry, save_table, to_vllm
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = ROOT / "bench" / "vllm" / "run.sh"
@@ -88,7 +88,7 @@ def test_compare_runs_both_engines_on_the_same_tokens(tmp_path):
 def test_bench_peers_vllm_runs_vllm_beside_our_policies(tmp_path):
     """`specbatch bench --peers vllm`: the comparison lands in bench.json beside the usual results."""
     save_table(tmp_path / "t.json", table_of([2, 3, 1]))
-    run = subprocess.run([sys.executable, "-m", "cli", "bench", "--table", str(tmp_path / "t.json"), "--ks", "0,2",
+    run = subprocess.run([sys.executable, "-m", "specbatch.cli", "bench", "--table", str(tmp_path / "t.json"), "--ks", "0,2",
                           "--batch-sizes", "1,3", "--rounds", "1", "--max-new-tokens", "10", "--peers", "vllm",
                           "--out", str(tmp_path / "b")], capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -101,7 +101,7 @@ def test_bench_peers_vllm_runs_vllm_beside_our_policies(tmp_path):
 def test_loadtest_serves_the_same_trace_through_vllm_with_our_table(tmp_path):
     """`specbatch loadtest --policies vllm:table`: vLLM's own server runs our export; every greedy response
     equals the target's solo greedy output."""
-    from serve.loadtest import LoadtestConfig, run_loadtest
+    from specbatch.serve.loadtest import LoadtestConfig, run_loadtest
 
     save_table(tmp_path / "t.json", table_of([3, 2, 2, 1]))
     prompts = ("def fibonacci(n):\n", "import os\n\n\ndef main():\n", "class Stack:\n    def push(self, item):\n")

@@ -9,17 +9,17 @@ import numpy as np
 import pytest
 import torch
 
-from calibrate.acceptance import (_sampled_ranks, conditional_acceptance, entry_from_rows, measure_acceptance,
+from specbatch.calibrate.acceptance import (_sampled_ranks, conditional_acceptance, entry_from_rows, measure_acceptance,
                                   parse_acceptance, parse_sampling, rank_acceptance, read_prompts, score,
                                   target_continuations, tokens_per_step)
-from calibrate.errors import CalibrationError
-from perfmodel.acceptance import expected_tokens
-from perfmodel.tree import Strategy, make_tree
-from runtime.checkpoint import build_model
-from runtime.config import ModelConfig
-from runtime.generator import SpeculativeGenerator
-from runtime.policy import FixedK, FixedStrategy
-from runtime.sampling import Sampling
+from specbatch.calibrate.errors import CalibrationError
+from specbatch.perfmodel.acceptance import expected_tokens
+from specbatch.perfmodel.tree import Strategy, make_tree
+from specbatch.runtime.checkpoint import build_model
+from specbatch.runtime.config import ModelConfig
+from specbatch.runtime.generator import SpeculativeGenerator
+from specbatch.runtime.policy import FixedK, FixedStrategy
+from specbatch.runtime.sampling import Sampling
 
 V = 8  # vocabulary of the constructed pairs
 

@@ -4,8 +4,8 @@ import math
 import numpy as np
 import pytest
 
-from calibrate.acceptance import ScoredRow, entry_from_rows, step_counts
-from runtime.sampling import Sampling
+from specbatch.calibrate.acceptance import ScoredRow, entry_from_rows, step_counts
+from specbatch.runtime.sampling import Sampling
 
 
 def _row(agreement):

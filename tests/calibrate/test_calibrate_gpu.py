@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from calibrate.benchmarks import ForwardTimer, time_point
-from calibrate.grid import TimingPoint, make_grid
-from calibrate.run import CalibrationRequest, calibrate
-from calibrate.timing import RepetitionRule
-from perfmodel.profile import load_profile
-from runtime.checkpoint import build_model
-from runtime.config import ModelConfig
-from runtime.ngram import NGramModel, tokenizer_fingerprint
+from specbatch.calibrate.benchmarks import ForwardTimer, time_point
+from specbatch.calibrate.grid import TimingPoint, make_grid
+from specbatch.calibrate.run import CalibrationRequest, calibrate
+from specbatch.calibrate.timing import RepetitionRule
+from specbatch.perfmodel.profile import load_profile
+from specbatch.runtime.checkpoint import build_model
+from specbatch.runtime.config import ModelConfig
+from specbatch.runtime.ngram import NGramModel, tokenizer_fingerprint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -7,11 +7,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from calibrate.errors import CalibrationError
-from calibrate.grid import (TimingPoint, TreeOverheadPoint, check_grid_fits, fit_wide_passes, make_grid, merge_grids,
+from specbatch.calibrate.errors import CalibrationError
+from specbatch.calibrate.grid import (TimingPoint, TreeOverheadPoint, check_grid_fits, fit_wide_passes, make_grid, merge_grids,
                             new_tokens_at, overhead_points, timing_points, tree_overhead_points)
-from calibrate.models import MemoryNeed, check_memory, memory_need, model_info, resolve_model
-from calibrate.presets import PRESET_NAMES, PRESETS, preset_config
+from specbatch.calibrate.models import MemoryNeed, check_memory, memory_need, model_info, resolve_model
+from specbatch.calibrate.presets import PRESET_NAMES, PRESETS, preset_config
 
 
 # ---------------------------------------------------------------- grid

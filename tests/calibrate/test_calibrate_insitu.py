@@ -8,13 +8,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from calibrate.acceptance import encode_prompts, read_prompts
-from calibrate.grid import make_grid
-from calibrate.insitu import InSituPoint, insitu_groups, insitu_points, measure_insitu
-from calibrate.store import measured_insitu_points
-from perfmodel.insitu import InSituStepRow
-from runtime.checkpoint import load_checkpoint
-from runtime.generator import SpeculativeGenerator
+from specbatch.calibrate.acceptance import encode_prompts, read_prompts
+from specbatch.calibrate.grid import make_grid
+from specbatch.calibrate.insitu import InSituPoint, insitu_groups, insitu_points, measure_insitu
+from specbatch.calibrate.store import measured_insitu_points
+from specbatch.perfmodel.insitu import InSituStepRow
+from specbatch.runtime.checkpoint import load_checkpoint
+from specbatch.runtime.generator import SpeculativeGenerator
 
 ROOT = Path(__file__).resolve().parents[2]
 NEW_TOKENS = 24

@@ -14,15 +14,15 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-import cli
-from calibrate.errors import CalibrationError
-from calibrate.grid import TimingPoint
-from calibrate.run import DEFAULT_EFFORT, QUICK_EFFORT, CalibrationRequest, calibrate
-from calibrate.stage2 import DEMO_DRAFT, DEMO_NGRAM, default_stage2
-from calibrate.store import new_profile, timing_row, with_row, write_profile
-from perfmodel.profile import load_profile
-from runtime.checkpoint import build_model
-from runtime.ngram import NGramModel, tokenizer_fingerprint
+from specbatch import cli
+from specbatch.calibrate.errors import CalibrationError
+from specbatch.calibrate.grid import TimingPoint
+from specbatch.calibrate.run import DEFAULT_EFFORT, QUICK_EFFORT, CalibrationRequest, calibrate
+from specbatch.calibrate.stage2 import DEMO_DRAFT, DEMO_NGRAM, default_stage2
+from specbatch.calibrate.store import new_profile, timing_row, with_row, write_profile
+from specbatch.perfmodel.profile import load_profile
+from specbatch.runtime.checkpoint import build_model
+from specbatch.runtime.ngram import NGramModel, tokenizer_fingerprint
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["def add(a, b):\n", "class Stack:\n    def push(self, item):\n", "import os\n", "x = [i * i for i in",
@@ -285,7 +285,7 @@ def test_random_weights_time_steps_in_situ_at_the_given_acceptance(pair, tmp_pat
     """Random weights never agree by themselves; the in-situ steps accept at the given acceptance, so at
     1.0 every chain step of k = 2 keeps k + 1 tokens per row (the last, cut at max new tokens, fewer),
     no speculation keeps one, and fit can check the step model against these steps."""
-    from perfmodel.model import fit_profile
+    from specbatch.perfmodel.model import fit_profile
 
     config = tmp_path / "config.json"
     shutil.copy(pair / "target" / "config.json", config)

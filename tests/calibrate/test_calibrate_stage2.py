@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from calibrate import benchmarks
-from calibrate.acceptance import ScoredRow
-from calibrate.stage2 import QUERY_CALLS_PER_SAMPLE, QUERY_CONTEXTS, fit_line, guess_accuracy, measure_stage2
-from calibrate.timing import RepetitionRule
+from specbatch.calibrate import benchmarks
+from specbatch.calibrate.acceptance import ScoredRow
+from specbatch.calibrate.stage2 import QUERY_CALLS_PER_SAMPLE, QUERY_CONTEXTS, fit_line, guess_accuracy, measure_stage2
+from specbatch.calibrate.timing import RepetitionRule
 
 
 class FakeClock:

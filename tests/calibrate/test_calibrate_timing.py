@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from calibrate.timing import (RepetitionRule, is_out_of_memory, median_ci_ranks, median_is_stable, percentile, repeat,
+from specbatch.calibrate.timing import (RepetitionRule, is_out_of_memory, median_ci_ranks, median_is_stable, percentile, repeat,
                               should_stop, summarize, timed_ms)
 
 

@@ -8,10 +8,10 @@ import shutil
 
 import pytest
 
-from calibrate.run import calibrate
+from specbatch.calibrate.run import calibrate
 from cli_helpers import assert_one_line_error, invoke
-from perfmodel.jsonio import exclusive_lock
-from perfmodel.profile import load_profile
+from specbatch.perfmodel.jsonio import exclusive_lock
+from specbatch.perfmodel.profile import load_profile
 from test_calibrate_run import pair, request  # noqa: F401 - `pair` is a fixture
 
 GRID = ["--device", "cpu", "--batch-sizes", "1,2", "--context-lens", "8", "--max-k", "1", "--quick", "--threads", "1"]

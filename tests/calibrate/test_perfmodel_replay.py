@@ -7,12 +7,12 @@ import json
 import numpy as np
 import pytest
 
-from calibrate.acceptance import ScoredRow, rank_sequences, tokens_per_step
-from perfmodel.acceptance import AcceptanceModel, acceptance_from_profile
-from perfmodel.errors import PerfModelError
-from perfmodel.profile import profile_from_json
-from perfmodel.strategy import StepModel
-from perfmodel.tree import Strategy, chain, expected_tree_tokens, parse_tree, simulate_tree_steps
+from specbatch.calibrate.acceptance import ScoredRow, rank_sequences, tokens_per_step
+from specbatch.perfmodel.acceptance import AcceptanceModel, acceptance_from_profile
+from specbatch.perfmodel.errors import PerfModelError
+from specbatch.perfmodel.profile import profile_from_json
+from specbatch.perfmodel.strategy import StepModel
+from specbatch.perfmodel.tree import Strategy, chain, expected_tree_tokens, parse_tree, simulate_tree_steps
 from perfmodel_fixtures import build_profile, roofline_latency
 
 
@@ -76,6 +76,6 @@ def _acceptance_json() -> dict:
 
 
 def _overhead():
-    from perfmodel.overhead import OverheadModel
+    from specbatch.perfmodel.overhead import OverheadModel
 
     return OverheadModel(())

@@ -9,7 +9,7 @@ import pytest
 
 from cli_helpers import assert_one_line_error, invoke
 from perfmodel_fixtures import build_profile, roofline_latency, write_profile
-from runtime.ngram import NGramModel
+from specbatch.runtime.ngram import NGramModel
 
 NGRAM = "data/models/demo-ngram.safetensors"
 PROMPT = "def fibonacci(n):"

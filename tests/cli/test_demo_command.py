@@ -9,11 +9,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-import cli
-from perfmodel.table import load_table
-from runtime.checkpoint import load_checkpoint
-from runtime.generator import SpeculativeGenerator
-from runtime.policy import FixedK
+from specbatch import cli
+from specbatch.perfmodel.table import load_table
+from specbatch.runtime.checkpoint import load_checkpoint
+from specbatch.runtime.generator import SpeculativeGenerator
+from specbatch.runtime.policy import FixedK
 
 
 @pytest.mark.slow

@@ -72,7 +72,7 @@ def test_bench_prints_the_paired_regret_and_the_decomposition():
 
     from rich.console import Console
 
-    from console.explain import render_bench_fidelity
+    from specbatch.console.explain import render_bench_fidelity
 
     explained = {"batch_size": 4, "context_len": 96, "strategy": "chain k=2", "steps": 10,
                  "tokens_per_step": {"predicted": 1.75, "measured": 1.625},
@@ -102,13 +102,13 @@ def test_bench_prints_the_paired_regret_and_the_decomposition():
 def test_a_tokens_term_inside_its_sampling_interval_is_called_noise():
     import pytest
 
-    from perfmodel.explain import MeasuredSteps, explain
-    from perfmodel.acceptance import acceptance_from_user
-    from perfmodel.overhead import OverheadModel
-    from perfmodel.strategy import StepModel
-    from perfmodel.tree import Strategy
+    from specbatch.perfmodel.explain import MeasuredSteps, explain
+    from specbatch.perfmodel.acceptance import acceptance_from_user
+    from specbatch.perfmodel.overhead import OverheadModel
+    from specbatch.perfmodel.strategy import StepModel
+    from specbatch.perfmodel.tree import Strategy
 
-    from console.explain import culprit_line, explanation_table
+    from specbatch.console.explain import culprit_line, explanation_table
 
     # passes of no time and a 30 ms overhead: the measured steps below (30 ms, no passes timed) match it exactly
     model = StepModel(lambda role, b, n, L: 0.0, OverheadModel(((1, 2, 30.0),)), acceptance_from_user([0.8]))

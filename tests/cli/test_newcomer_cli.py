@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-import runtime.assembly
+from specbatch.runtime import assembly as runtime_assembly
 from cli_helpers import assert_one_line_error, invoke
 from perfmodel_fixtures import build_profile, roofline_latency, write_profile
 
@@ -28,7 +28,7 @@ def no_model_loads(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the options were checked")
 
-    monkeypatch.setattr(runtime.assembly, "load_pair", refuse)
+    monkeypatch.setattr(runtime_assembly, "load_pair", refuse)
 
 
 @pytest.mark.parametrize("command, option", [("fit", "profile"), ("table", "model")])
@@ -113,8 +113,8 @@ def test_calibrate_refuses_a_profile_path_its_csv_would_overwrite(tmp_path):
 
 
 def test_calibrate_estimate_line_names_a_smaller_grid_when_the_budget_is_short():
-    from calibrate.run import DEFAULT_EFFORT, estimate_seconds
-    from console.calibration import estimate_line
+    from specbatch.calibrate.run import DEFAULT_EFFORT, estimate_seconds
+    from specbatch.console.calibration import estimate_line
 
     estimate = estimate_seconds(DEFAULT_EFFORT, 1, timings=100, overheads=10, trees=8)
     assert estimate == pytest.approx(64 * 1.0 + 100 * 0.25 + 10 * 0.3 + 8 * 0.2)
@@ -126,7 +126,7 @@ def test_calibrate_estimate_line_names_a_smaller_grid_when_the_budget_is_short()
 def test_demo_says_when_the_measurement_contradicts_the_prediction():
     from types import SimpleNamespace
 
-    from console.demo import prediction_contradiction
+    from specbatch.console.demo import prediction_contradiction
 
     measured = dict(median_steady_tokens_per_s=400.0, p10_steady_tokens_per_s=380.0, p90_steady_tokens_per_s=420.0)
     assert prediction_contradiction(SimpleNamespace(predicted_tokens_per_s=410.0, **measured)) is None
@@ -136,9 +136,9 @@ def test_demo_says_when_the_measurement_contradicts_the_prediction():
 
 
 def test_a_tables_second_stage_is_found_by_sha256_wherever_the_command_runs(tmp_path, monkeypatch):
-    from perfmodel.errors import UsageError
-    from perfmodel.jsonio import file_sha256
-    from runtime.assembly import DEMO_NGRAM, recorded_stage2
+    from specbatch.perfmodel.errors import UsageError
+    from specbatch.perfmodel.jsonio import file_sha256
+    from specbatch.runtime.assembly import DEMO_NGRAM, recorded_stage2
 
     monkeypatch.chdir(tmp_path)  # not the repo root: an older table's relative path names nothing here
     sha256 = file_sha256(DEMO_NGRAM)

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from perfmodel.model import load_model
-from perfmodel.table import load_table
+from specbatch.perfmodel.model import load_model
+from specbatch.perfmodel.table import load_table
 from cli_helpers import assert_one_line_error, invoke
 from perfmodel_fixtures import build_profile, roofline_latency, write_profile
 
@@ -53,7 +53,7 @@ def test_fit_human_report(files, tmp_path):
 def test_model_file_round_trips_predictions(files):
     model = load_model(files["model"])
     again = files["root"] / "again.json"
-    from perfmodel.model import save_model
+    from specbatch.perfmodel.model import save_model
 
     save_model(again, model)
     reloaded = load_model(again)
@@ -163,8 +163,8 @@ def test_plot_curve_is_the_tables_choice_with_measured_tokens_per_step(files):
     """The heatmap's k*(b) is the table's, also when the acceptance carries measured E(k)."""
     import dataclasses
 
-    from perfmodel.model import choose_acceptance, compute_table
-    from perfmodel.plot import goodput_grid
+    from specbatch.perfmodel.model import choose_acceptance, compute_table
+    from specbatch.perfmodel.plot import goodput_grid
 
     fitted = load_model(files["model"])
     base = choose_acceptance(fitted, None)

@@ -5,9 +5,9 @@ import math
 
 import pytest
 
-from perfmodel.acceptance import (acceptance_from_user, expected_tokens, extend_alphas, fit_constant_alpha,
+from specbatch.perfmodel.acceptance import (acceptance_from_user, expected_tokens, extend_alphas, fit_constant_alpha,
                                   parse_acceptance_option)
-from perfmodel.errors import PerfModelError
+from specbatch.perfmodel.errors import PerfModelError
 
 
 def test_expected_tokens_by_hand():

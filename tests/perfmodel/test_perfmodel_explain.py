@@ -2,12 +2,12 @@
 stats fixture whose terms are computed by hand below."""
 import pytest
 
-from perfmodel.acceptance import acceptance_from_user
-from perfmodel.errors import PerfModelError
-from perfmodel.explain import MeasuredSteps, PassTally, explain, measured_from_stats
-from perfmodel.overhead import OverheadModel
-from perfmodel.strategy import StepModel
-from perfmodel.tree import Strategy
+from specbatch.perfmodel.acceptance import acceptance_from_user
+from specbatch.perfmodel.errors import PerfModelError
+from specbatch.perfmodel.explain import MeasuredSteps, PassTally, explain, measured_from_stats
+from specbatch.perfmodel.overhead import OverheadModel
+from specbatch.perfmodel.strategy import StepModel
+from specbatch.perfmodel.tree import Strategy
 
 
 def latency_ms(role: str, b: int, n: int, L: int) -> float:

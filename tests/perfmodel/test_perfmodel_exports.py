@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from perfmodel.errors import PerfModelError
-from perfmodel.table import Bucket, Table, TableEntry, describe_clamped, to_trtllm, to_vllm, trtllm_clamped
+from specbatch.perfmodel.errors import PerfModelError
+from specbatch.perfmodel.table import Bucket, Table, TableEntry, describe_clamped, to_trtllm, to_vllm, trtllm_clamped
 
 GOLDEN_KS = [5, 5, 4, 4, 4, 2, 0]  # batch sizes 1..7: the golden table
 
@@ -111,7 +111,7 @@ def test_trtllm_zero_inside_the_table_keeps_its_key(draft_dir):
 
 
 def test_trees_export_chains_of_their_depth(draft_dir):
-    from perfmodel.tree import Strategy, parse_tree
+    from specbatch.perfmodel.tree import Strategy, parse_tree
 
     tree = Strategy(parse_tree("0,1,0.0"))  # depth 2
     entries = (TableEntry(1, 2, 300.0, 2.0, None, None, tree), TableEntry(2, 1, 400.0, 1.5, None, None,

@@ -2,9 +2,9 @@
 inside it the fit is untouched, and the notes say where the model extrapolates."""
 import pytest
 
-from perfmodel.extrapolation import Box, bounded_latency_ms
-from perfmodel.model import choose_acceptance, compute_table, fit_profile
-from perfmodel.profile import profile_from_json
+from specbatch.perfmodel.extrapolation import Box, bounded_latency_ms
+from specbatch.perfmodel.model import choose_acceptance, compute_table, fit_profile
+from specbatch.perfmodel.profile import profile_from_json
 from perfmodel_fixtures import CPU_MODELS, build_profile, cpu_like_latency
 
 
@@ -46,8 +46,8 @@ def test_notes_say_where_the_model_extrapolates(fitted):
 def test_arrays_of_pass_widths_give_the_scalar_values_inside_and_outside_the_grid(fitted):
     import numpy as np
 
-    from perfmodel.model import step_model
-    from perfmodel.tree import Strategy
+    from specbatch.perfmodel.model import step_model
+    from specbatch.perfmodel.tree import Strategy
 
     for role in ("target", "draft"):
         for b, L in ((1, 64), (8, 100), (32, 256), (48, 600), (96, 20)):  # inside, between, beyond b, L
@@ -68,7 +68,7 @@ def test_arrays_of_pass_widths_give_the_scalar_values_inside_and_outside_the_gri
 def test_default_table_buckets_step_over_the_profiled_contexts():
     from types import SimpleNamespace
 
-    from perfmodel.model import TABLE_BUCKET_RATIO, FittedModel
+    from specbatch.perfmodel.model import TABLE_BUCKET_RATIO, FittedModel
 
     def buckets(lo, hi):
         return FittedModel.table_context_lens(SimpleNamespace(profiled_context_range=lambda: (lo, hi)))

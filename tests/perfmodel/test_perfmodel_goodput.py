@@ -6,12 +6,12 @@ import dataclasses
 
 import pytest
 
-from perfmodel.acceptance import acceptance_from_user, expected_tokens
-from perfmodel.errors import PerfModelError
-from perfmodel.overhead import OverheadModel
-from perfmodel.schedule import step_passes
-from perfmodel.strategy import StepModel, StrategyChoice, candidate_strategies
-from perfmodel.tree import Strategy, chain
+from specbatch.perfmodel.acceptance import acceptance_from_user, expected_tokens
+from specbatch.perfmodel.errors import PerfModelError
+from specbatch.perfmodel.overhead import OverheadModel
+from specbatch.perfmodel.schedule import step_passes
+from specbatch.perfmodel.strategy import StepModel, StrategyChoice, candidate_strategies
+from specbatch.perfmodel.tree import Strategy, chain
 from perfmodel_fixtures import roofline_latency
 
 NO_OVERHEAD = OverheadModel(())
@@ -145,7 +145,7 @@ def test_bad_batch_sizes():
 
 
 def test_tree_step_overhead_falls_back_from_same_flag_to_other_flag_to_chain_to_zero():
-    from perfmodel.tree import parse_tree
+    from specbatch.perfmodel.tree import parse_tree
 
     tree = parse_tree("0,1,0.0,0.1")  # 4 nodes, depth 2
     chain_rows = ((1, 0, 1.0), (9, 0, 3.0), (1, 4, 2.0), (9, 4, 6.0))

@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from perfmodel.errors import PerfModelError
-from perfmodel.insitu import pass_rows, step_row
-from perfmodel.model import fit_profile, load_model, model_to_json, save_model
-from perfmodel.profile import load_profile, save_profile
-from perfmodel.sources import COMBINED, INSITU, ISOLATED
+from specbatch.perfmodel.errors import PerfModelError
+from specbatch.perfmodel.insitu import pass_rows, step_row
+from specbatch.perfmodel.model import fit_profile, load_model, model_to_json, save_model
+from specbatch.perfmodel.profile import load_profile, save_profile
+from specbatch.perfmodel.sources import COMBINED, INSITU, ISOLATED
 from perfmodel_fixtures import build_profile, roofline_latency
 
 TRUE_MS = roofline_latency()  # the isolated passes' times: exactly the roofline form
@@ -175,7 +175,7 @@ def test_isolated_is_kept_when_it_predicts_the_steps_and_the_choice_survives_the
 
 
 def json_round(choice):
-    from perfmodel.sources import SourceChoice
+    from specbatch.perfmodel.sources import SourceChoice
 
     return SourceChoice.from_json(json.loads(json.dumps(choice.to_json())))
 

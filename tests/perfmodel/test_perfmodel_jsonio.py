@@ -4,8 +4,8 @@ import stat
 
 import pytest
 
-from perfmodel.errors import PerfModelError, SpecbatchError
-from perfmodel.jsonio import atomic_output, write_json_atomic, write_text_atomic
+from specbatch.perfmodel.errors import PerfModelError, SpecbatchError
+from specbatch.perfmodel.jsonio import atomic_output, write_json_atomic, write_text_atomic
 
 
 def test_writes_shared_mode_and_leaves_no_temporary(tmp_path):
@@ -52,7 +52,7 @@ def test_a_missing_folder_is_one_line(tmp_path):
 
 # ---------------------------------------------------------------- issue 15: writes that never destroy
 def test_an_output_that_is_its_own_input_is_refused_whatever_its_spelling(tmp_path, monkeypatch):
-    from perfmodel.jsonio import check_not_input
+    from specbatch.perfmodel.jsonio import check_not_input
 
     source = tmp_path / "p.json"
     source.write_text("{}")
@@ -65,7 +65,7 @@ def test_an_output_that_is_its_own_input_is_refused_whatever_its_spelling(tmp_pa
 
 
 def test_an_output_folder_with_a_file_in_the_way_is_refused(tmp_path):
-    from perfmodel.jsonio import writable_dir
+    from specbatch.perfmodel.jsonio import writable_dir
 
     (tmp_path / "file").write_text("x")
     with pytest.raises(PerfModelError, match="--out .*file: not a folder"):
@@ -76,7 +76,7 @@ def test_an_output_folder_with_a_file_in_the_way_is_refused(tmp_path):
 
 
 def test_a_second_lock_on_one_output_fails_at_once_naming_the_first(tmp_path):
-    from perfmodel.jsonio import exclusive_lock
+    from specbatch.perfmodel.jsonio import exclusive_lock
 
     out = tmp_path / "profile.json"
     with exclusive_lock(out, "--out", "calibration"):
@@ -90,7 +90,7 @@ def test_a_second_lock_on_one_output_fails_at_once_naming_the_first(tmp_path):
 
 @pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
 def test_non_finite_numbers_are_refused_on_read_naming_the_field(tmp_path, constant):
-    from perfmodel.jsonio import read_json
+    from specbatch.perfmodel.jsonio import read_json
 
     path = tmp_path / "m.json"
     path.write_text('{"schema": "specbatch.model/1", "roles": {"target": {"roofline": {"bandwidth_GBps": %s}}},'
@@ -100,7 +100,7 @@ def test_non_finite_numbers_are_refused_on_read_naming_the_field(tmp_path, const
 
 
 def test_a_models_fingerprint_is_its_content_not_its_path(tmp_path):
-    from perfmodel.jsonio import FULL_HASH_BYTES, directory_fingerprint, model_fingerprint
+    from specbatch.perfmodel.jsonio import FULL_HASH_BYTES, directory_fingerprint, model_fingerprint
 
     for name in ("a", "b"):
         (tmp_path / name).mkdir()

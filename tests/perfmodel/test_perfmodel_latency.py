@@ -4,9 +4,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from perfmodel import latency as lat
-from perfmodel.errors import PerfModelError
-from perfmodel.profile import profile_from_json
+from specbatch.perfmodel import latency as lat
+from specbatch.perfmodel.errors import PerfModelError
+from specbatch.perfmodel.profile import profile_from_json
 from perfmodel_fixtures import (CPU_MODELS, GPU_MODELS, GPU_PARAMS, build_profile, cpu_like_latency,
                                 gpu_like_latency, roofline_latency, shape_of)
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from perfmodel.errors import PerfModelError
-from perfmodel.profile import load_profile, save_profile
+from specbatch.perfmodel.errors import PerfModelError
+from specbatch.perfmodel.profile import load_profile, save_profile
 from perfmodel_fixtures import build_profile, roofline_latency
 
 VALID = build_profile(roofline_latency(), batch_sizes=(1, 4), context_lens=(128,), max_k=2,
@@ -32,7 +32,7 @@ def test_round_trip(tmp_path):
 
 
 def test_measured_tokens_per_step_round_trip_and_drive_the_model(tmp_path):
-    from perfmodel.acceptance import acceptance_from_profile
+    from specbatch.perfmodel.acceptance import acceptance_from_profile
 
     obj = copy.deepcopy(VALID)
     obj["acceptance"][0]["tokens_per_step"] = [1.0, 1.6, 2.0]

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 
 from cli_helpers import assert_one_line_error, invoke
-from perfmodel.acceptance import parse_acceptance_option
-from perfmodel.errors import PerfModelError
-from perfmodel.jsonio import file_sha256
-from perfmodel.model import choose_acceptance, load_model
-from perfmodel.query import QueryAnswer, chain_answer, strategy_answer, table_answer
-from perfmodel.table import TableRangeWarning, load_table
-from perfmodel.tree import Strategy
+from specbatch.perfmodel.acceptance import parse_acceptance_option
+from specbatch.perfmodel.errors import PerfModelError
+from specbatch.perfmodel.jsonio import file_sha256
+from specbatch.perfmodel.model import choose_acceptance, load_model
+from specbatch.perfmodel.query import QueryAnswer, chain_answer, strategy_answer, table_answer
+from specbatch.perfmodel.table import TableRangeWarning, load_table
+from specbatch.perfmodel.tree import Strategy
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "query"
 MODEL, TABLE = GOLDEN / "model.json", GOLDEN / "table.json"
@@ -132,8 +132,8 @@ def test_unknown_answer_kind_is_refused():
 @pytest.mark.filterwarnings("ignore::perfmodel.table.TableRangeWarning")
 def test_one_answer_per_point_query_ranks_what_the_table_chooses_from(fitted, tmp_path):
     """`query` by default and `table` pick the same strategy at every batch size (issue 15)."""
-    from perfmodel.model import compute_table
-    from perfmodel.table import save_table
+    from specbatch.perfmodel.model import compute_table
+    from specbatch.perfmodel.table import save_table
 
     table = compute_table(fitted, choose_acceptance(fitted, None), 8)
     assert any(entry.chosen().kind == "tree" or entry.chosen().stage2 for entry in table.buckets[0].entries)

@@ -6,13 +6,13 @@ from dataclasses import dataclass
 
 import pytest
 
-from perfmodel.acceptance import acceptance_from_user
-from perfmodel.errors import PerfModelError
-from perfmodel.explain import CORRECTION, MeasuredSteps, PassTally, explain
-from perfmodel.overhead import OverheadModel
-from perfmodel.step_correction import StepCorrection, fit_step_correction, paired_error_pct
-from perfmodel.strategy import StepModel
-from perfmodel.tree import Strategy, parse_tree
+from specbatch.perfmodel.acceptance import acceptance_from_user
+from specbatch.perfmodel.errors import PerfModelError
+from specbatch.perfmodel.explain import CORRECTION, MeasuredSteps, PassTally, explain
+from specbatch.perfmodel.overhead import OverheadModel
+from specbatch.perfmodel.step_correction import StepCorrection, fit_step_correction, paired_error_pct
+from specbatch.perfmodel.strategy import StepModel
+from specbatch.perfmodel.tree import Strategy, parse_tree
 
 
 @dataclass(frozen=True)
@@ -164,8 +164,8 @@ def test_fit_learns_the_correction_from_a_profile_and_keeps_it_in_the_model_file
     in every sweep (the others exact): k = 2 ends 1.2^(3/4) x the model and the others 1.2^(-1/4), at every b."""
     import json
 
-    from perfmodel.model import fit_profile, load_model, save_model
-    from perfmodel.profile import load_profile
+    from specbatch.perfmodel.model import fit_profile, load_model, save_model
+    from specbatch.perfmodel.profile import load_profile
     from test_perfmodel_insitu import INSITU_BATCH_SIZES, INSITU_KS, constructed
 
     obj = constructed(1.0, 1.0)

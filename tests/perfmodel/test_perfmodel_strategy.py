@@ -7,15 +7,15 @@ import dataclasses
 
 import pytest
 
-from perfmodel.acceptance import acceptance_from_user
-from perfmodel.errors import PerfModelError
-from perfmodel.model import (choose_acceptance, compute_table, evaluate_strategy, fit_profile, model_from_json,
+from specbatch.perfmodel.acceptance import acceptance_from_user
+from specbatch.perfmodel.errors import PerfModelError
+from specbatch.perfmodel.model import (choose_acceptance, compute_table, evaluate_strategy, fit_profile, model_from_json,
                              model_to_json, query_strategies, strategy_family)
-from perfmodel.overhead import OverheadModel
-from perfmodel.profile import Stage2Info, profile_from_json
-from perfmodel.strategy import StepModel, candidate_strategies
-from perfmodel.table import load_table, save_table, table_from_json, to_csv, to_vllm
-from perfmodel.tree import Strategy, chain, parse_tree
+from specbatch.perfmodel.overhead import OverheadModel
+from specbatch.perfmodel.profile import Stage2Info, profile_from_json
+from specbatch.perfmodel.strategy import StepModel, candidate_strategies
+from specbatch.perfmodel.table import load_table, save_table, table_from_json, to_csv, to_vllm
+from specbatch.perfmodel.tree import Strategy, chain, parse_tree
 from perfmodel_fixtures import build_profile, roofline_latency
 
 RANKS = ((0.5, 0.3), (0.4, 0.2))

@@ -7,8 +7,8 @@ import warnings
 
 import pytest
 
-from perfmodel.errors import PerfModelError
-from perfmodel.table import Bucket, Table, TableEntry, TableRangeWarning, load_table, save_table, to_csv
+from specbatch.perfmodel.errors import PerfModelError
+from specbatch.perfmodel.table import Bucket, Table, TableEntry, TableRangeWarning, load_table, save_table, to_csv
 
 KS = [5, 5, 4, 4, 4, 2, 0]  # batch sizes 1..7
 
@@ -123,7 +123,7 @@ def test_table_module_needs_no_scientific_stack():
 
 
 def test_strategy_entries_round_trip_and_lookup(tmp_path):
-    from perfmodel.tree import Strategy, parse_tree
+    from specbatch.perfmodel.tree import Strategy, parse_tree
 
     tree = Strategy(parse_tree("0,1,0.0"), stage2=True)
     entries = (TableEntry(1, 2, 300.0, 2.0, 2, 0.1, tree, Strategy.from_k(2)),

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from perfmodel.errors import PerfModelError
-from perfmodel.tree import Strategy, TreeSpecError, chain, parse_tree
+from specbatch.perfmodel.errors import PerfModelError
+from specbatch.perfmodel.tree import Strategy, TreeSpecError, chain, parse_tree
 
 TREE = parse_tree("0,1,0.0")
 

@@ -4,10 +4,10 @@ import math
 
 import pytest
 
-from perfmodel.acceptance import AcceptanceModel, acceptance_from_user
-from perfmodel.table import Bucket, Table, TableEntry
-from perfmodel.tree import Strategy
-from perfmodel.uncertainty import (
+from specbatch.perfmodel.acceptance import AcceptanceModel, acceptance_from_user
+from specbatch.perfmodel.table import Bucket, Table, TableEntry
+from specbatch.perfmodel.tree import Strategy
+from specbatch.perfmodel.uncertainty import (
     Z95,
     alpha_half_width,
     expected_tokens_se,
@@ -96,7 +96,7 @@ def test_table_notes_group_the_ties_of_several_buckets():
 
 
 def test_the_paired_difference_uses_each_prompts_counts():
-    from perfmodel.uncertainty import choices_tie, paired_difference_se
+    from specbatch.perfmodel.uncertainty import choices_tie, paired_difference_se
 
     # 3 prompts; k = 1: (tokens, steps) = (4, 2), (4, 4), (6, 4): E1 = 14/10; k = 2: (6, 2), (4, 4), (7, 4): E2 = 17/10
     counts = (((4.0, 2.0), (4.0, 4.0), (6.0, 4.0)), ((6.0, 2.0), (4.0, 4.0), (7.0, 4.0)))
@@ -116,7 +116,7 @@ def test_the_paired_difference_uses_each_prompts_counts():
 def test_query_notes_list_every_candidate_tied_with_the_best():
     from types import SimpleNamespace
 
-    from perfmodel.uncertainty import choice_tie_notes
+    from specbatch.perfmodel.uncertainty import choice_tie_notes
 
     acceptance = _model((1.0, 1.5, 1.75, 1.875), (0.0, 0.02, 0.03, 0.03))
 

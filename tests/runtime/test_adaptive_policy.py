@@ -9,11 +9,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from perfmodel.acceptance import acceptance_from_user
-from perfmodel.overhead import OverheadModel
-from perfmodel.strategy import StepModel
-from runtime.adaptive import STOP_MARGIN, AdaptivePolicy, RequestAcceptance
-from runtime.draft_stop import DraftStop, SignalCalibration
+from specbatch.perfmodel.acceptance import acceptance_from_user
+from specbatch.perfmodel.overhead import OverheadModel
+from specbatch.perfmodel.strategy import StepModel
+from specbatch.runtime.adaptive import STOP_MARGIN, AdaptivePolicy, RequestAcceptance
+from specbatch.runtime.draft_stop import DraftStop, SignalCalibration
 
 DRAFT_MS, TARGET_MS, PER_TOKEN_MS = 1.0, 10.0, 1.5
 
@@ -255,9 +255,9 @@ def test_steps_without_speculation_age_the_evidence_but_not_the_prior():
 def test_guess_rate_follows_a_constructed_guess_accuracy():
     """Rounds drawn by `simulate_staged_rounds` (the schedule's independent Monte Carlo) at a known
     rank-0 accuracy: the estimate settles near it, follows a change within a few steps, and resets."""
-    from perfmodel.schedule import simulate_staged_rounds
-    from perfmodel.tree import Strategy, chain
-    from runtime.adaptive import GuessRate
+    from specbatch.perfmodel.schedule import simulate_staged_rounds
+    from specbatch.perfmodel.tree import Strategy, chain
+    from specbatch.runtime.adaptive import GuessRate
 
     staged = Strategy(chain(5), stage2=True)
     for true, b, tolerance in ((0.1, 1, 0.05), (0.5, 1, 0.05), (0.9, 1, 0.05), (0.5, 4, 0.1), (0.9, 4, 0.05)):
@@ -282,7 +282,7 @@ def test_the_policy_leaves_a_staged_chain_whose_guesses_fail():
     """Draft passes cost 1 ms whatever their width (constructed_latency), so a staged chain that guesses
     90 % right drafts in fewer passes and wins; one whose every guess fails drafts k passes plus the
     n-gram's queries and loses to the plain chain of the same k. The policy learns that from the rounds."""
-    from perfmodel.profile import Stage2Info
+    from specbatch.perfmodel.profile import Stage2Info
 
     stage2 = Stage2Info("ngram", "0" * 64, (0.9,), query_overhead_ms=0.2, query_ms_per_context=0.01)
     model = StepModel(constructed_latency, OverheadModel(()), acceptance_from_user([0.8]), stage2)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.checkpoint import load_checkpoint
+from specbatch.runtime.checkpoint import load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = ROOT / "data" / "models"

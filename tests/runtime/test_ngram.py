@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.ngram import NGramError, NGramModel, discounted_counts, tokenizer_fingerprint
+from specbatch.runtime.ngram import NGramError, NGramModel, discounted_counts, tokenizer_fingerprint
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = ROOT / "data" / "models"

@@ -10,14 +10,14 @@ from collections import Counter
 
 import pytest
 
-from perfmodel.schedule import step_passes
+from specbatch.perfmodel.schedule import step_passes
 
 pytest.importorskip("torch")
 
 
 def run(target, draft, prompts, k: int, acceptance: float, max_new_tokens: int = 20):
-    from runtime.generator import SpeculativeGenerator
-    from runtime.policy import FixedK
+    from specbatch.runtime.generator import SpeculativeGenerator
+    from specbatch.runtime.policy import FixedK
 
     result = SpeculativeGenerator(target, draft).generate(prompts, max_new_tokens, FixedK(k),
                                                           synthetic_acceptance=acceptance)
@@ -73,9 +73,9 @@ def test_synthetic_draws_of_e_cover_the_exact_e_and_the_cut_lowers_what_is_kept(
     """Synthetic acceptance 0.8 at k = 2 has E = 1 + 0.8 + 0.64 exactly: the drawn tokens per step of 30
     generations (fixed seeds) lie within their 95 % sampling interval of it, and the kept ones (a row's
     last step cut at max_new_tokens) lie below the drawn ones."""
-    from perfmodel.explain import measured_from_stats
-    from runtime.generator import SpeculativeGenerator
-    from runtime.policy import FixedK
+    from specbatch.perfmodel.explain import measured_from_stats
+    from specbatch.runtime.generator import SpeculativeGenerator
+    from specbatch.runtime.policy import FixedK
 
     generator = SpeculativeGenerator(greedy_target, greedy_draft_sometimes)
     pooled = None

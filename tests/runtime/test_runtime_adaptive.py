@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import pytest
 
-from perfmodel.acceptance import acceptance_from_user
-from perfmodel.overhead import OverheadModel
-from perfmodel.strategy import StepModel
-from runtime.adaptive import AdaptivePolicy
-from runtime.engine import Engine, EngineConfig, Request
-from runtime.generator import SpeculativeGenerator
-from runtime.policy import FixedK
-from runtime.sampling import Sampling
+from specbatch.perfmodel.acceptance import acceptance_from_user
+from specbatch.perfmodel.overhead import OverheadModel
+from specbatch.perfmodel.strategy import StepModel
+from specbatch.runtime.adaptive import AdaptivePolicy
+from specbatch.runtime.engine import Engine, EngineConfig, Request
+from specbatch.runtime.generator import SpeculativeGenerator
+from specbatch.runtime.policy import FixedK
+from specbatch.runtime.sampling import Sampling
 from test_runtime_engine import drive, solo_greedy, tokens_of
 from test_runtime_sampling import ALPHA, PROMPT, ROWS, _chi2_pvalue, _counts, _exact, pair  # noqa: F401
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.engine import Engine, EngineConfig, EngineError, QueueFull, Request
-from runtime.generator import SpeculativeGenerator
-from runtime.policy import FixedK, TableK
-from runtime.sampling import Sampling
+from specbatch.runtime.engine import Engine, EngineConfig, EngineError, QueueFull, Request
+from specbatch.runtime.generator import SpeculativeGenerator
+from specbatch.runtime.policy import FixedK, TableK
+from specbatch.runtime.sampling import Sampling
 
 
 class Recording:
@@ -177,8 +177,8 @@ def test_bad_requests_and_a_full_queue(greedy_target, prompts8):
 
 
 def test_tree_strategy_with_staggered_arrivals_equals_solo_greedy(greedy_target, greedy_draft_sometimes, prompts8):
-    from perfmodel.tree import Strategy, parse_tree
-    from runtime.policy import FixedStrategy
+    from specbatch.perfmodel.tree import Strategy, parse_tree
+    from specbatch.runtime.policy import FixedStrategy
 
     policy = FixedStrategy(Strategy(parse_tree("0,1,0.0,0.1,1.0")))
     engine = Engine(SpeculativeGenerator(greedy_target, greedy_draft_sometimes), policy, EngineConfig(max_batch_size=3))
@@ -195,9 +195,9 @@ def test_staged_strategy_with_staggered_arrivals_equals_solo_greedy(greedy_targe
     """The n-gram second stage (what a table's staged entries run) under joins and leaves."""
     import torch
 
-    from perfmodel.tree import Strategy, parse_tree
-    from runtime.ngram import NGramModel
-    from runtime.policy import FixedStrategy
+    from specbatch.perfmodel.tree import Strategy, parse_tree
+    from specbatch.runtime.ngram import NGramModel
+    from specbatch.runtime.policy import FixedStrategy
 
     vocab = greedy_target.config.vocab_size
     corpus = torch.randint(0, vocab, (20, 30), generator=torch.Generator().manual_seed(9)).tolist()

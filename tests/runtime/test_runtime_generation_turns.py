@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from runtime.generator import SpeculativeGenerator, run_to_end
-from runtime.policy import FixedK
-from runtime.sampling import Sampling
+from specbatch.runtime.generator import SpeculativeGenerator, run_to_end
+from specbatch.runtime.policy import FixedK
+from specbatch.runtime.sampling import Sampling
 from test_runtime_adaptive import adaptive
 
 N_NEW = 12

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.generator import SpeculativeGenerator
-from runtime.policy import FixedK
+from specbatch.runtime.generator import SpeculativeGenerator
+from specbatch.runtime.policy import FixedK
 
 N_NEW = 16
 BATCHES = {1: [4], 3: [0, 1, 2], 8: list(range(8))}  # batch size -> indices into prompts8
@@ -129,7 +129,7 @@ def test_eos_row_stops_and_leaves_the_batch(greedy_target, greedy_draft_sometime
 def hf_pair(tmp_path_factory, randomize, make_noisy_copy):
     """A transformers Llama target (peaked logits) saved to disk, loaded both ways, plus a noisy draft."""
     transformers = pytest.importorskip("transformers")
-    from runtime.checkpoint import load_checkpoint
+    from specbatch.runtime.checkpoint import load_checkpoint
 
     config = transformers.LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -192,7 +192,7 @@ def _hf_family(name):
 def test_other_families_match_transformers_generate(name, tmp_path, randomize, make_noisy_copy, prompts8):
     """Learned positions (GPT-2, OPT's offset) and Mistral's sliding window through cached generation:
     target-only and speculative output equal transformers' greedy generate."""
-    from runtime.checkpoint import load_checkpoint
+    from specbatch.runtime.checkpoint import load_checkpoint
 
     torch.manual_seed(0)
     hf = randomize(_hf_family(name), seed=17)

@@ -14,7 +14,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from runtime.checkpoint import load_checkpoint  # noqa: E402
+from specbatch.runtime.checkpoint import load_checkpoint  # noqa: E402
 
 TOL = 1e-4
 V = 96

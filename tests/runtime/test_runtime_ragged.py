@@ -10,8 +10,8 @@ import warnings
 
 import pytest
 
-from runtime.generator import SpeculativeGenerator
-from runtime.policy import FixedK
+from specbatch.runtime.generator import SpeculativeGenerator
+from specbatch.runtime.policy import FixedK
 
 N_NEW = 16
 
@@ -128,8 +128,8 @@ def test_k_zero_between_speculative_steps(greedy_target, greedy_draft_sometimes,
 
 
 def test_table_policy_follows_the_table(greedy_target, greedy_draft_sometimes, prompts8, reference, write_table):
-    pytest.importorskip("perfmodel.table")
-    from runtime.policy import TableK
+    pytest.importorskip("specbatch.perfmodel.table")
+    from specbatch.runtime.policy import TableK
 
     mapping = {1: 4, 2: 4, 3: 3, 4: 2, 5: 2, 6: 1}  # batch sizes 7 and 8 lie beyond: the last entry (k=1)
     policy = TableK(write_table(mapping))

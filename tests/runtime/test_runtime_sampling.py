@@ -21,11 +21,11 @@ import torch
 
 scipy_stats = pytest.importorskip("scipy.stats")
 
-from runtime import generator as generator_module  # noqa: E402
-from runtime.checkpoint import build_model  # noqa: E402
-from runtime.generator import SpeculativeGenerator, accept  # noqa: E402
-from runtime.policy import FixedK  # noqa: E402
-from runtime.sampling import Sampling, SamplingError, parse_sampling, probabilities  # noqa: E402
+from specbatch.runtime import generator as generator_module  # noqa: E402
+from specbatch.runtime.checkpoint import build_model  # noqa: E402
+from specbatch.runtime.generator import SpeculativeGenerator, accept  # noqa: E402
+from specbatch.runtime.policy import FixedK  # noqa: E402
+from specbatch.runtime.sampling import Sampling, SamplingError, parse_sampling, probabilities  # noqa: E402
 
 V = 6
 ROWS = 5000

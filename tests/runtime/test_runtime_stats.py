@@ -12,9 +12,9 @@ import json
 import pytest
 import torch
 
-from runtime.generator import SpeculativeGenerator
-from runtime.policy import FixedK
-from runtime.sampling import Sampling
+from specbatch.runtime.generator import SpeculativeGenerator
+from specbatch.runtime.policy import FixedK
+from specbatch.runtime.sampling import Sampling
 
 N_NEW = 14
 

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from perfmodel.tree import Strategy, parse_tree
-from runtime.checkpoint import build_model
-from runtime.generator import GenerationError, SpeculativeGenerator
-from runtime.model import TreeAttention
-from runtime.policy import FixedK, FixedStrategy
-from runtime.sampling import Sampling, probabilities
-from runtime import tree_decoding
-from runtime.tree_decoding import draft_tree, plan_for
+from specbatch.perfmodel.tree import Strategy, parse_tree
+from specbatch.runtime.checkpoint import build_model
+from specbatch.runtime.generator import GenerationError, SpeculativeGenerator
+from specbatch.runtime.model import TreeAttention
+from specbatch.runtime.policy import FixedK, FixedStrategy
+from specbatch.runtime.sampling import Sampling, probabilities
+from specbatch.runtime import tree_decoding
+from specbatch.runtime.tree_decoding import draft_tree, plan_for
 
 TREES = ["0,1", "0,1,2,0.0,0.1,1.0,0.0.0", "0,0.0,0.1,0.0.0,0.0.0.0,0.0.0.1", "chain:4"]
 BATCHES = {1: [4], 3: [0, 1, 2], 8: list(range(8))}

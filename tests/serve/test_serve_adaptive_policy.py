@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from serve.loadtest import LoadtestError, server_command_args
+from specbatch.serve.loadtest import LoadtestError, server_command_args
 
 
 def test_each_policy_gets_its_own_flags_and_only_the_table_its_table():

@@ -11,8 +11,8 @@ import httpx
 import numpy as np
 import pytest
 
-from serve.loadtest import LoadtestConfig, TraceItem, arrival_times, make_trace, replay_engine, run_loadtest
-from serve.loadtest_servers import LoadtestError, ServerProcess
+from specbatch.serve.loadtest import LoadtestConfig, TraceItem, arrival_times, make_trace, replay_engine, run_loadtest
+from specbatch.serve.loadtest_servers import LoadtestError, ServerProcess
 
 
 @pytest.mark.parametrize("rate, cv", [(2.0, 1.0), (10.0, 3.0), (0.5, 0.5)])
@@ -88,16 +88,16 @@ def test_sigterm_drains_then_cancels_and_the_server_exits(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- vLLM as the peer
 def _vllm_config(tmp_path, policies, table=None):
-    from runtime.assembly import DEMO_DRAFT, DEMO_TARGET
+    from specbatch.runtime.assembly import DEMO_DRAFT, DEMO_TARGET
 
     return LoadtestConfig(policies=policies, rates_per_s=(1.0,), requests=1, prompts=("import os\n",),
                           vllm_target=DEMO_TARGET, vllm_draft=DEMO_DRAFT, vllm_table=table)
 
 
 def test_vllm_policies_run_our_export_or_a_fixed_k(tmp_path, write_table):
-    from perfmodel.table import load_table, to_vllm
-    from runtime.assembly import DEMO_DRAFT
-    from serve.loadtest import vllm_speculative_config
+    from specbatch.perfmodel.table import load_table, to_vllm
+    from specbatch.runtime.assembly import DEMO_DRAFT
+    from specbatch.serve.loadtest import vllm_speculative_config
 
     table = write_table({1: 4, 2: 3, 3: 0})
     config = _vllm_config(tmp_path, ("vllm:table",), table=table)
@@ -121,9 +121,9 @@ def test_vllm_policies_refused_before_any_server_starts_without_vllm(tmp_path, m
 
 def test_vllm_table_policy_refuses_trees(tmp_path):
     """vLLM would run a tree as a plain chain of its depth: not the table we measured."""
-    from perfmodel.table import Bucket, Table, TableEntry, save_table
-    from perfmodel.tree import Strategy, parse_tree
-    from serve.loadtest import vllm_speculative_config
+    from specbatch.perfmodel.table import Bucket, Table, TableEntry, save_table
+    from specbatch.perfmodel.tree import Strategy, parse_tree
+    from specbatch.serve.loadtest import vllm_speculative_config
 
     shaped = Strategy(parse_tree("0,1,0.0"))
     entries = (TableEntry(1, shaped.k, 100.0, 1.5, None, None, shaped), TableEntry(2, 2, 150.0, 1.3, None, None))
@@ -134,10 +134,10 @@ def test_vllm_table_policy_refuses_trees(tmp_path):
 
 
 def test_strategy_mix_survives_the_metrics_page_and_is_the_difference_of_two_readings():
-    from runtime.engine_metrics import EngineMetrics
-    from runtime.generator import GenerationStats
-    from serve.loadtest_servers import engine_counters, parse_counters, strategy_mix
-    from serve.metrics import render_metrics
+    from specbatch.runtime.engine_metrics import EngineMetrics
+    from specbatch.runtime.generator import GenerationStats
+    from specbatch.serve.loadtest_servers import engine_counters, parse_counters, strategy_mix
+    from specbatch.serve.metrics import render_metrics
 
     def step(metrics, label, seconds, tokens, rows):
         stats = GenerationStats()
@@ -168,9 +168,9 @@ def test_a_chain_table_against_a_staged_adaptive_is_called_out(tmp_path):
     staged entries) and without an adaptive policy it says nothing."""
     from pathlib import Path
 
-    from perfmodel.model import choose_acceptance, compute_table, load_model
-    from perfmodel.table import save_table
-    from serve.loadtest import candidate_set_notes
+    from specbatch.perfmodel.model import choose_acceptance, compute_table, load_model
+    from specbatch.perfmodel.table import save_table
+    from specbatch.serve.loadtest import candidate_set_notes
 
     golden = Path(__file__).parents[1] / "perfmodel" / "golden" / "query"
     model = golden / "model.json"

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from serve.server import ServeError, ServeOptions, choose_policy
+from specbatch.serve.server import ServeError, ServeOptions, choose_policy
 
 TARGET = Path(__file__).resolve().parents[2] / "data" / "models" / "demo-target"
 
