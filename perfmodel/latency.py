@@ -277,20 +277,65 @@ def fit_monotone(shape: RoleShape, roofline: RooflineParams, points: Points) -> 
 # ---------------------------------------------------------------- one role's model
 
 @dataclass(frozen=True)
+class Box:
+    """The measured ranges of one role's timing rows: (low, high) of b, n and L."""
+
+    batch_size: tuple[float, float]
+    new_tokens: tuple[float, float]
+    context_len: tuple[float, float]
+
+    @classmethod
+    def of(cls, points: Points) -> "Box":
+        return cls((float(points.batch_size.min()), float(points.batch_size.max())),
+                   (float(points.new_tokens.min()), float(points.new_tokens.max())),
+                   (float(points.context_len.min()), float(points.context_len.max())))
+
+    def clip(self, b, n, L):
+        return np.clip(b, *self.batch_size), np.clip(n, *self.new_tokens), np.clip(L, *self.context_len)
+
+
+@dataclass(frozen=True)
 class LatencyModel:
+    """One role's T(b, n, L), over the whole (b, n, L) space.
+
+    Inside the measured box the fit itself. Outside it (refined kind only) the fitted time at the box's
+    edge, scaled by the roofline alone:
+
+        T(b, n, L) = T_fit(b', n', L') * R(b, n, L) / R(b', n', L'),   (b', n', L') = the point clipped to the box.
+
+    The refinement's ramps have no ground beyond the points they were fitted to (flat past the largest
+    batch size, slopes borrowed from other regimes), so a table could turn on structure no measurement
+    shows; the scaled edge is continuous there and as structure-free as the roofline. Assumption: the
+    roofline's growth holds past the grid; a regime the grid never reached is not predicted, only not
+    invented. The roofline kind is the roofline everywhere.
+    """
+
     kind: str  # "roofline" | "roofline+monotone"
     shape: RoleShape
     roofline: RooflineParams
     correction: MonotoneCorrection | None  # present for "roofline+monotone"
+    box: Box | None = None  # the measured range the refinement holds in; None: the fit everywhere
+
+    def fitted_ms(self, b, n, L):
+        """The fit itself, with no regard to the measured range (arrays in, array out)."""
+        if self.correction is None:
+            return np.asarray(self.roofline.latency_ms(self.shape, b, n, L), dtype=float)
+        return np.asarray(self.correction.latency_ms(self.shape, self.roofline, b, n, L), dtype=float)
 
     def latency_ms(self, b, n, L):
-        """Predicted milliseconds of one pass; scalars in, float out; arrays in, array out."""
-        if self.correction is None:
-            value = self.roofline.latency_ms(self.shape, b, n, L)
+        """Predicted milliseconds of one pass; scalars in, float out; arrays in (broadcast), array out."""
+        scalar = np.ndim(b) == np.ndim(n) == np.ndim(L) == 0
+        if self.correction is None or self.box is None:
+            value = self.fitted_ms(b, n, L)
         else:
-            value = self.correction.latency_ms(self.shape, self.roofline, b, n, L)
-        value = np.asarray(value, dtype=float)
-        return float(value.reshape(-1)[0]) if np.ndim(b) == np.ndim(n) == np.ndim(L) == 0 else value
+            b, n, L = np.broadcast_arrays(*(np.asarray(v, dtype=float) for v in (b, n, L)))
+            edge = self.box.clip(b, n, L)
+            inside = (edge[0] == b) & (edge[1] == n) & (edge[2] == L)
+            # inside the box the scale is exactly 1: the point is its own edge
+            scale = np.where(inside, 1.0, self.roofline.latency_ms(self.shape, b, n, L)
+                             / self.roofline.latency_ms(self.shape, *edge))
+            value = self.fitted_ms(*edge) * scale
+        return float(value.reshape(-1)[0]) if scalar else value
 
 
 def fit_latency_model(shape: RoleShape, points: Points, kind: str, start: RooflineParams | None = None) -> LatencyModel:
@@ -298,7 +343,7 @@ def fit_latency_model(shape: RoleShape, points: Points, kind: str, start: Roofli
         raise PerfModelError(f"unknown latency model kind {kind!r}; valid kinds: {', '.join(KINDS)}")
     roofline = fit_roofline(shape, points, start)
     correction = fit_monotone(shape, roofline, points) if kind == MONOTONE else None
-    return LatencyModel(kind, shape, roofline, correction)
+    return LatencyModel(kind, shape, roofline, correction, Box.of(points))
 
 
 def require_points(points: Points, needed: int, purpose: str) -> None:

@@ -31,7 +31,6 @@ import numpy as np
 from . import latency as lat
 from .acceptance import AcceptanceModel, acceptance_from_profile, acceptance_from_user
 from .errors import PerfModelError
-from .extrapolation import bounded_latency_ms
 from .jsonio import read_json, rounded, write_json_atomic
 from .noise import NoiseFigure
 from .overhead import OverheadModel
@@ -93,11 +92,8 @@ class FittedModel:
         return {"target": self.target_info.fingerprint, "draft": self.draft_info.fingerprint}
 
     def latency_ms(self, role: str, batch_size: int, new_tokens: int, context_len: int) -> float:
-        """Predicted time of one forward pass; matches strategy.LatencyFn (and takes arrays too: arrays in,
-        array out). Outside the measured grid the fit's edge value grows as the roofline alone
-        (perfmodel.extrapolation)."""
-        fit = self.roles[role]
-        return bounded_latency_ms(fit.model, fit.points, batch_size, new_tokens, context_len)
+        """Predicted time of one forward pass; matches strategy.LatencyFn (arrays in, array out too)."""
+        return self.roles[role].model.latency_ms(batch_size, new_tokens, context_len)
 
     def default_context_len(self) -> int:
         """The context length used when none is given: the middle of the profiled context lengths."""
@@ -449,10 +445,11 @@ def _role_from_json(role: str, obj: dict, where: str) -> RoleFit:
     if kind == lat.MONOTONE:
         correction = lat.MonotoneCorrection.from_json(obj["monotone"], shape, roofline, f"{where}: roles.{role}")
     rows = np.array(obj["points"]["rows"], dtype=float).reshape(-1, 4)
+    points = lat.Points(rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3])
     validation = obj["validation"]
     return RoleFit(
-        role=role, model=lat.LatencyModel(kind, shape, roofline, correction),
-        points=lat.Points(rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3]),
+        role=role, model=lat.LatencyModel(kind, shape, roofline, correction, lat.Box.of(points)),
+        points=points,
         infeasible_rows=int(obj["infeasible_rows"]),
         in_sample_mape_pct=float(validation["in_sample_mape_pct"]),
         cv_mape_pct=dict(validation["cv_mape_pct"]),

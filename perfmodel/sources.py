@@ -31,7 +31,6 @@ import numpy as np
 from . import latency as lat
 from .acceptance import AcceptanceModel
 from .errors import PerfModelError
-from .extrapolation import bounded_latency_ms
 from .insitu import InSituStepRow
 from .jsonio import rounded
 from .overhead import OverheadModel
@@ -145,8 +144,8 @@ def predict_steps(latency_ms: LatencyByRole, overhead: OverheadModel, acceptance
     return np.array([model.evaluate(Strategy.from_k(s.k), s.batch_size, s.context_len).step_ms for s in steps])
 
 
-def _bounded(models: dict[str, lat.LatencyModel], points: dict[str, lat.Points]) -> LatencyByRole:
-    return lambda role, b, n, L: bounded_latency_ms(models[role], points[role], b, n, L)
+def _latency_by_role(models: dict[str, lat.LatencyModel]) -> LatencyByRole:
+    return lambda role, b, n, L: models[role].latency_ms(b, n, L)
 
 
 def _mape(predicted: np.ndarray, measured: np.ndarray) -> float | None:
@@ -162,7 +161,7 @@ def _pass_mape(models, train, points_at_b: dict[str, lat.Points]) -> float | Non
     predicted, measured = [], []
     for role, at_b in points_at_b.items():
         for b, n, L, ms in zip(at_b.batch_size, at_b.new_tokens, at_b.context_len, at_b.latency_ms):
-            predicted.append(bounded_latency_ms(models[role], train[role], b, n, L))
+            predicted.append(models[role].latency_ms(b, n, L))
             measured.append(ms)
     return _mape(np.array(predicted), np.array(measured))
 
@@ -186,7 +185,7 @@ def held_out_by_batch_size(profile: Profile, source: str, full: dict[str, lat.La
             continue
         models = {role: lat.fit_latency_model(full[role].shape, train[role], full[role].kind, full[role].roofline)
                   for role in ROLES}
-        predicted[at_b] = predict_steps(_bounded(models, train), overhead, acceptance, [steps[i] for i in at_b])
+        predicted[at_b] = predict_steps(_latency_by_role(models), overhead, acceptance, [steps[i] for i in at_b])
         own = {role: _rows_at(p, b) for role, p in points.items()}
         in_situ = {role: _rows_at(insitu_points(profile, role), b) for role in ROLES}
         errors.append(BatchSizeError(b, len(at_b), _mape(predicted[at_b], measured[at_b]),
@@ -198,7 +197,7 @@ def source_report(profile: Profile, source: str, fits: dict, overhead: OverheadM
                   acceptance: AcceptanceModel) -> SourceReport:
     """`fits`: role -> the source's full fit (anything with `.model` and `.points`, e.g. model.RoleFit)."""
     steps = profile.insitu_steps
-    full = predict_steps(_bounded({r: f.model for r, f in fits.items()}, {r: f.points for r, f in fits.items()}),
+    full = predict_steps(_latency_by_role({r: f.model for r, f in fits.items()}),
                          overhead, acceptance, steps)
     measured = np.array([s.median_ms for s in steps])
     kinds = {role: fit.model.kind for role, fit in fits.items()}

@@ -87,18 +87,6 @@ def test_pooling_rounds_adds_counts_and_refuses_other_batch_sizes():
         one.merged(MeasuredSteps(1, 1, 0.01, 1, ()))
 
 
-def test_the_fidelity_modules_import_no_torch():
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    code = ("import perfmodel.explain, perfmodel.uncertainty, perfmodel.extrapolation, perfmodel.noise, sys; "
-            "assert 'torch' not in sys.modules, 'perfmodel imported torch'")
-    result = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2],
-                            capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-
-
 def test_drawn_tokens_their_interval_and_the_cut():
     # drawn per row per step 2, 2, 1, 2: mean 1.75, sample variance (13 - 4 x 1.75^2) / 3 = 0.25, so the
     # 95 % half-width is 1.96 x 0.5 / 2 = 0.49

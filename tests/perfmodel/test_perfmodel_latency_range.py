@@ -1,8 +1,8 @@
-"""Honest extrapolation: beyond the measured grid the table cannot turn on structure no measurement shows,
-inside it the fit is untouched, and the notes say where the model extrapolates."""
+"""The latency model owns its measured range: beyond it the table cannot turn on structure no measurement
+shows, inside it the fit is untouched, and the notes say where the model extrapolates."""
 import pytest
 
-from specbatch.perfmodel.extrapolation import Box, bounded_latency_ms
+from specbatch.perfmodel.latency import Box
 from specbatch.perfmodel.model import choose_acceptance, compute_table, fit_profile
 from specbatch.perfmodel.profile import profile_from_json
 from perfmodel_fixtures import CPU_MODELS, build_profile, cpu_like_latency
@@ -28,12 +28,14 @@ def test_the_table_never_rises_beyond_the_grid(fitted):
 def test_inside_the_grid_the_fit_is_untouched_and_outside_the_roofline_scales_its_edge(fitted):
     fit = fitted.roles["target"]
     model, roofline, shape = fit.model, fit.model.roofline, fit.model.shape
-    assert fitted.latency_ms("target", 8, 3, 100) == model.latency_ms(8, 3, 100)
-    edge = model.latency_ms(32, 9, 256)  # b, n and L all clipped to the box's corner
+    assert fitted.latency_ms("target", 8, 3, 100) == float(model.fitted_ms(8, 3, 100))
+    edge = float(model.fitted_ms(32, 9, 256))  # b, n and L all clipped to the box's corner
     expected = edge * roofline.latency_ms(shape, 64, 12, 1024) / roofline.latency_ms(shape, 32, 9, 256)
     assert fitted.latency_ms("target", 64, 12, 1024) == pytest.approx(expected)
-    assert bounded_latency_ms(model, fit.points, 32, 9, 256) == pytest.approx(edge)  # continuous at the edge
-    assert Box.of(fit.points) == Box((1.0, 32.0), (1.0, 9.0), (64.0, 256.0))
+    assert model.latency_ms(32, 9, 256) == pytest.approx(edge)  # continuous at the edge
+    assert model.box == Box.of(fit.points) == Box((1.0, 32.0), (1.0, 9.0), (64.0, 256.0))
+    # far beyond the edge the refinement's own extrapolation differs: the range is what holds it
+    assert float(model.fitted_ms(64, 12, 1024)) != pytest.approx(expected, rel=1e-3)
 
 
 def test_notes_say_where_the_model_extrapolates(fitted):
