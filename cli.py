@@ -19,7 +19,7 @@ from specbatch.runtime.assembly import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET  # 
 from specbatch.console.options import (  # noqa: F401 - option types and parsing shared by every command
     one_line_errors, parse_int_list, check_counts, acceptance_override, read_prompts_file, set_threads, _ints,
     TargetOpt, DraftOpt, DeviceOpt, DtypeOpt, ModelFileArg, JsonOpt, TreeOpt, Stage2Opt, AcceptanceOpt,
-    ThreadsOpt, ForceOpt, MaxKOpt, MaxBatchOpt, AdaptiveOpt, DraftStopOpt, _MODEL_HELP,
+    ThreadsOpt, ForceOpt, MaxKOpt, MaxBatchOpt, AdaptiveOpt, _MODEL_HELP,
 )
 
 app = typer.Typer(
@@ -49,7 +49,6 @@ def generate(
     stage2: Stage2Opt = None,
     model: Annotated[Optional[Path], typer.Option("--model", help="specbatch.model/1 file, for --tree auto.")] = None,
     adaptive: AdaptiveOpt = None,
-    draft_stop: DraftStopOpt = False,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 64,
     temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy.")] = 0.0,
     top_k: Annotated[int, typer.Option("--top-k", help="0 = no top-k filter.")] = 0,
@@ -69,7 +68,7 @@ def generate(
     texts = list(prompt or []) + (read_prompts_file(prompts_file) if prompts_file is not None else [])
     request = GenerationRequest(
         prompts=tuple(texts), target=target, draft=draft, k=k, table=table, tree=tree, stage2=stage2, model=model,
-        adaptive=adaptive, draft_stop=draft_stop, max_new_tokens=max_new_tokens, temperature=temperature,
+        adaptive=adaptive, max_new_tokens=max_new_tokens, temperature=temperature,
         top_k=top_k, top_p=top_p, seed=seed, device=device, dtype=dtype, force=force)
     set_threads(threads)
     generation = generate_texts(request)
@@ -169,7 +168,6 @@ def bench(
     adaptive: Annotated[Optional[Path], typer.Option(
         "--adaptive", help="specbatch.model/1 file: also run the adaptive policy (online acceptance per "
                            "request).")] = None,
-    draft_stop: DraftStopOpt = False,
     workload: Annotated[str, typer.Option(
         "--workload", help="heldout (--prompts alone) | mixed (half --prompts, half --second-prompts in every "
                            "batch) | switch (the second population from half-way through the rounds).")] = "heldout",
@@ -222,7 +220,7 @@ def bench(
         synthetic_acceptance=synthetic_acceptance, seed=seed, table_path=table, model_path=model,
         peers=tuple(name.strip() for name in peers.split(",") if name.strip()) if peers else (),
         trees=tuple(tree or ()), stage2_path=stage2, adaptive_path=adaptive, workload=workload,
-        second_prompts_path=second_prompts, interleave=interleave, adaptive_draft_stop=draft_stop)
+        second_prompts_path=second_prompts, interleave=interleave)
     check_input_files(table=table, model=model, prompts=prompts, stage2=stage2, adaptive=adaptive,
                       second_prompts=second_prompts)
     writable_dir(out, "--out")  # before measuring: a file in the way would lose every measurement
@@ -256,7 +254,8 @@ def fit(
     """Fit each role's pass latency T(b, n, L) from a profile; report parameters and errors. With in-situ
     rows in the profile, from the timing source (isolated, in-situ, both) that predicts measured steps best."""
     from specbatch.perfmodel.jsonio import check_not_input, writable_path
-    from specbatch.perfmodel.model import fit_profile, model_to_json, save_model
+    from specbatch.perfmodel.fit import fit_profile
+    from specbatch.perfmodel.model import model_to_json, save_model
     from specbatch.perfmodel.profile import load_profile
 
     check_not_input(output, [profile], "--output")

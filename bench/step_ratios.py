@@ -13,8 +13,8 @@ import argparse
 from specbatch.perfmodel.errors import PerfModelError
 from specbatch.perfmodel.model import load_model
 from specbatch.perfmodel.profile import load_profile
-from specbatch.perfmodel.sources import predict_steps
-from specbatch.perfmodel.step_correction import paired_error_pct
+from specbatch.perfmodel.fit import predict_steps
+from specbatch.perfmodel.steps import paired_error_pct
 
 
 def errors(model_path: str, profile_path: str) -> tuple[float | None, float | None]:

@@ -24,19 +24,15 @@ def run_demo(out: Path, race_sizes: tuple[int, ...], prompts_shown: int, max_new
     from specbatch.calibrate.stage2 import stage2_for_calibration
     from specbatch.perfmodel.errors import PerfModelError
     from specbatch.perfmodel.jsonio import write_text_atomic
-    from specbatch.perfmodel.model import (
-        choose_acceptance,
-        compute_table,
-        fit_profile,
-        save_model,
-    )
+    from specbatch.perfmodel.fit import fit_profile
+    from specbatch.perfmodel.model import choose_acceptance, compute_table, save_model
     from specbatch.perfmodel.profile import load_profile
     from specbatch.perfmodel.table import ENGINE_FORMATS, write_table
     from specbatch.runtime.assembly import (
         GenerationRequest,
         generate_texts,
         generations_jsonl,
-        load_pair,
+        load_named_pair,
         second_stage_for,
     )
     from specbatch.runtime.policy import TableK
@@ -75,7 +71,7 @@ def run_demo(out: Path, race_sizes: tuple[int, ...], prompts_shown: int, max_new
     render_table(table, notes, table_path)
 
     console.rule("[bold]4/5 generate held-out prompts with the table")
-    pair = load_pair(None, None, device, None)
+    pair = load_named_pair(None, None, device, None)
     policy = TableK(table_path)
     texts = read_prompts(DEMO_PROMPTS)[:prompts_shown]
     generation = generate_texts(
@@ -85,15 +81,14 @@ def run_demo(out: Path, race_sizes: tuple[int, ...], prompts_shown: int, max_new
     render_generation(generation.outputs, generation.stats, generation.policy, generation.sampling)
 
     console.rule(f"[bold]5/5 race the table against plain decoding (k = 0) at batch sizes {list(race_sizes)}")
-    target_model, draft_model = pair
-    ngram = second_stage_for(policy, stage2 if policy.needs_stage2 else None, target_model)
+    ngram = second_stage_for(policy, stage2 if policy.needs_stage2 else None, pair.target_spec)
     config = BenchConfig(batch_sizes=race_sizes, ks=(0,), max_new_tokens=max_new_tokens, rounds=rounds,
                          table_path=table_path, model_path=model_path,
                          stage2_path=stage2 if ngram is not None else None)
-    models = BenchModels(target=target_model.model, draft=draft_model.model, target_source=str(DEMO_TARGET),
+    models = BenchModels(target=pair.target, draft=pair.draft, target_source=str(DEMO_TARGET),
                          draft_source=str(DEMO_DRAFT), target_dir=DEMO_TARGET, draft_dir=DEMO_DRAFT,
                          random_weights=False, stage2=ngram)
-    prompts = [target_model.tokenizer.encode(text) for text in read_prompts(DEMO_PROMPTS)]
+    prompts = [pair.tokenizer.encode(text) for text in read_prompts(DEMO_PROMPTS)]
     race = bench_with_progress(config, models, prompts)
     written = write_outputs(race, out / "bench")
     for batch in race.batches:

@@ -34,7 +34,7 @@ at b = 1 for 24 new tokens and k = 2). The interval treats steps as independent;
 are not (its acceptance is its own), so for real acceptance over few prompts it is a lower bound on
 the noise.
 
-A model with the in-situ step correction between chains (perfmodel.step_correction) predicts a chain's
+A model with the in-situ step correction (perfmodel.steps) predicts a strategy's
 step as its passes and overhead times a factor; the difference is the term "in-situ step correction",
 measured as 0, so the terms still sum to the prediction and to the measurement.
 
@@ -55,7 +55,7 @@ from .strategy import StepModel
 from .tree import Strategy
 
 OVERHEAD = "overhead"  # the term outside forward passes (n-gram queries included)
-CORRECTION = "in-situ step correction"  # the model's own factor on a chain's step, perfmodel.step_correction
+CORRECTION = "in-situ step correction"  # the model's own factor on a step (perfmodel.steps)
 TOKENS = "tokens per step"
 CUT = "cut at max new tokens"
 Z95 = 1.959964  # the two-sided 95 % normal quantile

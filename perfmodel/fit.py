@@ -1,46 +1,44 @@
-"""Which pass timings the latency model is fitted to: the one that predicts measured steps better.
+"""`fit`: one pipeline from a profile to a `FittedModel`.
 
-A profile with in-situ rows (`perfmodel.insitu`) offers three sources for each role's `T(b, n, L)`:
+1. Latency per role: the roofline, refined by monotone terms when grouped cross-validation prefers it
+   (`latency.select_kind`), fitted to one timing source's rows.
+2. The step stage, when the profile has in-situ steps (measured greedily, so judged with the greedy
+   acceptance). Default, and the only rule:
+   a. timing source: the grid of isolated passes, the passes timed inside real steps, or both; each is
+      fitted as in 1. and predicts the measured steps with each batch size's rows held out; the lowest
+      held-out step MAPE wins (in-sample when some source cannot be held out; ties keep isolated);
+   b. the in-situ step correction (`steps.fit_step_correction`), kept only when it predicts held-out
+      sweeps better than the model alone. It applies to every strategy, at its verified width.
+   Without in-situ steps: the isolated fit, no correction.
+3. Overheads, acceptance, the second stage and the noise figure are carried from the profile.
 
-    isolated           the grid of passes timed alone (`timings`): every width, every grid batch size;
-    in-situ            the passes timed inside real speculative steps (`insitu_timings`): the passes the
-                       runtime runs, at the in-situ batch sizes, chain widths and the contexts met;
-    isolated+in-situ   both sets of rows together.
-
-Each source is fitted as `model.fit_role` fits any rows (kind chosen by cross-validation), and judged on
-the profile's measured steps (`insitu_steps`) through the one prediction path, `strategy.StepModel`
-(the runtime's pass schedule at the fitted latencies, plus the overhead model): for every batch size b
-with measured steps, each role is refitted (same kind) WITHOUT that source's rows at b, and the steps
-at b are predicted from that fit. The mean absolute percentage error of those held-out step predictions
-decides; a source that cannot be refitted at some b (too few rows left) is judged in-sample with the
-others, and ties keep the earlier source (isolated first: today's behaviour). The same refits give the
-held-out pass MAPE per batch size, on the source's own rows at b and on the in-situ rows at b (the
-passes the runtime really ran: the ground truth every source is aiming at).
-
-Assumption: the steps at one batch size are independent of the rows at the others (they are measured
-in separate generations); the steps share the in-situ passes' generations, so the in-situ source is
-only held out across batch sizes, not across prompts.
+Assumption: the steps at one batch size are independent of the rows at the others (separate
+generations); the in-situ source shares the steps' generations, so it is held out across batch sizes
+only, not across prompts.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import replace
+from datetime import datetime, timezone
 from typing import Callable, Sequence
 
 import numpy as np
 
 from . import latency as lat
-from .acceptance import AcceptanceModel
+from .acceptance import AcceptanceModel, acceptance_from_profile
 from .errors import PerfModelError
-from .insitu import InSituStepRow
-from .jsonio import rounded
+from .model import FittedModel, RoleFit
 from .overhead import OverheadModel
 from .profile import ROLES, Profile
+from .steps import (INSITU, ISOLATED, SOURCES, BatchSizeError, SourceChoice, SourceReport, StepError,
+                    fit_step_correction)
 from .strategy import StepModel
 from .tree import Strategy
 
-ISOLATED, INSITU, COMBINED = "isolated", "in-situ", "isolated+in-situ"
-SOURCES = (ISOLATED, INSITU, COMBINED)
+MIN_REGIME_POINTS = 4  # the roofline's parameter count: fewer points in a regime leave its rate loose
 
+
+# ---------------------------------------------------------------- timing sources
 
 def insitu_points(profile: Profile, role: str) -> lat.Points:
     rows = [r for r in profile.insitu_timings if r.model == role]
@@ -64,82 +62,76 @@ def source_points(profile: Profile, role: str, source: str) -> lat.Points:
     return in_situ if source == INSITU else _joined(isolated, in_situ)
 
 
-@dataclass(frozen=True)
-class BatchSizeError:
-    """Held-out errors at one batch size: each role refitted without the source's rows at b."""
+# ---------------------------------------------------------------- 1. latency per role
 
-    batch_size: int
-    steps: int  # measured step rows (one per k) at b
-    step_mape_pct: float | None  # None: too few rows left to refit without b
-    pass_mape_pct: float | None  # the source's own rows at b (None: it has none there)
-    insitu_pass_mape_pct: float | None  # the in-situ rows at b
-
-
-@dataclass(frozen=True)
-class StepError:
-    batch_size: int
-    k: int
-    context_len: int
-    measured_ms: float
-    predicted_ms: float  # by the source's full fit
-
-    @property
-    def error_pct(self) -> float:
-        return 100.0 * (self.predicted_ms - self.measured_ms) / self.measured_ms
+def _role_notes(memory_bound_points: int, total_points: int) -> tuple[str, ...]:
+    """Flag parameters the data cannot pin down: a regime with fewer points than parameters."""
+    notes = []
+    if memory_bound_points < MIN_REGIME_POINTS:
+        notes.append(f"only {memory_bound_points} memory-bound points: bandwidth_GBps is poorly determined")
+    if total_points - memory_bound_points < MIN_REGIME_POINTS:
+        notes.append(f"only {total_points - memory_bound_points} compute-bound points: "
+                     "flops_TFLOPs is poorly determined")
+    return tuple(notes)
 
 
-@dataclass(frozen=True)
-class SourceReport:
-    source: str
-    points: dict[str, int]  # rows fitted, per role
-    kinds: dict[str, str]  # the latency model's kind per role
-    step_mape_pct: float  # in-sample: the full fit against every measured step
-    heldout_step_mape_pct: float | None  # over every step, each predicted without its batch size's rows
-    by_batch_size: tuple[BatchSizeError, ...]
-    steps: tuple[StepError, ...]
-
-    def to_json(self) -> dict:
-        def clean(obj: dict) -> dict:
-            return {key: rounded(value) if isinstance(value, float) else value for key, value in obj.items()}
-        return {"source": self.source, "points": dict(self.points), "kinds": dict(self.kinds),
-                "step_mape_pct": rounded(self.step_mape_pct),
-                "heldout_step_mape_pct": None if self.heldout_step_mape_pct is None
-                else rounded(self.heldout_step_mape_pct),
-                "by_batch_size": [clean(asdict(e)) for e in self.by_batch_size],
-                "steps": [clean(asdict(s)) for s in self.steps]}
-
-    @classmethod
-    def from_json(cls, obj: dict) -> "SourceReport":
-        return cls(obj["source"], dict(obj["points"]), dict(obj["kinds"]), float(obj["step_mape_pct"]),
-                   obj["heldout_step_mape_pct"], tuple(BatchSizeError(**e) for e in obj["by_batch_size"]),
-                   tuple(StepError(**s) for s in obj["steps"]))
+def _role_holdout(shape: lat.RoleShape, points: lat.Points, role: str, source: str) -> lat.HoldoutReport | None:
+    """Every other interior batch size and context left out; the in-situ rows' many contexts may leave too
+    few to fit (None then: their held-out errors per batch size are in the source report instead)."""
+    try:
+        return lat.evaluate_holdout(shape, points, role)
+    except PerfModelError:
+        if source == ISOLATED:
+            raise
+    return None
 
 
-@dataclass(frozen=True)
-class SourceChoice:
-    chosen: str
-    criterion: str  # "held-out step MAPE" | "in-sample step MAPE"
-    reports: tuple[SourceReport, ...]
+def fit_role(profile: Profile, role: str, holdout: bool, source: str = ISOLATED) -> RoleFit:
+    """Cross-validate both kinds, fit the chosen one on every point of `source`, optionally evaluate a holdout."""
+    rows = profile.timings_of(role, feasible_only=False)
+    points = source_points(profile, role, source)
+    if len(points) < lat.MIN_POINTS:
+        raise PerfModelError(f"{role}: the latency fit needs at least {lat.MIN_POINTS} feasible timing rows, "
+                             f"the profile has {len(points)} ({source})")
+    shape = lat.RoleShape.from_model_info(profile.model(role))
+    cv = lat.cross_validate(shape, points)
+    model = lat.fit_latency_model(shape, points, lat.select_kind(cv))
+    b, n, L = points.batch_size, points.new_tokens, points.context_len
+    predicted = model.latency_ms(b, n, L)
+    roofline = model.roofline
+    memory_bound = roofline.memory_ms(shape, b, n, L) > roofline.compute_ms(shape, b, n, L)
+    memory_share = float(np.mean(memory_bound))
+    notes = _role_notes(int(memory_bound.sum()), len(points))
+    if not cv:
+        notes += ("too few (batch size, context length) cells to cross-validate: roofline used",)
+    return RoleFit(
+        role=role, model=model, points=points, infeasible_rows=sum(not row.feasible for row in rows),
+        in_sample_mape_pct=lat.mape_pct(predicted, points.latency_ms), cv_mape_pct=cv,
+        worst=lat.worst_points(model, points),
+        holdout=_role_holdout(shape, points, role, source) if holdout else None,
+        memory_bound_share=memory_share, notes=notes,
+    )
 
-    def report(self, source: str) -> SourceReport:
-        return next(r for r in self.reports if r.source == source)
 
-    def to_json(self) -> dict:
-        return {"chosen": self.chosen, "criterion": self.criterion, "sources": [r.to_json() for r in self.reports]}
+def overhead_model(profile: Profile) -> OverheadModel:
+    """Chain rows by (b, k); tree rows, and chain rows measured with the second stage (a chain of k
+    is a tree of k nodes), by (b, nodes, stage2)."""
+    chain_rows = tuple((row.batch_size, row.k, row.median_ms) for row in profile.overheads
+                       if row.tree_nodes is None and not row.stage2)
+    tree_rows = tuple((row.batch_size, row.k if row.tree_nodes is None else row.tree_nodes, row.stage2, row.median_ms)
+                      for row in profile.overheads if row.tree_nodes is not None or row.stage2)
+    return OverheadModel(chain_rows, tree_rows)
 
-    @classmethod
-    def from_json(cls, obj: dict) -> "SourceChoice":
-        return cls(str(obj["chosen"]), str(obj["criterion"]), tuple(SourceReport.from_json(r) for r in obj["sources"]))
 
 
-# ---------------------------------------------------------------- predicting steps
+# ---------------------------------------------------------------- 2. the step stage
 
 LatencyByRole = Callable[[str, int, int, int], float]
 
 
 def predict_steps(latency_ms: LatencyByRole, overhead: OverheadModel, acceptance: AcceptanceModel,
-                  steps: Sequence[InSituStepRow]) -> np.ndarray:
-    """Predicted ms of each measured step (a chain of its k at its batch size and context)."""
+                  steps: Sequence) -> np.ndarray:
+    """Predicted ms of each measured in-situ step row (a chain of its k at its batch size and context)."""
     model = StepModel(latency_ms, overhead, acceptance)
     return np.array([model.evaluate(Strategy.from_k(s.k), s.batch_size, s.context_len).step_ms for s in steps])
 
@@ -217,3 +209,49 @@ def choose_source(reports: Sequence[SourceReport]) -> SourceChoice:
     score = (lambda r: r.heldout_step_mape_pct) if held else (lambda r: r.step_mape_pct)
     best = min(reports, key=lambda r: (score(r), SOURCES.index(r.source)))
     return SourceChoice(best.source, criterion, tuple(reports))
+
+
+def _step_acceptance(acceptance: Sequence[AcceptanceModel]) -> AcceptanceModel | None:
+    """The acceptance the in-situ steps ran with: greedy (calibrate generates greedily)."""
+    return next((a for a in acceptance if a.mode == "greedy"), None)
+
+
+def fit_sources(profile: Profile, holdout: bool, overhead: OverheadModel,
+                acceptance: AcceptanceModel | None) -> tuple[dict[str, RoleFit], SourceChoice | None]:
+    """2a. The isolated fit alone without in-situ steps to judge by; else every source that has enough
+    rows, judged on the measured steps, and the chosen one's fits."""
+    isolated = {role: fit_role(profile, role, holdout) for role in ROLES}
+    if not profile.insitu_steps or acceptance is None:
+        return isolated, None
+    fits = {ISOLATED: isolated}
+    for source in SOURCES[1:]:
+        try:  # their held-out errors per batch size are in the source report; the role's own only if chosen
+            fits[source] = {role: fit_role(profile, role, False, source) for role in ROLES}
+        except PerfModelError:
+            continue  # too few rows of that source: it is not a candidate
+    choice = choose_source([source_report(profile, source, role_fits, overhead, acceptance)
+                            for source, role_fits in fits.items()])
+    chosen = fits[choice.chosen]
+    if holdout and choice.chosen != ISOLATED:
+        chosen = {role: replace(fit, holdout=_role_holdout(fit.model.shape, fit.points, role, choice.chosen))
+                  for role, fit in chosen.items()}
+    return chosen, choice
+
+
+def fit_profile(profile: Profile, holdout: bool = False) -> FittedModel:
+    """The pipeline of the module docstring; `holdout` adds each role's held-out pass errors."""
+    overhead = overhead_model(profile)
+    acceptance = tuple(acceptance_from_profile(entry) for entry in profile.acceptance)
+    greedy = _step_acceptance(acceptance)
+    roles, choice = fit_sources(profile, holdout, overhead, greedy)
+    fitted = FittedModel(
+        created_utc=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        profile_created_utc=profile.created_utc,
+        device=profile.device, target_info=profile.target, draft_info=profile.draft, grid=profile.grid,
+        roles=roles, overhead=overhead, acceptance=acceptance, stage2=profile.stage2, timing_source=choice,
+        noise=profile.noise,
+    )
+    if not profile.insitu_steps or greedy is None:
+        return fitted
+    predicted_ms = predict_steps(fitted.latency_ms, overhead, greedy, profile.insitu_steps)
+    return replace(fitted, step_correction=fit_step_correction(profile.insitu_steps, predicted_ms))

@@ -1,6 +1,6 @@
-"""The `specbatch.model/1` file: everything fitted from one profile, and what is computed from it.
+"""The `specbatch.model/1` file: everything fitted from one profile (`fit.fit_profile`), and what is
+computed from it.
 
-    fit_profile(profile, holdout)  -> FittedModel   (latency per role, overheads, acceptance)
     save_model / load_model                          (JSON; parameters in named units, no pickles)
     choose_acceptance(fitted, override)             -> AcceptanceModel
     compute_table(fitted, acceptance, ...)          -> table.Table   (best strategy per batch size)
@@ -12,37 +12,31 @@ The model carries what strategies need beyond chains, all optional so older mode
 the acceptance's `rank_acceptance` (trees), the profile's `stage2` (the n-gram second stage) and the
 overhead rows of tree steps (`tree_overheads`).
 
-A model file carries the measured points it was fitted to, so `specbatch plot` can draw fitted
-against measured latency without the profile.
-
-When the profile has in-situ rows (`perfmodel.insitu`), the latency model is fitted from each timing
-source (isolated, in-situ, both) and the one that predicts the measured steps better is kept
-(`perfmodel.sources`); `timing_source` (optional in the file) reports every source's step errors.
+A model file carries the measured points it was fitted to (each role's measured range, and what
+`specbatch plot` draws), the step stage's report (`timing_source`) and its step correction.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import Sequence
 
 import numpy as np
 
 from . import latency as lat
-from .acceptance import AcceptanceModel, acceptance_from_profile, acceptance_from_user
+from .acceptance import AcceptanceModel, acceptance_from_user
 from .errors import PerfModelError
 from .jsonio import read_json, rounded, write_json_atomic
 from .noise import NoiseFigure
 from .overhead import OverheadModel
-from .profile import ROLES, DeviceInfo, Grid, ModelInfo, Profile, Stage2Info
-from .sources import ISOLATED, SOURCES, SourceChoice, choose_source, predict_steps, source_points, source_report
-from .step_correction import StepCorrection, fit_step_correction
+from .profile import ROLES, DeviceInfo, Grid, ModelInfo, Stage2Info
+from .steps import SourceChoice, StepCorrection
 from .strategy import MAX_TREE_NODES, StepModel, StrategyCandidate, StrategyChoice, candidate_strategies
 from .table import ENGINE_FORMATS, Bucket, Table, TableEntry
 from .tree import Strategy
 
 MODEL_SCHEMA = "specbatch.model/1"
-MIN_REGIME_POINTS = 4  # the roofline's parameter count: fewer points in a regime leave its rate loose
 # A table's default buckets step by this factor over the profiled contexts: a nearest-bucket lookup is then
 # never more than 21 % above a bucket or 15 % below one. One bucket at the middle context put a batch of
 # 32 held-out prompts (served at L ~ 254) on L = 128's k = 2, 7 % below the k = 4 the model picks there.
@@ -171,115 +165,6 @@ class FittedModel:
                 notes.append(f"no {label} step-overhead rows: the tree rows measured with the other stage-2 flag "
                              "are used")
         return notes
-
-
-# ---------------------------------------------------------------- fitting
-
-def _role_notes(memory_bound_points: int, total_points: int) -> tuple[str, ...]:
-    """Flag parameters the data cannot pin down: a regime with fewer points than parameters."""
-    notes = []
-    if memory_bound_points < MIN_REGIME_POINTS:
-        notes.append(f"only {memory_bound_points} memory-bound points: bandwidth_GBps is poorly determined")
-    if total_points - memory_bound_points < MIN_REGIME_POINTS:
-        notes.append(f"only {total_points - memory_bound_points} compute-bound points: "
-                     "flops_TFLOPs is poorly determined")
-    return tuple(notes)
-
-
-def _role_holdout(shape: lat.RoleShape, points: lat.Points, role: str, source: str) -> lat.HoldoutReport | None:
-    """Every other interior batch size and context left out; the in-situ rows' many contexts may leave too
-    few to fit (None then: their held-out errors per batch size are in the source report instead)."""
-    try:
-        return lat.evaluate_holdout(shape, points, role)
-    except PerfModelError:
-        if source == ISOLATED:
-            raise
-    return None
-
-
-def fit_role(profile: Profile, role: str, holdout: bool, source: str = ISOLATED) -> RoleFit:
-    """Cross-validate both kinds, fit the chosen one on every point of `source` (perfmodel.sources),
-    optionally evaluate a holdout."""
-    rows = profile.timings_of(role, feasible_only=False)
-    points = source_points(profile, role, source)
-    if len(points) < lat.MIN_POINTS:
-        raise PerfModelError(f"{role}: the latency fit needs at least {lat.MIN_POINTS} feasible timing rows, "
-                             f"the profile has {len(points)} ({source})")
-    shape = lat.RoleShape.from_model_info(profile.model(role))
-    cv = lat.cross_validate(shape, points)
-    model = lat.fit_latency_model(shape, points, lat.select_kind(cv))
-    b, n, L = points.batch_size, points.new_tokens, points.context_len
-    predicted = model.latency_ms(b, n, L)
-    roofline = model.roofline
-    memory_bound = roofline.memory_ms(shape, b, n, L) > roofline.compute_ms(shape, b, n, L)
-    memory_share = float(np.mean(memory_bound))
-    notes = _role_notes(int(memory_bound.sum()), len(points))
-    if not cv:
-        notes += ("too few (batch size, context length) cells to cross-validate: roofline used",)
-    return RoleFit(
-        role=role, model=model, points=points, infeasible_rows=sum(not row.feasible for row in rows),
-        in_sample_mape_pct=lat.mape_pct(predicted, points.latency_ms), cv_mape_pct=cv,
-        worst=lat.worst_points(model, points),
-        holdout=_role_holdout(shape, points, role, source) if holdout else None,
-        memory_bound_share=memory_share, notes=notes,
-    )
-
-
-def overhead_model(profile: Profile) -> OverheadModel:
-    """Chain rows by (b, k); tree rows, and chain rows measured with the second stage (a chain of k
-    is a tree of k nodes), by (b, nodes, stage2)."""
-    chain_rows = tuple((row.batch_size, row.k, row.median_ms) for row in profile.overheads
-                       if row.tree_nodes is None and not row.stage2)
-    tree_rows = tuple((row.batch_size, row.k if row.tree_nodes is None else row.tree_nodes, row.stage2, row.median_ms)
-                      for row in profile.overheads if row.tree_nodes is not None or row.stage2)
-    return OverheadModel(chain_rows, tree_rows)
-
-
-def _step_acceptance(acceptance: Sequence[AcceptanceModel]) -> AcceptanceModel | None:
-    """The acceptance the in-situ steps ran with: greedy (calibrate generates greedily)."""
-    return next((a for a in acceptance if a.mode == "greedy"), None)
-
-
-def fit_sources(profile: Profile, holdout: bool, overhead: OverheadModel,
-                acceptance: AcceptanceModel | None) -> tuple[dict[str, RoleFit], SourceChoice | None]:
-    """The isolated fit alone without in-situ steps to judge by; else every source that has enough rows,
-    judged on the measured steps (perfmodel.sources), and the chosen one's fits."""
-    isolated = {role: fit_role(profile, role, holdout) for role in ROLES}
-    if not profile.insitu_steps or acceptance is None:
-        return isolated, None
-    fits = {ISOLATED: isolated}
-    for source in SOURCES[1:]:
-        try:  # their held-out errors per batch size are in the source report; the role's own only if chosen
-            fits[source] = {role: fit_role(profile, role, False, source) for role in ROLES}
-        except PerfModelError:
-            continue  # too few rows of that source: it is not a candidate
-    choice = choose_source([source_report(profile, source, role_fits, overhead, acceptance)
-                            for source, role_fits in fits.items()])
-    chosen = fits[choice.chosen]
-    if holdout and choice.chosen != ISOLATED:
-        chosen = {role: replace(fit, holdout=_role_holdout(fit.model.shape, fit.points, role, choice.chosen))
-                  for role, fit in chosen.items()}
-    return chosen, choice
-
-
-def fit_profile(profile: Profile, holdout: bool = False) -> FittedModel:
-    """Fit both roles' latency (from the timing source that predicts measured steps best, when the profile
-    has in-situ rows), keep the overhead rows and the acceptance; `holdout` adds held-out errors."""
-    overhead = overhead_model(profile)
-    acceptance = tuple(acceptance_from_profile(entry) for entry in profile.acceptance)
-    greedy = _step_acceptance(acceptance)
-    roles, choice = fit_sources(profile, holdout, overhead, greedy)
-    fitted = FittedModel(
-        created_utc=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        profile_created_utc=profile.created_utc,
-        device=profile.device, target_info=profile.target, draft_info=profile.draft, grid=profile.grid,
-        roles=roles, overhead=overhead, acceptance=acceptance, stage2=profile.stage2, timing_source=choice,
-        noise=profile.noise,
-    )
-    if not profile.insitu_steps or greedy is None:
-        return fitted
-    predicted_ms = predict_steps(fitted.latency_ms, overhead, greedy, profile.insitu_steps)
-    return replace(fitted, step_correction=fit_step_correction(profile.insitu_steps, predicted_ms))
 
 
 # ---------------------------------------------------------------- what the model is used for

@@ -1,46 +1,108 @@
-"""A chain's step time relative to the other chains at the same batch size, corrected by the steps that
-calibrate measured side by side.
+"""What the step stage of `fit` keeps: how each timing source predicted the measured steps, and the
+in-situ step correction learnt from calibrate's lockstep steps.
 
-The fitted step model (pass latency x the passes a step runs, plus the overhead) is smooth in the tokens
-a pass verifies; the runtime's steps are not quite. On the demo pair on a 2-core CPU the calibration's
-in-situ steps at b = 32 ran chain k = 4 about 9 % faster than k = 2 in each of three sweeps, while the
-model called them equal and the table chose k = 2 (the bench then measured k = 4 15 % ahead). The
-absolute level of those steps moved by 2x between sweeps with the machine's speed, so it cannot be
-learned from them; their ratios can. calibrate generates the ks of one batch size and sweep in lockstep
-(calibrate.lockstep): the same prompts, step by step, at the same moments, so the machine's speed is
-common to them and cancels in
+The correction. The fitted step model is smooth in the tokens a pass verifies; the runtime's steps are
+not quite (kernel and thread-scheduling steps in the token count). calibrate runs the ks of one batch
+size and sweep in lockstep (same prompts, a step of each in turn), so the machine's speed is common to
+them and cancels in the paired residual:
 
-    r(b, k, s) = log(measured step ms / predicted step ms), for each in-situ step row,
-    d(b, k, s) = r(b, k, s) - mean over the ks of (b, s) of r,     the paired residual,
-    c(b, k)    = mean over sweeps of d(b, k, s),                   shrunk towards 0 by its own spread:
-                 c * max(0, 1 - se^2 / c^2), se^2 = var over sweeps / sweeps  (positive-part James-Stein).
+    r(b, k, s) = log(measured step ms / predicted step ms)
+    d(b, k, s) = r(b, k, s) - mean over the ks of (b, s) of r
+    c(b, k)    = mean over sweeps of d, shrunk towards 0: c * max(0, 1 - se^2 / c^2)   (positive-part James-Stein)
 
-A chain of k at batch size b (k = 0 included: plain decoding is the table's baseline) is then predicted
-to take exp(c(b, k)) times the model's step time. The corrections average to 0 over the measured ks at
-each b, so they move the model's ratios between ks, never its level (which `fit --holdout` and the bench
-judge). Between measured batch sizes c is interpolated linearly in log b, between measured ks linearly
-in k, and beyond the largest measured k or b it is held, as perfmodel.extrapolation carries the fitted
-time at the grid's edge and grows it by the roofline alone (dropping it there made the chain table jump
-from k = 4 at b = 32 to k = 2 at b = 33 on the demo pair). Trees and second-stage steps were not measured
-in situ and are not corrected.
-
-It is applied only when it predicts a sweep it did not see better than the model alone: leave one sweep
-out, fit c on the others, and compare mean |d| with mean |d - c| on the sweep left out. Both figures are
-kept in the model file. Fewer than three sweeps (calibrate --quick runs two), or one k per batch size,
-leave nothing to validate or to pair: no correction.
+k counts the draft tokens the target verifies per row, so every strategy takes exp(c) at its own width:
+a chain of k (with or without the second stage) at k, a tree of N nodes at N, no speculation at 0.
+Between measured batch sizes c is linear in log b, between measured widths linear in k; beyond the
+measured ones it is held at the edge. The factors average to 0 over the measured ks at each b: they move
+the model's ratios between strategies, never its level. It is applied only when, fitted on all sweeps
+but one, it predicts the held-out sweep better than the model alone; fewer than three sweeps or one k
+per batch size leave nothing to pair or validate: no correction.
 """
 from __future__ import annotations
 
 import math
 import statistics
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
 
 from .errors import PerfModelError
 from .jsonio import rounded
+
+ISOLATED, INSITU, COMBINED = "isolated", "in-situ", "isolated+in-situ"
+SOURCES = (ISOLATED, INSITU, COMBINED)  # the order breaks ties: isolated first
+
+
+@dataclass(frozen=True)
+class BatchSizeError:
+    """Held-out errors at one batch size: each role refitted without the source's rows at b."""
+
+    batch_size: int
+    steps: int  # measured step rows (one per k) at b
+    step_mape_pct: float | None  # None: too few rows left to refit without b
+    pass_mape_pct: float | None  # the source's own rows at b (None: it has none there)
+    insitu_pass_mape_pct: float | None  # the in-situ rows at b
+
+
+@dataclass(frozen=True)
+class StepError:
+    batch_size: int
+    k: int
+    context_len: int
+    measured_ms: float
+    predicted_ms: float  # by the source's full fit
+
+    @property
+    def error_pct(self) -> float:
+        return 100.0 * (self.predicted_ms - self.measured_ms) / self.measured_ms
+
+
+@dataclass(frozen=True)
+class SourceReport:
+    source: str
+    points: dict[str, int]  # rows fitted, per role
+    kinds: dict[str, str]  # the latency model's kind per role
+    step_mape_pct: float  # in-sample: the full fit against every measured step
+    heldout_step_mape_pct: float | None  # over every step, each predicted without its batch size's rows
+    by_batch_size: tuple[BatchSizeError, ...]
+    steps: tuple[StepError, ...]
+
+    def to_json(self) -> dict:
+        def clean(obj: dict) -> dict:
+            return {key: rounded(value) if isinstance(value, float) else value for key, value in obj.items()}
+        return {"source": self.source, "points": dict(self.points), "kinds": dict(self.kinds),
+                "step_mape_pct": rounded(self.step_mape_pct),
+                "heldout_step_mape_pct": None if self.heldout_step_mape_pct is None
+                else rounded(self.heldout_step_mape_pct),
+                "by_batch_size": [clean(asdict(e)) for e in self.by_batch_size],
+                "steps": [clean(asdict(s)) for s in self.steps]}
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "SourceReport":
+        return cls(obj["source"], dict(obj["points"]), dict(obj["kinds"]), float(obj["step_mape_pct"]),
+                   obj["heldout_step_mape_pct"], tuple(BatchSizeError(**e) for e in obj["by_batch_size"]),
+                   tuple(StepError(**s) for s in obj["steps"]))
+
+
+@dataclass(frozen=True)
+class SourceChoice:
+    chosen: str
+    criterion: str  # "held-out step MAPE" | "in-sample step MAPE"
+    reports: tuple[SourceReport, ...]
+
+    def report(self, source: str) -> SourceReport:
+        return next(r for r in self.reports if r.source == source)
+
+    def to_json(self) -> dict:
+        return {"chosen": self.chosen, "criterion": self.criterion, "sources": [r.to_json() for r in self.reports]}
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "SourceChoice":
+        return cls(str(obj["chosen"]), str(obj["criterion"]), tuple(SourceReport.from_json(r) for r in obj["sources"]))
+
+
 
 MIN_SWEEPS = 2  # per (b, k): a spread to shrink by
 MIN_SWEEPS_TO_VALIDATE = MIN_SWEEPS + 1  # and a sweep to hold out
@@ -74,7 +136,8 @@ class StepCorrection:
         return float(np.interp(k, ks, [self.log_factors[(b, kk)] for kk in ks]))
 
     def factor(self, batch_size: int, k: int) -> float:
-        """exp(c(b, k)): the chain's step time over the model's; 1 where it does not apply."""
+        """exp(c(b, k)): the step time over the model's for a strategy verifying k draft tokens per row;
+        1 where the correction does not apply."""
         key = (batch_size, k)
         if key not in self._factors:
             self._factors[key] = self._factor(batch_size, k)
@@ -96,13 +159,13 @@ class StepCorrection:
     def note(self) -> str:
         verdict = "applied" if self.applied else "not applied: it did not predict held-out sweeps better"
         largest = max(self.log_factors.items(), key=lambda item: abs(item[1]))
-        return (f"in-situ step correction between chains {verdict} (paired step-time error on held-out sweeps "
+        return (f"in-situ step correction {verdict} (paired step-time error on held-out sweeps "
                 f"{self.heldout_uncorrected_pct:.2f} % by the model alone, {self.heldout_error_pct:.2f} % corrected, "
-                f"{self.sweeps} sweeps; largest: chain k={largest[0][1]} at b={largest[0][0]} "
+                f"{self.sweeps} sweeps; largest: k={largest[0][1]} at b={largest[0][0]} "
                 f"x{math.exp(largest[1]):.3f})")
 
     def to_json(self) -> dict[str, Any]:
-        return {"method": "paired residuals of lockstep in-situ steps, shrunk (perfmodel.step_correction)",
+        return {"method": "paired residuals of lockstep in-situ steps, shrunk; keyed by draft tokens verified per row",
                 "sweeps": self.sweeps, "applied": self.applied,
                 "heldout_error_pct": rounded(self.heldout_error_pct),
                 "heldout_uncorrected_pct": rounded(self.heldout_uncorrected_pct),
@@ -160,7 +223,7 @@ def shrunk_means(pairs: Residuals, skip_sweep: int | None = None) -> dict[tuple[
 
 def step_residuals(steps: Sequence, predicted_ms: Sequence[float]) -> Residuals:
     """r(b, k, s) of the lockstep rows (sweep known), one per (b, k, sweep): the first when a merged profile
-    has more. `predicted_ms[i]` is the model's time of `steps[i]` (e.g. perfmodel.sources.predict_steps)."""
+    has more. `predicted_ms[i]` is the model's time of `steps[i]` (`fit.predict_steps`)."""
     residuals: Residuals = {}
     for row, predicted in zip(steps, predicted_ms, strict=True):
         if row.sweep is None:
@@ -172,14 +235,14 @@ def step_residuals(steps: Sequence, predicted_ms: Sequence[float]) -> Residuals:
 def paired_error_pct(steps: Sequence, predicted_ms: Sequence[float]) -> float | None:
     """Mean |d| in per cent: how far a model's ratios between the ks of a batch size are from the ratios
     measured side by side (None: nothing to pair). With another calibration's steps it is a held-out test of
-    a model and its correction (`python -m bench.step_ratios`)."""
+    a model and its correction (scripts/step_ratios.py)."""
     pairs = paired(step_residuals(steps, predicted_ms))
     return 100 * statistics.fmean(abs(d) for d in pairs.values()) if pairs else None
 
 
 def fit_step_correction(steps: Sequence, predicted_ms: Sequence[float]) -> StepCorrection | None:
-    """The correction from in-situ step rows (`perfmodel.insitu.InSituStepRow`: batch_size, k, sweep,
-    median_ms) and the model's prediction of each; None when there is nothing to pair or hold out."""
+    """The correction from in-situ step rows (batch_size, k, sweep, median_ms) and the model's prediction
+    of each; None when there is nothing to pair or hold out."""
     pairs = paired(step_residuals(steps, predicted_ms))
     sweeps = sorted({s for _, _, s in pairs})
     if len(sweeps) < MIN_SWEEPS_TO_VALIDATE:

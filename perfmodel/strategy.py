@@ -20,9 +20,9 @@ E (tokens a row gains per step):
 S (expected step time): the forward passes the runtime makes (`schedule.step_passes` for plain chains,
 `schedule.tree_step` / `schedule.staged_step` for trees and staged steps), each weighted by its
 expected count, plus the n-gram queries (expected queries x query_overhead_ms + expected
-contexts x query_ms_per_context), plus the step overhead (`OverheadModel.step_overhead_ms`); for no
-speculation and chains, times the in-situ step correction when the model has one
-(`perfmodel.step_correction`: their ratios as calibrate measured them side by side).
+contexts x query_ms_per_context), plus the step overhead (`OverheadModel.step_overhead_ms`), times
+the in-situ step correction when the model has one (`steps.StepCorrection`, at the strategy's
+verified draft tokens: the ratios between widths as calibrate measured them side by side).
 
 The candidates (`candidate_strategies`): none; chains k = 1..max_k; trees grown greedily from the
 rank acceptance (`grow_tree`, depth up to the rank table's) at TREE_SIZES nodes up to a limit; each
@@ -41,7 +41,7 @@ from .errors import PerfModelError
 from .overhead import OverheadModel
 from .profile import Stage2Info
 from .schedule import TreeStep, leaf_end_probability, staged_step, step_passes, tree_step
-from .step_correction import StepCorrection
+from .steps import StepCorrection
 from .tree import Strategy, chain, expected_tree_tokens, grow_tree, node_probabilities, simulate_tree_steps
 
 # (role, batch_size, new_tokens, context_len) -> milliseconds of one forward pass
@@ -88,7 +88,7 @@ class StrategyCandidate:
     ngram_ms: float  # second-stage queries; 0 without it
     overhead_ms: float
     draft_passes: float  # expected draft passes (rounds, with the second stage)
-    correction_ms: float = 0.0  # the in-situ step correction between chains (perfmodel.step_correction)
+    correction_ms: float = 0.0  # the in-situ step correction (steps.StepCorrection), at the verified width
 
     @property
     def k(self) -> int:
@@ -131,7 +131,7 @@ class StepModel:
     overhead: OverheadModel
     acceptance: AcceptanceModel
     stage2: Stage2Info | None = None
-    step_correction: StepCorrection | None = None  # chains' step times relative to each other, measured in situ
+    step_correction: StepCorrection | None = None  # step times relative to each other, measured in situ
     # latency_ms also takes an array of n (FittedModel.latency_ms does): `prefetch` then fills the cache in
     # one call per role; with a scalar-only function it does nothing and the cache fills pass by pass
     vectorized_latency: bool = False
@@ -225,8 +225,8 @@ class StepModel:
                         + step.ngram_contexts * self.stage2.query_ms_per_context)
         step_ms = forward_ms + ngram_ms + overhead_ms
         correction_ms = 0.0
-        if self.step_correction is not None and strategy.kind in ("none", "chain") and not strategy.stage2:
-            correction_ms = (self.step_correction.factor(batch_size, strategy.k) - 1.0) * step_ms
+        if self.step_correction is not None:
+            correction_ms = (self.step_correction.factor(batch_size, strategy.draft_tokens) - 1.0) * step_ms
         step_ms += correction_ms
         tokens = self.tokens_per_step(strategy)
         is_draft = [p.role == "draft" for p in step.passes]

@@ -333,6 +333,11 @@ class Strategy:
         """Draft tokens on the longest path (the tree's depth; 0 for none): what a chain-only reader uses."""
         return 0 if self.tree is None else self.tree.depth
 
+    @property
+    def draft_tokens(self) -> int:
+        """Draft tokens the target verifies per row (the tree's nodes; k for a chain; 0 for none)."""
+        return 0 if self.tree is None else self.tree.num_nodes
+
     def describe(self, max_spec_chars: int | None = None) -> str:
         """'none', 'chain k=4', 'tree 0,1,0.0 (3 nodes)'; ' +ngram' when the second stage is on. The tree's
         full spec (parse_tree reads it back) unless `max_spec_chars` cuts it, with '...'."""

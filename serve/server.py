@@ -34,7 +34,6 @@ class ServeOptions:
     k: int | None = None
     tree: str | None = None
     adaptive: Path | None = None  # a specbatch.model/1 file: the adaptive policy (runtime.adaptive)
-    draft_stop: bool = False  # with adaptive: the draft-side early stop (runtime.draft_stop)
     host: str = "127.0.0.1"
     port: int = 8000
     max_batch_size: int = 32
@@ -62,7 +61,8 @@ def quick_table(target: Path, draft: Path, device: str, dtype: str | None, threa
                 profile: Path | None):
     """A chain table for b = 1..max_batch from a quick profile of this machine (measured once, cached)."""
     from specbatch.calibrate.run import CalibrationRequest, calibrate
-    from specbatch.perfmodel.model import choose_acceptance, compute_table, fit_profile
+    from specbatch.perfmodel.fit import fit_profile
+    from specbatch.perfmodel.model import choose_acceptance, compute_table
     from specbatch.perfmodel.profile import load_profile
     from specbatch.runtime.checkpoint import parse_dtype
 
@@ -87,8 +87,6 @@ def choose_policy(options: ServeOptions, target_dir: Path, draft_dir: Path | Non
 
     if sum(x is not None for x in (options.table, options.k, options.tree, options.adaptive)) > 1:
         raise ServeError("--table, --k, --tree and --adaptive are mutually exclusive")
-    if options.draft_stop and options.adaptive is None:
-        raise ServeError("--draft-stop is part of the adaptive policy: give --adaptive MODEL.json")
     if options.adaptive is not None:
         from specbatch.perfmodel.jsonio import directory_fingerprint
         from specbatch.runtime.assembly import adaptive_for_pair
@@ -97,7 +95,7 @@ def choose_policy(options: ServeOptions, target_dir: Path, draft_dir: Path | Non
             raise ServeError("--adaptive speculates: it needs a draft model (--draft DIR)")
         running = {role: (str(path), directory_fingerprint(path)) for role, path in
                    (("target", target_dir), ("draft", draft_dir))}
-        policy = adaptive_for_pair(options.adaptive, running, force=False, draft_stop=options.draft_stop)
+        policy = adaptive_for_pair(options.adaptive, running, force=False)
     elif options.k is not None:
         if options.k < 0:
             raise ServeError(f"--k must be >= 0, got {options.k}")
@@ -123,36 +121,35 @@ def build(options: ServeOptions):
     import torch
 
     from specbatch.runtime.assembly import second_stage_for
-    from specbatch.runtime.checkpoint import load_checkpoint, parse_dtype
+    from specbatch.runtime.checkpoint import parse_dtype
     from specbatch.runtime.engine import Engine, EngineConfig
     from specbatch.runtime.generator import SpeculativeGenerator
+    from specbatch.runtime.loading import load_pair, resolve_device, resolve_pair
 
     from .app import ServedModel
     from .runner import EngineRunner
 
     if options.threads is not None:
         torch.set_num_threads(options.threads)
-    device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(options.device)
     target_dir = Path(options.target) if options.target else DEMO_TARGET
     draft_dir = Path(options.draft) if options.draft else (DEMO_DRAFT if options.target is None else None)
-    torch_dtype = parse_dtype(options.dtype, device)
-    target = load_checkpoint(target_dir, device, torch_dtype)
-    if target.tokenizer is None:
-        raise ServeError(f"{target_dir}: no tokenizer.json; serve needs one to encode prompts")
-    draft = load_checkpoint(draft_dir, device, torch_dtype) if draft_dir is not None else None
+    target_spec, draft_spec = resolve_pair(str(target_dir), None if draft_dir is None else str(draft_dir))
+    pair = load_pair(target_spec, draft_spec, device, parse_dtype(options.dtype, device))
+    if pair.tokenizer is None:
+        raise ServeError(f"--target {target_dir}: no tokenizer.json; serve needs one to encode prompts")
     policy = choose_policy(options, target_dir, draft_dir, device, torch.get_num_threads())
-    stage2 = second_stage_for(policy, None, target)  # a table's staged entries: the n-gram it names (by sha256)
-    generator = SpeculativeGenerator(target.model, draft.model if draft else None, target.eos_token_ids,
-                                     stage2=stage2)
+    stage2 = second_stage_for(policy, None, target_spec)  # a table's staged entries: the n-gram it names (by sha256)
+    generator = SpeculativeGenerator(pair.target, pair.draft, pair.eos_token_ids, stage2=stage2)
     config = EngineConfig(max_batch_size=options.max_batch_size, kv_budget_tokens=options.kv_budget_tokens,
                           max_waiting=options.max_waiting)
-    engine = Engine(generator, policy, config, decode=target.tokenizer.decode)
+    engine = Engine(generator, policy, config, decode=pair.tokenizer.decode)
     name = options.model_name or target_dir.name
     log.info("serving %s (draft %s) as model %r with %s; max batch %d, KV budget %d tokens, context %d tokens",
              target_dir, draft_dir, name, policy.describe(), options.max_batch_size, engine.kv_budget_tokens,
              engine.max_context_tokens)
     template = _chat_template(target_dir)
-    served = ServedModel(name, target.tokenizer.encode, target.tokenizer.decode,
+    served = ServedModel(name, pair.tokenizer.encode, pair.tokenizer.decode,
                          min(options.max_tokens_limit, engine.max_context_tokens - 1), template)
     return EngineRunner(engine), served
 

@@ -13,7 +13,8 @@ from specbatch.bench.config import BenchConfig, BenchError
 from specbatch.bench.harness import run_bench
 from specbatch.bench.policies import ADAPTIVE_POLICY, policy_family
 from specbatch.bench.workload import Workload
-from specbatch.perfmodel.model import fit_profile, save_model
+from specbatch.perfmodel.fit import fit_profile
+from specbatch.perfmodel.model import save_model
 from specbatch.perfmodel.profile import profile_from_json
 from perfmodel_fixtures import CPU_MODELS, build_profile, cpu_like_latency
 

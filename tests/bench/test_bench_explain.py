@@ -13,7 +13,8 @@ from specbatch.bench.outputs import write_outputs
 
 
 def _model_file(tmp_path):
-    from specbatch.perfmodel.model import fit_profile, save_model
+    from specbatch.perfmodel.fit import fit_profile
+    from specbatch.perfmodel.model import save_model
     from specbatch.perfmodel.profile import profile_from_json
     from perfmodel_fixtures import build_profile, roofline_latency
 
@@ -83,8 +84,8 @@ def test_a_model_with_an_unreadable_reference_pass_is_refused_naming_the_file(ti
 
 
 def test_every_round_is_predicted_at_the_context_its_own_steps_paid_for(tiny_pair, prompts, table_path, tmp_path):
-    from specbatch.bench.harness import cycled_prompts
     from specbatch.bench.predict import load_predictor
+    from specbatch.bench.workload import cycled_prompts
     from specbatch.runtime.sampling import Sampling
 
     model = _model_file(tmp_path)

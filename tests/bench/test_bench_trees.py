@@ -76,7 +76,8 @@ def test_bench_json_and_csv_carry_the_strategy(staged_run):
 
 # -------------------------------------------------------------------------------- --tree auto and predictions
 def _model_file(tmp_path, rank_acceptance):
-    from specbatch.perfmodel.model import fit_profile, save_model
+    from specbatch.perfmodel.fit import fit_profile
+    from specbatch.perfmodel.model import save_model
     from specbatch.perfmodel.profile import profile_from_json
     from perfmodel_fixtures import build_profile, roofline_latency
 

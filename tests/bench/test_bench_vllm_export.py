@@ -88,7 +88,8 @@ def test_compare_runs_both_engines_on_the_same_tokens(tmp_path):
 def test_bench_peers_vllm_runs_vllm_beside_our_policies(tmp_path):
     """`specbatch bench --peers vllm`: the comparison lands in bench.json beside the usual results."""
     save_table(tmp_path / "t.json", table_of([2, 3, 1]))
-    run = subprocess.run([sys.executable, "-m", "specbatch.cli", "bench", "--table", str(tmp_path / "t.json"), "--ks", "0,2",
+    run = subprocess.run([sys.executable, "-m", "specbatch.cli", "bench", "--table", str(tmp_path / "t.json"),
+                          "--ks", "0,2",
                           "--batch-sizes", "1,3", "--rounds", "1", "--max-new-tokens", "10", "--peers", "vllm",
                           "--out", str(tmp_path / "b")], capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -1,17 +1,18 @@
-"""Grid construction, shape presets, model resolution and the memory check (no model is built here)."""
+"""Grid construction and the memory check (no model is built here)."""
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 
 import pytest
 import torch
 
 from specbatch.calibrate.errors import CalibrationError
-from specbatch.calibrate.grid import (TimingPoint, TreeOverheadPoint, check_grid_fits, fit_wide_passes, make_grid, merge_grids,
-                            new_tokens_at, overhead_points, timing_points, tree_overhead_points)
-from specbatch.calibrate.models import MemoryNeed, check_memory, memory_need, model_info, resolve_model
-from specbatch.calibrate.presets import PRESET_NAMES, PRESETS, preset_config
+from specbatch.calibrate.grid import (
+    TimingPoint, TreeOverheadPoint, check_grid_fits, fit_wide_passes, make_grid, merge_grids,
+    new_tokens_at, overhead_points, timing_points, tree_overhead_points)
+from specbatch.calibrate.models import MemoryNeed, check_memory, memory_need, model_info
+from specbatch.runtime.loading import resolve_model
+from specbatch.runtime.presets import preset_config
 
 
 # ---------------------------------------------------------------- grid
@@ -93,69 +94,6 @@ def test_resumed_grid_is_the_union_and_keeps_max_k():
     assert merged.target_new_tokens == (1, 2, 3, 4, 5, 16, 32, 64) and merged.draft_new_tokens[-1] == 64
     with pytest.raises(CalibrationError, match="--max-k 4, not 6"):
         merge_grids(make_grid([1], [64], 4), make_grid([1], [64], 6))
-
-
-# ---------------------------------------------------------------- presets
-# Parameter counts published on the model cards (millions): an oracle independent of our formula.
-PUBLISHED_PARAMETERS_M = {
-    "opt-125m": 125, "opt-350m": 331, "opt-1.3b": 1316, "opt-6.7b": 6658, "llama-68m": 68, "llama-160m": 162,
-    "llama-2-7b": 6738, "llama-3.2-1b": 1236, "llama-3.1-8b": 8030, "qwen2.5-0.5b": 494, "qwen2.5-7b": 7616,
-    "gpt2": 124, "gpt2-large": 774,
-}
-
-
-def test_every_required_preset_exists_with_its_published_size():
-    assert set(PUBLISHED_PARAMETERS_M) <= set(PRESET_NAMES)
-    for name, millions in PUBLISHED_PARAMETERS_M.items():
-        assert preset_config(name).parameter_count() / 1e6 == pytest.approx(millions, rel=0.01), name
-
-
-def test_preset_shapes_that_are_easy_to_get_wrong():
-    opt350 = preset_config("opt-350m")
-    assert (opt350.word_embed_proj_dim, opt350.do_layer_norm_before, opt350.final_layer_norm) == (512, False, False)
-    small = preset_config("llama-3.2-1b")
-    assert (small.num_kv_heads, small.head_dim, small.tie_word_embeddings) == (8, 64, True)
-    assert small.rope_scaling["factor"] == 32.0 and small.rope_theta == 500000.0
-    assert preset_config("llama-3.1-8b").rope_scaling["factor"] == 8.0
-    qwen = preset_config("qwen2.5-0.5b")
-    assert (qwen.num_heads, qwen.num_kv_heads, qwen.qkv_bias, qwen.tie_word_embeddings) == (14, 2, True, True)
-    assert preset_config("llama-68m").num_layers == 2
-
-
-def test_unknown_preset_lists_the_valid_names():
-    with pytest.raises(CalibrationError) as error:
-        preset_config("llama2-7b")
-    assert all(name in str(error.value) for name in PRESETS)
-
-
-# ---------------------------------------------------------------- resolving --target / --draft
-def test_a_preset_and_a_config_file_mean_random_weights(tmp_path):
-    spec = resolve_model("opt-125m", "target")
-    assert spec.random_weights and spec.source == "opt-125m"
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(PRESETS["llama-68m"]))
-    spec = resolve_model(str(path), "draft")
-    assert spec.random_weights and spec.config == preset_config("llama-68m")
-
-
-def test_a_config_without_needed_fields_names_them(tmp_path):
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps({"model_type": "llama", "vocab_size": 100, "hidden_size": 64}))
-    with pytest.raises(CalibrationError, match="--target: .*missing field.*num_hidden_layers, num_attention_heads"):
-        resolve_model(str(path), "target")
-
-
-def test_a_directory_needs_weights(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(PRESETS["llama-68m"]))
-    with pytest.raises(CalibrationError, match="no weights.*--acceptance"):
-        resolve_model(str(tmp_path), "draft")
-    (tmp_path / "model.safetensors").write_bytes(b"")  # existence is what resolve checks; loading comes later
-    assert not resolve_model(str(tmp_path), "draft").random_weights
-
-
-def test_a_missing_path_that_is_no_preset_says_both():
-    with pytest.raises(CalibrationError, match="--draft 'nowhere/model': no such model directory.*presets: opt-125m"):
-        resolve_model("nowhere/model", "draft")
 
 
 # ---------------------------------------------------------------- memory

@@ -69,7 +69,8 @@ def test_the_profile_records_the_noise_and_older_profiles_load_unchanged():
 
 
 def test_the_model_file_keeps_the_calibrations_reference_pass():
-    from specbatch.perfmodel.model import fit_profile, model_from_json, model_to_json
+    from specbatch.perfmodel.fit import fit_profile
+    from specbatch.perfmodel.model import model_from_json, model_to_json
 
     obj = build_profile(roofline_latency(), batch_sizes=(1, 2, 4, 8), context_lens=(128, 512), max_k=2)
     figure = NoiseFigure("target b=2 n=1 L=128", (NoiseCheck(0.0, 2.0, 1.9, 2.1), NoiseCheck(4.0, 2.4, 2.3, 2.5)))

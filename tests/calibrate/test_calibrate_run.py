@@ -20,6 +20,7 @@ from specbatch.calibrate.grid import TimingPoint
 from specbatch.calibrate.run import DEFAULT_EFFORT, QUICK_EFFORT, CalibrationRequest, calibrate
 from specbatch.calibrate.stage2 import DEMO_DRAFT, DEMO_NGRAM, default_stage2
 from specbatch.calibrate.store import new_profile, timing_row, with_row, write_profile
+from specbatch.perfmodel.errors import SpecbatchError
 from specbatch.perfmodel.profile import load_profile
 from specbatch.runtime.checkpoint import build_model
 from specbatch.runtime.ngram import NGramModel, tokenizer_fingerprint
@@ -285,7 +286,7 @@ def test_random_weights_time_steps_in_situ_at_the_given_acceptance(pair, tmp_pat
     """Random weights never agree by themselves; the in-situ steps accept at the given acceptance, so at
     1.0 every chain step of k = 2 keeps k + 1 tokens per row (the last, cut at max new tokens, fewer),
     no speculation keeps one, and fit can check the step model against these steps."""
-    from specbatch.perfmodel.model import fit_profile
+    from specbatch.perfmodel.fit import fit_profile
 
     config = tmp_path / "config.json"
     shutil.copy(pair / "target" / "config.json", config)
@@ -303,13 +304,13 @@ def test_random_weights_time_steps_in_situ_at_the_given_acceptance(pair, tmp_pat
 def test_second_stage_errors_name_the_option_and_the_file(pair, tmp_path):
     out = tmp_path / "profile.json"
     cases = [(pair / "missing.safetensors", "--stage2: .*missing.safetensors: no such n-gram file"),
-             (pair / "small-vocab.safetensors", "--stage2 .*small-vocab.safetensors: n-gram file is for a vocabulary "
-                                                "of 100 tokens, the model has 259"),
+             (pair / "small-vocab.safetensors", "--stage2 .*small-vocab.safetensors: a vocabulary of 100 tokens, "
+                                                "the target's has 259"),
              (pair / "other-tokenizer.safetensors", "--stage2 .*other-tokenizer.safetensors: n-gram file was fitted "
                                                     "for tokenizer 000000000000"),
              (pair / "prompts.jsonl", "--stage2: .*prompts.jsonl: not a readable safetensors file")]
     for path, message in cases:
-        with pytest.raises(CalibrationError, match=message) as error:
+        with pytest.raises(SpecbatchError, match=message) as error:  # runtime.loading.load_ngram's checks
             calibrate(request(pair, out, stage2=path))
         assert "\n" not in str(error.value)
     with pytest.raises(CalibrationError, match="--stage2 .*ngram.safetensors: .* --acceptance"):
@@ -393,7 +394,7 @@ BAD_INPUTS = [
     ("bad acceptance", ["--acceptance", "1.5"], "--acceptance: acceptance 1.5 is outside (0, 1]"),
     ("bad device", ["--device", "tpu"], "--device: 'tpu' is not one of cpu, cuda"),
     ("different vocabularies", ["--target", "gpt2", "--draft", "llama-68m", "--acceptance", "0.8"],
-     "vocabulary (32000 tokens) differs from the target's (50257 tokens)"),
+     "--draft llama-68m: a vocabulary of 32000 tokens, the target's has 50257; draft and target must share"),
     ("too large for memory", ["--target", "llama-2-7b", "--draft", "llama-68m", "--acceptance", "0.8",
                               "--batch-sizes", "100000", "--context-lens", "2000"], "does not fit on cpu"),
 ]

@@ -4,8 +4,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specbatch.calibrate.timing import (RepetitionRule, is_out_of_memory, median_ci_ranks, median_is_stable, percentile, repeat,
-                              should_stop, summarize, timed_ms)
+from specbatch.calibrate.timing import (
+    RepetitionRule, is_out_of_memory, median_ci_ranks, median_is_stable, percentile, repeat,
+    should_stop, summarize, timed_ms)
 
 
 class FakeClock:

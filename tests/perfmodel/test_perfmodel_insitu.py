@@ -10,9 +10,10 @@ import pytest
 
 from specbatch.perfmodel.errors import PerfModelError
 from specbatch.perfmodel.insitu import pass_rows, step_row
-from specbatch.perfmodel.model import fit_profile, load_model, model_to_json, save_model
+from specbatch.perfmodel.fit import fit_profile
+from specbatch.perfmodel.model import load_model, model_to_json, save_model
 from specbatch.perfmodel.profile import load_profile, save_profile
-from specbatch.perfmodel.sources import COMBINED, INSITU, ISOLATED
+from specbatch.perfmodel.steps import COMBINED, INSITU, ISOLATED
 from perfmodel_fixtures import build_profile, roofline_latency
 
 TRUE_MS = roofline_latency()  # the isolated passes' times: exactly the roofline form
@@ -175,7 +176,7 @@ def test_isolated_is_kept_when_it_predicts_the_steps_and_the_choice_survives_the
 
 
 def json_round(choice):
-    from specbatch.perfmodel.sources import SourceChoice
+    from specbatch.perfmodel.steps import SourceChoice
 
     return SourceChoice.from_json(json.loads(json.dumps(choice.to_json())))
 

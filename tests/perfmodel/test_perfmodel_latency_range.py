@@ -3,7 +3,8 @@ shows, inside it the fit is untouched, and the notes say where the model extrapo
 import pytest
 
 from specbatch.perfmodel.latency import Box
-from specbatch.perfmodel.model import choose_acceptance, compute_table, fit_profile
+from specbatch.perfmodel.fit import fit_profile
+from specbatch.perfmodel.model import choose_acceptance, compute_table
 from specbatch.perfmodel.profile import profile_from_json
 from perfmodel_fixtures import CPU_MODELS, build_profile, cpu_like_latency
 

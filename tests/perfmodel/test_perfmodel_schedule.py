@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specbatch.perfmodel.schedule import (catch_up_probability, inner_per_depth, leaf_end_probability, simulate_staged_rounds,
-                                staged_rounds, staged_step, step_passes, tree_step, valid_within)
+from specbatch.perfmodel.schedule import (
+    catch_up_probability, inner_per_depth, leaf_end_probability, simulate_staged_rounds,
+    staged_rounds, staged_step, step_passes, tree_step, valid_within)
 from specbatch.perfmodel.tree import chain, node_probabilities, parse_tree
 
 # nodes: 1 = 0, 2 = 1, 3 = 0.0, 4 = 0.1, 5 = 1.0; inner: the root, 1 and 2 (both at depth 1); leaves 3, 4, 5

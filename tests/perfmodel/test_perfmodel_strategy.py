@@ -9,8 +9,9 @@ import pytest
 
 from specbatch.perfmodel.acceptance import acceptance_from_user
 from specbatch.perfmodel.errors import PerfModelError
-from specbatch.perfmodel.model import (choose_acceptance, compute_table, evaluate_strategy, fit_profile, model_from_json,
-                             model_to_json, query_strategies, strategy_family)
+from specbatch.perfmodel.fit import fit_profile
+from specbatch.perfmodel.model import (choose_acceptance, compute_table, evaluate_strategy, model_from_json,
+                                       model_to_json, query_strategies, strategy_family)
 from specbatch.perfmodel.overhead import OverheadModel
 from specbatch.perfmodel.profile import Stage2Info, profile_from_json
 from specbatch.perfmodel.strategy import StepModel, candidate_strategies

@@ -1,4 +1,4 @@
-"""The in-situ step correction between chains: constructed lockstep steps whose ratios and machine speeds
+"""The in-situ step correction (perfmodel.steps): constructed lockstep steps whose ratios and machine speeds
 are known, so the factors, the shrinkage and the held-out verdict are computed by hand below."""
 import dataclasses
 import math
@@ -10,7 +10,7 @@ from specbatch.perfmodel.acceptance import acceptance_from_user
 from specbatch.perfmodel.errors import PerfModelError
 from specbatch.perfmodel.explain import CORRECTION, MeasuredSteps, PassTally, explain
 from specbatch.perfmodel.overhead import OverheadModel
-from specbatch.perfmodel.step_correction import StepCorrection, fit_step_correction, paired_error_pct
+from specbatch.perfmodel.steps import StepCorrection, fit_step_correction, paired_error_pct
 from specbatch.perfmodel.strategy import StepModel
 from specbatch.perfmodel.tree import Strategy, parse_tree
 
@@ -129,7 +129,7 @@ def latency_ms(role, b, n, L):
 CORRECTED = StepCorrection({(2, 0): 0.0, (2, 2): math.log(1.2), (2, 4): 0.0}, 3, 1.0, 2.0)
 
 
-def test_the_step_model_scales_chains_and_leaves_trees_alone():
+def test_the_step_model_scales_every_strategy_at_its_verified_width():
     acceptance = dataclasses.replace(acceptance_from_user([0.5, 0.5, 0.5, 0.5]), rank_acceptance=((0.5, 0.2),) * 2)
     plain = StepModel(latency_ms, OverheadModel(()), acceptance)
     corrected = StepModel(latency_ms, OverheadModel(()), acceptance, step_correction=CORRECTED)
@@ -137,9 +137,13 @@ def test_the_step_model_scales_chains_and_leaves_trees_alone():
     assert chain.step_ms == pytest.approx(1.2 * base.step_ms)
     assert chain.correction_ms == pytest.approx(0.2 * base.step_ms)
     assert chain.tokens_per_s == pytest.approx(base.tokens_per_s / 1.2)
-    tree = Strategy(parse_tree("0,1,0.0"))
-    assert corrected.evaluate(tree, 2, 64).step_ms == plain.evaluate(tree, 2, 64).step_ms
-    assert corrected.evaluate(tree, 2, 64).correction_ms == 0.0
+    tree = Strategy(parse_tree("0,1,0.0"))  # 3 nodes: halfway between k = 2 (x1.2) and k = 4 (x1) in log
+    assert tree.draft_tokens == 3 and tree.k == 2
+    assert corrected.evaluate(tree, 2, 64).step_ms == pytest.approx(1.2 ** 0.5 * plain.evaluate(tree, 2, 64).step_ms)
+    wide = Strategy(parse_tree("0,1,2,0.0,0.1,1.0"))  # 6 nodes: beyond the widest measured k, its factor held
+    assert corrected.evaluate(wide, 2, 64).step_ms == pytest.approx(plain.evaluate(wide, 2, 64).step_ms)
+    none = Strategy.from_k(0)
+    assert corrected.evaluate(none, 2, 64).step_ms == pytest.approx(plain.evaluate(none, 2, 64).step_ms)
     beyond = corrected.evaluate(Strategy.from_k(2), 64, 64)  # beyond the measured b: the edge's factor
     assert beyond.step_ms == pytest.approx(1.2 * plain.evaluate(Strategy.from_k(2), 64, 64).step_ms)
 
@@ -164,7 +168,8 @@ def test_fit_learns_the_correction_from_a_profile_and_keeps_it_in_the_model_file
     in every sweep (the others exact): k = 2 ends 1.2^(3/4) x the model and the others 1.2^(-1/4), at every b."""
     import json
 
-    from specbatch.perfmodel.model import fit_profile, load_model, save_model
+    from specbatch.perfmodel.fit import fit_profile
+    from specbatch.perfmodel.model import load_model, save_model
     from specbatch.perfmodel.profile import load_profile
     from test_perfmodel_insitu import INSITU_BATCH_SIZES, INSITU_KS, constructed
 
@@ -181,7 +186,7 @@ def test_fit_learns_the_correction_from_a_profile_and_keeps_it_in_the_model_file
     for b in INSITU_BATCH_SIZES:
         for k in INSITU_KS:
             assert correction.factor(b, k) == pytest.approx(1.2 ** (0.75 if k == 2 else -0.25), rel=1e-3)
-    assert fitted.timing_source_notes()[-1].startswith("in-situ step correction between chains applied")
+    assert fitted.timing_source_notes()[-1].startswith("in-situ step correction applied")
     save_model(tmp_path / "model.json", fitted)
     again = load_model(tmp_path / "model.json")
     assert again.step_correction.factor(4, 2) == pytest.approx(correction.factor(4, 2), rel=1e-6)
