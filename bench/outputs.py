@@ -38,7 +38,6 @@ def bench_json(result: BenchResult) -> dict[str, Any]:
         "model": str(config.model_path) if config.model_path else None, "peers": list(config.peers),
         "trees": list(config.trees), "stage2": str(config.stage2_path) if config.stage2_path else None,
         "adaptive": str(config.adaptive_path) if config.adaptive_path else None, "workload": config.workload,
-        "adaptive_draft_stop": config.adaptive_draft_stop,
         "second_prompts": str(config.second_prompts_path) if config.second_prompts_path else None,
         "interleave": config.interleave,
         "eos": "ignored: every row generates max_new_tokens",

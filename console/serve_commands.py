@@ -25,8 +25,6 @@ def serve_command(
     adaptive: Annotated[Optional[Path], typer.Option(
         "--adaptive", help="specbatch.model/1 file: choose k every step from the model and each request's "
                            "acceptance learned online, instead of a table.")] = None,
-    draft_stop: Annotated[bool, typer.Option(
-        "--draft-stop", help="With --adaptive: the draft-side early stop (off by default, docs/adaptive.md).")] = False,
     host: Annotated[str, typer.Option(
         "--host", help="Address to bind (loopback by default; there is no authentication).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port")] = 8000,
@@ -54,7 +52,7 @@ def serve_command(
     from specbatch.serve.server import ServeOptions, serve
 
     serve(ServeOptions(target=target, draft=draft, table=table, k=k, tree=tree, adaptive=adaptive,
-                       draft_stop=draft_stop, host=host, port=port,
+                       host=host, port=port,
                        max_batch_size=max_batch_size, kv_budget_tokens=kv_budget_tokens, max_waiting=max_waiting,
                        max_tokens_limit=max_tokens_limit, device=device, dtype=dtype, profile=profile,
                        threads=threads, model_name=model_name, drain_s=drain_s))

@@ -38,7 +38,7 @@ which is E_cal(s) when rho_r = 1: with nothing to adapt to the policy predicts w
 (up to the context, which the table fixes at one bucket and the policy reads each step). Assumption: a
 row's extra tokens scale by one factor at every k; for a row that agrees geometrically less (constant
 per-token alpha below the pair's) the factor falls with k, so rho learnt at small k over-predicts
-long chains (the hysteresis and the draft stop bound what that costs).
+long chains (the hysteresis bounds what that costs).
 
 Hysteresis. The current strategy is kept unless a challenger's predicted goodput beats it by more than
 `switch_margin` (3 %: about the acceptance uncertainty of a calibrated E(k)) on `persist_steps`
@@ -63,8 +63,6 @@ Rows are identified by stable request ids, never batch indices (rows leave and j
 the engine call `choose(request_ids, L)` before a step, `observe(request_ids, proposed, accepted)` and
 `observe_draft_passes(b, passes)` after it and `release(request_ids)` when requests end (the optional
 hooks of `runtime.policy`).
-Draft-side early stop (`runtime.draft_stop.DraftStop`) runs inside plain chain steps when `early_stop`
-(`--draft-stop`; off by default, see DRAFT_STOP), with its own margin (STOP_MARGIN, 10 %).
 """
 from __future__ import annotations
 
@@ -73,7 +71,7 @@ from bisect import bisect_right
 from dataclasses import replace
 from itertools import accumulate
 from pathlib import Path
-from typing import Hashable, Sequence
+from typing import Callable, Hashable, Sequence
 
 import numpy as np
 
@@ -82,18 +80,10 @@ from specbatch.perfmodel.schedule import staged_rounds
 from specbatch.perfmodel.strategy import StepModel
 from specbatch.perfmodel.tree import Strategy, chain
 
-from .draft_stop import DraftStop, cached
 
 PRIOR_TOKENS = 4.0  # the prior rho = 1 is worth this many expected accepted tokens (<2 demo steps at k = 4)
 MEMORY_TOKENS = 64.0  # a request's evidence fades with each draft token: (1 - 1/64) per token
 SWITCH_MARGIN = 0.03  # relative predicted gain a challenger needs
-# The draft stop is off unless asked for (--draft-stop), and overrides the planned k only when stopping wins
-# by 10 %: measured on the demo pair in lockstep (python -m bench.adaptive_variants, docs/adaptive.md), the
-# policy without the stop was -1.8 % to +2.0 % from the policy with it at a 10 % margin at b = 1-8 on
-# held-out and mixed prompts (ahead at 5 of 6 points), and 0.5-3.5 % ahead of it at the 3 % margin it
-# had (the stop's own decisions cost ~1-2 % of a step on this CPU; its cuts won back less).
-DRAFT_STOP = False
-STOP_MARGIN = 0.10
 PERSIST_STEPS = 2  # consecutive steps it needs it for, at an unchanged batch size
 HORIZON_STEPS = 8  # steps a one-time catch-up cost is spread over
 CONTEXT_BUCKET = 64  # context lengths are rounded up to this many tokens for the step-time cache
@@ -103,6 +93,17 @@ CONTEXT_BUCKET = 64  # context lengths are rounded up to this many tokens for th
 GUESS_MEMORY_STEPS = 8.0
 GUESS_PRIOR_STEPS = 2.0
 GUESS_LEVELS = 11  # rank-0 accuracy 0, 0.1, ..., 1 (and the calibrated one)
+CACHE_ENTRIES = 4096  # a long-running server sees many (b, L) pairs: a per-(b, L) cache past this is emptied
+
+
+def cached(cache: dict, key, make: Callable[[], object]):
+    """cache[key], made by `make()` the first time it is asked for; emptied when it grows past CACHE_ENTRIES."""
+    found = cache.get(key)
+    if found is None:
+        if len(cache) > CACHE_ENTRIES:
+            cache.clear()
+        found = cache[key] = make()
+    return found
 
 
 class GuessRate:
@@ -245,8 +246,7 @@ class AdaptivePolicy:
     def __init__(self, model: StepModel, max_k: int = 8, *, staged: bool = False,
                  prior_tokens: float = PRIOR_TOKENS, memory_tokens: float = MEMORY_TOKENS,
                  switch_margin: float = SWITCH_MARGIN, persist_steps: int = PERSIST_STEPS,
-                 horizon_steps: int = HORIZON_STEPS, context_bucket: int = CONTEXT_BUCKET,
-                 early_stop: bool = DRAFT_STOP, stop_margin: float = STOP_MARGIN, name: str = "adaptive"):
+                 horizon_steps: int = HORIZON_STEPS, context_bucket: int = CONTEXT_BUCKET, name: str = "adaptive"):
         if max_k < 0 or switch_margin < 0 or persist_steps < 1 or horizon_steps < 1 or context_bucket < 1:
             raise UsageError("adaptive: need max_k >= 0, switch_margin >= 0, persist_steps, horizon_steps and "
                              "context_bucket >= 1")
@@ -275,14 +275,10 @@ class AdaptivePolicy:
         self._catch_up_cache: dict[tuple[int, int, int], float] = {}
         # per candidate, the rho above which E_r = 1 + rho (E_cal - 1) passes its k + 1 cap (`_goodput_list`)
         self._depths = self._depth.tolist()
-        # what `choose` returns per candidate (a Strategy only where the generator needs more than k), and the
-        # depth its draft stop plans for (plain chains only: staged chains draft in n-gram rounds)
+        # what `choose` returns per candidate: a Strategy only where the generator needs more than k
         self._answers = [s if s.stage2 else s.k for s in self.candidates]
-        self._stop_depths = [s.k if s.kind == "chain" and not s.stage2 else 0 for s in self.candidates]
         self._caps = [k / x if k > 0 and x > 0 else float("inf") for k, x in zip(self._depths, self._prior_extra)]
         self._rho_cap = min(self._caps)
-        self.draft_stop = DraftStop(model, self._chain_step_ms, max_k=max_k, margin=stop_margin) \
-            if early_stop else None
         self._reset()
 
     # ------------------------------------------------------------------ the policy protocol
@@ -291,9 +287,8 @@ class AdaptivePolicy:
         return self.choose([("anonymous", i) for i in range(batch_size)], context_len)
 
     def describe(self) -> str:
-        stop = ", draft early stop" if self.draft_stop is not None else ""
         return (f"{self.name} (per-request acceptance vs the calibrated E(k), prior {self.acceptance.prior_tokens:g} "
-                f"tokens, margin {self.switch_margin:.0%}{stop})")
+                f"tokens, margin {self.switch_margin:.0%})")
 
     def choose(self, request_ids: Sequence[Hashable], context_len: int):
         started = time.perf_counter()
@@ -314,15 +309,11 @@ class AdaptivePolicy:
         self._current, self._batch_size = current, b
         self._lag_steps = self._lag_steps + 1 if self._depths[current] == 0 else 0
         self.last_decision_s = time.perf_counter() - started
-        if self.draft_stop is not None:
-            self.draft_stop.plan(b, self._bucket(context_len), self._stop_depths[current])
         return self._answers[current]
 
     def observe(self, request_ids: Sequence[Hashable], proposed: int, accepted: Sequence[int]) -> None:
         """After a chain step: each row was shown `proposed` draft tokens and accepted `accepted[i]`."""
         self.acceptance.observe(request_ids, proposed, accepted)
-        if self.draft_stop is not None:
-            self.draft_stop.observe(accepted)
 
     def observe_draft_passes(self, batch_size: int, passes: int) -> None:
         """After a chain step: the draft passes it took (a staged chain's rounds teach the guess rate)."""
@@ -414,10 +405,6 @@ class AdaptivePolicy:
             self.model, stage2=replace(self.model.stage2, guess_accuracy=self.guess.accuracy(level)),
             _schedule_cache={}))
 
-    def _chain_step_ms(self, batch_size: int, bucket: int, k: int) -> float:
-        """Predicted step time of a plain chain of k (the draft stop's threshold)."""
-        return float(self._step_times(batch_size, bucket)[k])
-
     def _latency(self, role: str, batch_size: int, new_tokens: int, bucket: int) -> float:
         return self.model._latency(role, batch_size, new_tokens, bucket)
 
@@ -431,8 +418,8 @@ class AdaptivePolicy:
             self.guess.reset()
 
 
-def adaptive_policy(model_file: Path, max_k: int | None = None, staged: bool = False, mode: str = "greedy",
-                    early_stop: bool = DRAFT_STOP) -> AdaptivePolicy:
+def adaptive_policy(model_file: Path, max_k: int | None = None, staged: bool = False,
+                    mode: str = "greedy") -> AdaptivePolicy:
     """The adaptive policy from a specbatch.model/1 file: its latency fit, its overhead and, as the prior,
     its acceptance measured in `mode` (greedy | sampling; else its first entry). `max_k` defaults to the
     profile's; `staged` adds the second-stage chains (needs the profile's stage2 measurements)."""
@@ -442,7 +429,7 @@ def adaptive_policy(model_file: Path, max_k: int | None = None, staged: bool = F
     acceptance = next((a for a in fitted.acceptance if a.mode == mode), None) or \
         choose_acceptance(fitted, None, str(model_file))
     policy = AdaptivePolicy(step_model(fitted, acceptance), fitted.grid.max_k if max_k is None else max_k,
-                            staged=staged and fitted.stage2 is not None, early_stop=early_stop,
+                            staged=staged and fitted.stage2 is not None,
                             name=f"adaptive {Path(model_file).name}")
     policy.stage2_record = {"file": fitted.stage2.file, "sha256": fitted.stage2.sha256} \
         if policy.needs_stage2 else None

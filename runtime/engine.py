@@ -283,11 +283,10 @@ class Engine:
         choice = hooks.ask(self.policy, request_ids, context) if self.generator.draft is not None else 0
         decision_s = time.perf_counter() - started
         stats = GenerationStats()
-        stop = hooks.draft_stop(self.policy) if self.generator.draft is not None else None
         new, counts = self.generator.step(choice, self.max_k, self._tokens[:b], committed, *caches, sampling, rng,
-                                          stats, draft_stop=stop)
+                                          stats)
         counts_list = counts.tolist()
-        stats.decision_s.append(decision_s + self.generator.learn(self.policy, request_ids, stats, counts_list, stop))
+        stats.decision_s.append(decision_s + self.generator.learn(self.policy, request_ids, stats, counts_list))
         self._store_lengths(0, caches)
         self._committed[:b] = committed + counts
         new_list = new.tolist()

@@ -64,10 +64,8 @@ class GenerationStats:
     draft_passes: list[tuple[int, int]] = field(default_factory=list)  # (batch size, new tokens) per pass
     target_passes: list[tuple[int, int]] = field(default_factory=list)
     nodes_per_step: list[int] = field(default_factory=list)  # draft tokens verified per row (k for a chain)
-    planned_k_per_step: list[int] = field(default_factory=list)  # the policy's depth; k_per_step is what ran
     draft_passes_per_step: list[int] = field(default_factory=list)  # the draft's forward passes in each step
-    # wall time of the policy's own work per step (choosing, the draft stop's decisions, learning from the
-    # outcome): "decision cost < 2 % of the step" is sum(decision_s) / sum(step_s)
+    # wall time of the policy's own work per step (choosing, learning from the outcome)
     decision_s: list[float] = field(default_factory=list)
 
     @property
@@ -103,7 +101,7 @@ class GenerationStats:
             "tokens_per_step": self.tokens_per_step, "tokens_per_s": self.tokens_per_s,
             "prefill_s": self.prefill_s, "draft_s": self.draft_s, "verify_s": self.verify_s,
             "other_s": self.other_s, "total_s": self.total_s, "synthetic_acceptance": self.synthetic_acceptance,
-            "planned_k_per_step": self.planned_k_per_step, "decision_s_total": sum(self.decision_s),
+            "decision_s_total": sum(self.decision_s),
             "decision_fraction": self.decision_fraction,
         }
 
@@ -206,7 +204,6 @@ class SpeculativeGenerator:
         rows = list(range(b))  # original index of each active row
         serial = next(_generation_serial)
         request_ids = lambda: [(serial, r) for r in rows]  # noqa: E731 - stable ids for a learning policy
-        stop = hooks.draft_stop(policy) if self.draft is not None else None
         generated = [1] * b
         outputs: list[list[int] | None] = [None] * b
         stats.first_tokens = b
@@ -241,9 +238,9 @@ class SpeculativeGenerator:
             choice = hooks.ask(policy, ids, context) if self.draft is not None else 0
             decision_s = time.perf_counter() - decided
             new, counts = self.step(choice, max_k, tokens, committed, target_cache, draft_cache, sampling, rng,
-                                    stats, timer, synthetic_acceptance, draft_stop=stop)
+                                    stats, timer, synthetic_acceptance)
             counts_list = counts.tolist()
-            decision_s += self.learn(policy, ids, stats, counts_list, stop)
+            decision_s += self.learn(policy, ids, stats, counts_list)
             stats.decision_s.append(decision_s)
             committed = committed + counts
             stats.step_tokens.append(sum(min(c, max_new_tokens - g) for c, g in zip(counts_list, generated)))
@@ -259,15 +256,14 @@ class SpeculativeGenerator:
         return GenerationResult(token_ids=outputs, stats=stats)
 
     @staticmethod
-    def learn(policy, request_ids, stats: GenerationStats, counts: list[int], stop) -> float:
+    def learn(policy, request_ids, stats: GenerationStats, counts: list[int]) -> float:
         """Tell a learning policy what the chain step just run gave each row (`counts`: tokens kept per row,
-        on the host); returns the seconds the policy spent (learning, and its draft stop's decisions during
-        the step)."""
+        on the host); returns the seconds the policy spent learning."""
         started = time.perf_counter()
         if stats.nodes_per_step[-1] == stats.k_per_step[-1]:  # a chain (trees teach no per-token rate)
             hooks.report(policy, request_ids, stats.k_per_step[-1], [c - 1 for c in counts])
             hooks.report_draft_passes(policy, len(request_ids), stats.draft_passes_per_step[-1])
-        return time.perf_counter() - started + (stop.decision_s if stop is not None else 0.0)
+        return time.perf_counter() - started
 
     # ------------------------------------------------------------------ the steps (the engine's too)
     def prefill(self, tokens, prompt_lens, target_cache, draft_cache, sampling, rng) -> torch.Tensor:
@@ -287,13 +283,11 @@ class SpeculativeGenerator:
         return first
 
     def step(self, choice, max_k, tokens, committed, target_cache, draft_cache, sampling, rng, stats,
-             timer=None, synthetic_acceptance=None, draft_stop=None):
+             timer=None, synthetic_acceptance=None):
         """One speculative step for every row of `tokens` (b, buffer) with the policy's `choice` (k or a
         Strategy): returns the new tokens (b, w) and how many of them each row keeps (b,), written after
         each row's `committed` prefix in `tokens` (beyond the count is scratch); the target cache is left
-        at committed + counts - 1. The rows may be a different set at every call (runtime.engine).
-        `draft_stop` (runtime.draft_stop.DraftStop) may end a plain chain's drafting early; k_per_step
-        records the draft tokens really proposed, planned_k_per_step the policy's k."""
+        at committed + counts - 1. The rows may be a different set at every call (runtime.engine)."""
         timer = timer or _Timer(self.device)
         passes_before = len(stats.draft_passes)
         tree, staged = self._strategy(choice)
@@ -309,10 +303,9 @@ class SpeculativeGenerator:
             ran_k, nodes = k, tree.num_nodes
         else:
             new, counts = self._step(k, tokens, committed, target_cache, draft_cache, sampling, rng,
-                                     synthetic_acceptance, stats, timer, draft_stop)
+                                     synthetic_acceptance, stats, timer)
             ran_k = nodes = new.shape[1] - 1
         stats.nodes_per_step.append(nodes)
-        stats.planned_k_per_step.append(k)
         stats.draft_passes_per_step.append(len(stats.draft_passes) - passes_before)
         # write the step's tokens after each row's committed prefix (beyond `counts` is scratch)
         positions = committed[:, None] + torch.arange(new.shape[1], device=self.device)
@@ -363,17 +356,12 @@ class SpeculativeGenerator:
         new.scatter_(1, accepted[:, None], bonus[:, None])
         return new, accepted + 1
 
-    def _step(self, k, tokens, committed, target_cache, draft_cache, sampling, rng, synthetic, stats, timer,
-              draft_stop=None):
-        """Run one step; returns the new tokens (b, k'+1) and how many of them each row keeps (b,); k' = k
-        unless `draft_stop` ended the drafting early."""
+    def _step(self, k, tokens, committed, target_cache, draft_cache, sampling, rng, synthetic, stats, timer):
+        """Run one step; returns the new tokens (b, k+1) and how many of them each row keeps (b,)."""
         b = tokens.shape[0]
-        draft_tokens, draft_probs, fed = None, None, 0
+        draft_tokens, draft_probs = None, None
         if k > 0:
-            draft_tokens, draft_probs, fed = self._draft(k, tokens, committed, draft_cache, sampling, rng, stats,
-                                                         timer, draft_stop)
-            k = 0 if draft_tokens is None else draft_tokens.shape[1]
-        if k > 0:
+            draft_tokens, draft_probs = self._draft(k, tokens, committed, draft_cache, sampling, rng, stats, timer)
             verify_input = torch.cat([tokens.gather(1, (committed - 1)[:, None]), draft_tokens], dim=1)
         else:
             verify_input = tokens.gather(1, (committed - 1)[:, None])
@@ -383,8 +371,8 @@ class SpeculativeGenerator:
         stats.target_passes.append((b, k + 1))
         accepted, next_token = accept(draft_tokens, draft_probs, target_logits, sampling, rng, synthetic)
         if k > 0:
-            # the draft holds committed + d1..d_fed (fed = k - 1, or k after an early stop); keep what was accepted
-            draft_cache.lengths = committed + torch.clamp(accepted, max=fed)
+            # the draft holds committed + d1..d_{k-1}; keep what was accepted
+            draft_cache.lengths = committed + torch.clamp(accepted, max=k - 1)
             _count_acceptance(stats, accepted, k)
             new = torch.cat([draft_tokens, next_token[:, None]], dim=1)
             new.scatter_(1, accepted[:, None], next_token[:, None])
@@ -392,12 +380,8 @@ class SpeculativeGenerator:
             new = next_token[:, None]
         return new, accepted + 1
 
-    def _draft(self, k, tokens, committed, draft_cache, sampling, rng, stats, timer, draft_stop=None):
-        """Up to k draft tokens per row (b, k') or None, their distributions q (b, k', vocab) when sampling,
-        and how many of them the draft cache holds beyond `committed` (k' - 1, or k' after an early stop).
-
-        `draft_stop.propose(j, top)` is asked before token j is drawn, with the draft's top probability
-        per row at j: it sees q_j, never token j (runtime.draft_stop: why that keeps the step lossless)."""
+    def _draft(self, k, tokens, committed, draft_cache, sampling, rng, stats, timer):
+        """k draft tokens per row (b, k) and their distributions q (b, k, vocab) when sampling."""
         b = tokens.shape[0]
         catch_up = catch_up_input(self.draft, draft_cache, tokens, committed, _PassRecorder(timer, stats))
         proposed, dists = [], []
@@ -408,13 +392,6 @@ class SpeculativeGenerator:
             stats.draft_s += timer.now() - t0
             stats.draft_passes.append((b, step_input.shape[1]))
             q = None if sampling.greedy else probabilities(logits, sampling)
-            if draft_stop is not None:
-                started = time.perf_counter()  # the draft's confidence exists for the stop: its time is the stop's
-                top = (torch.softmax(logits.float(), -1) if q is None else q).amax(-1)  # (b,)
-                draft_stop.decision_s += time.perf_counter() - started
-                if not draft_stop.propose(position, top):
-                    return (torch.stack(proposed, dim=1) if proposed else None,
-                            torch.stack(dists, dim=1) if dists else None, len(proposed))
             if q is None:
                 token = logits.argmax(-1)
             else:
@@ -423,7 +400,7 @@ class SpeculativeGenerator:
             proposed.append(token)
             step_input = token[:, None]
         draft_tokens = torch.stack(proposed, dim=1)
-        return draft_tokens, (torch.stack(dists, dim=1) if dists else None), k - 1
+        return draft_tokens, (torch.stack(dists, dim=1) if dists else None)
 
     # ------------------------------------------------------------------ checks and bookkeeping
     def _check(self, prompts, max_new_tokens, policy):

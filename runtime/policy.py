@@ -69,13 +69,12 @@ class FixedStrategy:
 
 # ---------------------------------------------------------------------- the optional feedback hooks
 # A policy may also learn from what happened (runtime.adaptive.AdaptivePolicy). The generator and the
-# engine go through these three functions, so a plain policy (the callables above) needs none of it:
+# engine go through these functions, so a plain policy (the callables above) needs none of it:
 #   choose(request_ids, context_len) -> k | Strategy   instead of policy(batch_size, context_len);
 #   observe(request_ids, proposed, accepted)            after a chain step, per row (a request id each);
 #   release(request_ids)                                when requests leave (finished, cancelled);
 #   observe_draft_passes(batch_size, passes)            after a chain step: the draft's forward passes in it
-#                                                       (a staged chain's rounds tell how well the n-gram guessed);
-# and `draft_stop` (runtime.draft_stop.DraftStop or None), which the step asks while drafting a chain.
+#                                                       (a staged chain's rounds tell how well the n-gram guessed).
 
 def ask(policy, request_ids, context_len: int):
     """The policy's strategy for a step over these requests (rows in batch order)."""
@@ -102,6 +101,3 @@ def release(policy, request_ids) -> None:
     if forget is not None and request_ids:
         forget(request_ids)
 
-
-def draft_stop(policy):
-    return getattr(policy, "draft_stop", None)

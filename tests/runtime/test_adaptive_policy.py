@@ -12,8 +12,7 @@ import pytest
 from specbatch.perfmodel.acceptance import acceptance_from_user
 from specbatch.perfmodel.overhead import OverheadModel
 from specbatch.perfmodel.strategy import StepModel
-from specbatch.runtime.adaptive import STOP_MARGIN, AdaptivePolicy, RequestAcceptance
-from specbatch.runtime.draft_stop import DraftStop, SignalCalibration
+from specbatch.runtime.adaptive import AdaptivePolicy, RequestAcceptance
 
 DRAFT_MS, TARGET_MS, PER_TOKEN_MS = 1.0, 10.0, 1.5
 
@@ -73,14 +72,14 @@ def test_estimator_converges_to_a_constructed_acceptance_within_its_interval(tru
 
 def test_policy_picks_what_the_model_says_on_a_constructed_profile():
     model = constructed_model(alpha=0.5)
-    policy = AdaptivePolicy(model, max_k=8, early_stop=False)
+    policy = AdaptivePolicy(model, max_k=8)
     # a new request sits at the calibrated pair: G(0..2) = 1/10, 1.5/12.5, 1.75/15 tokens per ms -> k = 1
     expected = [hand_goodput([1.0], k) for k in range(9)]
     assert policy.predicted_goodput(["new"], 100) == pytest.approx(expected)
     assert expected[:3] == pytest.approx([100.0, 120.0, 116.667], abs=1e-3) and int(np.argmax(expected)) == 1
     assert policy.choose(["new"], 100) == 1
     # a request that accepted 40 tokens where the pair predicted 20: rho = (4 + 40) / (4 + 20)
-    high = AdaptivePolicy(model, max_k=8, early_stop=False)
+    high = AdaptivePolicy(model, max_k=8)
     high.acceptance.counts["hot"] = [40.0, 20.0, 1.0]
     rho = 44 / 24
     expected = [hand_goodput([rho], k) for k in range(9)]
@@ -110,9 +109,8 @@ def test_hysteresis_holds_on_noise_and_follows_a_real_change():
     def flips(choices):
         return sum(a != b for a, b in zip(choices, choices[1:]))
 
-    plain = run(AdaptivePolicy(constructed_model(), memory_tokens=16, switch_margin=0.0, persist_steps=1,
-                               early_stop=False))
-    held = run(AdaptivePolicy(constructed_model(), memory_tokens=16, early_stop=False))
+    plain = run(AdaptivePolicy(constructed_model(), memory_tokens=16, switch_margin=0.0, persist_steps=1))
+    held = run(AdaptivePolicy(constructed_model(), memory_tokens=16))
     assert flips(plain[:80]) >= 6
     assert flips(held[:80]) <= 1
     assert plain[-1] == held[-1] == 0
@@ -130,7 +128,7 @@ def test_catch_up_after_k0_steps_is_charged_to_chains():
         return constructed_latency(role, batch_size, new_tokens, context_len)
 
     model = StepModel(latency, OverheadModel(()), acceptance_from_user([0.05]))
-    policy = AdaptivePolicy(model, max_k=2, horizon_steps=4, early_stop=False)
+    policy = AdaptivePolicy(model, max_k=2, horizon_steps=4)
     fresh = policy.predicted_goodput(["r"], 64)
     assert policy.choose(["r"], 64) == 0
     for _ in range(3):
@@ -144,62 +142,10 @@ def test_catch_up_after_k0_steps_is_charged_to_chains():
     assert policy._goodput_list(["r"], 64) == pytest.approx(charged.tolist(), rel=1e-12)  # the per-step path too
 
 
-def test_draft_stop_proposes_while_the_next_token_pays_by_hand():
-    """One row, a chain step so far of j - 1 tokens: propose token j iff dE * S_{j-1} >= E_{j-1} * dS."""
-    model = constructed_model()
-    step_ms = {k: k * DRAFT_MS + TARGET_MS + PER_TOKEN_MS * k for k in range(9)}
-    stop = DraftStop(model, lambda b, L, k: step_ms[k], SignalCalibration(bins=10, prior_trials=4))
-    stop.plan(1, 64, 8)
-    # token 1 at top probability 0.95 (bin 9, prior 0.95): 0.95 * 10 >= 1 * (1 + 1.5)
-    assert stop.propose(1, np.array([0.95]))
-    # token 2 at 0.25 (bin 2, prior 0.25): dE = 0.95 * 0.25, E_1 = 1.95, S_1 = 12.5, dS = 2.5 -> no
-    assert not stop.propose(2, np.array([0.25]))
-    assert 0.95 * 0.25 * 12.5 < 1.95 * 2.5
-    # the outcome teaches the calibration: the target accepted token 1, bin 9 moves to (3.8 + 1) / 5
-    stop.observe(np.array([1]))
-    assert stop.calibration.rate[9] == pytest.approx(4.8 / 5)
-
-
-def test_draft_stop_looks_ahead_to_the_planned_depth_where_the_step_time_is_not_convex():
-    """A step time with a jump at 3 tokens and almost nothing more at 4 (a thread or tile boundary): token 3
-    does not pay alone, tokens 3 and 4 together do; without room for token 4 it is not proposed."""
-    model = StepModel(constructed_latency, OverheadModel(()), acceptance_from_user([0.9]))
-    step_ms = {0: 10.0, 1: 12.5, 2: 15.0, 3: 20.0, 4: 20.2}
-    sure = np.array([0.95])  # bin 9: calibrated prior 0.95
-    for k, third in ((4, True), (3, False)):
-        stop = DraftStop(model, lambda b, L, m: step_ms[m], SignalCalibration(bins=10, prior_trials=4), max_k=8)
-        stop.plan(1, 64, k)
-        assert stop.propose(1, sure) and stop.propose(2, sure)
-        assert stop.expected_tokens == pytest.approx(1 + 0.95 + 0.95 ** 2)
-        assert stop.propose(3, sure) is third
-    e2, e3 = 1 + 0.95 + 0.95 ** 2, 1 + 0.95 + 0.95 ** 2 + 0.95 ** 3
-    assert e3 / 20.0 < e2 / 15.0  # the myopic rule: token 3 alone lowers the goodput
-    e4 = e2 + 0.95 ** 3 * (1 + 0.9)  # token 4 at the calibrated alpha: together they raise it
-    assert e4 / 20.2 > e2 / 15.0
-
-
-def test_draft_stop_overrides_the_plan_only_beyond_its_margin():
-    """Stopping after token 1 beats proposing token 2 by 2.5 %: without a margin the stop cuts, with the
-    policy's 3 % it keeps to the plan; the policy's own stop has a margin of its own, 10 %."""
-    model = StepModel(constructed_latency, OverheadModel(()), acceptance_from_user([0.5]))
-    step_ms = {0: 10.0, 1: 12.0, 2: 14.4}
-    unsure = np.array([0.35])  # bin 3: calibrated prior 0.35
-    e1, e2 = 1 + 0.95, 1 + 0.95 + 0.95 * 0.35
-    assert 1.0 < (e1 / 12.0) / (e2 / 14.4) < 1.03  # stopping now wins, by less than 3 %
-    for margin, proposed in ((0.0, False), (0.03, True)):
-        stop = DraftStop(model, lambda b, L, m: step_ms[m], SignalCalibration(bins=10, prior_trials=4), max_k=8,
-                         margin=margin)
-        stop.plan(1, 64, 2)
-        assert stop.propose(1, np.array([0.95]))
-        assert stop.propose(2, unsure) is proposed
-    assert AdaptivePolicy(model, max_k=2).draft_stop is None  # off unless asked for (runtime.adaptive.DRAFT_STOP)
-    assert AdaptivePolicy(model, max_k=2, early_stop=True).draft_stop.margin == STOP_MARGIN == 0.10
-
-
 def test_the_per_step_goodput_equals_the_vectorized_one_with_and_without_capped_rows():
     """`choose` computes G in plain Python (one line per candidate, a bisection for rows whose E_r hits
     k + 1); it must equal `predicted_goodput` (the closed form over every row) wherever the rows sit."""
-    policy = AdaptivePolicy(constructed_model(alpha=0.5), max_k=8, early_stop=False)
+    policy = AdaptivePolicy(constructed_model(alpha=0.5), max_k=8)
     rng = np.random.default_rng(5)
     capped = 0
     for trial in range(200):
@@ -213,22 +159,6 @@ def test_the_per_step_goodput_equals_the_vectorized_one_with_and_without_capped_
         policy.acceptance.release(rows)
     assert 20 < capped < 200  # both paths were exercised
     assert policy._rho_cap == pytest.approx(1 / (1 - 0.5))  # k = 1: E_cal(1) - 1 = 0.5
-
-
-def test_draft_stop_thresholds_are_the_look_ahead_rule_solved_for_the_gain():
-    """dE_j >= E_{j-1} c_j  iff  (1 + margin) (E_{j-1} + dE_j t_m) S_{j-1} >= E_{j-1} S_m for some m."""
-    model = StepModel(constructed_latency, OverheadModel(()), acceptance_from_user([0.8, 0.7, 0.9, 0.6]))
-    rng = np.random.default_rng(2)
-    for trial in range(50):
-        k = int(rng.integers(1, 9))
-        step_ms = np.cumsum(rng.uniform(0.1, 3.0, k + 1)).tolist()  # increasing, with bends
-        stop = DraftStop(model, lambda b, L, m: step_ms[m], max_k=8, margin=float(rng.choice([0.0, 0.03])))
-        thresholds = stop.thresholds(step_ms)
-        for j in range(1, k + 1):
-            for now, gain in rng.uniform(0.01, 4.0, size=(20, 2)):
-                t, s = stop.tail[j], step_ms[j - 1] * (1 + stop.margin)
-                rule = any((now + gain * t[m - j]) * s >= now * step_ms[m] for m in range(j, k + 1))
-                assert (gain >= now * thresholds[j - 1]) == rule
 
 
 def test_steps_without_speculation_age_the_evidence_but_not_the_prior():
@@ -286,7 +216,7 @@ def test_the_policy_leaves_a_staged_chain_whose_guesses_fail():
 
     stage2 = Stage2Info("ngram", "0" * 64, (0.9,), query_overhead_ms=0.2, query_ms_per_context=0.01)
     model = StepModel(constructed_latency, OverheadModel(()), acceptance_from_user([0.8]), stage2)
-    policy = AdaptivePolicy(model, max_k=6, staged=True, early_stop=False)
+    policy = AdaptivePolicy(model, max_k=6, staged=True)
     rows = [("r", 0)]
     first = policy.choose(rows, 100)
     assert not isinstance(first, int) and first.stage2  # fewer draft passes: the staged chain wins

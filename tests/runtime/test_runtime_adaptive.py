@@ -1,4 +1,4 @@
-"""The adaptive policy and the draft-side early stop inside real generation: still lossless.
+"""The adaptive policy inside real generation: still lossless.
 
 Oracles: target-only greedy output (k = 0, no draft) for greedy, token for token, in the offline
 generator and in the serving engine under staggered arrivals; the exact distribution of the first three
@@ -30,11 +30,9 @@ def cheap_drafts(role, batch_size, new_tokens, context_len):
     return 0.3 if role == "draft" else 10.0 + 0.5 * (new_tokens - 1)
 
 
-def adaptive(prior_alpha: float, max_k: int = 6, early_stop: bool = True) -> AdaptivePolicy:
-    """With the stop on at a 3 % margin (the default, 10 %, cuts none of these tiny steps): the losslessness
-    checks need steps that the stop really cut."""
+def adaptive(prior_alpha: float, max_k: int = 6) -> AdaptivePolicy:
     model = StepModel(cheap_drafts, OverheadModel(()), acceptance_from_user([prior_alpha]))
-    return AdaptivePolicy(model, max_k=max_k, early_stop=early_stop, stop_margin=0.03)
+    return AdaptivePolicy(model, max_k=max_k)
 
 
 @pytest.fixture(scope="module")
@@ -44,42 +42,26 @@ def reference(greedy_target, prompts8):
             for size, index in BATCHES.items()}
 
 
-@pytest.mark.parametrize("early_stop", [True, False], ids=["early-stop", "no-stop"])
 @pytest.mark.parametrize("size", [1, 3, 8])
 @pytest.mark.parametrize("kind", ["always", "sometimes", "never"])
-def test_adaptive_greedy_equals_target_only(kind, size, early_stop, greedy_target, greedy_draft_sometimes,
+def test_adaptive_greedy_equals_target_only(kind, size, greedy_target, greedy_draft_sometimes,
                                             greedy_draft_never, prompts8, reference):
     draft = {"always": greedy_target, "sometimes": greedy_draft_sometimes, "never": greedy_draft_never}[kind]
-    policy = adaptive(0.6, early_stop=early_stop)
+    policy = adaptive(0.6)
     result = SpeculativeGenerator(greedy_target, draft).generate([prompts8[i] for i in BATCHES[size]], N_NEW, policy)
     assert result.token_ids == reference[size]
     stats = result.stats
-    assert len(stats.decision_s) == len(stats.planned_k_per_step) == stats.steps
-    assert all(ran <= planned for ran, planned in zip(stats.k_per_step, stats.planned_k_per_step))
+    assert len(stats.decision_s) == stats.steps
     assert policy.acceptance.counts == {}  # every request was released at its end
-    if kind == "never" and early_stop:  # the draft is sure and always wrong: the calibration learns to stop
-        assert stats.k_per_step[-1] < stats.k_per_step[0]
 
 
-def test_early_stop_really_shortens_steps(greedy_target, greedy_draft_sometimes, prompts8, reference):
-    """With an optimistic prior the policy plans long chains; the stop cuts them where the draft is unsure."""
-    policy = adaptive(0.95)
-    result = SpeculativeGenerator(greedy_target, greedy_draft_sometimes).generate(prompts8, N_NEW, policy)
-    assert result.token_ids == reference[8]
-    stats = result.stats
-    assert any(ran < planned for ran, planned in zip(stats.k_per_step, stats.planned_k_per_step))
-    assert len(set(stats.k_per_step)) >= 2
-
-
-def test_adaptive_sampling_with_early_stop_matches_exact_target_distribution(pair):  # noqa: F811
+def test_adaptive_sampling_matches_exact_target_distribution(pair):  # noqa: F811
     target, draft = pair
     sampling = Sampling(temperature=1.0)
     p1, p2, p3 = _exact(target, sampling)
     policy = adaptive(0.95, max_k=5)
     result = SpeculativeGenerator(target, draft).generate([PROMPT] * ROWS, 3, policy, sampling, seed=4321)
-    stats = result.stats
-    assert any(0 < ran < planned for ran, planned in zip(stats.k_per_step, stats.planned_k_per_step)), \
-        (stats.k_per_step, stats.planned_k_per_step)  # the early stop acted
+    assert max(result.stats.k_per_step) > 0  # it speculated
     counts3 = _counts(result.token_ids, 3)
     assert _chi2_pvalue(counts3, (p1[:, None, None] * p2[:, :, None] * p3).numpy()) > ALPHA
     assert _chi2_pvalue(counts3.sum(2), (p1[:, None] * p2).numpy()) > ALPHA

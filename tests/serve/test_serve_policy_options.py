@@ -11,8 +11,8 @@ TARGET = Path(__file__).resolve().parents[2] / "data" / "models" / "demo-target"
 
 
 @pytest.mark.parametrize("options, message", [
-    (ServeOptions(draft_stop=True), "--draft-stop is part of the adaptive policy"),
     (ServeOptions(k=2, table=Path("t.json")), "mutually exclusive"),
+    (ServeOptions(k=-1), "--k must be >= 0"),
 ])
 def test_policy_options_are_refused_in_one_line(options, message):
     with pytest.raises(ServeError, match=message) as refused:
