@@ -1,33 +1,11 @@
-"""In-situ timing: generate with a fixed chain k at one batch size on held-out prompts, and time every
+"""In-situ timing: generate with a fixed chain k at one batch size on held-out prompts and time every
 forward pass (`calibrate.pass_clock.PassClock`) and every step (the generator's own step clock).
 
-A point (b, k) is generated `sweeps` times, each time on other prompts, and the generations of one point
-are spread over the whole stage: sweep 1 runs one generation of every point, sweep 2 the next one of every
-point, and so on. Why: this machine's speed moves by itself for seconds at a time (the noise monitor's
-drift); measured point by point, one slow spell made every generation of one point slow, and the fit bent
-its curve to that point (on the demo pair the bench then ran b = 8, k = 4 18 % faster than predicted,
-and the table chose k = 2 there, 14 % slower than k = 4). Spread over sweeps, a slow spell spoils one
-generation of a point, and the point's other generations and its neighbours outvote it. Within a sweep,
-the ks of one batch size are generated together in lockstep on the same prompts, a step of each in turn
-(calibrate.lockstep): the spells of this CPU's two speeds last from half a second to tens of seconds,
-so generations of one k after another met different speeds, and the differences between ks are what
-the table is made of (measured, default calibrations on a machine whose reference pass lay 25 % from
-its median on average: the step time of each k relative to k = 4 at one batch size varied across the
-three sweeps by 16.6 % back to back, 3.9 % in lockstep, median standard deviations; docs/lockstep.md).
-Each generation follows a short warm-up generation on the same prompts (discarded: the first use of a
-shape pays the allocator), and runs with EOS ignored, so every row runs `new_tokens` tokens. Only
-full-batch steps count (the batch thins out in the last steps), and only their passes. The rows are
-`perfmodel.insitu`'s, each marked with its sweep.
-
-The prompts are held out from the acceptance measurement (the prompts after the ones it used), sorted
-by length, and sweep s of `sweeps` takes b consecutive prompts at position (s - 1) / (sweeps - 1) of the
-way from the shortest to the longest: the context a pass pays for is the longest row's, which grows with
-b when prompts are drawn at random, so spreading them gives every batch size short and long contexts and
-lets the fit tell the context's cost from the batch size's. Random weights (shape presets, a bare
-config.json) have no text to continue and no acceptance of their own: their prompts are random token ids
-of lengths spread the same way (`random_prompts`), and each draft token is accepted with the profile's
-given acceptance (the runtime's synthetic acceptance), so their steps run the pass mix the model
-predicts for it: a step's time depends on the shapes it runs, not on which tokens fill them.
+Each point (b, k) is generated once per sweep, the sweeps spread over the whole stage, and within a sweep
+the ks of one batch size run in lockstep on the same prompts (calibrate.lockstep): a slow spell of the
+machine spoils one generation, not one point. EOS is ignored, a warm-up generation precedes each one and
+only full-batch steps count. Prompts follow the acceptance ones, spread from shortest to longest over the
+sweeps; random weights run random token ids of such lengths at the profile's given acceptance.
 """
 from __future__ import annotations
 
@@ -37,7 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
-from specbatch.perfmodel.insitu import InSituPassRow, InSituStepRow, pass_rows, step_row
+from specbatch.perfmodel.profile.insitu import InSituPassRow, InSituStepRow, pass_rows, step_row
 from specbatch.perfmodel.profile import Grid
 from specbatch.runtime.generator import SpeculativeGenerator
 from specbatch.runtime.policy import FixedK

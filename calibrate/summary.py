@@ -62,7 +62,7 @@ class CalibrationSummary:
     tree_overheads: int = 0  # tree step-overhead rows in the profile
     points_left: int = 0  # not measured because --max-seconds ran out; --resume measures them
     max_seconds: float | None = None
-    noise: dict | None = None  # perfmodel.noise.NoiseFigure.to_json(): the reference pass's drift and jitter
+    noise: dict | None = None  # perfmodel.profile.noise.NoiseFigure.to_json(): the reference pass's drift and jitter
     warnings: tuple[str, ...] = ()  # one line each, e.g. a machine too noisy for the ±3 % rule
     insitu_passes: int = 0  # in-situ pass rows in the profile (passes timed inside real steps)
     insitu_steps: int = 0  # in-situ step rows

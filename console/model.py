@@ -31,7 +31,7 @@ def render_sources(console, choice, holdout: bool) -> None:
 
 
 def render_fit(fitted, output: Path, holdout: bool = False, noise=None) -> None:
-    """`noise`: the profile's perfmodel.noise.NoiseFigure, when it has one: its floor is printed beside the
+    """`noise`: the profile's perfmodel.profile.noise.NoiseFigure, when it has one: its floor is printed beside the
     errors."""
     from rich.console import Console
     from rich.table import Table

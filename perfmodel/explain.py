@@ -53,12 +53,12 @@ from .acceptance import tokens_variance
 from .errors import PerfModelError
 from .strategy import StepModel
 from .tree import Strategy
+from .uncertainty import Z95
 
 OVERHEAD = "overhead"  # the term outside forward passes (n-gram queries included)
 CORRECTION = "in-situ step correction"  # the model's own factor on a step (perfmodel.steps)
 TOKENS = "tokens per step"
 CUT = "cut at max new tokens"
-Z95 = 1.959964  # the two-sided 95 % normal quantile
 
 
 @dataclass(frozen=True)

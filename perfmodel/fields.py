@@ -2,7 +2,7 @@
 path to the object) so that an error names exactly the field at fault
 (`profile.json: timings[3].median_ms: expected a number, found 'fast'`).
 
-Shared by the file contracts (`perfmodel.profile`, `perfmodel.insitu`).
+Shared by the file contracts (`perfmodel.profile` and its sections).
 """
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import math
 from typing import Any
 
 from .errors import PerfModelError
+
+ROLES = ("target", "draft")  # the two model roles every file contract names
 
 
 def at(where: str, key: str) -> str:

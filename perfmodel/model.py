@@ -28,7 +28,7 @@ from . import latency as lat
 from .acceptance import AcceptanceModel, acceptance_from_user
 from .errors import PerfModelError
 from .jsonio import read_json, rounded, write_json_atomic
-from .noise import NoiseFigure
+from .profile.noise import NoiseFigure
 from .overhead import OverheadModel
 from .profile import ROLES, DeviceInfo, Grid, ModelInfo, Stage2Info
 from .steps import SourceChoice, StepCorrection

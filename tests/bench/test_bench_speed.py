@@ -5,7 +5,7 @@ import pytest
 from specbatch.bench.results import BatchResult
 from specbatch.bench.speed import MachineSpeed, add_machine_speed
 from specbatch.calibrate.noise import NoiseMonitor
-from specbatch.perfmodel.noise import NoiseCheck, NoiseFigure
+from specbatch.perfmodel.profile.noise import NoiseCheck, NoiseFigure
 
 
 def scripted(values):

@@ -12,7 +12,7 @@ from specbatch.calibrate.acceptance import encode_prompts, read_prompts
 from specbatch.calibrate.grid import make_grid
 from specbatch.calibrate.insitu import InSituPoint, insitu_groups, insitu_points, measure_insitu
 from specbatch.calibrate.store import measured_insitu_points
-from specbatch.perfmodel.insitu import InSituStepRow
+from specbatch.perfmodel.profile.insitu import InSituStepRow
 from specbatch.runtime.checkpoint import load_checkpoint
 from specbatch.runtime.generator import SpeculativeGenerator
 

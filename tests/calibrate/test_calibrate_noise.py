@@ -5,7 +5,7 @@ import json
 import pytest
 
 from specbatch.calibrate.noise import NoiseMonitor
-from specbatch.perfmodel.noise import NoiseCheck, NoiseFigure, noise_from_json
+from specbatch.perfmodel.profile.noise import NoiseCheck, NoiseFigure, noise_from_json
 from specbatch.perfmodel.profile import profile_from_json
 from perfmodel_fixtures import build_profile, roofline_latency
 

@@ -9,8 +9,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_perfmodel_imports_no_torch():
-    modules = sorted(path.stem for path in (ROOT / "perfmodel").glob("*.py") if path.stem != "__init__")
-    assert {"latency", "model", "table", "strategy"} <= set(modules)
+    package = ROOT / "perfmodel"
+    modules = sorted(".".join(path.relative_to(package).with_suffix("").parts).removesuffix(".__init__")
+                     for path in package.rglob("*.py") if path != package / "__init__.py")
+    assert {"latency", "model", "table", "strategy", "profile", "profile.insitu"} <= set(modules)
     code = ("import importlib, sys; "
             f"[importlib.import_module('specbatch.perfmodel.' + name) for name in {modules!r}]; "
             "assert 'torch' not in sys.modules, 'perfmodel imported torch'")

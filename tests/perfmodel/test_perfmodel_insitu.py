@@ -9,7 +9,7 @@ import json
 import pytest
 
 from specbatch.perfmodel.errors import PerfModelError
-from specbatch.perfmodel.insitu import pass_rows, step_row
+from specbatch.perfmodel.profile.insitu import pass_rows, step_row
 from specbatch.perfmodel.fit import fit_profile
 from specbatch.perfmodel.model import load_model, model_to_json, save_model
 from specbatch.perfmodel.profile import load_profile, save_profile

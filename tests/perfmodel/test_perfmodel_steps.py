@@ -16,7 +16,7 @@ from specbatch.perfmodel.tree import Strategy, parse_tree
 
 
 @dataclass(frozen=True)
-class Step:  # the fields of perfmodel.insitu.InSituStepRow the correction reads
+class Step:  # the fields of perfmodel.profile.insitu.InSituStepRow the correction reads
     batch_size: int
     k: int
     sweep: int | None

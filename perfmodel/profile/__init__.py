@@ -11,7 +11,7 @@ profiles without them still load and mean "chains only":
 - `overheads[i].tree_nodes` / `.stage2`: overhead rows of tree steps (chain rows: null / false);
 - `stage2`: the n-gram model file, how often its guesses match the draft, and what a query costs.
 
-Optional in-situ timing (`perfmodel.insitu`): `insitu_timings`, passes timed inside real speculative
+Optional in-situ timing (the `insitu` section): `insitu_timings`, passes timed inside real speculative
 steps, and `insitu_steps`, those steps' measured times; profiles without them mean "isolated only".
 
 Reading is strict: a missing or mistyped field is a PerfModelError that names the file and the
@@ -23,15 +23,14 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .errors import PerfModelError
-from .fields import at as _at, boolean as _bool, get as _get, int_list as _int_list, integer as _int
-from .fields import is_int as _is_int, listed as _list, number as _number, string as _str
+from ..errors import PerfModelError
+from ..fields import at as _at, boolean as _bool, get as _get, int_list as _int_list, integer as _int
+from ..fields import ROLES, is_int as _is_int, listed as _list, number as _number, string as _str
 from .insitu import InSituPassRow, InSituStepRow, check_unique, rows_json, sections_from_json
 from .noise import NoiseFigure, noise_from_json
-from .jsonio import read_json, write_json_atomic
+from ..jsonio import read_json, write_json_atomic
 
 PROFILE_SCHEMA = "specbatch.profile/1"
-ROLES = ("target", "draft")
 DEVICE_KINDS = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
 ACCEPTANCE_MODES = ("greedy", "sampling")
@@ -173,8 +172,8 @@ class Profile:
     overheads: tuple[OverheadRow, ...]
     acceptance: tuple[AcceptanceEntry, ...]
     stage2: Stage2Info | None = None  # optional: profiles measured without an n-gram model lack it
-    noise: NoiseFigure | None = None  # optional: how noisy the machine was (perfmodel.noise); older profiles lack it
-    # optional (perfmodel.insitu): passes and steps timed inside real speculative generation
+    noise: NoiseFigure | None = None  # optional (the `noise` section): how noisy the machine was
+    # optional (the `insitu` section): passes and steps timed inside real speculative generation
     insitu_timings: tuple[InSituPassRow, ...] = ()
     insitu_steps: tuple[InSituStepRow, ...] = ()
 

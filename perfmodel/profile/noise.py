@@ -23,7 +23,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import PerfModelError
+from ..errors import PerfModelError
 
 NOISE_RULE = 0.03  # the repetition rule's ±3 %: noise above it is larger than the precision we claim
 

@@ -21,7 +21,7 @@ ran: a point's generations are spread over the stage, one per sweep, so that a s
 spoils one generation of a point rather than all of them. Rows without it (older profiles) were measured
 point by point. Rows of different sweeps may share (b, n, context): the key includes the sweep.
 
-`perfmodel.sources` fits the latency model from either kind of pass row and keeps the one that predicts
+`fit`'s step stage fits the latency model from either kind of pass row and keeps the one that predicts
 these measured steps better. Profiles without the sections load unchanged and mean "isolated only".
 Assumption: the passes of one row differ only in their measurement noise and in the context spread
 within a bin (64 tokens: a few per cent of a pass at the contexts measured).
@@ -34,11 +34,10 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from .errors import PerfModelError
-from .fields import at, boolean, integer, listed, number, string
+from ..errors import PerfModelError
+from ..fields import ROLES, at, boolean, integer, listed, number, string
 
 CONTEXT_BIN_TOKENS = 64  # passes of one (role, b, n, k) are grouped by context in bins this wide
-ROLES = ("target", "draft")
 
 
 @dataclass(frozen=True)
