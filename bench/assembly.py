@@ -11,8 +11,7 @@ from specbatch.perfmodel.errors import UsageError
 from specbatch.runtime.assembly import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET, LOW_ACCEPTANCE_PROMPTS
 
 from .config import BenchConfig, BenchModels
-from .harness import RANDOM_PROMPT_TOKENS, random_prompts
-from .workload import Workload
+from .workload import RANDOM_PROMPT_TOKENS, Workload, random_prompts
 
 
 @dataclass

@@ -46,8 +46,7 @@ def table_rounds(table, batch_size: int,
     """The table's most-run strategy at this batch size and the rounds that ran it alone, with a note when
     other rounds were left out. A table with several context buckets may choose differently in different
     rounds (their contexts differ) or within one (the context grows past a bucket edge); pooled, such
-    rounds mix passes of several widths, and one strategy's prediction set against them explains nothing
-    (measured: b = 32, k = 2 in 10 rounds and k = 4 in 3, explained as k = 4 with a mix term of -77 %)."""
+    rounds mix passes of several widths, and one strategy's prediction set against them explains nothing."""
     groups: dict[str, tuple[Strategy, list[RunRecord]]] = {}
     mixed = 0
     for run in runs:
@@ -126,15 +125,18 @@ def run_explain(config, models, prompts: Sequence[list[int]],
     from specbatch.runtime.generator import SpeculativeGenerator
     from specbatch.runtime.policy import FixedK, FixedStrategy, TableK
 
-    from .config import BenchError, tree_from_spec
-    from .harness import attended_context_len, check_context, cycled_prompts, timed_round_prompts
     from specbatch.calibrate.pass_clock import PassClock, measured_steps
+
+    from .config import BenchError, tree_from_spec
+    from .plan import check_context
     from .predict import load_predictor
     from .speed import machine_speed_for, speed_note
+    from .workload import attended_context_len, round_prompts, timed_round_prompts
 
     b = config.batch_sizes[0]
     predictor = load_predictor(config.model_path, config.sampling, config.synthetic_acceptance)
-    context_len = attended_context_len(timed_round_prompts(prompts, b, config), config.max_new_tokens)
+    batches = timed_round_prompts(prompts, b, config.warmup_rounds, config.rounds)
+    context_len = attended_context_len(batches, config.max_new_tokens)
     if config.table_path is not None:
         policy = TableK(config.table_path)
         strategy = table_strategy(policy, b, context_len)
@@ -155,7 +157,7 @@ def run_explain(config, models, prompts: Sequence[list[int]],
     for round_index in range(-config.warmup_rounds, config.rounds):
         if speed is not None and round_index >= 0:
             speed.check(b)
-        batch_prompts = cycled_prompts(prompts, b, offset=(round_index + config.warmup_rounds) * b)
+        batch_prompts = round_prompts(prompts, b, round_index, config.warmup_rounds, config.rounds)
         with PassClock({"draft": generator.draft, "target": generator.target}, generator.device) as clock:
             result = generator.generate(batch_prompts, config.max_new_tokens, policy, config.sampling,
                                         config.seed + round_index + config.warmup_rounds,

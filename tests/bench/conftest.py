@@ -7,7 +7,7 @@ from torch_fixtures import *  # noqa: F401,F403 - fixtures are found by name
 import pytest
 
 from specbatch.bench.config import BenchModels
-from specbatch.bench.harness import random_prompts
+from specbatch.bench.workload import random_prompts
 from specbatch.runtime.checkpoint import build_model
 
 VOCAB = 64  # tests/conftest.py's tiny Llama vocabulary

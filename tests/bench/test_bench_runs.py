@@ -16,7 +16,8 @@ import sys
 import pytest
 
 from specbatch.bench.config import BenchConfig, BenchError, BenchModels
-from specbatch.bench.harness import balanced_order, check_context, run_bench
+from specbatch.bench.harness import run_bench
+from specbatch.bench.plan import balanced_order, check_context
 from specbatch.bench.outputs import BENCH_SCHEMA, CSV_COLUMNS, write_outputs
 from specbatch.bench.policies import HF_ASSISTED, HF_GREEDY, TABLE_POLICY, bench_policies
 from specbatch.runtime.sampling import Sampling

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from specbatch.bench.harness import balanced_order, cycled_prompts
+from specbatch.bench.plan import balanced_order
+from specbatch.bench.workload import cycled_prompts
 from specbatch.bench.policies import HF_GREEDY, TABLE_POLICY, bench_policies
 from specbatch.bench.results import RunRecord, summarize_batch, summarize_policy
 
