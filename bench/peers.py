@@ -2,7 +2,7 @@
 
 Plain generation runs batched with left padding; assisted generation (the draft as
 `assistant_model`) only at batch size 1, the only size transformers accepts. Both produce exactly
-max_new_tokens per row, as ours do, and are timed with the same wall clock (`timing.wall_clock`).
+max_new_tokens per row, as ours do, and are timed with the same wall clock (`runtime.clock.DeviceClock`).
 """
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
+from specbatch.runtime.clock import DeviceClock
 from specbatch.runtime.sampling import Sampling
 
 from .config import BenchConfig, BenchModels
 from .policies import HF_ASSISTED
-from .timing import wall_clock
 
 
 @dataclass
@@ -89,7 +89,8 @@ def time_peer(peers: PeerModels, name: str, prompts: list[list[int]], config: Be
     if name == HF_ASSISTED:
         options["assistant_model"] = peers.draft
     torch.manual_seed(seed)
-    start = wall_clock(device)
+    clock = DeviceClock(device)
+    start = clock.now()
     output = peers.target.generate(input_ids=ids, attention_mask=mask, **options)  # (b, width + new)
-    seconds = wall_clock(device) - start
+    seconds = clock.now() - start
     return dict(generated_tokens=int(output.shape[0] * (output.shape[1] - ids.shape[1])), seconds=seconds)

@@ -4,35 +4,27 @@ calibrate.lockstep says why). Peers (transformers, vLLM) run in their own loops,
 """
 from __future__ import annotations
 
-import time
 from collections import Counter
 from typing import Any, Sequence
 
-import torch
-
 from specbatch.calibrate.lockstep import run_lockstep
 from specbatch.calibrate.pass_clock import PassClock, measured_steps
+from specbatch.runtime.clock import DeviceClock
 from specbatch.runtime.generator import GenerationStats, SpeculativeGenerator
 
 from .config import BenchConfig
 
 
-def wall_clock(device: torch.device) -> float:
-    """Wall clock; on CUDA, after the queued kernels have run, so they are counted where they ran."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
 def time_ours(generator: SpeculativeGenerator, prompts: list[list[int]], policy, config: BenchConfig,
               seed: int) -> dict[str, Any]:
     """One generation with our runtime; the same outer wall clock as the peers."""
-    start = wall_clock(generator.device)
+    clock = DeviceClock(generator.device)
+    start = clock.now()
     # each pass timed on its own for `explain` (the clock syncs where the generator's timer already does)
-    with PassClock({"draft": generator.draft, "target": generator.target}, generator.device) as clock:
+    with PassClock({"draft": generator.draft, "target": generator.target}, generator.device) as passes:
         result = generator.generate(prompts, config.max_new_tokens, policy, config.sampling, seed,
                                     config.synthetic_acceptance)
-    return measured_run(result.stats, clock, len(prompts), wall_clock(generator.device) - start)
+    return measured_run(result.stats, passes, len(prompts), clock.now() - start)
 
 
 def time_lockstep(generator: SpeculativeGenerator, prompts: list[list[int]], policies: Sequence[tuple[str, Any]],

@@ -15,12 +15,12 @@ timed inside real speculative steps, calibrate/insitu.py).
 """
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
 
 from specbatch.perfmodel.explain import MeasuredSteps, measured_from_stats
+from specbatch.runtime.clock import DeviceClock
 
 
 class PassClock:
@@ -32,22 +32,18 @@ class PassClock:
             if isinstance(model, torch.nn.Module):
                 distinct.setdefault(id(model), role)
         self.models = {role: models[role] for role in distinct.values()}
-        self.cuda = device.type == "cuda"
+        self.clock = DeviceClock(device)
         # per role, per call: (batch, new tokens, cached context of the longest row, seconds)
         self.records: dict[str, list[tuple[int, int, int, float]]] = {role: [] for role in self.models}
-
-    def _now(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter()
 
     def _timed(self, role: str, forward):
         def timed_forward(tokens, *args, **kwargs):
             cache = args[0] if args else kwargs.get("cache")
             context = int(cache.lengths.max()) if cache is not None else 0  # before the clock starts
-            started = self._now()
+            started = self.clock.now()
             out = forward(tokens, *args, **kwargs)
-            self.records[role].append((int(tokens.shape[0]), int(tokens.shape[1]), context, self._now() - started))
+            self.records[role].append((int(tokens.shape[0]), int(tokens.shape[1]), context,
+                                       self.clock.now() - started))
             return out
         return timed_forward
 

@@ -8,7 +8,8 @@ the samples are independent and identically distributed; it makes no normality a
 few slow outliers (a context switch, a page fault) widen it much less than they would a mean's.
 With fewer than 6 samples no such interval exists and the rule keeps sampling.
 
-Everything here is pure Python over an injectable clock, so the rule is tested with a fake clock.
+Everything here is pure Python over an injectable clock, so the rule is tested with a fake clock; on a
+device the clock is `runtime.clock.DeviceClock`, which synchronizes before it reads the time.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-Clock = Callable[[], float]  # seconds, monotonic
+Clock = Callable[[], float]  # seconds, monotonic (runtime.clock.DeviceClock on a device)
 
 
 @dataclass(frozen=True)
@@ -108,16 +109,11 @@ def repeat(sample_ms: Callable[[], float], rule: RepetitionRule, clock: Clock = 
     return summarize(samples_ms)
 
 
-def timed_ms(call: Callable[[], object], clock: Clock = time.perf_counter,
-             synchronize: Callable[[], None] | None = None) -> float:
-    """Wall time of `call()` in milliseconds. On CUDA pass `torch.cuda.synchronize`: kernels are
-    queued asynchronously, so without a barrier on both sides the clock would measure the launch."""
-    if synchronize is not None:
-        synchronize()
+def timed_ms(call: Callable[[], object], clock: Clock = time.perf_counter) -> float:
+    """Wall time of `call()` in milliseconds, between two readings of `clock` (on CUDA a DeviceClock:
+    kernels are queued asynchronously, so a clock that does not synchronize would measure the launch)."""
     start_s = clock()
     call()
-    if synchronize is not None:
-        synchronize()
     return (clock() - start_s) * 1000.0
 
 

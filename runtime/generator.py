@@ -29,6 +29,7 @@ from specbatch.perfmodel.errors import SpecbatchError
 from specbatch.perfmodel.tree import chain
 
 from . import policy as hooks
+from .clock import DeviceClock
 from .model import CausalLM, TreeAttention
 from .sampling import Sampling, probabilities, sample, uniform
 from .tree_decoding import catch_up_input, compact, draft_tree, ngram_tree, plan_for, verify_and_accept
@@ -112,22 +113,10 @@ class GenerationResult:
     stats: GenerationStats
 
 
-class _Timer:
-    """Wall time of forward passes; synchronizes CUDA so queued kernels are counted where they run."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def now(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
-
 class _PassRecorder:
     """Times draft passes of a tree step into the stats (the tree code calls it once per pass)."""
 
-    def __init__(self, timer: _Timer, stats: GenerationStats):
+    def __init__(self, timer: DeviceClock, stats: GenerationStats):
         self.now, self.stats = timer.now, stats
 
     def __call__(self, batch: int, new_tokens: int, seconds: float) -> None:
@@ -181,7 +170,7 @@ class SpeculativeGenerator:
         self._check(prompts, max_new_tokens, policy)
         resumed = time.perf_counter()
         own_s = 0.0  # this generation's time between its turns
-        timer = _Timer(self.device)
+        timer = DeviceClock(self.device)
         stats = GenerationStats(synthetic_acceptance=synthetic_acceptance)
         rng = torch.Generator(device=self.device).manual_seed(seed)
         b = len(prompts)
@@ -288,7 +277,7 @@ class SpeculativeGenerator:
         Strategy): returns the new tokens (b, w) and how many of them each row keeps (b,), written after
         each row's `committed` prefix in `tokens` (beyond the count is scratch); the target cache is left
         at committed + counts - 1. The rows may be a different set at every call (runtime.engine)."""
-        timer = timer or _Timer(self.device)
+        timer = timer or DeviceClock(self.device)
         passes_before = len(stats.draft_passes)
         tree, staged = self._strategy(choice)
         k = 0 if tree is None else tree.depth

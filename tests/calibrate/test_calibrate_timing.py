@@ -1,12 +1,17 @@
-"""The repetition rule, driven by a fake clock: which samples are kept, when it stops, what it records."""
+"""The repetition rule, driven by a fake clock: which samples are kept, when it stops, what it records;
+and the device clock every timing reads (runtime.clock)."""
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import pytest
+import torch
 
 from specbatch.calibrate.timing import (
     RepetitionRule, is_out_of_memory, median_ci_ranks, median_is_stable, percentile, repeat,
     should_stop, summarize, timed_ms)
+from specbatch.runtime.clock import DeviceClock
 
 
 class FakeClock:
@@ -107,16 +112,38 @@ def test_summary_percentiles_agree_with_numpy():
     assert percentile(sorted(samples), 0) == 1.0 and percentile(sorted(samples), 100) == 9.0
 
 
-def test_timed_region_is_fenced_by_synchronize():
+def test_timed_region_lies_between_two_clock_readings():
     events = []
     clock = FakeClock()
+
+    def read():
+        events.append("clock")
+        return clock()
 
     def call():
         events.append("call")
         clock.now_s += 0.0025
 
-    assert timed_ms(call, clock, synchronize=lambda: events.append("sync")) == pytest.approx(2.5)
-    assert events == ["sync", "call", "sync"]
+    assert timed_ms(call, read) == pytest.approx(2.5)
+    assert events == ["clock", "call", "clock"]
+
+
+def test_device_clock_on_the_cpu_is_perf_counter():
+    clock = DeviceClock("cpu")
+    before = time.perf_counter()
+    read = clock.now()
+    assert before <= read <= time.perf_counter() and clock.device is None
+    assert before <= clock() <= time.perf_counter()  # callable: a calibrate.timing.Clock
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_device_clock_reads_the_time_only_after_the_queued_kernels_ran():
+    clock = DeviceClock("cuda")
+    x = torch.randn(4096, 4096, device="cuda")
+    for _ in range(20):
+        x = x @ x / 64.0  # queued, asynchronously
+    clock.now()
+    assert torch.cuda.current_stream().query()  # nothing left on the stream when the time was read
 
 
 def test_out_of_memory_errors_are_recognised():
