@@ -7,10 +7,9 @@
     benchmarks.py   timing one forward pass on the runtime's KV cache; a step's overhead
     acceptance.py   acceptance per draft position (and per depth and rank, for trees) from real weights
     stage2.py       the n-gram second stage: compatibility, guess accuracy, query cost
-    models.py       --target/--draft as directory, preset or config.json; the memory check
-    presets.py      published shapes, for timing before the weights exist
+    models.py       the two models' profile entries; the memory check (loading is runtime.loading's)
     store.py        the profile and its CSV on disk, written after every point
     environment.py  the device: name, memory, metadata
 
-Nothing is imported here, so `calibrate.presets` and `calibrate.grid` stay free of torch.
+Nothing is imported here, so `calibrate.grid` stays free of torch.
 """

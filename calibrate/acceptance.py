@@ -1,67 +1,12 @@
-"""Acceptance of a draft by a target, per draft position, measured on prompts (real weights only).
+"""Acceptance of a draft by a target, per draft position (chains) and per depth and rank (trees), measured
+on prompts with real weights.
 
-The estimator. Let the target continue each prompt (greedy: its argmax path, produced by the
-runtime's generator with k = 0; sampling: a path sampled from the target). Then run the target and
-the draft teacher-forced over prompt + continuation (one no-cache forward each) and, at every
-continuation position j, with p_j and q_j the two models' next-token distributions:
-
-    greedy:    m_j = 1 if argmax q_j == argmax p_j else 0       (the runtime's acceptance test)
-    sampling:  m_j = sum_x min(p_j(x), q_j(x))                   (the exact probability that
-                                                                 rejection sampling accepts the
-                                                                 draft's token, not a coin flip)
-
-A speculative step may start at any position t; its draft token i is accepted when positions
-t..t+i-1 all are, so the conditional acceptance of position i (counted only when 1..i-1 were
-accepted) is
-
-    alpha_i = sum_t prod_{j=t..t+i-1} m_j  /  sum_t prod_{j=t..t+i-2} m_j
-
-over every start t whose window t..t+i-1 lies inside the continuation; the denominator is the number
-of times position i was reached (`trials`; an expectation, rounded, for sampling).
-
-Why teacher forcing is exact for greedy: once draft tokens 1..i-1 are accepted they ARE the target's
-argmax tokens, so the draft's i-th proposal is made on the target's own path, the path scored here.
-For sampling it is an approximation beyond position 1: tokens accepted by rejection sampling follow
-min(p, q)/beta rather than p, so the scored path is the target's, not the accepted tokens'.
-
-Per rank, for trees (`rank_acceptance`). A tree node's children are the draft's top-c tokens
-(greedy) or c tokens sampled from q without replacement, and the step moves to the child that the
-target accepts. So at every continuation position j the same teacher-forced pass also gives
-P_j[r] = P(the target's token is the draft's rank-r child), r = 0..R-1:
-
-    greedy:    one-hot at rank_j = the rank of the target's argmax among the draft's logits (tokens
-               with a larger logit, plus tied ones with a smaller id: argmax's own tie rule, so
-               rank_j = 0 exactly when m_j = 1); no entry when rank_j >= R;
-    sampling:  P_j[0] = sum_x min(p_j(x), q_j(x)) exactly (= m_j); ranks r >= 1 by a seeded Monte Carlo
-               of the runtime's recursive rejection sampling given that rank 0 was rejected: the
-               rejected first child has law norm(max(0, q - p)) (q(x) times its rejection
-               probability), the next children are drawn from q without the earlier ones (the law of
-               the runtime's Gumbel top-k), and child r >= 1 is accepted with prod_{1<=i<r}(1 - a_i)
-               * a_r, a_i = min(1, p_i(x_i)/q_i(x_i)) on the runtime's residuals p <- norm(max(0, p -
-               q)), q <- q without x_i (no coin is flipped: the expectation over the acceptance coins
-               is exact). P_j[r] = (1 - P_j[0]) * the mean over SAMPLING_DRAWS draws: unbiased, and
-               each P_j sums to <= 1.
-
-The D x R table is step-aligned like `tokens_per_step`, under the dynamics of the full R-ary tree of
-depth D = max_k (every node has the draft's top R tokens as children): a step starts at the first
-position, right after a position whose target token is none of the draft's R children (the target's
-token ends the step there), or after D accepted tokens plus the bonus token; depth d of a step
-starting at t is position t + d - 1 (the accepted path is the target's own tokens whatever their
-ranks, so the next position's draft distribution is the teacher-forced one), and
-`rank_acceptance[d][r]` = sum of P_j[r] over the times depth d was reached / those times. With R = 1
-(`rank_acceptance` of the m_j alone) these are a chain's dynamics and 1 + sum_d prod_{i<=d} of the
-table equals tokens_per_step[max_k].
-
-The approximation. A table that does not depend on the tree treats depths as independent: a grown
-tree's node (1, 0) gets P(rank 1 at depth 1) x P(rank 0 at depth 2 | depth 2 reached through any
-rank < R), and the tree's own steps end (and the next ones start) after ranks the tree lacks rather
-than after ranks >= R. The alternative, a chain's dynamics (continue on rank 0 only), conditions
-deeper rows on "rank 0 above", which fits a tree's all-rank-0 spine better but never reaches depth 2
-when the target's token is rarely the draft's first choice (a row of zeros where the truth may be
-certain). Checked on the demo pair (greedy, 300 held-out prompts x 48 tokens): for trees grown to
-16..64 nodes the table's expected tokens per step are within -0.3%..+2.1% of the exact step-aligned
-value simulated over the same rank sequences (chain dynamics: -0.7%..+2.7%), and +1.0% for a chain
-of 4 (chain dynamics: -4.3%, as its steps end earlier than depth D's).
+The target continues each prompt (greedy: its argmax path; sampling: a sampled path); both models then
+score prompt + continuation teacher-forced, and each position j gives m_j: argmax agreement (greedy) or
+sum_x min(p_j(x), q_j(x)) (sampling: the exact probability that rejection sampling accepts). alpha_i is the
+share of the steps that reach draft position i whose i-th token is accepted, over every step start.
+Assumptions: teacher forcing is exact for greedy (accepted tokens are the target's own) and approximate
+beyond position 1 for sampling; the per-rank table of trees treats depths as independent.
 """
 from __future__ import annotations
 

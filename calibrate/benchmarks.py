@@ -1,16 +1,9 @@
 """The two things timed on the device: one forward pass, and one generation step's overhead.
 
-A forward pass is timed on the runtime's own model and KV cache, exactly as the generator calls it:
-`model(tokens (b, n), cache)` with every row's cache filled to length L. The cache is "filled" by
-setting its lengths (attention cost depends on how many keys there are, not on their values), and
-reset to L before each repetition because a pass advances it by n.
-
-The overhead of a step is everything the generator does outside forward passes (sampling, the
-acceptance test, cache rollback, bookkeeping). It is measured by running real generation with a
-fixed k and reading the generator's own `other_s`, so it is the runtime's overhead by construction.
-Tree steps are measured the same way with a fixed tree (and the n-gram second stage, or not), on real
-prompts with real acceptance; the n-gram's own query time is taken out of their `other_s`, because
-the performance model adds it from the profile's query-cost fit.
+A pass is timed on the runtime's own model and KV cache as the generator calls it, every row's cache set
+to length L (attention cost depends on how many keys there are, not their values). A step's overhead is
+everything the generator does outside forward passes, read from its own `other_s` while generating with a
+fixed chain or tree; the n-gram's query time is taken out, as the model adds it from the query-cost fit.
 """
 from __future__ import annotations
 
@@ -21,12 +14,12 @@ from typing import Callable
 import torch
 
 from specbatch.perfmodel.profile import Grid, TimingRow
+from specbatch.runtime.clock import DeviceClock
 from specbatch.runtime.generator import SpeculativeGenerator
 from specbatch.runtime.model import CausalLM, KVCache
 from specbatch.runtime.policy import FixedK, FixedStrategy
 from specbatch.runtime.sampling import Sampling
 
-from .environment import synchronizer
 from .grid import TimingPoint, new_tokens_at
 from .store import timing_row
 from .timing import Clock, Measurement, RepetitionRule, is_out_of_memory, repeat, timed_ms
@@ -40,13 +33,14 @@ def random_tokens(vocab_size: int, batch_size: int, new_tokens: int, device: str
 
 
 def forward_sampler(model: CausalLM, cache: KVCache, tokens: torch.Tensor, context_len: int,
-                    synchronize: Callable[[], None] | None, clock: Clock = time.perf_counter) -> Callable[[], float]:
-    """A function that times one pass of `tokens` (b, n) on top of `context_len` cached tokens, in ms."""
+                    clock: Clock) -> Callable[[], float]:
+    """A function that times one pass of `tokens` (b, n) on top of `context_len` cached tokens, in ms
+    (`clock`: a runtime.clock.DeviceClock, or a fake one in tests)."""
 
     @torch.inference_mode()
     def sample_ms() -> float:
         cache.lengths.fill_(context_len)  # outside the timed region: the runtime's lengths are already set
-        return timed_ms(lambda: model(tokens, cache), clock, synchronize)
+        return timed_ms(lambda: model(tokens, cache), clock)
 
     return sample_ms
 
@@ -56,8 +50,9 @@ class ForwardTimer:
     (model, b, L): allocating a cache per point would cost more than many of the passes."""
 
     def __init__(self, models: dict[str, CausalLM], grid: Grid, device: str, rule: RepetitionRule,
-                 clock: Clock = time.perf_counter):
-        self.models, self.grid, self.device, self.rule, self.clock = models, grid, device, rule, clock
+                 clock: Clock | None = None):
+        self.models, self.grid, self.device, self.rule = models, grid, device, rule
+        self.clock = clock or DeviceClock(device)
         self.key, self.cache = None, None
 
     def _cache_for(self, point: TimingPoint) -> KVCache:
@@ -74,7 +69,7 @@ class ForwardTimer:
         cache = self._cache_for(point)
         tokens = random_tokens(model.config.vocab_size, point.batch_size, point.new_tokens, self.device,
                                seed=point.batch_size * 1000 + point.new_tokens)
-        sampler = forward_sampler(model, cache, tokens, point.context_len, synchronizer(self.device), self.clock)
+        sampler = forward_sampler(model, cache, tokens, point.context_len, self.clock)
         return repeat(sampler, self.rule, self.clock)
 
     def forget(self) -> None:
@@ -128,47 +123,40 @@ def overhead_sampler(target: CausalLM, draft: CausalLM, batch_size: int, k: int,
 
 
 class TimedNGram:
-    """An n-gram second stage that adds up the wall time of its queries: the device queries
-    (`top_tokens`, `distributions`, synchronized on CUDA) and the host look-ups the runtime makes
+    """An n-gram second stage that adds up the wall time of its queries on `clock` (a DeviceClock on
+    CUDA): the device queries (`top_tokens`, `distributions`) and the host look-ups the runtime makes
     while guessing (`top_tokens_host`). Anything else is the wrapped model's."""
 
-    def __init__(self, ngram, synchronize: Callable[[], None] | None = None):
-        self.ngram, self.synchronize, self.seconds = ngram, synchronize, 0.0
+    def __init__(self, ngram, clock: Clock = time.perf_counter):
+        self.ngram, self.clock, self.seconds = ngram, clock, 0.0
 
     def __getattr__(self, name):
         return getattr(self.ngram, name)
 
-    def _device_query(self, method, *args):
-        if self.synchronize is not None:
-            self.synchronize()
-        started = time.perf_counter()
+    def _timed(self, method, *args):
+        started = self.clock()
         out = method(*args)
-        if self.synchronize is not None:
-            self.synchronize()
-        self.seconds += time.perf_counter() - started
+        self.seconds += self.clock() - started
         return out
 
     def top_tokens(self, contexts: torch.Tensor, count: int) -> torch.Tensor:
-        return self._device_query(self.ngram.top_tokens, contexts, count)
+        return self._timed(self.ngram.top_tokens, contexts, count)
 
     def distributions(self, contexts: torch.Tensor) -> torch.Tensor:
-        return self._device_query(self.ngram.distributions, contexts)
+        return self._timed(self.ngram.distributions, contexts)
 
     def top_tokens_host(self, u: int, v: int) -> tuple[int, ...]:
-        started = time.perf_counter()
-        out = self.ngram.top_tokens_host(u, v)
-        self.seconds += time.perf_counter() - started
-        return out
+        return self._timed(self.ngram.top_tokens_host, u, v)
 
 
 def tree_overhead_sampler(target: CausalLM, draft: CausalLM, prompts: list[list[int]], strategy,
                           expected_tokens: float, steps_per_sample: int, stage2=None, seed: int = 0,
-                          synchronize: Callable[[], None] | None = None) -> Callable[[], float]:
+                          clock: Clock = time.perf_counter) -> Callable[[], float]:
     """A function that generates with `strategy` (a perfmodel.tree.Strategy: a tree, with the second
     stage or not) from `prompts` (one per row, real text: acceptance is real) and returns the time per
     step outside forward passes and n-gram queries, in ms. `expected_tokens` (per row and step) sizes
-    a sample to about `steps_per_sample` steps; EOS is disabled."""
-    timed = TimedNGram(stage2, synchronize) if stage2 is not None else None
+    a sample to about `steps_per_sample` steps; EOS is disabled; `clock` times the n-gram's queries."""
+    timed = TimedNGram(stage2, clock) if stage2 is not None else None
     generator = SpeculativeGenerator(target, draft, eos_token_ids=(), stage2=timed)
     policy = FixedStrategy(strategy)
     new_tokens = 1 + round(steps_per_sample * expected_tokens)  # +1: prefill's token

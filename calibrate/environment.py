@@ -1,4 +1,5 @@
-"""The device being calibrated: which one, how much memory it has free, and its metadata."""
+"""The device being calibrated, described: name, memory (total and free now), metadata for the profile.
+Which device a name means is `runtime.loading.resolve_device`'s."""
 from __future__ import annotations
 
 import os
@@ -10,25 +11,9 @@ import torch
 
 from specbatch.perfmodel.profile import DeviceInfo
 
-from .errors import CalibrationError
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-REPO_ROOT = Path(__file__).resolve().parent.parent
-
-
-def resolve_device(name: str | None) -> str:
-    """'cpu', 'cuda' or 'cuda:N'; default: cuda when available."""
-    if name is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    kind, _, index = name.partition(":")
-    if kind not in ("cpu", "cuda") or (index and (kind == "cpu" or not index.isdigit())):
-        raise CalibrationError(f"--device: {name!r} is not one of cpu, cuda, cuda:N")
-    if kind == "cuda":
-        if not torch.cuda.is_available():
-            raise CalibrationError("--device cuda: CUDA is not available on this machine")
-        if index and int(index) >= torch.cuda.device_count():
-            raise CalibrationError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    return name
+REPO_ROOT = Path(__file__).resolve().parent.parent  # the package directory: the repository root in a checkout
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -79,7 +64,10 @@ def device_name(device: str) -> str:
 
 
 def git_revision() -> str | None:
-    """The commit of this checkout, '+dirty' when files differ from it; None outside a git checkout."""
+    """The commit of the checkout this package runs from, '+dirty' when files differ from it; None for an
+    installed package (no .git beside it, even when its site-packages sits inside some other checkout)."""
+    if not (REPO_ROOT / ".git").exists():
+        return None
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
                               timeout=10, check=True).stdout.strip()
@@ -95,8 +83,3 @@ def device_info(device: str, dtype: torch.dtype) -> DeviceInfo:
                       memory_bytes=total_memory_bytes(device), dtype=dtype_name(dtype),
                       torch_version=torch.__version__, cpu_threads=torch.get_num_threads(),
                       git_revision=git_revision())
-
-
-def synchronizer(device: str):
-    """The barrier to put around timed regions: CUDA runs kernels asynchronously, the CPU does not."""
-    return torch.cuda.synchronize if device.startswith("cuda") else None

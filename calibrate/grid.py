@@ -1,19 +1,10 @@
 """The calibration grid: which forward passes and which steps are timed.
 
-The runtime's chain step with k >= 1 is a draft pass of n0 tokens (n0 = 1, or 2 when some row
-accepted all k drafts last step and the draft must catch up the bonus token), then k - 1 draft passes
-of 1 token, then one target pass of k + 1 tokens; k = 0 is one target pass of 1 token. So the grid
-times the target at n = 1..max_k+1 and the draft at n = 1 and 2, for every batch size b and context
-length L, and the per-step overhead for every (b, k).
-
-Tree steps (runtime/tree_decoding.py) are wider: the target verifies N + 1 tokens per row for a tree
-of N nodes, and the draft scores a level of inner nodes, or with the n-gram second stage the catch-up
-tokens plus every inner node, in one pass. Trees pay at small batch sizes, so the grid adds WIDE
-passes (target n = 16, 32, 64; draft n = 4..64) only at batch sizes <= WIDE_MAX_BATCH (or at the
-smallest batch size when the grid has none that small): `Grid.target_new_tokens` lists every n
-timed, and `new_tokens_at` says which at each batch size. Wide passes that would not fit the models'
-positions on top of the longest context are left out (`fit_wide_passes`). The overheads of tree steps
-are measured at TREE_OVERHEAD_NODES (see calibrate/run.py), at every batch size.
+It mirrors the runtime's schedule: a chain step of k >= 1 is a draft pass of 1 or 2 tokens, k - 1 draft
+passes of 1 and a target pass of k + 1, so the target is timed at n = 1..max_k+1 and the draft at n = 1, 2
+for every batch size b and context length L, plus the step overhead of every (b, k). Tree steps are wider
+(a tree of N nodes verifies N + 1 tokens per row) and pay at small batch sizes, so WIDE passes are added
+only at b <= WIDE_MAX_BATCH, within the models' positions; `new_tokens_at` says which n each b times.
 """
 from __future__ import annotations
 

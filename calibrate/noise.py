@@ -1,12 +1,12 @@
 """The noise monitor: a reference pass timed at the start of calibration, at intervals between points,
-and at the end (perfmodel.noise says what the figures mean). Pure Python over an injectable clock and
+and at the end (perfmodel.profile.noise says what the figures mean). Pure Python over an injectable clock and
 sampler, so the schedule is tested with a fake clock; `reference_sampler` builds the real one."""
 from __future__ import annotations
 
 import time
 from typing import Callable
 
-from specbatch.perfmodel.noise import NoiseCheck, NoiseFigure
+from specbatch.perfmodel.profile.noise import NoiseCheck, NoiseFigure
 
 from .timing import Clock, percentile
 
@@ -39,10 +39,10 @@ class NoiseMonitor:
 
 
 def reference_sampler(model, batch_size: int, context_len: int, device: str, clock: Clock):
-    """One pass of `model` over (batch_size, 1) new tokens on `context_len` cached ones, in ms."""
+    """One pass of `model` over (batch_size, 1) new tokens on `context_len` cached ones, in ms (`clock`: a
+    runtime.clock.DeviceClock, or a fake one in tests)."""
     from .benchmarks import forward_sampler, random_tokens
-    from .environment import synchronizer
 
     cache = model.new_cache(batch_size, context_len + 1)
     tokens = random_tokens(model.config.vocab_size, batch_size, 1, device, seed=7)
-    return forward_sampler(model, cache, tokens, context_len, synchronizer(device), clock)
+    return forward_sampler(model, cache, tokens, context_len, clock)

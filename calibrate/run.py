@@ -1,21 +1,10 @@
 """`calibrate()`: check the request, load the pair, measure every grid point, write the profile.
 
-Order of work: every input is checked before anything heavy happens (bad input fails in a second,
-not after minutes of measuring); then acceptance (its greedy value sets how many drafts the chain
-overhead runs accept, its rank acceptance grows the trees whose overheads are measured), the n-gram
-second stage when one is given (guess accuracy on the greedy continuations, query cost), forward-pass
-timings, chain step overheads, in-situ timing (passes and steps timed inside real generation with fixed
-k, calibrate/insitu.py), and tree step overheads. The profile is written after every point.
-
-In-situ timing generates on the prompts after the acceptance ones; with --acceptance (random weights)
-on random token ids, each draft token accepted with the given acceptance (calibrate.insitu), so the
-fit can check its step model against measured steps for shape presets too.
-
-Tree overheads are measured at every batch size for trees grown from the measured rank acceptance
-(`perfmodel.tree.grow_tree`, depth up to max_k) at the Effort's `tree_nodes` sizes, with and without
-the second stage when there is one, on the prompts' real text (real acceptance: synthetic acceptance
-is for chains only). They need measured acceptance: with --acceptance there is no rank table, hence
-no tree to grow, and the performance model falls back to the chain rows.
+Every input is checked before anything heavy runs. Then, in order: acceptance (it sets how many drafts
+the overhead runs accept and grows the trees whose overheads are measured), the n-gram second stage,
+forward-pass timings, chain step overheads, in-situ timing (calibrate/insitu.py) and tree step overheads
+(trees need measured acceptance: with --acceptance the model falls back to chains). The profile is written
+after every point, so an interrupted run resumes.
 """
 from __future__ import annotations
 
@@ -29,21 +18,22 @@ import torch
 from specbatch.perfmodel.jsonio import exclusive_lock, file_sha256, writable_path
 from specbatch.perfmodel.profile import AcceptanceEntry, Grid, OverheadRow, Profile
 from specbatch.perfmodel.tree import Strategy, expected_tree_tokens, grow_tree
-from specbatch.runtime.checkpoint import CheckpointError, parse_dtype
+from specbatch.runtime.checkpoint import parse_dtype
+from specbatch.runtime.clock import DeviceClock
 from specbatch.runtime.generator import SpeculativeGenerator
+from specbatch.runtime.loading import LoadedPair, ModelSpec, display_path, load_pair, resolve_device, resolve_pair
 from specbatch.runtime.sampling import Sampling
 
 from . import acceptance as acc
 from . import stage2 as st2
 from .benchmarks import ForwardTimer, overhead_sampler, release_memory, time_point, tree_overhead_sampler
-from .environment import available_memory_bytes, device_info, resolve_device, synchronizer
+from .environment import available_memory_bytes, device_info
 from .errors import CalibrationError
 from .grid import (DEFAULT_BATCH_SIZES, DEFAULT_CONTEXT_LENS, DEFAULT_MAX_K, QUICK_BATCH_SIZES, QUICK_CONTEXT_LENS,
                    OverheadPoint, TreeOverheadPoint, check_grid_fits, fit_wide_passes, make_grid, merge_grids,
                    overhead_points, timing_points, tree_overhead_points)
 from .insitu import InSituPoint, insitu_groups, insitu_points, measure_insitu, random_prompts
-from .models import (LoadedPair, ModelSpec, check_memory, check_pair, display_path, load_pair, memory_need,
-                     model_info, resolve_model)
+from .models import check_memory, memory_need, model_info
 from .noise import NoiseMonitor, reference_sampler
 from .store import (check_resumable, csv_path_for, load_for_resume, measured_insitu_points, measured_overhead_points,
                     measured_timing_points, measured_tree_overhead_points, new_profile, overhead_row,
@@ -160,8 +150,7 @@ def _check_out(request: CalibrationRequest) -> None:
 
 def _plan(request: CalibrationRequest) -> _Plan:
     _check_out(request)
-    target, draft = resolve_model(request.target, "target"), resolve_model(request.draft, "draft")
-    check_pair(target, draft)
+    target, draft = resolve_pair(request.target, request.draft)
     grid = make_grid(request.batch_sizes or (QUICK_BATCH_SIZES if request.quick else DEFAULT_BATCH_SIZES),
                      request.context_lens or (QUICK_CONTEXT_LENS if request.quick else DEFAULT_CONTEXT_LENS),
                      request.max_k)
@@ -192,10 +181,7 @@ def _plan(request: CalibrationRequest) -> _Plan:
         # absolute: tables made from this profile load it from any directory (and check its sha256)
         sha256, file = file_sha256(request.stage2), str(Path(request.stage2).resolve())
     device = resolve_device(request.device)
-    try:
-        dtype = parse_dtype(request.dtype, device)
-    except CheckpointError as error:
-        raise CalibrationError(str(error)) from None
+    dtype = parse_dtype(request.dtype, device)
     effort = QUICK_EFFORT if request.quick else DEFAULT_EFFORT
     return _Plan(target, draft, grid, device, dtype, samplings, user_acceptance, prompts, effort, ngram, file, sha256)
 
@@ -272,7 +258,7 @@ def _tree_overhead_row(pair: LoadedPair, plan: _Plan, point: TreeOverheadPoint, 
         sampler = tree_overhead_sampler(pair.target, pair.draft, _tree_prompts(encoded, point.batch_size),
                                         Strategy(tree, point.stage2), expected_tree_tokens(tree, rank_acceptance),
                                         plan.effort.tree_steps, stage2=plan.stage2 if point.stage2 else None,
-                                        synchronize=synchronizer(plan.device))
+                                        clock=DeviceClock(plan.device))
         return tree_overhead_row(point, tree.depth, repeat(sampler, plan.effort.tree_rule, clock))
     except Exception as error:  # noqa: BLE001 - only out-of-memory is survivable
         if not is_out_of_memory(error):
@@ -346,7 +332,7 @@ class _OutOfTime(Exception):
 
 
 def calibrate(request: CalibrationRequest, on_progress: Callable[[ProgressEvent], None] | None = None,
-              clock: Clock = time.perf_counter,
+              clock: Clock | None = None,
               on_estimate: Callable[[int, float], None] | None = None) -> CalibrationSummary:
     """Measure the pair on the device and write the profile (and its CSV) after every point.
 
@@ -354,9 +340,11 @@ def calibrate(request: CalibrationRequest, on_progress: Callable[[ProgressEvent]
     `estimate_seconds`); `on_progress` is called after each point is on disk; an exception it raises
     (Ctrl-C) stops the run with everything measured so far saved, and `resume=True` continues from there. An existing
     --out is not touched until the first point is measured; a lock beside it keeps a second run out.
+    `clock` (tests: a fake one) defaults to the device's (runtime.clock.DeviceClock).
     """
-    started_s = clock()
+    started_s = (clock or time.perf_counter)()
     plan = _plan(request)
+    clock = clock or DeviceClock(plan.device)
     with exclusive_lock(request.out, "--out", "calibration"):
         return _calibrate(request, plan, on_progress, on_estimate, clock, started_s)
 

@@ -1,27 +1,10 @@
 """The n-gram second stage (`--stage2 FILE`): does it fit the pair, how often does it guess the draft's
-tokens, and what does one query cost. Filled into the profile's `stage2` (perfmodel.profile.Stage2Info).
+tokens, and what does one query cost; filled into the profile's `stage2` (perfmodel.profile.Stage2Info).
 
-Guess accuracy. In a staged tree step (runtime/tree_decoding.py) the n-gram guesses each inner node's
-token: its rank-r next token given the two tokens before the node, where the true token is the
-draft's rank-r child of the node's parent. So
-
-    guess_accuracy[r] = P(the n-gram's rank-r token given (x_{j-1}, x_j) == the draft's rank-r token at j)
-
-measured teacher-forced at every position j of the greedy continuations the acceptance is measured
-on (the same pass: `calibrate.acceptance.ScoredRow`), with -1 standing for "before the sequence" as
-in the runtime. Every position counts, not only step starts: the draft is consulted at every inner
-node, on and off the accepted path, and the target's path stands in for both. Ranks are the greedy
-ones (the r-th most likely token); sampled children match the n-gram's guesses less often.
-
-Query cost. A query is timed the way the runtime makes it: `runtime.tree_decoding._guess` looks up
-each guessed node's context on the host, `top_tokens_host(u, v)` with Python ints, one call per row
-and node (one device round trip per round brings the tokens over; that stays in the step overhead
-rows, which leave only these look-ups out). So a query over n contexts is n such calls, timed at n in
-QUERY_CONTEXTS (contexts taken from the scored positions, so trigram hits and misses come in their
-real mix) with the repetition rule of the forward passes, each sample the mean of
-QUERY_CALLS_PER_SAMPLE queries; a least-squares line through the medians gives query_overhead_ms +
-n * query_ms_per_context (both clipped at 0: a negative slope from noise becomes a flat line at the
-median, a negative intercept a line through the origin).
+Guess accuracy per rank r: how often the n-gram's rank-r token after (x_{j-1}, x_j) is the draft's rank-r
+token at j, teacher-forced at every position of the greedy continuations acceptance is scored on. Query
+cost: host look-ups timed as runtime.tree_decoding makes them, at QUERY_CONTEXTS contexts, fitted as
+query_overhead_ms + n * query_ms_per_context (both clipped at 0).
 """
 from __future__ import annotations
 
@@ -34,11 +17,11 @@ import torch
 
 from specbatch.perfmodel.profile import Stage2Info
 from specbatch.runtime.assembly import DEMO_DRAFT, DEMO_NGRAM
-from specbatch.runtime.ngram import NGramError, NGramModel, tokenizer_fingerprint
+from specbatch.runtime.loading import ModelSpec, load_ngram
+from specbatch.runtime.ngram import NGramModel
 
 from .acceptance import RANKS, ScoredRow
 from .errors import CalibrationError
-from .models import ModelSpec
 from .timing import Clock, RepetitionRule, repeat, timed_ms
 
 QUERY_CONTEXTS = (1, 4, 16, 64, 256)  # b x (nodes of one level): 1 at b = 1 up to hundreds at large b
@@ -72,16 +55,8 @@ def stage2_for_calibration(stage2: Path | None, no_stage2: bool, draft: str | No
 
 def load_stage2(path: Path, target: ModelSpec) -> NGramModel:
     """Load the n-gram and check it against the target's vocabulary and tokenizer.json (when it has
-    one); every failure is one line naming --stage2 and the file."""
-    try:
-        ngram = NGramModel.load(path)
-        fingerprint = None
-        if target.directory is not None and (target.directory / "tokenizer.json").is_file():
-            fingerprint = tokenizer_fingerprint(target.directory / "tokenizer.json")
-        ngram.check_compatible(target.config.vocab_size, fingerprint, f"--stage2 {path}")
-    except NGramError as error:
-        message = str(error).replace("\n", " ")
-        raise CalibrationError(message if message.startswith("--stage2") else f"--stage2: {message}") from None
+    one) by `runtime.loading.load_ngram`, and that it has enough ranks to guess."""
+    ngram = load_ngram(path, "--stage2", target)
     if ngram.vocab_size < RANKS:
         raise CalibrationError(f"--stage2 {path}: a vocabulary of {ngram.vocab_size} tokens has fewer than "
                                f"{RANKS} ranks to guess")

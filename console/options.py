@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from specbatch.calibrate import presets as _presets
+from specbatch.runtime import presets as _presets
 from specbatch.perfmodel.errors import SpecbatchError, UsageError
 
 
@@ -155,10 +155,6 @@ TreeOpt = Annotated[Optional[str], typer.Option(
 AdaptiveOpt = Annotated[Optional[Path], typer.Option(
     "--adaptive", help="specbatch.model/1 file: choose the strategy every step from the fitted model and each "
                        "request's acceptance learned online (runtime/adaptive.py).")]
-DraftStopOpt = Annotated[bool, typer.Option(
-    "--draft-stop", help="With --adaptive: the draft stops proposing within a step when its own confidence says the "
-                         "next token no longer pays by 10 % (off by default: on the demo pair it cost more than it "
-                         "won, docs/adaptive.md).")]
 Stage2Opt = Annotated[Optional[Path], typer.Option(
     "--stage2", help="n-gram file (specbatch.ngram/1) that speeds up the draft model's own drafting.")]
 AcceptanceOpt = Annotated[Optional[str], typer.Option(

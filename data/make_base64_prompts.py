@@ -1,14 +1,9 @@
 """Write data/prompts/base64.jsonl: prompts on which the demo draft agrees with the target much less.
 
-The demo pair was trained on the Python standard library (data/train_demo_pair.py), and out-of-domain
-text alone does not lower its greedy acceptance: on English prose (the licences under
-/usr/share/common-licenses) both models fall into runs of spaces within a line or two, which the draft
-predicts perfectly (0.88 at draft position 1, against 0.70 on data/prompts/heldout.jsonl). What it cannot
-predict is the target's next byte inside high-entropy data: here, the base64 bodies of the CA
-certificates that Debian's ca-certificates package installs under /etc/ssl/certs. Each prompt is the
-first 48 characters of a body line (no newline, so the continuation stays inside the data), taken at a
-quarter, a half and three quarters of each distinct certificate's body, in sorted file order
-(the first 300).
+The demo pair was trained on the Python standard library (data/train_demo_pair.py); what its draft cannot
+predict is the target's next byte inside high-entropy data. Each prompt is the first 48 characters of a
+base64 body line of a CA certificate under /etc/ssl/certs (Debian's ca-certificates), taken at a quarter,
+a half and three quarters of each distinct certificate's body, in sorted file order (the first 300).
 
     python data/make_base64_prompts.py             # writes data/prompts/base64.jsonl (300 prompts)
 """

@@ -1,17 +1,14 @@
 """Train the bundled demo pair: a byte-level Llama-family target and a distilled draft, on the
 Python standard library's own sources.
 
-    python data/train_demo_pair.py                  # full run (~45 min on 2 idle CPU cores), resumable
+    python data/train_demo_pair.py                  # full run (resumable; under an hour on two CPU cores)
     python data/train_demo_pair.py --resume         # continue an interrupted run from runs/demo/
     python data/train_demo_pair.py --smoke          # 20 steps each on a tiny corpus, for tests
 
-Stages: split the corpus by file, write held-out prompts, train the target on next-byte prediction,
-distill the draft from the target's soft labels (KL(p_target || q_draft)), export both as Hugging
-Face model directories (float16 safetensors, byte-level tokenizer.json), report bits per byte.
-
-The split is decided per file by a hash of its path relative to the stdlib root, so the same file
-lands in the same split on any Python version: sha1(path) mod 100 < 90 train, < 95 validation,
-else held-out. Held-out files never touch training.
+Stages: split the corpus by file (sha1 of the path relative to the stdlib root mod 100: < 90 train, < 95
+validation, else held-out, the same on any Python version), write held-out prompts, train the target on
+next-byte prediction, distill the draft from its soft labels (KL(p_target || q_draft)), export both as
+Hugging Face model directories (float16 safetensors, byte-level tokenizer.json), report bits per byte.
 """
 from __future__ import annotations
 
@@ -32,13 +29,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from specbatch.perfmodel.jsonio import atomic_output, write_text_atomic
+from specbatch.runtime.checkpoint import internal_to_hf_llama
+from specbatch.runtime.config import ModelConfig
+from specbatch.runtime.model import CausalLM
 
-from specbatch.perfmodel.jsonio import atomic_output, write_text_atomic  # noqa: E402
-from specbatch.runtime.checkpoint import internal_to_hf_llama  # noqa: E402
-from specbatch.runtime.config import ModelConfig  # noqa: E402
-from specbatch.runtime.model import CausalLM  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent  # the package directory (the repository root in a checkout)
 
 BOS, EOS, PAD = 256, 257, 258
 VOCAB_SIZE = 259

@@ -1,31 +1,17 @@
 """Fit the demo n-gram draft: a Katz backoff trigram model (runtime/ngram.py) over the demo pair's
 byte-level tokens, on the demo pair's training files only.
 
-    python data/train_ngram.py                 # writes data/models/demo-ngram.safetensors (~8 s)
+    python data/train_ngram.py                 # writes data/models/demo-ngram.safetensors (seconds)
     python data/train_ngram.py --smoke         # 20 training files, written under runs/ (for tests)
 
-Corpus: the training split recorded in data/models/split.json (1,618 stdlib files, 28.4M tokens),
-each file one sequence `<bos> bytes <eos>` exactly as the demo pair was trained on, so no n-gram spans
-two files. Validation and held-out files are never read for fitting; the held-out files are read only to
-report cross-entropy.
-
-What was chosen, measured on this corpus (Python 3.11.7, one core):
-  * Good-Turing is ill-behaved for both orders here (byte-level counts-of-counts fall slowly: bigram
-    d_1 = -0.25, trigram d_1 = 1.42), so runtime/ngram.py falls back to absolute discounting:
-    D = 0.352 for bigrams, 0.481 for trigrams.
-  * No count cutoff: 259 byte tokens give only 9,743 bigrams and 132,801 trigrams (9,741 contexts), so the
-    full table is 1.34 MB, far under the 10 MB budget. Cutting trigram singletons
-    (--min-trigram-count 2) would give 1.06 MB and 2.590 instead of 2.589 bits per byte: not worth it.
-  * Fit in 2-3 s (8 s for the whole script with reading and evaluation). On the 83 held-out files
-    (1.24M bytes): 2.59 bits per byte (the add-one unigram: 4.76; the demo target: 1.70 on validation)
-    and next-byte top-1 accuracy 0.524 (unigram: 0.281). Top-1 agreement with the demo draft and target
-    models is measured elsewhere.
+Corpus: the training split recorded in data/models/split.json, each file one sequence `<bos> bytes <eos>`
+as the demo pair was trained on, so no n-gram spans two files; the held-out files are read only to report
+cross-entropy. No count cutoff: a byte vocabulary keeps the full table small.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import sysconfig
 import time
 from pathlib import Path
@@ -33,12 +19,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "data"))
+from specbatch.data.train_demo_pair import VOCAB_SIZE, split_of, token_stream
+from specbatch.runtime.ngram import NGramModel, tokenizer_fingerprint
 
-from specbatch.runtime.ngram import NGramModel, tokenizer_fingerprint  # noqa: E402
-from train_demo_pair import VOCAB_SIZE, split_of, token_stream  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent  # the package directory (the repository root in a checkout)
 
 SPLIT = ROOT / "data" / "models" / "split.json"
 TOKENIZER = ROOT / "data" / "models" / "demo-target" / "tokenizer.json"

@@ -22,55 +22,22 @@ LOW_ACCEPTANCE_PROMPTS = DATA_DIR / "prompts" / "base64.jsonl"  # data/make_base
 DEFAULT_K_WITH_DRAFT = 4  # generate's k when neither --k, --table nor --tree is given
 
 
-def default_device() -> str:
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def load_pair(target: str | None, draft: str | None, device: str | None, dtype: str | None,
-              need_draft: bool = True):
-    """Load target (and draft) model directories; defaults are the bundled demo pair."""
-    from specbatch.runtime.checkpoint import load_checkpoint, parse_dtype
-
-    device = device or default_device()
-    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-        raise UsageError(f"--device {device!r}: expected cpu or cuda")
-    if device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise UsageError("--device cuda: no CUDA device is available on this machine")
-    torch_dtype = parse_dtype(dtype, device)
-    target_model = load_checkpoint(target or DEMO_TARGET, device, torch_dtype)
-    draft_model = None
-    if need_draft and (draft is not None or target is None):
-        draft_model = load_checkpoint(draft or DEMO_DRAFT, device, torch_dtype)
-        if draft_model.config.vocab_size != target_model.config.vocab_size:
-            raise UsageError(
-                f"draft vocabulary ({draft_model.config.vocab_size} tokens, {draft_model.path}) differs from the "
-                f"target's ({target_model.config.vocab_size} tokens, {target_model.path}): the tokenizers must agree"
-            )
-    return target_model, draft_model
+def demo_or_named(target: str | None, draft: str | None, need_draft: bool = True) -> tuple[str, str | None]:
+    """What --target/--draft name, the bundled demo pair where neither is given; a target alone runs
+    without a draft, and so does a command that needs none (`need_draft` False)."""
+    draft = draft or (str(DEMO_DRAFT) if target is None else None)
+    return target or str(DEMO_TARGET), draft if need_draft else None
 
 
-def is_ngram_file(path: str | None) -> bool:
-    return path is not None and path.endswith(".safetensors") and Path(path).is_file()
+def load_named_pair(target: str | None, draft: str | None, device: str | None, dtype: str | None,
+                    need_draft: bool = True):
+    """`runtime.loading.load_pair` for what --target/--draft/--device/--dtype name (`demo_or_named`)."""
+    from .checkpoint import parse_dtype
+    from .loading import load_pair, resolve_device, resolve_pair
 
-
-def load_ngram(path: Path | str, option: str, target_model=None, *, vocab_size: int | None = None,
-               model_dir: Path | None = None):
-    """An n-gram file checked against the target's vocabulary and tokenizer (one-line errors); the
-    target is a loaded checkpoint, or its vocabulary size and directory (None for shape presets)."""
-    from specbatch.runtime.ngram import NGramModel, tokenizer_fingerprint
-
-    if target_model is not None:
-        vocab_size, model_dir = target_model.config.vocab_size, Path(target_model.path)
-    ngram = NGramModel.load(path)
-    tokenizer_file = Path(model_dir) / "tokenizer.json" if model_dir is not None else None
-    fingerprint = tokenizer_fingerprint(tokenizer_file) if tokenizer_file and tokenizer_file.is_file() else None
-    ngram.check_compatible(vocab_size, fingerprint, f"{option} {path}")
-    return ngram
+    target_spec, draft_spec = resolve_pair(*demo_or_named(target, draft, need_draft))
+    device = resolve_device(device)
+    return load_pair(target_spec, draft_spec, device, parse_dtype(dtype, device))
 
 
 def check_stage2_file(path: Path, expected_sha256: str, what: str) -> None:
@@ -165,9 +132,11 @@ def recorded_stage2(recorded: dict | None, what: str) -> Path:
                      "missing or has changed since; pass --stage2 FILE")
 
 
-def second_stage_for(policy, stage2: Path | None, target_model):
+def second_stage_for(policy, stage2: Path | None, target):
     """The n-gram model a policy needs: --stage2, else the file a table (or the adaptive policy's model)
-    names (checked by sha256)."""
+    names (checked by sha256). `target`: the target's runtime.loading.ModelSpec."""
+    from .loading import load_ngram
+
     table = getattr(policy, "table", None)
     record = table.stage2 if table is not None else getattr(policy, "stage2_record", None)
     if stage2 is None and getattr(policy, "needs_stage2", False):
@@ -176,18 +145,17 @@ def second_stage_for(policy, stage2: Path | None, target_model):
         return None
     if record and getattr(policy, "needs_stage2", False):
         check_stage2_file(stage2, record["sha256"], "the table or model was computed for")
-    return load_ngram(stage2, "--stage2", target_model)
+    return load_ngram(stage2, "--stage2", target)
 
 
-def adaptive_for_pair(model_file: Path, running: dict, force: bool, mode: str = "greedy", staged: bool = True,
-                      draft_stop: bool = False):
+def adaptive_for_pair(model_file: Path, running: dict, force: bool, mode: str = "greedy", staged: bool = True):
     """`--adaptive MODEL.json`: the adaptive policy (runtime.adaptive) from a model made for the `running`
     pair (`check_made_for`); its second-stage chains only when the model measured the second stage."""
     from specbatch.runtime.adaptive import adaptive_policy
 
     if not Path(model_file).is_file():
         raise UsageError(f"--adaptive {model_file}: no such file")
-    policy = adaptive_policy(Path(model_file), staged=staged, mode=mode, early_stop=draft_stop)
+    policy = adaptive_policy(Path(model_file), staged=staged, mode=mode)
     check_made_for(f"--adaptive {model_file}", policy.made_for, running, force)
     return policy
 
@@ -205,7 +173,6 @@ class GenerationRequest:
     stage2: Path | None = None
     model: Path | None = None  # for --tree auto
     adaptive: Path | None = None  # a specbatch.model/1 file: the adaptive policy (runtime.adaptive)
-    draft_stop: bool = False  # with adaptive: the draft-side early stop (runtime.draft_stop)
     force: bool = False  # use a table or model made for another pair
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -222,8 +189,6 @@ class GenerationRequest:
             raise UsageError("--k, --table, --tree and --adaptive are mutually exclusive")
         if self.adaptive is not None and not self.adaptive.is_file():
             raise UsageError(f"--adaptive {self.adaptive}: no such file")
-        if self.draft_stop and self.adaptive is None:
-            raise UsageError("--draft-stop is part of the adaptive policy: give --adaptive MODEL.json")
         if not self.prompts:
             raise UsageError("give at least one --prompt or a --prompts-file")
         if self.max_new_tokens <= 0:  # checked here, before a model is loaded
@@ -259,8 +224,9 @@ class Generation:
 
 def generate_texts(request: GenerationRequest, loaded_pair=None) -> Generation:
     """Encode the prompts, build the policy and second stage, generate in one batch, decode.
-    `loaded_pair` (target, draft) reuses models already loaded (the demo)."""
+    `loaded_pair` (a runtime.loading.LoadedPair) reuses models already loaded (the demo)."""
     from specbatch.runtime.generator import SpeculativeGenerator
+    from specbatch.runtime.loading import is_ngram_file, load_ngram
     from specbatch.runtime.policy import FixedK, TableK
     from specbatch.runtime.sampling import Sampling
 
@@ -268,24 +234,15 @@ def generate_texts(request: GenerationRequest, loaded_pair=None) -> Generation:
     ngram_draft = is_ngram_file(request.draft)
     if ngram_draft and request.stage2 is not None:
         raise UsageError("--stage2 speeds up a draft MODEL; with an n-gram --draft there is nothing to stage")
-    if loaded_pair is not None:
-        target_model, draft_model = loaded_pair
-    else:
-        target_model, draft_model = load_pair(request.target, None if ngram_draft else request.draft,
-                                              request.device, request.dtype,
-                                              need_draft=request.k != 0 and not ngram_draft)
-    if target_model.tokenizer is None:
-        raise UsageError(f"{target_model.path}: no tokenizer.json, cannot encode text prompts")
-    draft_runner = load_ngram(request.draft, "--draft", target_model) if ngram_draft else \
-        (draft_model.model if draft_model else None)
+    pair = loaded_pair or load_named_pair(request.target, None if ngram_draft else request.draft, request.device,
+                                          request.dtype, need_draft=request.k != 0 and not ngram_draft)
+    if pair.tokenizer is None:
+        raise UsageError(f"--target {pair.target_spec.source}: no tokenizer.json, cannot encode text prompts")
+    draft_runner = load_ngram(request.draft, "--draft", pair.target_spec) if ngram_draft else pair.draft
+    running = pair.running()
     if request.adaptive is not None:
-        from specbatch.perfmodel.jsonio import directory_fingerprint
-
-        running = {"target": (str(target_model.path), directory_fingerprint(target_model.path))}
-        if draft_model is not None:
-            running["draft"] = (str(draft_model.path), directory_fingerprint(draft_model.path))
         policy = adaptive_for_pair(request.adaptive, running, request.force,
-                                   "greedy" if sampling.greedy else "sampling", draft_stop=request.draft_stop)
+                                   "greedy" if sampling.greedy else "sampling")
     elif request.tree is not None:
         policy = strategy_policy(request.tree, request.stage2, request.model, len(request.prompts))
     elif request.table is not None:
@@ -294,21 +251,15 @@ def generate_texts(request: GenerationRequest, loaded_pair=None) -> Generation:
         policy = FixedK(request.k if request.k is not None else (DEFAULT_K_WITH_DRAFT if draft_runner else 0))
     table = getattr(policy, "table", None)
     if table is not None:
-        from specbatch.perfmodel.jsonio import directory_fingerprint
-
-        running = {"target": (str(target_model.path), directory_fingerprint(target_model.path))}
-        if draft_model is not None:
-            running["draft"] = (str(draft_model.path), directory_fingerprint(draft_model.path))
         what = f"--table {request.table}" if request.table is not None else f"--model {request.model}"
         check_made_for(what, table_made_for(table), running, request.force)
-    second_stage = second_stage_for(policy, request.stage2, target_model)
+    second_stage = second_stage_for(policy, request.stage2, pair.target_spec)
     if draft_runner is None and policy.max_k > 0:
         raise UsageError("k > 0 needs a draft model (--draft)")
-    encoded = [target_model.tokenizer.encode(text) for text in request.prompts]
-    generator = SpeculativeGenerator(target_model.model, draft_runner, target_model.eos_token_ids,
-                                     stage2=second_stage)
+    encoded = [pair.tokenizer.encode(text) for text in request.prompts]
+    generator = SpeculativeGenerator(pair.target, draft_runner, pair.eos_token_ids, stage2=second_stage)
     result = generator.generate(encoded, request.max_new_tokens, policy, sampling, request.seed)
-    decode = target_model.tokenizer.decode
+    decode = pair.tokenizer.decode
     outputs = [{"prompt": text, "text": decode(ids), "token_ids": ids}
                for text, ids in zip(request.prompts, result.token_ids)]
     return Generation(outputs, result.stats, policy.describe(), sampling.describe())

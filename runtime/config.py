@@ -9,7 +9,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from specbatch.perfmodel.errors import SpecbatchError
+from specbatch.perfmodel.errors import SpecbatchError, UsageError
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 SUPPORTED_MODEL_TYPES = LLAMA_FAMILY + ("gpt2", "opt")
@@ -205,3 +205,11 @@ def load_config(path: str | Path) -> ModelConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a JSON object")
     return config_from_dict(raw, str(path))
+
+
+def check_vocabulary(where: str, vocab_size: int, target_vocab_size: int) -> None:
+    """The one check that a draft (model or n-gram) shares the target's vocabulary: the runtime verifies
+    draft tokens by id. `where` names the option and the file, e.g. "--draft DIR" or "--stage2 FILE"."""
+    if vocab_size != target_vocab_size:
+        raise UsageError(f"{where}: a vocabulary of {vocab_size} tokens, the target's has {target_vocab_size}; "
+                         "draft and target must share one tokenizer")

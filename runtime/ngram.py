@@ -1,31 +1,14 @@
 """A Katz backoff trigram model over token ids: the cheapest draft, the "second stage" of staged
 speculative decoding (Spector & Ré 2023), which proposes tokens for the draft model to check.
 
-    p(w | u, v) = p*(w | u, v)                  if the trigram (u, v, w) was seen
-                = beta(u, v) * p(w | v)         otherwise (beta = 1 when the context (u, v) was never seen)
-    p(w | v)    = p*(w | v)  or  beta(v) * p(w)  likewise
-    p(w)        = (c(w) + 1) / (N + V)          add-one over the whole vocabulary, so every token has p > 0
+    p(w | u, v) = p*(w | u, v)  if the trigram (u, v, w) was seen, else beta(u, v) * p(w | v)
+    p(w | v)    = p*(w | v)     if the bigram was seen,            else beta(v) * p(w)
+    p(w)        = (c(w) + 1) / (N + V)   (add-one: every token has p > 0)
 
-p*(w | ctx) = c*(ctx, w) / c(ctx), where c(ctx) sums the counts of every n-gram starting with ctx and c*
-is the discounted count. Discounts, per order (bigrams, trigrams), from that order's counts-of-counts n_r:
-  * Good-Turing (Katz 1987) for r <= 5: c* = r * d_r, d_r = ((r+1) n_{r+1} / (r n_r) - 6 n_6 / n_1)
-    / (1 - 6 n_6 / n_1); counts above 5 are reliable and kept as they are.
-  * On small or odd corpora that formula misbehaves (some n_r = 0 for r <= 5, or a d_r outside (0, 1]),
-    and the order falls back to absolute discounting, c* = r - D with D = n_1 / (n_1 + 2 n_2) (Ney et
-    al. 1994), applied to every count (D = 1/2 when there are no counts of 1 or none of 2, as D = 0 or 1
-    would leave no mass for unseen tokens or none for singletons).
-The backoff weight hands the discounted mass to the tokens the context never saw, in proportion to the
-lower order: beta(ctx) = (1 - sum_seen p*(w | ctx)) / (1 - sum_seen p_lower(w | ctx')). Two edge cases:
-a context whose counts all escape discounting (all > 5) would leave unseen tokens p = 0, so it gets one
-pseudo-count for "unseen": p* = c / (c(ctx) + 1); a context followed by every token of the vocabulary
-has nowhere to send mass, and keeps p* = c / c(ctx) with beta = 0.
-
-Count cutoff (optional, `min_trigram_count`): trigrams seen fewer times are dropped after discounting,
-Katz-style: the discounts and c(u, v) still come from the full counts, so the dropped trigrams' mass joins
-the backoff mass of their context. Bigrams are never pruned.
-
-Storage is sparse (a 128k vocabulary has no room for V*V arrays): bigrams in CSR form with one row per
-token v, trigrams with a sorted key u*V + v per observed context and a CSR row per context.
+p* = c* / c(ctx) with Good-Turing discounts for counts <= 5 (Katz 1987), or absolute discounting
+D = n_1 / (n_1 + 2 n_2) (Ney et al. 1994) for an order where Good-Turing misbehaves; beta hands the
+discounted mass to unseen tokens in proportion to the lower order. An optional cutoff drops rare trigrams
+after discounting. Storage is sparse (CSR rows per bigram and trigram context), so a 128k vocabulary fits.
 """
 from __future__ import annotations
 
@@ -38,6 +21,8 @@ import torch
 
 from specbatch.perfmodel.errors import SpecbatchError
 from specbatch.perfmodel.jsonio import atomic_output
+
+from .config import check_vocabulary
 
 SCHEMA = "specbatch.ngram/1"
 GOOD_TURING_MAX_COUNT = 5  # Katz's k: counts above are taken as reliable and not discounted
@@ -228,9 +213,8 @@ class NGramModel:
         return cls({k: a[k] for k in _ARRAYS}, V, metadata.get("tokenizer_sha256") or None, note)
 
     def check_compatible(self, vocab_size: int, tokenizer_sha256: str | None, where: str) -> None:
-        if vocab_size != self.vocab_size:
-            raise NGramError(f"{where}: n-gram file is for a vocabulary of {self.vocab_size} tokens, "
-                             f"the model has {vocab_size}")
+        """The target's vocabulary size and tokenizer.json fingerprint (None: unknown, not compared)."""
+        check_vocabulary(where, self.vocab_size, vocab_size)
         if tokenizer_sha256 and self.tokenizer_sha256 and tokenizer_sha256 != self.tokenizer_sha256:
             raise NGramError(f"{where}: n-gram file was fitted for tokenizer {self.tokenizer_sha256[:12]}, "
                              f"the model's tokenizer is {tokenizer_sha256[:12]}")

@@ -7,9 +7,9 @@ Only the fields the runtime reads are kept; each entry names the repository it w
 """
 from __future__ import annotations
 
-from specbatch.runtime.config import ModelConfig, config_from_dict
+from specbatch.perfmodel.errors import UsageError
 
-from .errors import CalibrationError
+from .config import ModelConfig, config_from_dict
 
 _OPT = dict(model_type="opt", vocab_size=50272, max_position_embeddings=2048, activation_function="relu",
             do_layer_norm_before=True, enable_bias=True, tie_word_embeddings=True,
@@ -77,5 +77,5 @@ PRESET_NAMES: tuple[str, ...] = tuple(PRESETS)
 def preset_config(name: str) -> ModelConfig:
     """The ModelConfig of a preset; the error for an unknown name lists every valid one."""
     if name not in PRESETS:
-        raise CalibrationError(f"unknown preset {name!r}; presets: {', '.join(PRESET_NAMES)}")
+        raise UsageError(f"unknown preset {name!r}; presets: {', '.join(PRESET_NAMES)}")
     return config_from_dict(PRESETS[name], source=f"preset {name}")

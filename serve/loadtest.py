@@ -1,20 +1,11 @@
 """`specbatch loadtest`: an open-loop client (the synergy paper's serving experiment).
 
-Arrivals: Gamma inter-arrival times with mean 1/rate and coefficient of variation CV (shape 1/CV^2;
-CV = 1 is Poisson), drawn once per (rate, CV, seed): every policy gets the same trace. Each request
-takes a held-out prompt (in file order, cycling) and a max_tokens drawn uniformly from the range, greedy.
-Open loop: a request is sent at its arrival time whether or not earlier ones finished.
-
-For each policy a server is started as a subprocess (`specbatch serve`, loopback, one torch thread by
-default), the trace is replayed over HTTP with httpx (streaming, to time the first token), and the
-server is stopped with SIGTERM. Bounds: `requests` per run and `max_duration_s` per run (arrivals after
-it are not sent; requests still running at the end are cancelled and counted as unfinished).
-Optionally the same trace runs against the engine in this process (no HTTP) for the HTTP overhead, and
-each greedy response is compared with its prompt's solo greedy output (crossed or lost responses).
-
-vLLM as the peer: policies `vllm:k=0`, `vllm:k=K` and `vllm:table` start vLLM's own OpenAI server on the
-pair (its CPU build in its own environment, bench/vllm/setup.sh), plain, with a fixed K, or with our
-`--format vllm` export of `--table`, and replay the same traces through it.
+Arrivals are Gamma-distributed (mean 1/rate, coefficient of variation CV; CV = 1 is Poisson), one trace per
+(rate, CV, seed) shared by every policy; each request takes a held-out prompt and a max_tokens from the
+range, greedy, sent at its arrival time whatever is still running. Each policy runs in its own `specbatch
+serve` subprocess (or vLLM's OpenAI server for `vllm:` policies), replayed over HTTP with streaming, within
+`requests` and `max_duration_s` per run; optionally also in-process (the HTTP overhead) and checked against
+each prompt's solo greedy output.
 """
 from __future__ import annotations
 
@@ -324,22 +315,19 @@ def solo_references(config: LoadtestConfig):
     generated once per prompt at the largest max_tokens: greedy outputs of fewer tokens are its prefixes)."""
     import torch
 
-    from specbatch.runtime.checkpoint import load_checkpoint, parse_dtype
+    from specbatch.runtime.assembly import load_named_pair
     from specbatch.runtime.generator import SpeculativeGenerator
     from specbatch.runtime.policy import FixedK
 
-    from .server import DEMO_TARGET
-
     options = _serve_options(config.server_args, "k=0")
-    device = options.device or "cpu"
-    target = load_checkpoint(options.target or DEMO_TARGET, device, parse_dtype(options.dtype, device))
-    generator = SpeculativeGenerator(target.model, None, target.eos_token_ids)
+    pair = load_named_pair(options.target, None, options.device, options.dtype, need_draft=False)  # as serve does
+    generator = SpeculativeGenerator(pair.target, None, pair.eos_token_ids)
     cache: dict[int, list[int]] = {}
 
     def reference(prompt_index: int, max_tokens: int) -> list[int]:
         if prompt_index not in cache:
             with torch.inference_mode():
-                ids = target.tokenizer.encode(config.prompts[prompt_index])
+                ids = pair.tokenizer.encode(config.prompts[prompt_index])
                 cache[prompt_index] = generator.generate([ids], config.max_tokens[1], FixedK(0)).token_ids[0]
         return cache[prompt_index][:max_tokens]
 
@@ -348,9 +336,8 @@ def solo_references(config: LoadtestConfig):
 
 def candidate_set_notes(config: LoadtestConfig) -> list[str]:
     """Where the table and an adaptive policy choose among different strategies: a table without second-stage
-    entries against a model that measured the second stage (adaptive then runs staged chains the table
-    never does, and the comparison is of candidate sets, not of adapting; measured at stop 24 on the demo
-    pair: the chain table's k = 4 against adaptive's k = 8 with the n-gram)."""
+    entries against a model that measured the second stage: adaptive then runs staged chains the table
+    never does, and the comparison is of candidate sets, not of adapting."""
     table_args = dict(zip(config.server_args[::2], config.server_args[1::2]))
     adaptive = [p.split("=", 1)[1] for p in config.policies if p.startswith("adaptive=")]
     if "table" not in config.policies or "--table" not in table_args or not adaptive:

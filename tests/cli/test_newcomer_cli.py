@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from specbatch.runtime import assembly as runtime_assembly
+from specbatch.runtime import loading
 from cli_helpers import assert_one_line_error, invoke
 from perfmodel_fixtures import build_profile, roofline_latency, write_profile
 
@@ -28,7 +28,8 @@ def no_model_loads(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the options were checked")
 
-    monkeypatch.setattr(runtime_assembly, "load_pair", refuse)
+    monkeypatch.setattr(loading, "load_checkpoint", refuse)  # the one loader, runtime.loading.load_pair,
+    monkeypatch.setattr(loading, "build_model", refuse)  # builds every model through these two
 
 
 @pytest.mark.parametrize("command, option", [("fit", "profile"), ("table", "model")])
@@ -77,7 +78,6 @@ def test_non_finite_acceptance_is_refused(files, tmp_path, value):
     (["--stage2", "x.safetensors"], ["--stage2 needs --tree"]),
     (["--model", "no-such-model.json", "--tree", "auto"], ["--model no-such-model.json: no such file"]),
     (["--model", "model.json", "--tree", "0,1"], ["--model is read only with --tree auto"]),
-    (["--draft-stop"], ["--draft-stop is part of the adaptive policy"]),
 ])
 def test_generate_checks_options_before_loading_a_model(no_model_loads, args, fragments):
     assert_one_line_error(invoke("generate", "--prompt", "def f(x):", *args), *fragments)
@@ -96,7 +96,6 @@ def test_bench_and_demo_check_their_output_folder_before_measuring(tmp_path, no_
     assert_one_line_error(invoke("demo", "--out", in_the_way), "--out", "not a folder")
     assert in_the_way.read_text() == "not a folder"
     assert_one_line_error(invoke("bench", "--interleave", "rounds"), "--interleave 'rounds'", "steps, runs")
-    assert_one_line_error(invoke("bench", "--draft-stop"), "--draft-stop is part of the adaptive policy")
 
 
 def test_calibrate_refuses_an_existing_profile_without_resume_or_force(files):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from specbatch.perfmodel.errors import UsageError
 from specbatch.runtime.ngram import NGramError, NGramModel, discounted_counts, tokenizer_fingerprint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -198,7 +199,7 @@ def test_check_compatible(tiny):
     model.check_compatible(4, "a" * 64, "--ngram x")
     model.check_compatible(4, None, "--ngram x")  # unknown hash on either side: no hash check
     tiny.check_compatible(4, "b" * 64, "--ngram x")
-    with pytest.raises(NGramError, match="--ngram x: n-gram file is for a vocabulary of 4 tokens, the model has 259"):
+    with pytest.raises(UsageError, match="--ngram x: a vocabulary of 4 tokens, the target's has 259"):
         model.check_compatible(259, "a" * 64, "--ngram x")
     with pytest.raises(NGramError, match=f"fitted for tokenizer {'a' * 12}, the model's tokenizer is {'b' * 12}"):
         model.check_compatible(4, "b" * 64, "--ngram x")

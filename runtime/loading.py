@@ -1,0 +1,140 @@
+"""Loading what a user names: the device, the model pair, an n-gram file.
+
+A model is a Hugging Face model directory (real weights), a shape preset or the path of a `config.json`
+(both: seeded random weights of that shape; timing needs only the shape). Every check of what a user
+names happens here, before or while loading, with a one-line error naming the option: the device, the
+pair's shared vocabulary, the n-gram's vocabulary and tokenizer. Each model carries a fingerprint of its
+content, so a table or model file can tell which pair it was made for.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specbatch.perfmodel.errors import UsageError
+from specbatch.perfmodel.jsonio import directory_fingerprint, model_fingerprint
+
+from .checkpoint import Tokenizer, build_model, load_checkpoint
+from .config import ConfigError, ModelConfig, check_vocabulary, load_config
+from .model import CausalLM
+from .presets import PRESET_NAMES, PRESETS, preset_config
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+
+
+def resolve_device(name: str | None) -> str:
+    """'cpu', 'cuda' or 'cuda:N' as given, checked against this machine; None: cuda when available."""
+    if name is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    kind, _, index = name.partition(":")
+    if kind not in ("cpu", "cuda") or (index and (kind == "cpu" or not index.isdigit())):
+        raise UsageError(f"--device: {name!r} is not one of cpu, cuda, cuda:N")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {name}: CUDA is not available on this machine")
+        if index and int(index) >= torch.cuda.device_count():
+            raise UsageError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return name
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    role: str  # target | draft
+    source: str  # as recorded in a profile: a preset name, or an absolute path
+    config: ModelConfig
+    directory: Path | None  # the weights' directory; None means random weights
+    fingerprint: str | None = None  # perfmodel.jsonio.model_fingerprint: the model's content, not its path
+
+    @property
+    def random_weights(self) -> bool:
+        return self.directory is None
+
+
+def display_path(path: Path) -> str:
+    """A path as recorded in a profile: absolute, so the files made from it work from any directory."""
+    return str(Path(path).resolve())
+
+
+def resolve_model(text: str, role: str) -> ModelSpec:
+    """The text of `--target`/`--draft` as a spec (nothing is loaded); every failure names the option."""
+    option = f"--{role}"
+    if text in PRESETS:
+        canonical = json.dumps(PRESETS[text], sort_keys=True).encode()
+        return ModelSpec(role, text, preset_config(text), None, model_fingerprint(canonical))
+    path = Path(text)
+    if not path.exists():
+        raise UsageError(f"{option} {text!r}: no such model directory or config file, and not a preset "
+                         f"(presets: {', '.join(PRESET_NAMES)})")
+    try:
+        config = load_config(path)
+    except ConfigError as error:
+        raise UsageError(f"{option}: {error}") from None
+    if path.is_file():
+        return ModelSpec(role, display_path(path), config, None, model_fingerprint(path.read_bytes()))
+    if not any((path / name).is_file() for name in WEIGHT_FILES):
+        raise UsageError(f"{option} {text}: no weights ({', '.join(WEIGHT_FILES)}); for random weights of its "
+                         f"shape name {path / 'config.json'} itself")
+    return ModelSpec(role, display_path(path), config, path, directory_fingerprint(path))
+
+
+def resolve_pair(target: str, draft: str | None) -> tuple[ModelSpec, ModelSpec | None]:
+    """Both specs, checked to share one vocabulary (the runtime verifies draft tokens by id)."""
+    target_spec = resolve_model(target, "target")
+    draft_spec = None if draft is None else resolve_model(draft, "draft")
+    if draft_spec is not None:
+        check_vocabulary(f"--draft {draft_spec.source}", draft_spec.config.vocab_size, target_spec.config.vocab_size)
+    return target_spec, draft_spec
+
+
+@dataclass(frozen=True)
+class LoadedPair:
+    target: CausalLM
+    draft: CausalLM | None
+    tokenizer: Tokenizer | None  # the target's; None for random weights or a directory without tokenizer.json
+    eos_token_ids: tuple[int, ...]
+    target_spec: ModelSpec
+    draft_spec: ModelSpec | None
+
+    def running(self) -> dict[str, tuple[str, str | None]]:
+        """role -> (source, fingerprint): what `assembly.check_made_for` compares a table or model with."""
+        specs = (self.target_spec, self.draft_spec)
+        return {spec.role: (spec.source, spec.fingerprint) for spec in specs if spec is not None}
+
+
+def load_pair(target: ModelSpec, draft: ModelSpec | None, device: str, dtype: torch.dtype) -> LoadedPair:
+    """Load real weights where there are some, build seeded random ones where there are not."""
+    models, tokenizer, eos = [], None, target.config.eos_token_ids
+    for seed, spec in enumerate((target, draft)):
+        if spec is None:
+            models.append(None)
+        elif spec.random_weights:
+            models.append(build_model(spec.config, device, dtype, seed=seed))
+        else:
+            loaded = load_checkpoint(spec.directory, device, dtype)
+            models.append(loaded.model)
+            if spec.role == "target":
+                tokenizer, eos = loaded.tokenizer, loaded.eos_token_ids
+    return LoadedPair(models[0], models[1], tokenizer, tuple(eos), target, draft)
+
+
+def is_ngram_file(path: str | Path | None) -> bool:
+    return path is not None and str(path).endswith(".safetensors") and Path(path).is_file()
+
+
+def load_ngram(path: Path | str, option: str, target: ModelSpec):
+    """An n-gram file checked against the target's vocabulary and, when the target has a tokenizer.json,
+    its fingerprint; every failure is one line naming the option and the file."""
+    from .ngram import NGramError, NGramModel, tokenizer_fingerprint
+
+    try:
+        ngram = NGramModel.load(path)
+        tokenizer_file = target.directory / "tokenizer.json" if target.directory is not None else None
+        fingerprint = tokenizer_fingerprint(tokenizer_file) if tokenizer_file and tokenizer_file.is_file() else None
+    except NGramError as error:
+        message = str(error).replace("\n", " ")  # safetensors' own messages may span lines
+        raise UsageError(f"{option}: {message}") from None
+    ngram.check_compatible(target.config.vocab_size, fingerprint, f"{option} {path}")
+    return ngram
