@@ -1,22 +1,15 @@
 """Our runtime and vLLM side by side on this machine: same checkpoints, same prompts (as token ids), greedy,
 interleaved round by round. `specbatch bench --peers vllm` calls `compare`; it also runs alone:
 
-    python bench/vllm/compare.py --table t.json [--batch-sizes 1,8,32] [--max-new-tokens 64] [--rounds 3] [-o c.json]
+    python -m specbatch.bench.vllm.compare --table t.json [--batch-sizes 1,8,32] [--max-new-tokens 64] [-o c.json]
 
-vLLM runs in its own virtual environment (bench/vllm/setup.sh), one long-lived worker process per
-configuration (plain decoding; our `--format vllm` export of the table), so that its generations and ours
-alternate within every round instead of one engine running after the other. For every batch size b: a
-warm-up generation of each (engine, policy), then `rounds` rounds; round r takes the next b prompts
-(cycling) and runs, per policy, both engines on them back to back, the first engine alternating by round.
-Both ignore EOS (every row generates exactly max_new_tokens, as in the rest of the bench, so the batch
-stays full). Reported per (b, policy): each engine's tokens/s per round (generated tokens over the wall
-time of one generate call, prefill included), the median of the per-round ratios ours/vLLM with their
-range, how many rows' greedy tokens are identical token for token, and, for the table, whether every K
-vLLM's scheduler looked up equals the table's k at vLLM's batch size.
-
-Before each timed generation both engines are idle for SETTLE_S: vLLM's Intel OpenMP threads spin for up
-to 200 ms (KMP_BLOCKTIME) after their work and would otherwise steal the cores from whoever runs next
-(measured here: an idle worker used 0.18 CPU-s in the first 0.25 s after a generate, 0.02 per second later).
+vLLM runs in its own virtual environment (bench/vllm/setup.sh), one long-lived worker per configuration
+(plain decoding; our `--format vllm` export of the table), so its generations and ours alternate within
+every round, the first engine alternating by round. Both ignore EOS, so the batch stays full. Reported per
+(b, policy): each engine's tokens/s per round (prefill included), the median ratio ours/vLLM, how many rows'
+greedy tokens agree, and whether every K vLLM's scheduler looked up equals the table's k. Before each timed
+generation both engines idle for SETTLE_S: vLLM's OpenMP threads spin after their work (KMP_BLOCKTIME) and
+would otherwise take the cores from whoever runs next.
 """
 from __future__ import annotations
 
@@ -256,12 +249,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--target", type=Path, default=DEMO_TARGET)
     parser.add_argument("--draft", type=Path, default=DEMO_DRAFT)
     parser.add_argument("--prompts", type=Path, default=DEMO_PROMPTS)
-    parser.add_argument("--threads", type=int, help="torch threads of ours (default: as `specbatch` chooses)")
+    parser.add_argument("--threads", type=int, help="torch threads of ours (default: torch's)")
     parser.add_argument("-o", "--output", type=Path, help="also write the comparison as JSON here")
     args = parser.parse_args(argv)
-    from specbatch.console.options import set_threads
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
+    if args.threads is not None:
+        import torch
 
-    set_threads(args.threads)
+        torch.set_num_threads(args.threads)
     tokenizer = load_tokenizer(args.target)
     prompts = [tokenizer.encode(text) for text in read_prompts(args.prompts)]
     comparison = compare(args.table, prompts, [int(text) for text in args.batch_sizes.split(",")],
