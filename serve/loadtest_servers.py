@@ -42,7 +42,7 @@ class ServerProcess:
         return f"http://{LOOPBACK}:{self.port}"
 
     def command(self) -> list[str]:
-        return [sys.executable, "-c", "from cli import app; app()", "serve", "--host", LOOPBACK,
+        return [sys.executable, "-c", "from specbatch.cli import app; app()", "serve", "--host", LOOPBACK,
                 "--port", str(self.port), *self.args]
 
     def start(self, timeout_s: float) -> None:

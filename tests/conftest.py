@@ -16,12 +16,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # (console/options.set_threads) would otherwise depend on what else runs beside the tests.
 os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
 
-# The repository root first: test folders are named like the packages they test (tests/perfmodel, ...),
-# and must never shadow them. This folder second: its shared helper modules.
+# This folder first: its shared helper modules. The repository root stays off sys.path: the code is imported
+# as the installed package `specbatch` only, so a bare `import runtime` fails here as it fails installed.
 ROOT = Path(__file__).resolve().parent.parent
-for path in (str(Path(__file__).resolve().parent), str(ROOT)):
-    if path in sys.path:
+HERE = str(Path(__file__).resolve().parent)
+for path in (HERE, str(ROOT)):
+    while path in sys.path:
         sys.path.remove(path)
-    sys.path.insert(0, path)
+sys.path.insert(0, HERE)
 
 import specbatch.runtime  # noqa: E402,F401 - bounds OpenMP's spinning before any test imports torch (runtime/__init__.py)
