@@ -1,16 +1,6 @@
 """Does this machine's CPU change speed by itself, and do its cores change together?
 
-    python -m bench.cpu_spells --seconds 60
-
-One process per core (pinned with os.sched_setaffinity, one torch thread each) times the same fixed
-work, 20 products of two 64x64 matrices, back to back for `--seconds`; then the samples of each core
-are summarized in 0.5 s windows: the fastest window's median (the core's speed when nothing slows it),
-the share of windows more than 20 % slower than that, and the correlation of the two cores' window
-medians (near 1: the machine slows down as a whole; near 0: each core on its own, e.g. a hyperthread
-sibling busy on the host). On this project's 2-core VM (2026-12-01): fastest windows 0.094 ms, 24-32 % of
-the windows over 1.2x slower, spells of 0.5 s to tens of seconds, r = -0.25 (calibrate.lockstep says
-what the bench and calibrate do about it).
-Linux only (CPU affinity).
+    python scripts/cpu_spells.py --seconds 60
 """
 from __future__ import annotations
 
@@ -49,9 +39,16 @@ def window_medians(samples: list[tuple[float, float]], start: float, stop: float
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=60.0)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="One process per core (pinned, one torch thread each) times the same small matrix products back "
+               "to back; each core's samples are summarized in 0.5 s windows: its fastest window, the share of "
+               "windows over 1.2x slower, and the correlation of the two cores' windows (near 1: the machine "
+               "slows as a whole; near 0: each core on its own). Linux only (CPU affinity).")
+    parser.add_argument("--seconds", type=float, default=60.0, help="how long each core is timed")
     args = parser.parse_args(argv)
+    if args.seconds <= 2 * WINDOW_S:
+        parser.error(f"--seconds must be more than {2 * WINDOW_S:g} (two windows), got {args.seconds:g}")
     cores = sorted(os.sched_getaffinity(0))[:2]
     queue = multiprocessing.get_context("spawn").Queue()
     workers = [multiprocessing.get_context("spawn").Process(target=_time_core, args=(core, args.seconds, queue))
