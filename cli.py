@@ -13,14 +13,16 @@ from typing import Annotated, Optional
 
 import typer
 
-from specbatch.calibrate import grid as _grid  # plain data: --help's defaults
-from specbatch.perfmodel.errors import UsageError
 from specbatch.runtime.assembly import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET  # imports runtime: OpenMP default first
-from specbatch.console.options import (  # noqa: F401 - option types and parsing shared by every command
-    one_line_errors, parse_int_list, check_counts, acceptance_override, read_prompts_file, set_threads, _ints,
-    TargetOpt, DraftOpt, DeviceOpt, DtypeOpt, ModelFileArg, JsonOpt, TreeOpt, Stage2Opt, AcceptanceOpt,
-    ThreadsOpt, ForceOpt, MaxKOpt, MaxBatchOpt, AdaptiveOpt, _MODEL_HELP,
+from specbatch.calibrate import grid as _grid  # plain data: --help's defaults
+from specbatch.console.explain_command import explain
+from specbatch.console.options import (
+    AcceptanceOpt, AdaptiveOpt, AnyDraftOpt, AnyTargetOpt, DeviceOpt, DraftOpt, DtypeOpt, ForceOpt, JsonOpt,
+    MaxBatchOpt, MaxKOpt, ModelFileArg, Stage2Opt, TargetOpt, ThreadsOpt, TreeOpt, acceptance_override,
+    check_counts, check_query_options, ints_text, one_line_errors, parse_int_list, read_prompts_file, set_threads,
 )
+from specbatch.console.serve_commands import loadtest_command, serve_command
+from specbatch.perfmodel.errors import UsageError
 
 app = typer.Typer(
     add_completion=False,
@@ -83,20 +85,18 @@ def generate(
 @app.command("calibrate")
 @one_line_errors
 def calibrate_command(
-    target: Annotated[Optional[str], typer.Option(
-        "--target", help=f"{_MODEL_HELP}. Default: bundled demo target.")] = None,
-    draft: Annotated[Optional[str], typer.Option(
-        "--draft", help="Same forms as --target. Default: bundled demo draft.")] = None,
+    target: AnyTargetOpt = None,
+    draft: AnyDraftOpt = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     batch_sizes: Annotated[Optional[str], typer.Option("--batch-sizes", help=(
-        f"Batch sizes to time (default {_ints(_grid.DEFAULT_BATCH_SIZES)}; "
-        f"--quick {_ints(_grid.QUICK_BATCH_SIZES)})."))] = None,
+        f"Batch sizes to time (default {ints_text(_grid.DEFAULT_BATCH_SIZES)}; "
+        f"--quick {ints_text(_grid.QUICK_BATCH_SIZES)})."))] = None,
     max_k: Annotated[int, typer.Option(
         "--max-k", help="Longest speculation: target passes of 1..max_k+1 tokens are timed.")] = _grid.DEFAULT_MAX_K,
     context_lens: Annotated[Optional[str], typer.Option("--context-lens", help=(
-        f"Cached tokens per row (default {_ints(_grid.DEFAULT_CONTEXT_LENS)}; "
-        f"--quick {_ints(_grid.QUICK_CONTEXT_LENS)})."))] = None,
+        f"Cached tokens per row (default {ints_text(_grid.DEFAULT_CONTEXT_LENS)}; "
+        f"--quick {ints_text(_grid.QUICK_CONTEXT_LENS)})."))] = None,
     prompts: Annotated[Optional[Path], typer.Option("--prompts", help=(
         "Prompts for acceptance, one JSON string per line (default: bundled held-out prompts)."))] = None,
     acceptance: Annotated[Optional[str], typer.Option("--acceptance", help=(
@@ -146,16 +146,11 @@ def calibrate_command(
     render_calibration(summary)
 
 
-_BENCH_MODEL_HELP = "Model directory, shape preset (random weights) or config.json path"
-
-
 @app.command()
 @one_line_errors
 def bench(
-    target: Annotated[Optional[str], typer.Option(
-        "--target", help=f"{_BENCH_MODEL_HELP} (default: bundled demo target).")] = None,
-    draft: Annotated[Optional[str], typer.Option(
-        "--draft", help=f"{_BENCH_MODEL_HELP} (default: bundled demo draft).")] = None,
+    target: AnyTargetOpt = None,
+    draft: AnyDraftOpt = None,
     table: Annotated[Optional[Path], typer.Option(
         "--table", help="specbatch.table/1 file: adds the table policy.")] = None,
     model: Annotated[Optional[Path], typer.Option(
@@ -255,7 +250,7 @@ def fit(
     rows in the profile, from the timing source (isolated, in-situ, both) that predicts measured steps best."""
     from specbatch.perfmodel.jsonio import check_not_input, writable_path
     from specbatch.perfmodel.fit import fit_profile
-    from specbatch.perfmodel.model import model_to_json, save_model
+    from specbatch.perfmodel.model import save_model
     from specbatch.perfmodel.profile import load_profile
 
     check_not_input(output, [profile], "--output")
@@ -263,16 +258,11 @@ def fit(
     loaded = load_profile(profile)
     fitted = fit_profile(loaded, holdout=holdout)
     save_model(output, fitted)
-    if json_output:
-        roles = {role: {key: value for key, value in obj.items() if key != "points"}
-                 for role, obj in model_to_json(fitted)["roles"].items()}
-        source = None if fitted.timing_source is None else fitted.timing_source.to_json()
-        correction = None if fitted.step_correction is None else fitted.step_correction.to_json()
-        typer.echo(json.dumps({"model": str(output), "roles": roles, "timing_source": source,
-                               "step_correction": correction}))
-        return
-    from specbatch.console.model import render_fit
+    from specbatch.console.model import fit_json, render_fit
 
+    if json_output:
+        typer.echo(json.dumps(fit_json(fitted, output)))
+        return
     render_fit(fitted, output, holdout, loaded.noise)
 
 
@@ -353,14 +343,7 @@ def query(
     --strategies chain lists every k in order; --tree SPEC [--stage2 FILE] predicts that one tree (a
     what-if); --tree auto is --strategies all."""
     check_counts(batch_size=batch_size, context_len=context_len, max_k=max_k)
-    if (model is None) == (table_path is None):
-        raise UsageError("give either a model file or --table, not both or neither")
-    if table_path is not None and (acceptance is not None or max_k is not None or tree is not None):
-        raise UsageError("--acceptance, --max-k and --tree need a model file: a table was computed with fixed values")
-    if stage2 is not None and tree is None:
-        raise UsageError("--stage2 needs --tree (a chain is --tree chain:K)")
-    if strategies not in ("all", "tree", "chain"):
-        raise UsageError(f"--strategies: {strategies!r} is not one of all, tree, chain")
+    check_query_options(model, table_path, acceptance, max_k, tree, stage2, strategies)
     if model is not None:
         from specbatch.perfmodel.model import choose_acceptance, load_model
         from specbatch.perfmodel.query import chain_answer, strategy_answer
@@ -433,11 +416,7 @@ def demo(
     run_demo(out, tuple(race_sizes), prompts_shown, max_new_tokens, rounds, max_batch, device)
 
 
-
-from specbatch.console.explain_command import explain  # noqa: E402 - registered below
-from specbatch.console.serve_commands import loadtest_command, serve_command  # noqa: E402
-
-app.command()(one_line_errors(explain))
+app.command()(one_line_errors(explain))  # commands kept in their own console/ files, listed after these
 
 app.command("serve")(one_line_errors(serve_command))
 app.command("loadtest")(one_line_errors(loadtest_command))

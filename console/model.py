@@ -30,6 +30,18 @@ def render_sources(console, choice, holdout: bool) -> None:
     console.print(per_b)
 
 
+def fit_json(fitted, output: Path) -> dict:
+    """What `fit --json` prints: each role's fitted parameters and errors (not its points), the timing source
+    chosen and the step correction."""
+    from specbatch.perfmodel.model import model_to_json
+
+    roles = {role: {key: value for key, value in obj.items() if key != "points"}
+             for role, obj in model_to_json(fitted)["roles"].items()}
+    source = None if fitted.timing_source is None else fitted.timing_source.to_json()
+    correction = None if fitted.step_correction is None else fitted.step_correction.to_json()
+    return {"model": str(output), "roles": roles, "timing_source": source, "step_correction": correction}
+
+
 def render_fit(fitted, output: Path, holdout: bool = False, noise=None) -> None:
     """`noise`: the profile's perfmodel.profile.noise.NoiseFigure, when it has one: its floor is printed beside the
     errors."""

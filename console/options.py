@@ -89,8 +89,8 @@ def read_prompts_file(path: Path, option: str = "--prompts-file") -> list[str]:
 
 def busy_cores_elsewhere(interval_s: float = 0.2) -> float | None:
     """Cores kept busy right now by other processes: /proc/stat's non-idle share over `interval_s`, while
-    this process sleeps. (Not the load average: on 2 cores our own previous command keeps it near 1 for
-    a minute.) None where /proc/stat cannot be read."""
+    this process sleeps (the load average would count our own previous command for a minute). None where
+    /proc/stat cannot be read."""
     def sample() -> tuple[int, int]:
         with open("/proc/stat") as stat:
             values = [int(v) for v in stat.readline().split()[1:]]
@@ -111,11 +111,10 @@ def set_threads(threads: int | None, resumed_profile: Path | None = None) -> Non
     """--threads: torch's intra-op threads for this run (recorded in every profile and bench file).
 
     Without --threads (and without OMP_NUM_THREADS, an explicit choice too), a machine whose other
-    processes keep all but one core busy right now gets one thread, and a note says so: on the 2-core
-    development VM with two busy processes, a demo-target decode pass (1 x 8 tokens) took 464 ms on
-    torch's default 2 threads and 7.3 ms on one (5.8 ms on 2 threads when idle). The bounded spin of
-    runtime/__init__.py limits the damage when the load arrives after the choice. A resumed calibration
-    keeps the thread count its profile recorded (its timings must stay comparable)."""
+    processes keep all but one core busy right now gets one thread, and a note says so: threads that wait
+    for busy cores slow every pass many times over. The bounded spin of runtime/__init__.py limits the
+    damage when the load arrives after the choice. A resumed calibration keeps the thread count its
+    profile recorded (its timings must stay comparable)."""
     if threads is not None and threads < 1:
         raise UsageError(f"--threads must be >= 1, got {threads}")
     if threads is None and resumed_profile is not None and Path(resumed_profile).is_file():
@@ -135,8 +134,22 @@ def set_threads(threads: int | None, resumed_profile: Path | None = None) -> Non
         torch.set_num_threads(threads)
 
 
-def _ints(values) -> str:
+def ints_text(values) -> str:
+    """(1, 2, 4) -> '1,2,4', as an option takes it."""
     return ",".join(map(str, values))
+
+
+def check_query_options(model: Path | None, table: Path | None, acceptance: str | None, max_k: int | None,
+                        tree: str | None, stage2: Path | None, strategies: str) -> None:
+    """`query`: a model file or --table (not both), and the options each of them can answer."""
+    if (model is None) == (table is None):
+        raise UsageError("give either a model file or --table, not both or neither")
+    if table is not None and (acceptance is not None or max_k is not None or tree is not None):
+        raise UsageError("--acceptance, --max-k and --tree need a model file: a table was computed with fixed values")
+    if stage2 is not None and tree is None:
+        raise UsageError("--stage2 needs --tree (a chain is --tree chain:K)")
+    if strategies not in ("all", "tree", "chain"):
+        raise UsageError(f"--strategies: {strategies!r} is not one of all, tree, chain")
 
 
 # Shared options, defined once.
@@ -166,5 +179,9 @@ ForceOpt = Annotated[bool, typer.Option(
     "--force", help="Use a table or model made for another target/draft pair anyway.")]
 MaxKOpt = Annotated[Optional[int], typer.Option("--max-k", help="Largest k considered (default: the profile's max_k).")]
 MaxBatchOpt = Annotated[int, typer.Option("--max-batch", help="Tabulate batch sizes 1..this.")]
-_MODEL_HELP = ("Model directory (real weights), config.json or shape preset (random weights: "
-               f"{', '.join(_presets.PRESET_NAMES)})")
+MODEL_FORMS_HELP = ("Model directory (real weights), config.json or shape preset (random weights: "
+                    f"{', '.join(_presets.PRESET_NAMES)})")
+AnyTargetOpt = Annotated[Optional[str], typer.Option(  # calibrate and bench: every form runtime.loading reads
+    "--target", help=f"{MODEL_FORMS_HELP}. Default: bundled demo target.")]
+AnyDraftOpt = Annotated[Optional[str], typer.Option(
+    "--draft", help="Same forms as --target. Default: bundled demo draft.")]
