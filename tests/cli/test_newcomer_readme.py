@@ -1,6 +1,8 @@
-"""The README's everyday commands, in sequence, from directories other than the repo root (issue 15: the
-table recorded the n-gram relative to the repo, and `calibrate --resume` compared model paths by spelling).
-A tiny grid and one thread keep it short; each command runs the installed `specbatch` as a user would."""
+"""The README's commands (calibrate, fit, table, generate, bench) and the ones `--help` points to (query,
+trees with the n-gram stage, adaptive, calibrate --resume), in sequence, from directories other than the
+repository root: files made in one folder are used from another (paths recorded absolute, the n-gram found
+by its sha256, the pair recognised by content). A tiny grid and one thread keep it short; each command runs
+the installed `specbatch` as a user would."""
 from __future__ import annotations
 
 import json
@@ -48,6 +50,6 @@ def test_the_readme_sequence_runs_outside_the_repo_root(tmp_path):
         "--max-new-tokens", "8", "--threads", "1")
     adaptive = json.loads(run(used, "generate", "--prompt", "def f(x):", "--adaptive", "../made/model.json",
                               "--max-new-tokens", "8", "--threads", "1", "--json"))  # its n-gram found by sha256
-    assert adaptive["policy"].startswith("adaptive") and len(adaptive["stats"]["planned_k_per_step"]) > 0
+    assert adaptive["policy"].startswith("adaptive") and len(adaptive["stats"]["k_per_step"]) > 0
     resumed = json.loads(run(used, "calibrate", "-o", "../made/profile.json", "--resume", "--json", *TINY))
     assert resumed["points_measured"] == 0 and resumed["points_left"] == 0
