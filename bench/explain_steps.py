@@ -125,7 +125,7 @@ def run_explain(config, models, prompts: Sequence[list[int]],
     from specbatch.runtime.generator import SpeculativeGenerator
     from specbatch.runtime.policy import FixedK, FixedStrategy, TableK
 
-    from specbatch.calibrate.pass_clock import PassClock, measured_steps
+    from specbatch.calibrate.pass_clock import StepRecorder
 
     from .config import BenchError, tree_from_spec
     from .plan import check_context
@@ -158,11 +158,11 @@ def run_explain(config, models, prompts: Sequence[list[int]],
         if speed is not None and round_index >= 0:
             speed.check(b)
         batch_prompts = round_prompts(prompts, b, round_index, config.warmup_rounds, config.rounds)
-        with PassClock({"draft": generator.draft, "target": generator.target}, generator.device) as clock:
-            result = generator.generate(batch_prompts, config.max_new_tokens, policy, config.sampling,
-                                        config.seed + round_index + config.warmup_rounds,
-                                        config.synthetic_acceptance)
-        steps = measured_steps(result.stats, clock, b) if round_index >= 0 else None
+        recorder = StepRecorder(generator.device)
+        generator.generate(batch_prompts, config.max_new_tokens, policy, config.sampling,
+                           config.seed + round_index + config.warmup_rounds, config.synthetic_acceptance,
+                           observer=recorder)
+        steps = recorder.measured_steps(b) if round_index >= 0 else None
         if steps is not None:
             pooled = steps if pooled is None else pooled.merged(steps)
     if speed is not None:

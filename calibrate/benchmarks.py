@@ -2,8 +2,9 @@
 
 A pass is timed on the runtime's own model and KV cache as the generator calls it, every row's cache set
 to length L (attention cost depends on how many keys there are, not their values). A step's overhead is
-everything the generator does outside forward passes, read from its own `other_s` while generating with a
-fixed chain or tree; the n-gram's query time is taken out, as the model adds it from the query-cost fit.
+everything the generator does outside forward passes, read from a step recorder (calibrate.pass_clock)
+while generating with a fixed chain or tree; the n-gram's query time is taken out, as the model adds it
+from the query-cost fit.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from specbatch.runtime.policy import FixedK, FixedStrategy
 from specbatch.runtime.sampling import Sampling
 
 from .grid import TimingPoint, new_tokens_at
+from .pass_clock import StepRecorder
 from .store import timing_row
 from .timing import Clock, Measurement, RepetitionRule, is_out_of_memory, repeat, timed_ms
 
@@ -115,9 +117,10 @@ def overhead_sampler(target: CausalLM, draft: CausalLM, batch_size: int, k: int,
     calls = itertools.count()
 
     def sample_ms() -> float:
-        stats = generator.generate(prompts, new_tokens, FixedK(k), Sampling(), seed=seed + next(calls),
-                                   synthetic_acceptance=acceptance).stats
-        return stats.other_s / stats.steps * 1000.0
+        recorder = StepRecorder(generator.device, pass_contexts=False)
+        generator.generate(prompts, new_tokens, FixedK(k), Sampling(), seed=seed + next(calls),
+                           synthetic_acceptance=acceptance, observer=recorder)
+        return recorder.overhead_s() / len(recorder.steps) * 1000.0
 
     return sample_ms
 
@@ -165,8 +168,9 @@ def tree_overhead_sampler(target: CausalLM, draft: CausalLM, prompts: list[list[
     def sample_ms() -> float:
         if timed is not None:
             timed.seconds = 0.0
-        stats = generator.generate(prompts, new_tokens, policy, Sampling(), seed=seed + next(calls)).stats
+        recorder = StepRecorder(generator.device, pass_contexts=False)
+        generator.generate(prompts, new_tokens, policy, Sampling(), seed=seed + next(calls), observer=recorder)
         queries_s = timed.seconds if timed is not None else 0.0
-        return max(0.0, stats.other_s - queries_s) / stats.steps * 1000.0
+        return max(0.0, recorder.overhead_s() - queries_s) / len(recorder.steps) * 1000.0
 
     return sample_ms

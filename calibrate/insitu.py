@@ -1,5 +1,5 @@
 """In-situ timing: generate with a fixed chain k at one batch size on held-out prompts and time every
-forward pass (`calibrate.pass_clock.PassClock`) and every step (the generator's own step clock).
+forward pass and every step (`calibrate.pass_clock.StepRecorder`).
 
 Each point (b, k) is generated once per sweep, the sweeps spread over the whole stage, and within a sweep
 the ks of one batch size run in lockstep on the same prompts (calibrate.lockstep): a slow spell of the
@@ -22,7 +22,7 @@ from specbatch.runtime.policy import FixedK
 from specbatch.runtime.sampling import Sampling
 
 from .lockstep import run_lockstep
-from .pass_clock import PassClock
+from .pass_clock import StepRecorder
 
 
 WARMUP_TOKENS = 8  # new tokens per row of a point's warm-up generation
@@ -58,24 +58,6 @@ def insitu_points(grid: Grid, ks: Sequence[int], every_other_batch_size: bool, s
         sizes = sorted(set(sizes[::2]) | {sizes[-1]})
     cells = [(b, k) for b in sizes for k in sorted(set(ks)) if k <= grid.max_k]
     return [InSituPoint(b, k, sweep) for sweep in range(1, sweeps + 1) for b, k in cells]
-
-
-class _ContextLog:
-    """FixedK(k) that notes the context the generator asks it about at every step (the longest row's)."""
-
-    def __init__(self, k: int):
-        self.policy, self.contexts = FixedK(k), []
-
-    @property
-    def max_k(self) -> int:
-        return self.policy.max_k
-
-    def __call__(self, batch_size: int, context_len: int) -> int:
-        self.contexts.append(context_len)
-        return self.policy(batch_size, context_len)
-
-    def describe(self) -> str:
-        return self.policy.describe()
 
 
 def spread_batch(prompts: Sequence[list[int]], batch_size: int, sweep: int, sweeps: int) -> list[list[int]]:
@@ -120,7 +102,7 @@ def measure_insitu(generator: SpeculativeGenerator, points: Sequence[InSituPoint
     """The rows of one generation per point, for points of one batch size and sweep (`insitu_groups`),
     generated on the same prompts in lockstep (calibrate.lockstep: a step of each k in turn, so the ks
     the table chooses between meet the same spells of the machine); a point's entry is None when no
-    full-batch step had its passes timed (too few new tokens). `synthetic_acceptance` (random weights:
+    full-batch step ran (too few new tokens). `synthetic_acceptance` (random weights:
     the given per-position acceptance) accepts draft tokens with those probabilities instead of by
     comparison, so the steps run the pass mix the model predicts for that acceptance."""
     b, sweep = points[0].batch_size, points[0].sweep
@@ -131,25 +113,19 @@ def measure_insitu(generator: SpeculativeGenerator, points: Sequence[InSituPoint
     for point in points:
         generator.generate(batch, min(new_tokens, WARMUP_TOKENS), FixedK(point.k), Sampling(), seed,
                            synthetic_acceptance)
-    policies = {point: _ContextLog(point.k) for point in points}
-    clock = PassClock({"draft": generator.draft, "target": generator.target}, generator.device)
-    ran = run_lockstep({point: generator.generation(batch, new_tokens, policy, Sampling(), seed + sweep,
-                                                    synthetic_acceptance)
-                        for point, policy in policies.items()}, clock)
-    results = []
-    for point in points:
-        result, clock.records = ran[point]
-        results.append(_rows(point, result.stats, clock, policies[point].contexts))
-    return results
+    recorders = {point: StepRecorder(generator.device) for point in points}
+    run_lockstep({point: generator.generation(batch, new_tokens, FixedK(point.k), Sampling(), seed + sweep,
+                                              synthetic_acceptance, observer=recorders[point])
+                  for point in points})
+    return [_rows(point, recorders[point]) for point in points]
 
 
-def _rows(point: InSituPoint, stats, clock: PassClock, contexts: list[int]) -> InSituResult | None:
+def _rows(point: InSituPoint, recorder: StepRecorder) -> InSituResult | None:
     b = point.batch_size
-    passes = clock.step_records(stats)
-    full = [i for i, size in enumerate(stats.batch_size_per_step) if size == b]
-    if passes is None or not full:
+    full = [i for i, record in enumerate(recorder.steps) if record.batch_size == b]
+    if not full:
         return None
-    records = [(role, *record) for role, rows in passes.items() for record in rows]
-    step = step_row([stats.step_s[i] for i in full], [contexts[i] for i in full],
-                    sum(stats.step_tokens[i] for i in full), b, point.k, point.sweep)
+    records = [(role, *record) for role, rows in recorder.passes.items() for record in rows]
+    step = step_row([recorder.step_s[i] for i in full], [recorder.steps[i].context_len for i in full],
+                    sum(recorder.steps[i].tokens for i in full), b, point.k, point.sweep)
     return InSituResult(pass_rows(records, b, point.k, sweep=point.sweep), (step,))

@@ -1,17 +1,13 @@
-"""Every forward pass of a generation, timed one by one, without touching the generator.
+"""Every step of a generation and every forward pass in it, timed: the recorder bench and calibrate attach.
 
-The generator records each pass's shape (`GenerationStats.draft_passes` / `target_passes`: batch, new
-tokens) and only the summed times. `PassClock` wraps the models' `forward` for the duration of one
-`generate()` call and records (batch, new tokens, context, seconds) per call, the context being the
-longest row's cached length before the pass (what the pass's attention spans: shorter rows are masked);
-the first calls of each model are the prefill, so the step passes are the last
-`len(stats.<role>_passes)` records, which must have the same shapes (checked). The clock synchronizes
-CUDA around each pass, as the generator's own timer does, so it adds no synchronization the run did not
-already have. `records` may be swapped between passes: bench.timing's lockstep runs several
-generations on the same models and keeps one set of records per generation.
+`StepRecorder` is a `runtime.generator.StepObserver`: `generator.generate(..., observer=StepRecorder(device))`.
+The generator hands it each pass of a step to run, which it times on the device clock (runtime.clock) with
+its shape and the longest row's cached context before it (what the pass's attention spans: shorter rows are
+masked), and a `StepRecord` after every step, whose wall time it takes from `step_started`. The prefill is
+not a step: its passes are not recorded. Plain generation attaches no recorder and pays for none of this.
 
-Shared by `bench` (the decomposition of a prediction's error) and `calibrate` (in-situ timing: passes
-timed inside real speculative steps, calibrate/insitu.py).
+Shared by `bench` (the decomposition of a prediction's error, perfmodel.explain) and `calibrate` (passes
+timed inside real speculative steps, calibrate/insitu.py; step overheads, calibrate/benchmarks.py).
 """
 from __future__ import annotations
 
@@ -21,70 +17,65 @@ import torch
 
 from specbatch.perfmodel.explain import MeasuredSteps, measured_from_stats
 from specbatch.runtime.clock import DeviceClock
+from specbatch.runtime.generator import StepRecord
 
 
-class PassClock:
-    """`with PassClock({"draft": draft, "target": target}, device) as clock: generator.generate(...)`."""
+class StepRecorder:
+    """What each step of one generation ran, produced and took."""
 
-    def __init__(self, models: dict[str, Any], device: torch.device):
-        distinct: dict[int, str] = {}  # a model passed twice (draft = target) is wrapped once, under its first role
-        for role, model in models.items():
-            if isinstance(model, torch.nn.Module):
-                distinct.setdefault(id(model), role)
-        self.models = {role: models[role] for role in distinct.values()}
-        self.clock = DeviceClock(device)
-        # per role, per call: (batch, new tokens, cached context of the longest row, seconds)
-        self.records: dict[str, list[tuple[int, int, int, float]]] = {role: [] for role in self.models}
+    def __init__(self, device: torch.device | str, pass_contexts: bool = True):
+        """`pass_contexts=False`: no context per pass (it costs a device read per pass, which the step
+        overheads calibrate measures must not contain)."""
+        self.clock, self.pass_contexts = DeviceClock(device), pass_contexts
+        self.steps: list[StepRecord] = []
+        self.step_s: list[float] = []  # wall time of each step: passes, the policy's decisions, bookkeeping
+        # per role, per step pass: (batch, new tokens, cached context of the longest row or None, seconds)
+        self.passes: dict[str, list[tuple[int, int, int | None, float]]] = {"draft": [], "target": []}
+        self._started_s = 0.0
 
-    def _timed(self, role: str, forward):
-        def timed_forward(tokens, *args, **kwargs):
-            cache = args[0] if args else kwargs.get("cache")
-            context = int(cache.lengths.max()) if cache is not None else 0  # before the clock starts
-            started = self.clock.now()
-            out = forward(tokens, *args, **kwargs)
-            self.records[role].append((int(tokens.shape[0]), int(tokens.shape[1]), context,
-                                       self.clock.now() - started))
-            return out
-        return timed_forward
-
-    def __enter__(self) -> "PassClock":
-        for role, model in self.models.items():
-            model.forward = self._timed(role, model.forward)  # an instance attribute shadows the method
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for model in self.models.values():
-            del model.forward  # the class's forward again
-
-    def step_records(self, stats) -> dict[str, list[tuple[int, int, int, float]]] | None:
-        """The step passes' records (batch, new tokens, context, seconds), aligned with
-        `stats.<role>_passes`; None when the records do not line up with the generator's (then no
-        per-pass figures are claimed)."""
-        out = {"draft": [], "target": []}
-        for role in out:
-            shapes = [tuple(s) for s in getattr(stats, f"{role}_passes")]
-            records = self.records.get(role, [])
-            if not shapes:
-                continue
-            if len(records) < len(shapes) or [r[:2] for r in records[-len(shapes):]] != shapes:
-                return None
-            out[role] = records[-len(shapes):]
+    # ------------------------------------------------------------------ the observer protocol
+    def run_pass(self, role: str, model, tokens: torch.Tensor, cache, attention=None) -> torch.Tensor:
+        context = int(cache.lengths.max()) if self.pass_contexts else None  # before the clock starts
+        started = self.clock.now()
+        out = model(tokens, cache, attention)
+        self.passes[role].append((int(tokens.shape[0]), int(tokens.shape[1]), context, self.clock.now() - started))
         return out
 
-    def step_pass_seconds(self, stats) -> dict[str, list[float]] | None:
-        """Seconds of each step pass, aligned with `stats.<role>_passes`, or None (see `step_records`)."""
-        records = self.step_records(stats)
-        return None if records is None else {role: [r[3] for r in rows] for role, rows in records.items()}
+    def step_started(self) -> None:
+        self._started_s = self.clock.now()
 
+    def step_finished(self, record: StepRecord) -> None:
+        self.step_s.append(self.clock.now() - self._started_s)
+        self.steps.append(record)
 
-def measured_steps(stats, clock: PassClock, batch_size: int) -> MeasuredSteps | None:
-    """The run's full-batch steps with each pass's time (perfmodel.explain), or None."""
-    seconds = clock.step_pass_seconds(stats)
-    if seconds is None:
-        return None
-    record = {"batch_size_per_step": stats.batch_size_per_step, "step_s": stats.step_s,
-              "step_tokens": stats.step_tokens, "step_tokens_drawn": stats.step_tokens_drawn,
-              "draft_passes": stats.draft_passes,
-              "target_passes": stats.target_passes, "draft_pass_s": seconds["draft"],
-              "target_pass_s": seconds["target"]}
-    return measured_from_stats(record, batch_size)
+    # ------------------------------------------------------------------ readings
+    def per_step(self, name: str) -> list[Any]:
+        """One field of every step's record (`batch_size`, `context_len`, `nodes`, `tokens`, ...)."""
+        return [getattr(record, name) for record in self.steps]
+
+    def pass_shapes(self, role: str) -> list[tuple[int, int]]:
+        """(batch, new tokens) of every step pass of `role`, in order."""
+        return [(batch, new_tokens) for batch, new_tokens, _, _ in self.passes[role]]
+
+    def overhead_s(self) -> float:
+        """The steps' time outside their forward passes (sampling, acceptance, bookkeeping, the policy)."""
+        return sum(self.step_s) - sum(seconds for rows in self.passes.values() for *_, seconds in rows)
+
+    def decision_s(self) -> float:
+        """The policy's own time over all steps."""
+        return sum(self.per_step("decision_s"))
+
+    def steady_tokens_per_s(self, batch_size: int) -> float | None:
+        """Goodput over the steps that ran with the full batch: what G(b, k) models (no prefill, no tail)."""
+        full = [i for i, record in enumerate(self.steps) if record.batch_size == batch_size]
+        seconds = sum(self.step_s[i] for i in full)
+        return sum(self.steps[i].tokens for i in full) / seconds if full and seconds > 0 else None
+
+    def measured_steps(self, batch_size: int) -> MeasuredSteps | None:
+        """The full-batch steps with each pass's time (perfmodel.explain); None without full-batch steps."""
+        record = {"batch_size_per_step": self.per_step("batch_size"), "step_s": self.step_s,
+                  "step_tokens": self.per_step("tokens"), "step_tokens_drawn": self.per_step("tokens_drawn"),
+                  "draft_passes": self.pass_shapes("draft"), "target_passes": self.pass_shapes("target"),
+                  "draft_pass_s": [row[3] for row in self.passes["draft"]],
+                  "target_pass_s": [row[3] for row in self.passes["target"]]}
+        return measured_from_stats(record, batch_size)

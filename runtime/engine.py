@@ -33,7 +33,7 @@ from specbatch.perfmodel.errors import SpecbatchError
 
 from . import policy as hooks
 from .engine_metrics import EngineMetrics, describe_choice
-from .generator import GenerationStats, SpeculativeGenerator
+from .generator import BatchState, SpeculativeGenerator
 from .sampling import RowGenerators, RowSampling, Sampling
 
 log = logging.getLogger("specbatch.engine")
@@ -264,9 +264,10 @@ class Engine:
         prompt_lens = torch.tensor(lens, dtype=torch.long, device=self.generator.device)
         caches = self._views(start, n, fresh=True)
         sampling, rng = self._batch_sampling(joined)
-        first = self.generator.prefill(self._tokens[start:start + n], prompt_lens, *caches, sampling, rng)
+        state = BatchState(self._tokens[start:start + n], prompt_lens, *caches, self.max_k, sampling, rng)
+        first = self.generator.prefill(state)
         self._store_lengths(start, caches)
-        self._committed[start:start + n] = prompt_lens + 1
+        self._committed[start:start + n] = state.committed
         self._rows.extend(joined)
         self.metrics.observe_prefill(sum(lens))
         ones = torch.ones(n, dtype=torch.long, device=first.device)
@@ -282,16 +283,16 @@ class Engine:
         started = time.perf_counter()
         choice = hooks.ask(self.policy, request_ids, context) if self.generator.draft is not None else 0
         decision_s = time.perf_counter() - started
-        stats = GenerationStats()
-        new, counts = self.generator.step(choice, self.max_k, self._tokens[:b], committed, *caches, sampling, rng,
-                                          stats)
-        counts_list = counts.tolist()
-        stats.decision_s.append(decision_s + self.generator.learn(self.policy, request_ids, stats, counts_list))
+        step = self.generator.step(BatchState(self._tokens[:b], committed, *caches, self.max_k, sampling, rng), choice)
+        counts_list = step.counts.tolist()
+        decision_s += self.generator.learn(self.policy, request_ids, step, counts_list)
         self._store_lengths(0, caches)
-        self._committed[:b] = committed + counts
-        new_list = new.tolist()
-        self.metrics.observe_step(describe_choice(choice), stats, b, time.perf_counter() - started, sum(counts_list))
-        self._deliver(list(range(b)), new, counts, [t[:c] for t, c in zip(new_list, counts_list)], counts_list)
+        self._committed[:b] = committed + step.counts
+        new_list = step.new.tolist()
+        self.metrics.observe_step(describe_choice(choice), step.k, step.nodes, counts_list,
+                                  time.perf_counter() - started, decision_s)
+        self._deliver(list(range(b)), step.new, step.counts, [t[:c] for t, c in zip(new_list, counts_list)],
+                      counts_list)
 
     def _views(self, start: int, count: int, fresh: bool):
         caches = [self._target_pool.rows(start, count),

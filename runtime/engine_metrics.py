@@ -8,6 +8,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+from .generator import count_acceptance
+
 # upper bounds of the step-time histogram, seconds: a step of the demo pair on a CPU takes 2-50 ms,
 # a 7B target on a GPU 10-100 ms
 STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -41,28 +43,24 @@ class EngineMetrics:
     by_strategy: dict[str, dict[str, float]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def observe_step(self, strategy: str, stats, batch_size: int, seconds: float, tokens: int) -> None:
-        """One speculative step (stats: the runtime.generator.GenerationStats of that step alone; tokens: what
-        it committed over all rows)."""
+    def observe_step(self, strategy: str, k: int, nodes: int, counts: list[int], seconds: float,
+                     decision_s: float = 0.0) -> None:
+        """One speculative step of draft depth k, `nodes` draft tokens verified per row, row r committing
+        counts[r] tokens, in `seconds`, of which `decision_s` were the policy's own."""
         with self._lock:
             mix = self.by_strategy.setdefault(strategy, {"steps": 0, "seconds": 0.0, "tokens": 0, "rows": 0})
             mix["steps"] += 1
             mix["seconds"] += seconds
-            mix["tokens"] += tokens
-            mix["rows"] += batch_size
+            mix["tokens"] += sum(counts)
+            mix["rows"] += len(counts)
             self.steps_total += 1
-            self.strategy, self.batch_size = strategy, batch_size
-            self.k, self.draft_tokens = stats.k_per_step[-1], stats.nodes_per_step[-1]
-            for i, (hits, trials) in enumerate(zip(stats.accepted_per_position, stats.trials_per_position)):
-                if i == len(self.trials_per_position):
-                    self.trials_per_position.append(0)
-                    self.accepted_per_position.append(0)
-                self.trials_per_position[i] += trials
-                self.accepted_per_position[i] += hits
+            self.strategy, self.batch_size = strategy, len(counts)
+            self.k, self.draft_tokens = k, nodes
+            count_acceptance(self.accepted_per_position, self.trials_per_position, counts, k)
             bucket = next((i for i, bound in enumerate(STEP_BUCKETS_S) if seconds <= bound), len(STEP_BUCKETS_S))
             self.step_bucket_counts[bucket] += 1
             self.step_seconds_sum += seconds
-            self.decision_seconds_sum += sum(stats.decision_s)
+            self.decision_seconds_sum += decision_s
 
     def observe_prefill(self, prompt_tokens: int) -> None:
         with self._lock:

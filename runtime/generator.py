@@ -1,36 +1,39 @@
 """Batched, ragged, lossless speculative decoding.
 
-Invariants, per active row r of the batch:
+Invariants, per row r of a `BatchState`:
   * `committed[r]` tokens are final (prompt + generated) and stored in `tokens[r, :committed[r]]`;
   * the target's cache holds all committed tokens but the last: `target_cache.lengths == committed - 1`;
   * the draft's cache holds a prefix of them: `draft_cache.lengths <= committed - 1` (it lags after
     steps with k = 0, or by one token after a step in which the row accepted every draft token).
 
-One step with k >= 1 (`_speculative_step`):
-  1. draft catch-up: one pass over the last n0 committed tokens of every row, n0 = the largest lag
-     (rows that lag less are rolled back and re-fed tokens they already hold: same KV, one shape);
+One chain step with k >= 1 (`SpeculativeGenerator.step`):
+  1. `_draft_chain`: one catch-up pass over the last n0 committed tokens of every row, n0 = the largest
+     lag (rows that lag less are rolled back and re-fed tokens they already hold: same KV, one shape);
      its last logits give draft token 1; then k - 1 passes of 1 token give tokens 2..k;
-  2. verify: one target pass over [last committed token, d1..dk] (k + 1 tokens per row);
-  3. accept per row (greedy: while the draft token equals the target's argmax; sampling: rejection
+  2. `_verify`: one target pass over [last committed token, d1..dk] (k + 1 tokens per row);
+  3. `accept`: per row (greedy: while the draft token equals the target's argmax; sampling: rejection
      sampling, exactly the target's distribution), plus one token from the target;
-  4. roll the caches back to what was accepted: a length reset, no copy.
-k = 0 is one target pass of 1 token through the same bookkeeping. Finished rows leave the batch.
+  4. `_commit`: write the kept tokens, roll the caches back to them (a length reset, no copy).
+k = 0 is one target pass of 1 token through the same bookkeeping; trees go through runtime.tree_decoding.
+Finished rows leave the batch. Instrumentation is the caller's: an optional `StepObserver` runs and times
+the step passes and receives a `StepRecord` per step; without one nothing is timed but the prefill and the
+whole generation.
 """
 from __future__ import annotations
 
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from specbatch.perfmodel.errors import SpecbatchError
-
 from specbatch.perfmodel.tree import chain
 
 from . import policy as hooks
 from .clock import DeviceClock
-from .model import CausalLM, TreeAttention
+from .model import CausalLM, KVCache, TreeAttention
 from .sampling import Sampling, probabilities, sample, uniform
 from .tree_decoding import catch_up_input, compact, draft_tree, ngram_tree, plan_for, verify_and_accept
 
@@ -44,30 +47,26 @@ class GenerationError(SpecbatchError):
 
 @dataclass
 class GenerationStats:
+    """What a generation reports: its tokens and steps, the draft depth and batch size of each step,
+    acceptance per draft position and wall time."""
+
     steps: int = 0
-    k_per_step: list[int] = field(default_factory=list)
+    k_per_step: list[int] = field(default_factory=list)  # draft depth of each step (a tree's depth; 0: none)
     batch_size_per_step: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)  # position i: draft token i accepted
     trials_per_position: list[int] = field(default_factory=list)  # ... proposed with 1..i-1 accepted
     generated_tokens: int = 0
     first_tokens: int = 0  # tokens produced by the prefill pass (one per prompt)
     prefill_s: float = 0.0
-    draft_s: float = 0.0  # draft forward passes
-    verify_s: float = 0.0  # target forward passes after prefill
-    other_s: float = 0.0  # everything else in the steps: sampling, acceptance, bookkeeping
-    total_s: float = 0.0
+    total_s: float = 0.0  # this generation's own time: between its turns, not in others' (`generation`)
     synthetic_acceptance: float | tuple[float, ...] | None = None  # one probability, or one per draft position
-    step_s: list[float] = field(default_factory=list)  # wall time of each step, all passes and overhead
-    step_tokens: list[int] = field(default_factory=list)  # tokens each step added (within max_new_tokens)
-    # what each step produced over all rows before the cut at max_new_tokens (a finishing row's last step keeps
-    # only what it still needed): the per-step draws of E(k) that perfmodel.explain compares with the model
-    step_tokens_drawn: list[int] = field(default_factory=list)
-    draft_passes: list[tuple[int, int]] = field(default_factory=list)  # (batch size, new tokens) per pass
-    target_passes: list[tuple[int, int]] = field(default_factory=list)
-    nodes_per_step: list[int] = field(default_factory=list)  # draft tokens verified per row (k for a chain)
-    draft_passes_per_step: list[int] = field(default_factory=list)  # the draft's forward passes in each step
-    # wall time of the policy's own work per step (choosing, learning from the outcome)
-    decision_s: list[float] = field(default_factory=list)
+
+    def add_step(self, batch_size: int, k: int, counts: list[int]) -> None:
+        """A step of draft depth k over `batch_size` rows, row r keeping counts[r] tokens."""
+        self.steps += 1
+        self.k_per_step.append(k)
+        self.batch_size_per_step.append(batch_size)
+        count_acceptance(self.accepted_per_position, self.trials_per_position, counts, k)
 
     @property
     def acceptance_per_position(self) -> list[float]:
@@ -82,28 +81,13 @@ class GenerationStats:
     def tokens_per_s(self) -> float:
         return self.generated_tokens / self.total_s if self.total_s else 0.0
 
-    @property
-    def decision_fraction(self) -> float:
-        """The policy's decisions' share of the steps' wall time."""
-        total = sum(self.step_s)
-        return sum(self.decision_s) / total if total > 0 else 0.0
-
-    def steady_tokens_per_s(self, batch_size: int) -> float | None:
-        """Goodput over the steps that ran with the full batch: what G(b, k) models (no prefill, no tail)."""
-        full = [i for i, b in enumerate(self.batch_size_per_step) if b == batch_size]
-        seconds = sum(self.step_s[i] for i in full)
-        return sum(self.step_tokens[i] for i in full) / seconds if full and seconds > 0 else None
-
     def to_dict(self) -> dict:
         return {
             "steps": self.steps, "k_per_step": self.k_per_step, "batch_size_per_step": self.batch_size_per_step,
             "accepted_per_position": self.accepted_per_position, "trials_per_position": self.trials_per_position,
             "acceptance_per_position": self.acceptance_per_position, "generated_tokens": self.generated_tokens,
             "tokens_per_step": self.tokens_per_step, "tokens_per_s": self.tokens_per_s,
-            "prefill_s": self.prefill_s, "draft_s": self.draft_s, "verify_s": self.verify_s,
-            "other_s": self.other_s, "total_s": self.total_s, "synthetic_acceptance": self.synthetic_acceptance,
-            "decision_s_total": sum(self.decision_s),
-            "decision_fraction": self.decision_fraction,
+            "prefill_s": self.prefill_s, "total_s": self.total_s, "synthetic_acceptance": self.synthetic_acceptance,
         }
 
 
@@ -113,15 +97,84 @@ class GenerationResult:
     stats: GenerationStats
 
 
-class _PassRecorder:
-    """Times draft passes of a tree step into the stats (the tree code calls it once per pass)."""
+@dataclass
+class BatchState:
+    """The rows a step works on, with the invariants of the module docstring."""
 
-    def __init__(self, timer: DeviceClock, stats: GenerationStats):
-        self.now, self.stats = timer.now, stats
+    tokens: torch.Tensor  # (b, buffer): each row's committed tokens, then scratch
+    committed: torch.Tensor  # (b,): final tokens per row, prompt included
+    target_cache: KVCache
+    draft_cache: KVCache | None  # None: no draft model, or a policy that never drafts
+    max_k: int  # draft tokens per step the buffer and the caches have room for
+    sampling: Sampling = field(default_factory=Sampling)
+    rng: torch.Generator | None = None
+    # benchmarks and random weights: accept each draft token with this probability (one per position)
+    synthetic_acceptance: float | tuple[float, ...] | None = None
 
-    def __call__(self, batch: int, new_tokens: int, seconds: float) -> None:
-        self.stats.draft_s += seconds
-        self.stats.draft_passes.append((batch, new_tokens))
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    def keep_rows(self, index: torch.Tensor) -> None:
+        """Keep only the rows `index` (the others finished): a copy, made only when rows leave."""
+        self.tokens, self.committed = self.tokens.index_select(0, index), self.committed.index_select(0, index)
+        self.target_cache.keep_rows(index)
+        if self.draft_cache is not None:
+            self.draft_cache.keep_rows(index)
+
+
+@dataclass(frozen=True)
+class Step:
+    """What `SpeculativeGenerator.step` did."""
+
+    new: torch.Tensor  # (b, w): each row's new tokens (beyond counts[r] scratch)
+    counts: torch.Tensor  # (b,): how many of them row r keeps (its accepted draft tokens + 1)
+    k: int  # draft depth (a chain's k, a tree's depth)
+    nodes: int  # draft tokens verified per row (k for a chain)
+    draft_passes: int  # the draft's forward passes (a staged chain's rounds)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One step of a generation, as its observer receives it."""
+
+    batch_size: int
+    context_len: int  # the longest row's committed tokens, what the policy was told
+    k: int
+    nodes: int
+    draft_passes: int
+    tokens: int  # what the rows kept, within max_new_tokens
+    tokens_drawn: int  # what the step produced over all rows before that cut: a draw of b * E(k)
+    decision_s: float  # the policy's own time: choosing, and learning from the outcome
+
+
+class StepObserver(Protocol):
+    """What bench and calibrate attach to a generation (calibrate.pass_clock.StepRecorder)."""
+
+    def run_pass(self, role: str, model, tokens: torch.Tensor, cache: KVCache, attention=None) -> torch.Tensor:
+        """Run (and time) one forward pass of a step: `model(tokens, cache, attention)`."""
+
+    def step_started(self) -> None: ...
+
+    def step_finished(self, record: StepRecord) -> None: ...
+
+
+def _run_pass(observer: StepObserver | None, role: str, model, tokens, cache, attention=None) -> torch.Tensor:
+    if observer is None:
+        return model(tokens, cache, attention)
+    return observer.run_pass(role, model, tokens, cache, attention)
+
+
+class _DraftPasses:
+    """Runs a step's draft passes (runtime.tree_decoding calls it too): counts them, for a learning
+    policy, and hands them to the observer, when there is one."""
+
+    def __init__(self, observer: StepObserver | None):
+        self.observer, self.count = observer, 0
+
+    def __call__(self, model, tokens, cache, attention=None) -> torch.Tensor:
+        self.count += 1
+        return _run_pass(self.observer, "draft", model, tokens, cache, attention)
 
 
 class SpeculativeGenerator:
@@ -149,46 +202,39 @@ class SpeculativeGenerator:
 
     # ------------------------------------------------------------------ public
     def generate(self, prompts: list[list[int]], max_new_tokens: int, policy, sampling: Sampling = Sampling(),
-                 seed: int = 0, synthetic_acceptance: float | tuple[float, ...] | None = None) -> GenerationResult:
+                 seed: int = 0, synthetic_acceptance: float | tuple[float, ...] | None = None,
+                 observer: StepObserver | None = None) -> GenerationResult:
         """Generate up to `max_new_tokens` per prompt; `policy(batch_size, context_len)` gives k each step.
 
         `synthetic_acceptance` (benchmarks and calibrating random weights only) accepts each draft token
         with that probability instead of comparing with the target (a tuple: the probability at each draft
         position given the ones before were accepted, its last value for later positions); every forward
-        pass still runs.
+        pass still runs. `observer` (bench, calibrate) sees every step pass and every step.
         """
-        return run_to_end(self.generation(prompts, max_new_tokens, policy, sampling, seed, synthetic_acceptance))
+        return run_to_end(self.generation(prompts, max_new_tokens, policy, sampling, seed, synthetic_acceptance,
+                                          observer))
 
     @torch.inference_mode()
     def generation(self, prompts: list[list[int]], max_new_tokens: int, policy, sampling: Sampling = Sampling(),
-                   seed: int = 0, synthetic_acceptance: float | tuple[float, ...] | None = None):
+                   seed: int = 0, synthetic_acceptance: float | tuple[float, ...] | None = None,
+                   observer: StepObserver | None = None):
         """`generate`, one unit of work at a time: a Python generator that yields after the prefill and
         after every step (the fraction of the batch's tokens generated so far, 0..1) and returns the
         GenerationResult. Several generations can so be advanced in turns on one thread (calibrate.lockstep:
         contenders timed side by side, step by step); `stats.total_s` counts this generation's own time
         only, not the time spent in others between its turns."""
         self._check(prompts, max_new_tokens, policy)
-        resumed = time.perf_counter()
-        own_s = 0.0  # this generation's time between its turns
-        timer = DeviceClock(self.device)
+        clock = DeviceClock(self.device)
+        resumed, own_s = clock.now(), 0.0  # own_s: this generation's time between its turns
         stats = GenerationStats(synthetic_acceptance=synthetic_acceptance)
-        rng = torch.Generator(device=self.device).manual_seed(seed)
         b = len(prompts)
         prompt_lens = [len(p) for p in prompts]
-        max_k = policy.max_k if self.draft is not None else 0
-        buffer_len = max(prompt_lens) + max_new_tokens + max_k + 1
-        tokens = torch.zeros(b, buffer_len, dtype=torch.long, device=self.device)
-        for r, prompt in enumerate(prompts):
-            tokens[r, :len(prompt)] = torch.tensor(prompt, dtype=torch.long)
-        committed = torch.tensor(prompt_lens, dtype=torch.long, device=self.device)
-        target_cache = self.target.new_cache(b, buffer_len)
-        # a policy that never drafts (k = 0 throughout) gets no draft cache and no draft prefill: plain decoding
-        draft_cache = self.draft.new_cache(b, buffer_len) if self.draft_is_model and max_k > 0 else None
-
-        t0 = timer.now()
-        first = self.prefill(tokens, committed, target_cache, draft_cache, sampling, rng)
-        committed = committed + 1
-        stats.prefill_s = timer.now() - t0
+        rng = torch.Generator(device=self.device).manual_seed(seed)
+        state = self._new_batch(prompts, max_new_tokens, policy.max_k if self.draft is not None else 0, sampling,
+                                rng, synthetic_acceptance)
+        started = clock.now()
+        first = self.prefill(state)
+        stats.prefill_s = clock.now() - started
 
         rows = list(range(b))  # original index of each active row
         serial = next(_generation_serial)
@@ -206,104 +252,104 @@ class SpeculativeGenerator:
                 hooks.release(policy, [(serial, rows[i]) for i in done])
                 for i, cut in done.items():
                     start = prompt_lens[rows[i]]
-                    outputs[rows[i]] = tokens[i, start:start + cut].tolist()
+                    outputs[rows[i]] = state.tokens[i, start:start + cut].tolist()
                     finished_tokens += max_new_tokens
                 if not keep:
                     break
-                index = torch.tensor(keep, device=self.device)
-                tokens, committed = tokens.index_select(0, index), committed.index_select(0, index)
-                target_cache.keep_rows(index)
-                if draft_cache is not None:
-                    draft_cache.keep_rows(index)
+                state.keep_rows(torch.tensor(keep, device=self.device))
                 rows = [rows[i] for i in keep]
                 generated = [generated[i] for i in keep]
-            own_s += time.perf_counter() - resumed
+            own_s += clock.now() - resumed
             yield (finished_tokens + sum(generated)) / wanted  # a turn ends: the prefill, or a step, is done
-            resumed = time.perf_counter()
-            step_start = timer.now()
+            resumed = clock.now()
+            if observer is not None:
+                observer.step_started()
             # the context a step pays for: attention spans the longest row (shorter rows are masked)
-            context, ids = int(committed.max()), request_ids()  # what any policy is told: not its decision time
+            context, ids = int(state.committed.max()), request_ids()  # what any policy is told
             decided = time.perf_counter()
             choice = hooks.ask(policy, ids, context) if self.draft is not None else 0
             decision_s = time.perf_counter() - decided
-            new, counts = self.step(choice, max_k, tokens, committed, target_cache, draft_cache, sampling, rng,
-                                    stats, timer, synthetic_acceptance)
-            counts_list = counts.tolist()
-            decision_s += self.learn(policy, ids, stats, counts_list)
-            stats.decision_s.append(decision_s)
-            committed = committed + counts
-            stats.step_tokens.append(sum(min(c, max_new_tokens - g) for c, g in zip(counts_list, generated)))
-            stats.step_tokens_drawn.append(sum(counts_list))
-            for i, c in enumerate(counts_list):
+            step = self.step(state, choice, observer)
+            counts = step.counts.tolist()
+            decision_s += self.learn(policy, ids, step, counts)
+            stats.add_step(len(counts), step.k, counts)
+            kept = sum(min(c, max_new_tokens - g) for c, g in zip(counts, generated))
+            for i, c in enumerate(counts):
                 generated[i] += c
-            done = self.finished_rows(new, counts, counts_list, generated, [max_new_tokens] * len(rows))
-            stats.step_s.append(timer.now() - step_start)
-            stats.other_s += stats.step_s[-1]
+            done = self.finished_rows(step.new, step.counts, counts, generated, [max_new_tokens] * len(rows))
+            if observer is not None:
+                observer.step_finished(StepRecord(len(counts), context, step.k, step.nodes, step.draft_passes,
+                                                  kept, sum(counts), decision_s))
         stats.generated_tokens = sum(len(o) for o in outputs)
-        stats.other_s -= stats.draft_s + stats.verify_s
-        stats.total_s = own_s + time.perf_counter() - resumed
+        stats.total_s = own_s + clock.now() - resumed
         return GenerationResult(token_ids=outputs, stats=stats)
 
     @staticmethod
-    def learn(policy, request_ids, stats: GenerationStats, counts: list[int]) -> float:
+    def learn(policy, request_ids, step: Step, counts: list[int]) -> float:
         """Tell a learning policy what the chain step just run gave each row (`counts`: tokens kept per row,
         on the host); returns the seconds the policy spent learning."""
         started = time.perf_counter()
-        if stats.nodes_per_step[-1] == stats.k_per_step[-1]:  # a chain (trees teach no per-token rate)
-            hooks.report(policy, request_ids, stats.k_per_step[-1], [c - 1 for c in counts])
-            hooks.report_draft_passes(policy, len(request_ids), stats.draft_passes_per_step[-1])
+        if step.nodes == step.k:  # a chain (trees teach no per-token rate)
+            hooks.report(policy, request_ids, step.k, [c - 1 for c in counts])
+            hooks.report_draft_passes(policy, len(request_ids), step.draft_passes)
         return time.perf_counter() - started
 
+    def _new_batch(self, prompts: list[list[int]], max_new_tokens: int, max_k: int, sampling: Sampling, rng,
+                   synthetic_acceptance) -> BatchState:
+        """Right-padded prompts in a buffer with room for every token of the generation, and empty caches;
+        `committed` holds each prompt's length until the prefill."""
+        b, prompt_lens = len(prompts), [len(p) for p in prompts]
+        buffer_len = max(prompt_lens) + max_new_tokens + max_k + 1
+        tokens = torch.zeros(b, buffer_len, dtype=torch.long, device=self.device)
+        for r, prompt in enumerate(prompts):
+            tokens[r, :len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+        # a policy that never drafts (k = 0 throughout) gets no draft cache and no draft prefill: plain decoding
+        draft_cache = self.draft.new_cache(b, buffer_len) if self.draft_is_model and max_k > 0 else None
+        return BatchState(tokens, torch.tensor(prompt_lens, dtype=torch.long, device=self.device),
+                          self.target.new_cache(b, buffer_len), draft_cache, max_k, sampling, rng, synthetic_acceptance)
+
     # ------------------------------------------------------------------ the steps (the engine's too)
-    def prefill(self, tokens, prompt_lens, target_cache, draft_cache, sampling, rng) -> torch.Tensor:
-        """Feed right-padded prompts `tokens[:, :max(prompt_lens)]` (b rows) into caches whose rows are
-        empty; set each row's cache length to its own prompt length (the padding's entries lie beyond
-        it, masked and later overwritten), write the target's first token after each prompt in `tokens`
-        and return it (b,)."""
-        b = tokens.shape[0]
+    def prefill(self, state: BatchState) -> torch.Tensor:
+        """Feed right-padded prompts (`state.committed`: each row's prompt length) into caches whose rows
+        are empty; set each row's cache length to its own prompt length (the padding's entries lie beyond
+        it, masked and later overwritten), write the target's first token after each prompt, count it
+        committed and return it (b,)."""
+        b, prompt_lens = state.batch_size, state.committed
         width = int(prompt_lens.max())
-        last_logits = self.target(tokens[:, :width], target_cache)[torch.arange(b), prompt_lens - 1]
-        target_cache.lengths = prompt_lens.clone()
-        if draft_cache is not None:
-            self.draft(tokens[:, :width], draft_cache)
-            draft_cache.lengths = prompt_lens.clone()
-        first = last_logits.argmax(-1) if sampling.greedy else sample(probabilities(last_logits, sampling), rng)
-        tokens[torch.arange(b), prompt_lens] = first
+        last_logits = self.target(state.tokens[:, :width], state.target_cache)[torch.arange(b), prompt_lens - 1]
+        state.target_cache.lengths = prompt_lens.clone()
+        if state.draft_cache is not None:
+            self.draft(state.tokens[:, :width], state.draft_cache)
+            state.draft_cache.lengths = prompt_lens.clone()
+        sampling = state.sampling
+        first = last_logits.argmax(-1) if sampling.greedy else sample(probabilities(last_logits, sampling), state.rng)
+        state.tokens[torch.arange(b), prompt_lens] = first
+        state.committed = prompt_lens + 1
         return first
 
-    def step(self, choice, max_k, tokens, committed, target_cache, draft_cache, sampling, rng, stats,
-             timer=None, synthetic_acceptance=None):
-        """One speculative step for every row of `tokens` (b, buffer) with the policy's `choice` (k or a
-        Strategy): returns the new tokens (b, w) and how many of them each row keeps (b,), written after
-        each row's `committed` prefix in `tokens` (beyond the count is scratch); the target cache is left
-        at committed + counts - 1. The rows may be a different set at every call (runtime.engine)."""
-        timer = timer or DeviceClock(self.device)
-        passes_before = len(stats.draft_passes)
+    def step(self, state: BatchState, choice, observer: StepObserver | None = None) -> Step:
+        """One speculative step for every row of `state` with the policy's `choice` (k or a Strategy): each
+        row's new tokens are written after its committed prefix, `state.committed` advances by what the row
+        keeps, and both caches follow. The rows may be a different set at every call (runtime.engine)."""
         tree, staged = self._strategy(choice)
-        k = 0 if tree is None else tree.depth
-        if tree is not None and tree.num_nodes > max_k:
+        if tree is not None and tree.num_nodes > state.max_k:
             raise GenerationError(f"policy asked for {tree.num_nodes} draft tokens per step, above the "
-                                  f"{max_k} the KV cache was sized for")
+                                  f"{state.max_k} the KV cache was sized for")
+        passes = _DraftPasses(observer)
         if tree is not None and (staged or not tree.is_chain or not self.draft_is_model):
-            if synthetic_acceptance is not None:
+            if state.synthetic_acceptance is not None:
                 raise GenerationError("synthetic acceptance applies to chains of the draft model only")
-            new, counts = self._tree_step(tree, staged, tokens, committed, target_cache, draft_cache,
-                                          sampling, rng, stats, timer)
-            ran_k, nodes = k, tree.num_nodes
+            new, counts = self._tree_step(state, tree, staged, passes, observer)
+            k, nodes = tree.depth, tree.num_nodes
         else:
-            new, counts = self._step(k, tokens, committed, target_cache, draft_cache, sampling, rng,
-                                     synthetic_acceptance, stats, timer)
-            ran_k = nodes = new.shape[1] - 1
-        stats.nodes_per_step.append(nodes)
-        stats.draft_passes_per_step.append(len(stats.draft_passes) - passes_before)
-        # write the step's tokens after each row's committed prefix (beyond `counts` is scratch)
-        positions = committed[:, None] + torch.arange(new.shape[1], device=self.device)
-        tokens.scatter_(1, positions, new)
-        target_cache.lengths = committed + counts - 1
-        stats.steps += 1
-        stats.k_per_step.append(ran_k)
-        stats.batch_size_per_step.append(tokens.shape[0])
-        return new, counts
+            k = nodes = 0 if tree is None else tree.depth
+            draft_tokens, draft_probs = self._draft_chain(state, k, passes) if k else (None, None)
+            target_logits = self._verify(state, draft_tokens, observer)  # (b, k + 1, vocab)
+            accepted, bonus = accept(draft_tokens, draft_probs, target_logits, state.sampling, state.rng,
+                                     state.synthetic_acceptance)
+            new, counts = self._chain_tokens(state, draft_tokens, accepted, bonus), accepted + 1
+        self._commit(state, new, counts)
+        return Step(new, counts, k, nodes, passes.count)
 
     def _strategy(self, choice):
         """A policy's answer (an int k or a perfmodel.tree.Strategy) -> (tree or None, staged)."""
@@ -313,83 +359,76 @@ class SpeculativeGenerator:
             raise GenerationError(f"strategy {choice.describe()} needs the second stage: pass --stage2 FILE")
         return choice.tree, bool(choice.stage2)
 
-    def _tree_step(self, tree, staged, tokens, committed, target_cache, draft_cache, sampling, rng, stats, timer):
-        """A tree step (runtime.tree_decoding): draft, one target pass over every node, keep one path."""
+    def _draft_chain(self, state: BatchState, k: int, passes: _DraftPasses):
+        """k draft tokens per row (b, k) and, when sampling, their distributions q (b, k, vocab)."""
+        step_input = catch_up_input(self.draft, state.draft_cache, state.tokens, state.committed, passes)
+        proposed, dists = [], []
+        for _ in range(k):
+            logits = passes(self.draft, step_input, state.draft_cache)[:, -1]  # (b, vocab)
+            if state.sampling.greedy:
+                token = logits.argmax(-1)
+            else:
+                q = probabilities(logits, state.sampling)
+                token = sample(q, state.rng)
+                dists.append(q)
+            proposed.append(token)
+            step_input = token[:, None]
+        return torch.stack(proposed, dim=1), (torch.stack(dists, dim=1) if dists else None)
+
+    def _verify(self, state: BatchState, draft_tokens, observer: StepObserver | None) -> torch.Tensor:
+        """The target's logits (b, k + 1, vocab) over each row's last committed token and its draft tokens."""
+        last = state.tokens.gather(1, (state.committed - 1)[:, None])  # (b, 1)
+        verify_input = last if draft_tokens is None else torch.cat([last, draft_tokens], dim=1)
+        return _run_pass(observer, "target", self.target, verify_input, state.target_cache)
+
+    @staticmethod
+    def _chain_tokens(state: BatchState, draft_tokens, accepted, bonus) -> torch.Tensor:
+        """A chain step's tokens (b, k + 1): the draft's, the target's after the accepted ones; the draft
+        cache, which holds d1..d_{k-1}, keeps what was accepted of them."""
+        if draft_tokens is None:
+            return bonus[:, None]
+        state.draft_cache.lengths = state.committed + torch.clamp(accepted, max=draft_tokens.shape[1] - 1)
+        new = torch.cat([draft_tokens, bonus[:, None]], dim=1)
+        new.scatter_(1, accepted[:, None], bonus[:, None])
+        return new
+
+    @staticmethod
+    def _commit(state: BatchState, new: torch.Tensor, counts: torch.Tensor) -> None:
+        """Write the step's tokens after each row's committed prefix (beyond `counts` is scratch) and advance."""
+        positions = state.committed[:, None] + torch.arange(new.shape[1], device=new.device)
+        state.tokens.scatter_(1, positions, new)
+        state.target_cache.lengths = state.committed + counts - 1
+        state.committed = state.committed + counts
+
+    def _tree_step(self, state: BatchState, tree, staged: bool, passes: _DraftPasses, observer):
+        """A tree step (runtime.tree_decoding): draft, one target pass over every node, keep one path;
+        returns the new tokens (b, depth + 1) and how many of them each row keeps (b,)."""
         if tree.max_children > self.target.config.vocab_size:
             raise GenerationError(f"a tree node has {tree.max_children} children, more than the vocabulary's "
                                   f"{self.target.config.vocab_size} tokens")
         plan = plan_for(tree, self.device)
-        recorder = _PassRecorder(timer, stats)
+        committed, draft_cache = state.committed, state.draft_cache
         if self.draft_is_model:
-            drafted = draft_tree(plan, self.draft, draft_cache, tokens, committed, sampling, rng,
-                                 stage2=self.stage2 if staged else None, on_pass=recorder)
+            drafted = draft_tree(plan, self.draft, draft_cache, state.tokens, committed, state.sampling, state.rng,
+                                 stage2=self.stage2 if staged else None, forward=passes)
         else:
-            drafted = ngram_tree(plan, self.draft, tokens, committed, sampling, rng, on_pass=recorder)
-        t0 = timer.now()
-        target_logits = self.target(drafted.tokens, target_cache, TreeAttention(plan.depths, plan.target_mask))
-        stats.verify_s += timer.now() - t0
-        b = tokens.shape[0]
-        stats.target_passes.append((b, tree.num_nodes + 1))
-        path, accepted, bonus = verify_and_accept(plan, drafted, target_logits, sampling, rng)
+            drafted = ngram_tree(plan, self.draft, state.tokens, committed, state.sampling, state.rng)
+            passes.count = drafted.rounds  # the n-gram's queries, a round per level
+        target_logits = _run_pass(observer, "target", self.target, drafted.tokens, state.target_cache,
+                                  TreeAttention(plan.depths, plan.target_mask))
+        path, accepted, bonus = verify_and_accept(plan, drafted, target_logits, state.sampling, state.rng)
         keep = torch.arange(tree.depth, device=self.device) < accepted[:, None]
         if not tree.is_chain:  # in a chain, node i already sits where the i-th accepted token belongs
-            compact(target_cache, committed, path - 1, keep)  # node j sat at slot committed - 1 + j
+            compact(state.target_cache, committed, path - 1, keep)  # node j sat at slot committed - 1 + j
         if draft_cache is not None:
             slot = plan.inner_index[path] - 1  # leaves were never fed to the draft
             fed = keep & (slot >= 0)
             if not tree.is_chain:
                 compact(draft_cache, committed, slot, fed)
             draft_cache.lengths = committed + fed.sum(1)
-        _count_acceptance(stats, accepted, tree.depth)
         new = torch.cat([drafted.tokens.gather(1, path), bonus[:, None]], dim=1)
         new.scatter_(1, accepted[:, None], bonus[:, None])
         return new, accepted + 1
-
-    def _step(self, k, tokens, committed, target_cache, draft_cache, sampling, rng, synthetic, stats, timer):
-        """Run one step; returns the new tokens (b, k+1) and how many of them each row keeps (b,)."""
-        b = tokens.shape[0]
-        draft_tokens, draft_probs = None, None
-        if k > 0:
-            draft_tokens, draft_probs = self._draft(k, tokens, committed, draft_cache, sampling, rng, stats, timer)
-            verify_input = torch.cat([tokens.gather(1, (committed - 1)[:, None]), draft_tokens], dim=1)
-        else:
-            verify_input = tokens.gather(1, (committed - 1)[:, None])
-        t0 = timer.now()
-        target_logits = self.target(verify_input, target_cache)  # (b, k+1, vocab)
-        stats.verify_s += timer.now() - t0
-        stats.target_passes.append((b, k + 1))
-        accepted, next_token = accept(draft_tokens, draft_probs, target_logits, sampling, rng, synthetic)
-        if k > 0:
-            # the draft holds committed + d1..d_{k-1}; keep what was accepted
-            draft_cache.lengths = committed + torch.clamp(accepted, max=k - 1)
-            _count_acceptance(stats, accepted, k)
-            new = torch.cat([draft_tokens, next_token[:, None]], dim=1)
-            new.scatter_(1, accepted[:, None], next_token[:, None])
-        else:
-            new = next_token[:, None]
-        return new, accepted + 1
-
-    def _draft(self, k, tokens, committed, draft_cache, sampling, rng, stats, timer):
-        """k draft tokens per row (b, k) and their distributions q (b, k, vocab) when sampling."""
-        b = tokens.shape[0]
-        catch_up = catch_up_input(self.draft, draft_cache, tokens, committed, _PassRecorder(timer, stats))
-        proposed, dists = [], []
-        step_input = catch_up
-        for position in range(1, k + 1):
-            t0 = timer.now()
-            logits = self.draft(step_input, draft_cache)[:, -1]  # (b, vocab)
-            stats.draft_s += timer.now() - t0
-            stats.draft_passes.append((b, step_input.shape[1]))
-            q = None if sampling.greedy else probabilities(logits, sampling)
-            if q is None:
-                token = logits.argmax(-1)
-            else:
-                token = sample(q, rng)
-                dists.append(q)
-            proposed.append(token)
-            step_input = token[:, None]
-        draft_tokens = torch.stack(proposed, dim=1)
-        return draft_tokens, (torch.stack(dists, dim=1) if dists else None)
 
     # ------------------------------------------------------------------ checks and bookkeeping
     def _check(self, prompts, max_new_tokens, policy):
@@ -491,14 +530,24 @@ def synthetic_threshold(synthetic: float | tuple[float, ...], k: int, device):
     return torch.tensor([synthetic[min(i, len(synthetic) - 1)] for i in range(k)], device=device)
 
 
-def _count_acceptance(stats: GenerationStats, accepted: torch.Tensor, k: int) -> None:
-    while len(stats.trials_per_position) < k:
-        stats.trials_per_position.append(0)
-        stats.accepted_per_position.append(0)
-    positions = torch.arange(1, k + 1, device=accepted.device)
-    trials = (accepted[:, None] >= positions - 1).sum(0).tolist()
-    hits = (accepted[:, None] >= positions).sum(0).tolist()
-    for i in range(k):
-        stats.trials_per_position[i] += trials[i]
-        stats.accepted_per_position[i] += hits[i]
+def count_acceptance(accepted_per_position: list[int], trials_per_position: list[int], counts: list[int],
+                     depth: int) -> None:
+    """Add one step of draft depth `depth` to the per-position tallies, in place: a row keeping c tokens
+    accepted c - 1 draft tokens, and draft token i was tried when the i - 1 before it were accepted.
 
+    >>> accepted, trials = [], []
+    >>> count_acceptance(accepted, trials, [1, 3, 2], 2)  # rows that accepted 0, 2 and 1 tokens
+    >>> accepted, trials
+    ([2, 1], [3, 2])
+    """
+    while len(trials_per_position) < depth:
+        trials_per_position.append(0)
+        accepted_per_position.append(0)
+    stopped_at = [0] * (depth + 1)  # rows by how many draft tokens they accepted
+    for c in counts:
+        stopped_at[c - 1] += 1
+    reached = len(counts)  # rows that accepted every draft token before position i + 1
+    for i in range(depth):
+        trials_per_position[i] += reached
+        reached -= stopped_at[i]
+        accepted_per_position[i] += reached

@@ -282,9 +282,10 @@ def _context(plan: TreePlan, state: _TreeState, before_root: torch.Tensor, nodes
 
 
 def draft_tree(plan: TreePlan, draft: CausalLM, cache: KVCache, tokens: torch.Tensor, committed: torch.Tensor,
-               sampling: Sampling, rng, stage2=None, on_pass=None) -> DraftedTree:
+               sampling: Sampling, rng, stage2=None, forward=None) -> DraftedTree:
     """Draft one tree per row with a draft model; leaves the draft cache at `committed` plus the
-    inner nodes' slots (see the module docstring). `on_pass(batch, new_tokens, seconds)` records passes."""
+    inner nodes' slots (see the module docstring). `forward(model, tokens, cache, attention)` runs each draft
+    pass when given (the generator counts and observes them); by default the model is called."""
     b = tokens.shape[0]
     device = tokens.device
     rows = torch.arange(b, device=device)
@@ -295,7 +296,7 @@ def draft_tree(plan: TreePlan, draft: CausalLM, cache: KVCache, tokens: torch.Te
         state = _TreeState(plan, root_tokens, sampling, draft.config.vocab_size)
     before_root = torch.where(committed >= 2, tokens[rows, (committed - 2).clamp(min=0)], -1)
     inner = list(plan.inner)
-    catch_up = catch_up_input(draft, cache, tokens, committed, on_pass)
+    catch_up = catch_up_input(draft, cache, tokens, committed, forward)
     width = catch_up.shape[1]
     if stage2 is not None and inner:
         state.guess(stage2, before_root, inner)
@@ -305,11 +306,11 @@ def draft_tree(plan: TreePlan, draft: CausalLM, cache: KVCache, tokens: torch.Te
         mask[:width, :width] = torch.ones(width, width, dtype=torch.bool, device=device).tril()
         mask[width:, :width] = True
         mask[width:, width:] = plan.inner_mask
-        logits = _timed(draft, torch.cat([catch_up, fed], dim=1), cache, TreeAttention(offsets, mask), on_pass)
+        logits = _forward(forward, draft, torch.cat([catch_up, fed], dim=1), cache, TreeAttention(offsets, mask))
         state.absorb_root(logits[:, width - 1], rng)
         state.absorb(logits[:, width:], fed, 0, rng)
     else:
-        logits = _timed(draft, catch_up, cache, None, on_pass)
+        logits = _forward(forward, draft, catch_up, cache)
         state.absorb_root(logits[:, -1], rng)
     rounds = 1
     base = committed
@@ -322,7 +323,7 @@ def draft_tree(plan: TreePlan, draft: CausalLM, cache: KVCache, tokens: torch.Te
         cache.lengths = base + start
         fed = state.fed_tokens(inner[start:end])
         attention = TreeAttention(plan.inner_offsets[:end], plan.inner_mask[start:end, :end])
-        logits = _timed(draft, fed, cache, attention, on_pass)
+        logits = _forward(forward, draft, fed, cache, attention)
         state.absorb(logits, fed, start, rng)
         rounds += 1
     cache.lengths = base + len(inner)
@@ -330,7 +331,7 @@ def draft_tree(plan: TreePlan, draft: CausalLM, cache: KVCache, tokens: torch.Te
 
 
 def catch_up_input(draft: CausalLM, cache: KVCache, tokens: torch.Tensor, committed: torch.Tensor,
-                   on_pass=None) -> torch.Tensor:
+                   forward=None) -> torch.Tensor:
     """The draft's catch-up input (b, width): each row's last `width` committed tokens, width = the
     largest lag of the draft behind `committed`, with the cache rolled back to committed - width (rows
     that lag less re-feed tokens they hold: same KV, one shape). A row can re-feed at most its whole
@@ -341,19 +342,15 @@ def catch_up_input(draft: CausalLM, cache: KVCache, tokens: torch.Tensor, commit
         width = int(committed.min()) - 1  # >= 1: a row holds its prompt and a first token
         start = torch.minimum(cache.lengths, committed - 1 - width)
         cache.lengths = start
-        _timed(draft, tokens.gather(1, start[:, None] + steps(width)), cache, None, on_pass)
+        _forward(forward, draft, tokens.gather(1, start[:, None] + steps(width)), cache)
     width = int((committed - cache.lengths).max())
     cache.lengths = committed - width
     return tokens.gather(1, (committed - width)[:, None] + steps(width))
 
 
-def _timed(model, inputs, cache, attention, on_pass):
-    if on_pass is None:
-        return model(inputs, cache, attention)
-    started = on_pass.now()
-    out = model(inputs, cache, attention)
-    on_pass(inputs.shape[0], inputs.shape[1], on_pass.now() - started)
-    return out
+def _forward(forward, model, inputs, cache, attention=None):
+    """One draft pass, through `forward` when the caller gave one."""
+    return model(inputs, cache, attention) if forward is None else forward(model, inputs, cache, attention)
 
 
 def _guess_rows(plan: TreePlan, tokens: list[list[int]], known: list[list[bool]], stage2, before: list[int],
@@ -370,8 +367,8 @@ def _guess_rows(plan: TreePlan, tokens: list[list[int]], known: list[list[bool]]
 
 
 def ngram_tree(plan: TreePlan, ngram, tokens: torch.Tensor, committed: torch.Tensor, sampling: Sampling,
-               rng, on_pass=None) -> DraftedTree:
-    """Draft a tree with an n-gram model alone: one batched query per level of inner nodes."""
+               rng) -> DraftedTree:
+    """Draft a tree with an n-gram model alone: one batched query per level of inner nodes (a round each)."""
     b = tokens.shape[0]
     rows = torch.arange(b, device=tokens.device)
     state = _TreeState(plan, tokens[rows, committed - 1], sampling, ngram.vocab_size)
@@ -382,7 +379,6 @@ def ngram_tree(plan: TreePlan, ngram, tokens: torch.Tensor, committed: torch.Ten
     for nodes in levels:
         if not nodes:
             break
-        started = on_pass.now() if on_pass else 0.0
         context = _context(plan, state, before_root, nodes)
         if sampling.greedy:  # the n-gram's own ranking gives the children directly
             top = ngram.top_tokens(context, plan.tree.max_children).view(b, len(nodes), -1)
@@ -390,8 +386,6 @@ def ngram_tree(plan: TreePlan, ngram, tokens: torch.Tensor, committed: torch.Ten
         else:
             q = ngram.distributions(context).view(b, len(nodes), -1)
             state.expand(nodes, state.picks(nodes, q, rng, is_probs=True), everyone(len(nodes)))
-        if on_pass:
-            on_pass(b, len(nodes), on_pass.now() - started)
         rounds += 1
     return DraftedTree(state.tokens, state.unusable, state.probs, rounds)
 

@@ -13,6 +13,7 @@ from specbatch.calibrate.acceptance import (_sampled_ranks, conditional_acceptan
                                   parse_acceptance, parse_sampling, rank_acceptance, read_prompts, score,
                                   target_continuations, tokens_per_step)
 from specbatch.calibrate.errors import CalibrationError
+from specbatch.calibrate.pass_clock import StepRecorder
 from specbatch.perfmodel.acceptance import expected_tokens
 from specbatch.perfmodel.tree import Strategy, make_tree
 from specbatch.runtime.checkpoint import build_model
@@ -180,8 +181,10 @@ def test_tokens_per_step_equals_the_runtimes_own_count():
     entry = measure_acceptance(target, draft, prompts, Sampling(), max_k=4, new_tokens=64)
     generator = SpeculativeGenerator(target, draft)
     for k in range(1, 5):
-        stats = generator.generate(prompts, 64, FixedK(k)).stats
-        runtime = sum(stats.step_tokens[:-2]) / len(stats.step_tokens[:-2])  # drop the truncated last steps
+        recorder = StepRecorder("cpu")
+        generator.generate(prompts, 64, FixedK(k), observer=recorder)
+        kept = recorder.per_step("tokens")[:-2]  # drop the truncated last steps
+        runtime = sum(kept) / len(kept)
         assert entry.tokens_per_step[k] == pytest.approx(runtime, rel=0.05)
 
 
@@ -290,11 +293,14 @@ def test_greedy_rank_table_matches_the_runtimes_full_tree():
     assert 0.5 < table[0][0] < 0.9 and table[0][1] > 0.1 and reached[0] > reached[1] > 0  # every kind of step
 
     tree = make_tree([[r] for r in range(4)] + [[r, s] for r in range(4) for s in range(4)])
-    result = SpeculativeGenerator(target, draft).generate([prompt], new_tokens + 10, FixedStrategy(Strategy(tree)))
+    recorder = StepRecorder("cpu")
+    result = SpeculativeGenerator(target, draft).generate([prompt], new_tokens + 10, FixedStrategy(Strategy(tree)),
+                                                          observer=recorder)
     continuation = target_continuations(target, [prompt], new_tokens, Sampling(), (), 0)[0]
     assert result.token_ids[0][:new_tokens] == continuation  # the same path
-    starts = np.cumsum([0] + result.stats.step_tokens[:-1])  # in `ranks` coordinates
-    accepted = np.array(result.stats.step_tokens) - 1
+    step_tokens = recorder.per_step("tokens")
+    starts = np.cumsum([0] + step_tokens[:-1])  # in `ranks` coordinates
+    accepted = np.array(step_tokens) - 1
     inside = accepted[starts <= len(ranks) - depth]
     for d in range(depth):
         assert reached[d] == (inside >= d).sum()

@@ -16,18 +16,21 @@ pytest.importorskip("torch")
 
 
 def run(target, draft, prompts, k: int, acceptance: float, max_new_tokens: int = 20):
+    from specbatch.calibrate.pass_clock import StepRecorder
     from specbatch.runtime.generator import SpeculativeGenerator
     from specbatch.runtime.policy import FixedK
 
+    recorder = StepRecorder("cpu")  # sees every pass of every step
     result = SpeculativeGenerator(target, draft).generate(prompts, max_new_tokens, FixedK(k),
-                                                          synthetic_acceptance=acceptance)
+                                                          synthetic_acceptance=acceptance, observer=recorder)
     stats = result.stats
+    draft_passes, target_passes = recorder.pass_shapes("draft"), recorder.pass_shapes("target")
     assert stats.k_per_step == [k] * stats.steps
-    assert len(stats.draft_passes) == k * stats.steps and len(stats.target_passes) == stats.steps
+    assert len(draft_passes) == k * stats.steps and len(target_passes) == stats.steps
     steps = []
     for s, batch in enumerate(stats.batch_size_per_step):
-        passes = [("draft", n, b) for b, n in stats.draft_passes[k * s:k * (s + 1)]]
-        passes.append(("target", stats.target_passes[s][1], stats.target_passes[s][0]))
+        passes = [("draft", n, b) for b, n in draft_passes[k * s:k * (s + 1)]]
+        passes.append(("target", target_passes[s][1], target_passes[s][0]))
         assert all(b == batch for _, _, b in passes)  # every pass of a step runs the whole batch
         steps.append((batch, [(role, n) for role, n, _ in passes]))
     return steps
@@ -73,19 +76,17 @@ def test_synthetic_draws_of_e_cover_the_exact_e_and_the_cut_lowers_what_is_kept(
     """Synthetic acceptance 0.8 at k = 2 has E = 1 + 0.8 + 0.64 exactly: the drawn tokens per step of 30
     generations (fixed seeds) lie within their 95 % sampling interval of it, and the kept ones (a row's
     last step cut at max_new_tokens) lie below the drawn ones."""
-    from specbatch.perfmodel.explain import measured_from_stats
+    from specbatch.calibrate.pass_clock import StepRecorder
     from specbatch.runtime.generator import SpeculativeGenerator
     from specbatch.runtime.policy import FixedK
 
     generator = SpeculativeGenerator(greedy_target, greedy_draft_sometimes)
     pooled = None
     for seed in range(30):
-        stats = generator.generate(prompts8[:1], 12, FixedK(2), seed=seed, synthetic_acceptance=0.8).stats
-        assert stats.step_tokens_drawn[:-1] == stats.step_tokens[:-1]  # only the last step is cut
-        record = {"batch_size_per_step": stats.batch_size_per_step, "step_s": stats.step_s,
-                  "step_tokens": stats.step_tokens, "step_tokens_drawn": stats.step_tokens_drawn,
-                  "draft_passes": [], "target_passes": [], "draft_pass_s": [], "target_pass_s": []}
-        steps = measured_from_stats(record, 1)
+        recorder = StepRecorder("cpu")
+        generator.generate(prompts8[:1], 12, FixedK(2), seed=seed, synthetic_acceptance=0.8, observer=recorder)
+        assert recorder.per_step("tokens_drawn")[:-1] == recorder.per_step("tokens")[:-1]  # only the last is cut
+        steps = recorder.measured_steps(1)
         pooled = steps if pooled is None else pooled.merged(steps)
     exact = 1 + 0.8 + 0.64
     assert abs(pooled.drawn_tokens_per_step - exact) <= pooled.drawn_halfwidth()

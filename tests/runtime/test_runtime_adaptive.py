@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from specbatch.calibrate.pass_clock import StepRecorder
 from specbatch.perfmodel.acceptance import acceptance_from_user
 from specbatch.perfmodel.overhead import OverheadModel
 from specbatch.perfmodel.strategy import StepModel
@@ -48,10 +49,11 @@ def test_adaptive_greedy_equals_target_only(kind, size, greedy_target, greedy_dr
                                             greedy_draft_never, prompts8, reference):
     draft = {"always": greedy_target, "sometimes": greedy_draft_sometimes, "never": greedy_draft_never}[kind]
     policy = adaptive(0.6)
-    result = SpeculativeGenerator(greedy_target, draft).generate([prompts8[i] for i in BATCHES[size]], N_NEW, policy)
+    recorder = StepRecorder("cpu")
+    result = SpeculativeGenerator(greedy_target, draft).generate([prompts8[i] for i in BATCHES[size]], N_NEW, policy,
+                                                                 observer=recorder)
     assert result.token_ids == reference[size]
-    stats = result.stats
-    assert len(stats.decision_s) == stats.steps
+    assert len(recorder.steps) == result.stats.steps and all(s >= 0 for s in recorder.per_step("decision_s"))
     assert policy.acceptance.counts == {}  # every request was released at its end
 
 
@@ -94,8 +96,9 @@ def test_each_step_reports_its_draft_passes(greedy_target, greedy_draft_sometime
         def observe_draft_passes(self, batch_size, passes):
             told.append(passes)
 
+    recorder = StepRecorder("cpu")
     stats = SpeculativeGenerator(greedy_target, greedy_draft_sometimes).generate(
-        prompts8[:3], N_NEW, Listening(3)).stats
-    assert stats.draft_passes_per_step == [3] * stats.steps
-    assert sum(stats.draft_passes_per_step) == len(stats.draft_passes)  # the prefill's are not recorded there
-    assert told == stats.draft_passes_per_step
+        prompts8[:3], N_NEW, Listening(3), observer=recorder).stats
+    assert recorder.per_step("draft_passes") == [3] * stats.steps
+    assert len(recorder.passes["draft"]) == 3 * stats.steps  # the prefill's are not step passes
+    assert told == recorder.per_step("draft_passes")

@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 
+from specbatch.calibrate.pass_clock import StepRecorder
 from specbatch.runtime.generator import SpeculativeGenerator
 from specbatch.runtime.policy import FixedK
 
@@ -104,7 +105,9 @@ def test_k_follows_batch_size(draft_kind, greedy_target, greedy_draft_sometimes,
     expected = _truncate(reference, {eos})
     policy = MapPolicy({8: 0, 7: 3, 6: 1, 5: 2, 4: 4, 3: 1, 2: 2, 1: 3})
     draft = greedy_target if draft_kind == "always" else greedy_draft_sometimes
-    result = SpeculativeGenerator(greedy_target, draft, eos_token_ids=(eos,)).generate(prompts8, N_NEW, policy)
+    recorder = StepRecorder("cpu")
+    result = SpeculativeGenerator(greedy_target, draft, eos_token_ids=(eos,)).generate(prompts8, N_NEW, policy,
+                                                                                      observer=recorder)
     assert result.token_ids == expected
     stats = result.stats
     assert [b for b, _ in policy.calls] == stats.batch_size_per_step
@@ -114,7 +117,7 @@ def test_k_follows_batch_size(draft_kind, greedy_target, greedy_draft_sometimes,
     assert policy.calls[0][1] == max(len(p) + 1 for p in prompts8)
     # the first draft pass after j steps with k = 0 catches up j + 1 tokens per row
     zero_steps = next(i for i, k in enumerate(stats.k_per_step) if k > 0)
-    assert stats.draft_passes[0] == (stats.batch_size_per_step[zero_steps], zero_steps + 1)
+    assert recorder.pass_shapes("draft")[0] == (stats.batch_size_per_step[zero_steps], zero_steps + 1)
 
 
 def test_k_zero_between_speculative_steps(greedy_target, greedy_draft_sometimes, prompts8, reference):

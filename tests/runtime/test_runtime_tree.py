@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from specbatch.calibrate.pass_clock import StepRecorder
 from specbatch.perfmodel.tree import Strategy, parse_tree
 from specbatch.runtime.checkpoint import build_model
 from specbatch.runtime.generator import GenerationError, SpeculativeGenerator
@@ -102,14 +103,16 @@ def test_tree_greedy_equals_target_only(kind, size, spec, greedy_target, greedy_
     draft = {"always": greedy_target, "sometimes": greedy_draft_sometimes, "never": greedy_draft_never}[kind]
     prompts = [prompts8[i] for i in BATCHES[size]]
     tree = parse_tree(spec)
-    result = SpeculativeGenerator(greedy_target, draft).generate(prompts, N_NEW, _policy(spec))
+    recorder = StepRecorder("cpu")
+    result = SpeculativeGenerator(greedy_target, draft).generate(prompts, N_NEW, _policy(spec), observer=recorder)
     assert result.token_ids == reference[size]
     stats = result.stats
     if kind == "always":  # the whole deepest path is accepted at every full step
         assert stats.accepted_per_position[-1] > 0 and stats.acceptance_per_position[0] == 1.0
     if kind == "never" and tree.max_children == 1:  # its top token is never the target's (lower ranks may be)
         assert sum(stats.accepted_per_position) == 0 and stats.steps == N_NEW - 1
-    assert stats.target_passes[-1][1] == tree.num_nodes + 1
+    assert recorder.pass_shapes("target")[-1][1] == tree.num_nodes + 1
+    assert recorder.per_step("nodes")[-1] == tree.num_nodes and recorder.per_step("k")[-1] == tree.depth
 
 
 @pytest.mark.parametrize("spec", TREES)
@@ -157,9 +160,9 @@ def test_compaction_leaves_the_caches_as_a_fresh_prefill(greedy_target, greedy_d
     captured = {}
 
     class Spy(SpeculativeGenerator):
-        def _tree_step(self, *args):
-            out = super()._tree_step(*args)
-            captured["caches"] = (args[4], args[5])
+        def _tree_step(self, state, *args):
+            out = super()._tree_step(state, *args)
+            captured["caches"] = (state.target_cache, state.draft_cache)
             return out
 
     prompts = [prompts8[i] for i in BATCHES[3]]

@@ -135,15 +135,11 @@ def test_vllm_table_policy_refuses_trees(tmp_path):
 
 def test_strategy_mix_survives_the_metrics_page_and_is_the_difference_of_two_readings():
     from specbatch.runtime.engine_metrics import EngineMetrics
-    from specbatch.runtime.generator import GenerationStats
     from specbatch.serve.loadtest_servers import engine_counters, parse_counters, strategy_mix
     from specbatch.serve.metrics import render_metrics
 
     def step(metrics, label, seconds, tokens, rows):
-        stats = GenerationStats()
-        stats.k_per_step.append(2)
-        stats.nodes_per_step.append(2)
-        metrics.observe_step(label, stats, rows, seconds, tokens)
+        metrics.observe_step(label, 2, 2, [tokens // rows] * rows, seconds)  # k = 2: each row keeps 1-3 tokens
 
     metrics = EngineMetrics()
     step(metrics, "chain k=2", 0.010, 6, 2)
