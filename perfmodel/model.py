@@ -38,8 +38,8 @@ from .tree import Strategy
 
 MODEL_SCHEMA = "specbatch.model/1"
 # A table's default buckets step by this factor over the profiled contexts: a nearest-bucket lookup is then
-# never more than 21 % above a bucket or 15 % below one. One bucket at the middle context put a batch of
-# 32 held-out prompts (served at L ~ 254) on L = 128's k = 2, 7 % below the k = 4 the model picks there.
+# never more than 21 % above a bucket or 15 % below one: a padded batch runs at its longest row's context,
+# which grows with b, so one bucket at the middle context reads the wrong k at large batch.
 TABLE_BUCKET_RATIO = 2 ** 0.5
 
 
@@ -116,7 +116,7 @@ class FittedModel:
         notes = []
         if max_batch > max(self.grid.batch_sizes):
             notes.append(f"extrapolating: batch sizes above {max(self.grid.batch_sizes)} were not measured; there the "
-                         "fitted time at the grid's edge grows as the roofline alone (perfmodel.extrapolation); "
+                         "fitted time at the grid's edge grows as the roofline alone; "
                          "calibrate --batch-sizes up to the largest served to measure them")
         lo, hi = self.profiled_context_range()
         outside = [L for L in context_lens if not lo <= L <= hi]
@@ -130,7 +130,7 @@ class FittedModel:
         return notes
 
     def timing_source_notes(self) -> list[str]:
-        """Which pass timings the latency was fitted to, when the profile offered a choice (perfmodel.sources)."""
+        """Which pass timings the latency was fitted to, when the profile offered a choice (fit's step stage)."""
         choice = self.timing_source
         if choice is None:
             return []
