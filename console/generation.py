@@ -17,7 +17,7 @@ def render_generation(outputs: list[dict], stats, policy_name: str, sampling_nam
     summary.add_row("generated tokens", str(stats.generated_tokens))
     summary.add_row("steps", str(stats.steps))
     summary.add_row("mean tokens per row-step", f"{stats.tokens_per_step:.2f}")
-    summary.add_row("tokens/s (wall, incl. prefill)", f"{stats.tokens_per_s:.1f}")
+    summary.add_row("tokens/s (wall, incl. prefill)", f"{stats.wall_tokens_per_s:.1f}")
     summary.add_row("time: prefill / total (s)", f"{stats.prefill_s:.3f} / {stats.total_s:.3f}")
     histogram = Counter(stats.k_per_step)
     summary.add_row("k histogram (k: steps)", ", ".join(f"{k}: {n}" for k, n in sorted(histogram.items())))

@@ -78,7 +78,9 @@ class GenerationStats:
         return (self.generated_tokens - self.first_tokens) / rows if rows else 0.0
 
     @property
-    def tokens_per_s(self) -> float:
+    def wall_tokens_per_s(self) -> float:
+        """Generated tokens per second of the whole generation, prefill included (perfmodel's `tokens_per_s`
+        is the steady goodput b E / S of full-batch steps; bench measures that as `steady_tokens_per_s`)."""
         return self.generated_tokens / self.total_s if self.total_s else 0.0
 
     def to_dict(self) -> dict:
@@ -86,7 +88,7 @@ class GenerationStats:
             "steps": self.steps, "k_per_step": self.k_per_step, "batch_size_per_step": self.batch_size_per_step,
             "accepted_per_position": self.accepted_per_position, "trials_per_position": self.trials_per_position,
             "acceptance_per_position": self.acceptance_per_position, "generated_tokens": self.generated_tokens,
-            "tokens_per_step": self.tokens_per_step, "tokens_per_s": self.tokens_per_s,
+            "tokens_per_step": self.tokens_per_step, "wall_tokens_per_s": self.wall_tokens_per_s,
             "prefill_s": self.prefill_s, "total_s": self.total_s, "synthetic_acceptance": self.synthetic_acceptance,
         }
 

@@ -94,7 +94,9 @@ def _check_times(stats, recorder):
     passes_s = sum(seconds for rows in recorder.passes.values() for *_, seconds in rows)
     assert 0 <= passes_s <= sum(recorder.step_s) + 1e-9 and recorder.overhead_s() >= -1e-9
     assert stats.prefill_s + sum(recorder.step_s) <= stats.total_s + 1e-3
-    json.dumps(stats.to_dict())
+    reported = json.loads(json.dumps(stats.to_dict()))
+    assert reported["wall_tokens_per_s"] == pytest.approx(stats.generated_tokens / stats.total_s)
+    assert "tokens_per_s" not in reported  # perfmodel's name for the steady goodput b E / S, another quantity
 
 
 @pytest.mark.parametrize("k", [1, 2, 4])
