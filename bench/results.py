@@ -50,7 +50,7 @@ class RunRecord:
         return self.round < 0
 
     @property
-    def tokens_per_s(self) -> float:
+    def wall_tokens_per_s(self) -> float:
         return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
@@ -58,12 +58,12 @@ class RunRecord:
 class PolicyResult:
     policy: str  # "k=3", "table", "tree:0,1,0.0", "k=3+ngram", "tree:0,1,0.0+ngram", "hf-greedy", "hf-assisted"
     k: int | None  # fixed k or a tree's depth; the table's most frequent k at full batch; None for peers
-    tokens_per_s: list[float]  # one per timed round, in round order
-    median_tokens_per_s: float
-    p10_tokens_per_s: float
-    p90_tokens_per_s: float
-    min_tokens_per_s: float
-    max_tokens_per_s: float
+    wall_tokens_per_s: list[float]  # one per timed round, in round order
+    median_wall_tokens_per_s: float
+    p10_wall_tokens_per_s: float
+    p90_wall_tokens_per_s: float
+    min_wall_tokens_per_s: float
+    max_wall_tokens_per_s: float
     acceptance: float | None  # accepted / proposed draft tokens, pooled over positions and rounds
     acceptance_per_position: list[float]  # P(draft token i accepted | tokens 1..i-1 were)
     trials_per_position: list[int]  # how many draft tokens i were proposed: each rate's sample size
@@ -82,7 +82,7 @@ class PolicyResult:
 
     @property
     def rounds(self) -> int:
-        return len(self.tokens_per_s)
+        return len(self.wall_tokens_per_s)
 
 
 @dataclass
@@ -178,7 +178,7 @@ def most_frequent_nodes(records: Sequence[RunRecord]) -> int | None:
 def summarize_policy(policy: str, k: int | None, records: Sequence[RunRecord],
                      strategy: str | None = None) -> PolicyResult:
     """Aggregate the timed rounds of one policy at one batch size; `strategy` says what ran."""
-    rates = [r.tokens_per_s for r in sorted(records, key=lambda r: r.round)]
+    rates = [r.wall_tokens_per_s for r in sorted(records, key=lambda r: r.round)]
     stats = spread(rates)
     acceptance, per_position, trials = pooled_acceptance(records)
     steps = sum(r.steps for r in records)
@@ -188,9 +188,9 @@ def summarize_policy(policy: str, k: int | None, records: Sequence[RunRecord],
     return PolicyResult(
         median_steady_tokens_per_s=steady_stats["median"], p10_steady_tokens_per_s=steady_stats["p10"],
         p90_steady_tokens_per_s=steady_stats["p90"],
-        policy=policy, k=k, tokens_per_s=rates, median_tokens_per_s=stats["median"],
-        p10_tokens_per_s=stats["p10"], p90_tokens_per_s=stats["p90"], min_tokens_per_s=stats["min"],
-        max_tokens_per_s=stats["max"], acceptance=acceptance, acceptance_per_position=per_position,
+        policy=policy, k=k, wall_tokens_per_s=rates, median_wall_tokens_per_s=stats["median"],
+        p10_wall_tokens_per_s=stats["p10"], p90_wall_tokens_per_s=stats["p90"], min_wall_tokens_per_s=stats["min"],
+        max_wall_tokens_per_s=stats["max"], acceptance=acceptance, acceptance_per_position=per_position,
         trials_per_position=trials, full_batch_step_fraction=full_fraction, strategy=strategy,
         nodes=most_frequent_nodes(records),
     )
@@ -202,17 +202,18 @@ def peer_ratios(batch: BatchResult, ours: str) -> list[PeerRatio]:
     ratios, seen = [], set()
     for mine, theirs in pairs:
         a, b = batch.policy(mine), batch.policy(theirs)
-        if a is None or b is None or (mine, theirs) in seen or b.median_tokens_per_s <= 0:
+        if a is None or b is None or (mine, theirs) in seen or b.median_wall_tokens_per_s <= 0:
             continue
         seen.add((mine, theirs))
-        ratios.append(PeerRatio(ours=mine, theirs=theirs, ratio=a.median_tokens_per_s / b.median_tokens_per_s))
+        ratios.append(PeerRatio(ours=mine, theirs=theirs,
+                                ratio=a.median_wall_tokens_per_s / b.median_wall_tokens_per_s))
     return ratios
 
 
 def compared_rate(policy: PolicyResult) -> float:
     """The figure policies are ranked by: steady-state goodput when measured, else wall tokens/s."""
     steady = policy.median_steady_tokens_per_s
-    return steady if steady is not None else policy.median_tokens_per_s
+    return steady if steady is not None else policy.median_wall_tokens_per_s
 
 
 def _ratio(numerator: float, denominator: float) -> float | None:

@@ -26,16 +26,16 @@ def bench_with_progress(config, models, token_prompts):
                      if record.round < config.rounds else f"extra paired round {record.round + 1 - config.rounds}")
             progress.update(task, completed=done, total=total,
                             description=f"b={record.batch_size} {phase} {record.policy}: "
-                                        f"{record.tokens_per_s:.0f} tok/s")
+                                        f"{record.wall_tokens_per_s:.0f} tok/s")
 
         return run_bench(config, models, token_prompts, on_run=on_run)
 
 
-def _rate(tokens_per_s: float | None) -> str:
+def _rate(rate: float | None) -> str:
     """Tokens/s for a narrow column: no decimals once the integer part says enough."""
-    if tokens_per_s is None:
+    if rate is None:
         return "-"
-    return f"{tokens_per_s:.0f}" if tokens_per_s >= 100 else f"{tokens_per_s:.1f}"
+    return f"{rate:.0f}" if rate >= 100 else f"{rate:.1f}"
 
 
 def _relative(value: float | None) -> str:
@@ -77,7 +77,7 @@ def render_bench(result, written: list[Path]) -> None:
         row = [str(batch.batch_size), _rate(compared_rate(plain)), f"{batch.best_k}: {_rate(compared_rate(shown))}"]
         if has_table:
             shown = batch.policy(TABLE_POLICY)
-            wall_speedup = shown.median_tokens_per_s / plain.median_tokens_per_s
+            wall_speedup = shown.median_wall_tokens_per_s / plain.median_wall_tokens_per_s
             row += [f"{shown.k}: {_rate(compared_rate(shown))}", f"{100 * batch.table_regret:.1f}%",
                     f"{batch.table_speedup:.2f}x (wall {wall_speedup:.2f}x)"]
         if has_model:

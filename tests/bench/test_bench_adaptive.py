@@ -99,7 +99,7 @@ def test_paired_ratio_is_the_geometric_mean_of_the_rounds_ratios_and_switch_spli
         {"rounds": 2, "ratio": pytest.approx(8 ** 0.5), "ci95": [pytest.approx(2.0), pytest.approx(4.0)]}
     assert paired_ratio({0: 1.0}, {1: 1.0}) is None
     run = lambda r, policy, rate: SimpleNamespace(batch_size=4, round=r, policy=policy, warmup=False,  # noqa: E731
-                                                  steady_tokens_per_s=rate, tokens_per_s=rate,
+                                                  steady_tokens_per_s=rate, wall_tokens_per_s=rate,
                                                   decision_seconds=0.01 * (r + 1), step_seconds=1.0)
     runs = [run(r, "adaptive", a) for r, a in enumerate((110, 120, 90, 80))] + \
         [run(r, "table", 100) for r in range(4)] + [run(r, "k=0", 50) for r in range(4)]

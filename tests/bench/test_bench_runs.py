@@ -52,8 +52,9 @@ def test_bench_json_schema(small_run):
         assert [p["policy"] for p in entry["policies"]] == POLICIES
         assert {"best_k", "table_k", "table_regret", "table_speedup", "context_len"} <= set(entry)
         for policy in entry["policies"]:
-            assert policy["rounds"] == 2 and len(policy["tokens_per_s"]) == 2
-            assert policy["p10_tokens_per_s"] <= policy["median_tokens_per_s"] <= policy["p90_tokens_per_s"]
+            assert policy["rounds"] == 2 and len(policy["wall_tokens_per_s"]) == 2
+            low, median, high = (policy[f"{q}_wall_tokens_per_s"] for q in ("p10", "median", "p90"))
+            assert low <= median <= high
     assert len(doc["runs"]) == 2 * len(POLICIES) * (1 + 2)  # batch sizes x policies x (warm-up + timed)
     assert [run["order"] for run in doc["runs"]] == list(range(len(doc["runs"])))
     assert {path.name for path in written} == {"bench.json", "bench.csv", "goodput_vs_k.png", "speedup_vs_batch.png"}
@@ -67,7 +68,7 @@ def test_bench_csv_one_row_per_batch_size_and_policy(small_run):
     assert [(int(r["batch_size"]), r["policy"]) for r in rows] == [(b, p) for b in (1, 3) for p in POLICIES]
     assert all(float(r["synthetic_acceptance"]) == 0.7 and int(r["rounds"]) == 2 for r in rows)
     assert all(r["acceptance"] == "" for r in rows if r["policy"] == "k=0")  # nothing proposed at k = 0
-    assert all(float(r["median_tokens_per_s"]) > 0 for r in rows)
+    assert all(float(r["median_wall_tokens_per_s"]) > 0 for r in rows)
 
 
 def test_every_policy_ran_every_round_at_every_batch_size(small_run):

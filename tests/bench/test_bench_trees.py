@@ -66,8 +66,8 @@ def test_bench_json_and_csv_carry_the_strategy(staged_run):
             assert value["steady_tokens_per_s"] > 0
     rows = list(csv.DictReader(io.StringIO((out / "bench.csv").read_text())))
     assert tuple(rows[0]) == CSV_COLUMNS and CSV_COLUMNS[-2:] == ("strategy", "prediction_error")
-    assert CSV_COLUMNS[:-2] == ("batch_size", "policy", "k", "median_tokens_per_s", "p10_tokens_per_s",
-                                "p90_tokens_per_s", "rounds", "acceptance", "median_steady_tokens_per_s",
+    assert CSV_COLUMNS[:-2] == ("batch_size", "policy", "k", "median_wall_tokens_per_s", "p10_wall_tokens_per_s",
+                                "p90_wall_tokens_per_s", "rounds", "acceptance", "median_steady_tokens_per_s",
                                 "predicted_tokens_per_s", "synthetic_acceptance")  # the old columns, in order
     assert [(int(r["batch_size"]), r["policy"]) for r in rows] == [(b, p) for b in (1, 2) for p in STAGED_POLICIES]
     strategies = {r["policy"]: r["strategy"] for r in rows}
