@@ -122,7 +122,6 @@ class GuessRate:
                  prior_steps: float = GUESS_PRIOR_STEPS, levels: int = GUESS_LEVELS):
         self.calibrated = tuple(float(a) for a in calibrated)
         # plain lists: `observe` runs between forward passes, where numpy calls on a few numbers are slow
-        # (85-90 us a step with np.interp against a few us for this; see AdaptivePolicy._goodput_list)
         self.levels = sorted({i / (levels - 1) for i in range(levels)} | {min(1.0, self.calibrated[0])})
         self.calibrated_level = self.levels.index(min(1.0, self.calibrated[0]))
         self.keep, self.prior_steps = 1.0 - 1.0 / memory_steps, prior_steps
@@ -220,12 +219,9 @@ class RequestAcceptance:
         for request_id in request_ids:
             self.counts.pop(request_id, None)
 
-    def means(self, request_ids: Sequence[Hashable]) -> np.ndarray:
-        """Posterior mean of rho per request (1 for a request never observed)."""
-        return np.array(self.mean_list(request_ids))
-
-    def mean_list(self, request_ids: Sequence[Hashable]) -> list[float]:
-        """`means` as a plain list (the policy's per-step path: no numpy call on a few numbers)."""
+    def means(self, request_ids: Sequence[Hashable]) -> list[float]:
+        """Posterior mean of rho per request (1 for a request never observed); plain Python, as the policy
+        asks every step."""
         n0, unseen = self.prior_tokens, (0.0, 0.0, 1.0)
         get = self.counts.get
         return [(n0 * w + a) / (n0 * w + x) for a, x, w in (get(r, unseen) for r in request_ids)]
@@ -263,8 +259,7 @@ class AdaptivePolicy:
                                             memory_tokens)
         self.switch_margin, self.persist_steps, self.horizon_steps = switch_margin, persist_steps, horizon_steps
         self.context_bucket = context_bucket
-        self._depth = np.array([s.k for s in self.candidates])
-        self._is_chain = self._depth > 0
+        self._depths = [s.k for s in self.candidates]
         self._prior_extra = np.array([model.tokens_per_step(s) - 1.0 for s in self.candidates])  # E_cal(s) - 1
         # the second stage's guess rate, learnt online; the step times of its staged candidates per grid level
         self.guess = GuessRate(model.stage2.guess_accuracy) if staged else None
@@ -273,10 +268,9 @@ class AdaptivePolicy:
         self._plain_ms: dict[tuple[int, int], list] = {}  # (b, L bucket): the unstaged candidates' (None: staged)
         self._line_cache: dict[tuple[int, int, int], list[tuple[float, float]]] = {}
         self._catch_up_cache: dict[tuple[int, int, int], float] = {}
-        # per candidate, the rho above which E_r = 1 + rho (E_cal - 1) passes its k + 1 cap (`_goodput_list`)
-        self._depths = self._depth.tolist()
         # what `choose` returns per candidate: a Strategy only where the generator needs more than k
         self._answers = [s if s.stage2 else s.k for s in self.candidates]
+        # per candidate, the rho above which E_r = 1 + rho (E_cal - 1) passes its k + 1 cap (`predicted_goodput`)
         self._caps = [k / x if k > 0 and x > 0 else float("inf") for k, x in zip(self._depths, self._prior_extra)]
         self._rho_cap = min(self._caps)
         self._reset()
@@ -293,7 +287,7 @@ class AdaptivePolicy:
     def choose(self, request_ids: Sequence[Hashable], context_len: int):
         started = time.perf_counter()
         b = len(request_ids)
-        goodput = self._goodput_list(request_ids, context_len)
+        goodput = self.predicted_goodput(request_ids, context_len)
         best = goodput.index(max(goodput))  # the first of equals: the simpler strategy
         current = self._current
         if current is None or b != self._batch_size:
@@ -326,28 +320,17 @@ class AdaptivePolicy:
             self._reset()
 
     # ------------------------------------------------------------------ the prediction
-    def predicted_goodput(self, request_ids: Sequence[Hashable], context_len: int) -> np.ndarray:
-        """Predicted tokens/s of every candidate for these rows (the hysteresis aside)."""
-        b, bucket = len(request_ids), self._bucket(context_len)
-        ratios = self.acceptance.means(request_ids)
-        # mean over rows of E_r(s) = min(k + 1, 1 + rho_r (E_cal(s) - 1)), per candidate s of depth k
-        tokens = 1.0 + np.minimum(self._depth, np.multiply.outer(ratios, self._prior_extra)).mean(0)
-        step_ms = self._step_times(b, bucket)
-        if self._lag_steps > 0 and self.candidates[self._current].tree is None:
-            step_ms = step_ms + self._is_chain * self._catch_up_ms(b, bucket, self._lag_steps)
-        return b * tokens / step_ms * 1e3
-
-    def _goodput_list(self, request_ids: Sequence[Hashable], context_len: int) -> list[float]:
-        """`predicted_goodput` as a list, by the per-step path. A decision runs between forward passes that
-        evict the CPU's caches, where numpy calls on a few numbers are slow: the whole choice took 120-250
-        us a step on the demo pair, against 16-32 us in a warm loop. So it is plain Python here. With
+    def predicted_goodput(self, request_ids: Sequence[Hashable], context_len: int) -> list[float]:
+        """Predicted tokens/s of every candidate for these rows (the hysteresis aside): b mean_r E_r(s) / S_s
+        with E_r(s) = min(k_s + 1, 1 + rho_r (E_cal(s) - 1)). It runs every step, between forward passes that
+        evict the CPU's caches, where numpy calls on a few numbers are slow: so plain Python. With
         A_s = b 1e3 / S_s and B_s = A_s (E_cal(s) - 1), computed once per (b, L bucket),
             G_s = A_s (1 + mean_r min(k_s, rho_r (E_cal(s) - 1)))
                 = A_s + (B_s sum_{rho_r <= c_s} rho_r + A_s k_s #{rho_r > c_s}) / b,   c_s = k_s / (E_cal(s) - 1),
         with the rows' rho sorted once and a bisection per candidate; when every rho_r is below the smallest
         c_s (the usual case) it is A_s + mean(rho) B_s. While the draft lags after k = 0, every chain's S_s
         grows by the catch-up cost c (once per (b, L bucket, lag)): A_s and B_s scale by S_s / (S_s + c)."""
-        ratios = self.acceptance.mean_list(request_ids)
+        ratios = self.acceptance.means(request_ids)
         b, bucket = len(ratios), self._bucket(context_len)
         lines = self._lines(b, bucket)
         if self._lag_steps > 0 and self._depths[self._current] == 0:
@@ -373,7 +356,7 @@ class AdaptivePolicy:
                                - self._latency("draft", batch_size, 1, bucket)) / self.horizon_steps)
 
     def _lines(self, batch_size: int, bucket: int) -> list[tuple[float, float]]:
-        """(A_s, B_s) of every candidate at (b, L bucket): G_s = A_s + mean(rho) B_s (`_goodput_list`)."""
+        """(A_s, B_s) of every candidate at (b, L bucket): G_s = A_s + mean(rho) B_s (`predicted_goodput`)."""
         def make():
             scale = batch_size * 1e3 / self._step_times(batch_size, bucket)
             return list(zip(scale.tolist(), (scale * self._prior_extra).tolist()))

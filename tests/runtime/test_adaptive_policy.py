@@ -12,6 +12,7 @@ import pytest
 from specbatch.perfmodel.acceptance import acceptance_from_user
 from specbatch.perfmodel.overhead import OverheadModel
 from specbatch.perfmodel.strategy import StepModel
+from specbatch.perfmodel.tree import Strategy, chain
 from specbatch.runtime.adaptive import AdaptivePolicy, RequestAcceptance
 
 DRAFT_MS, TARGET_MS, PER_TOKEN_MS = 1.0, 10.0, 1.5
@@ -139,27 +140,35 @@ def test_catch_up_after_k0_steps_is_charged_to_chains():
     step_ms = lambda g, k: 1e3 * (1 + sum(0.05 ** i for i in range(1, k + 1))) / g  # noqa: E731
     for k in (1, 2):
         assert step_ms(charged[k], k) - step_ms(fresh[k], k) == pytest.approx(2.0 / 4)
-    assert policy._goodput_list(["r"], 64) == pytest.approx(charged.tolist(), rel=1e-12)  # the per-step path too
 
 
-def test_the_per_step_goodput_equals_the_vectorized_one_with_and_without_capped_rows():
-    """`choose` computes G in plain Python (one line per candidate, a bisection for rows whose E_r hits
-    k + 1); it must equal `predicted_goodput` (the closed form over every row) wherever the rows sit."""
-    policy = AdaptivePolicy(constructed_model(alpha=0.5), max_k=8)
+def test_predicted_goodput_is_the_step_models_at_the_rows_scaled_acceptance():
+    """Oracle: perfmodel's StepModel.evaluate at the policy's context bucket (L rounded up to 64 tokens), whose
+    tokens_per_s = b E_cal(s) / S_s, with E_cal(s) replaced by the rows' mean of E_r(s) = min(k + 1, 1 + rho_r
+    (E_cal(s) - 1)), rho_r = (4 + A_r) / (4 + X_r) the posterior mean at the default prior of 4 tokens.
+    Batches with rows past a candidate's k + 1 cap and batches with every row below it both occur."""
+    model = constructed_model(alpha=0.5)
+    policy = AdaptivePolicy(model, max_k=8)
     rng = np.random.default_rng(5)
-    capped = 0
-    for trial in range(200):
+    kinds = set()
+    for trial in range(100):
         rows = [("row", trial, i) for i in range(int(rng.integers(1, 33)))]
-        for r in rows:  # rho = (4 + a) / (4 + 20) from 0.18 to 5.2: above 1 / (E_cal(1) - 1) = 2, k = 1 is capped
-            policy.acceptance.counts[r] = [float(rng.uniform(0.2, 120)), 20.0, 1.0]
-        capped += max(policy.acceptance.mean_list(rows)) > policy._rho_cap
+        accepted = rng.uniform(0.2, rng.choice([40.0, 120.0]), size=len(rows))
+        for row, a in zip(rows, accepted):
+            policy.acceptance.counts[row] = [float(a), 20.0, 1.0]  # A accepted where 20 were expected
+        ratios = (4 + accepted) / (4 + 20)  # 0.18 to 1.8 or to 5.2: above 1 / (E_cal(1) - 1) = 2, k = 1 is capped
         context = int(rng.integers(10, 600))
-        assert policy._goodput_list(rows, context) == pytest.approx(policy.predicted_goodput(rows, context).tolist(),
-                                                                    rel=1e-12)
+        bucket = -(-context // 64) * 64
+        expected = []
+        for k in range(9):
+            candidate = model.evaluate(Strategy(chain(k)) if k else Strategy(None), len(rows), bucket)
+            extra = candidate.tokens_per_step - 1
+            tokens = np.mean([min(k + 1, 1 + rho * extra) for rho in ratios])
+            expected.append(candidate.tokens_per_s * tokens / candidate.tokens_per_step)
+        kinds.add(bool(max(ratios) > 2))
+        assert policy.predicted_goodput(rows, context) == pytest.approx(expected, rel=1e-9)
         policy.acceptance.release(rows)
-    assert 20 < capped < 200  # both paths were exercised
-    assert policy._rho_cap == pytest.approx(1 / (1 - 0.5))  # k = 1: E_cal(1) - 1 = 0.5
-
+    assert kinds == {True, False}
 
 def test_steps_without_speculation_age_the_evidence_but_not_the_prior():
     """A request judged poor (k = 0 chosen) gets no new evidence; its estimate must drift back toward the
