@@ -1,72 +1,16 @@
 """Adaptive speculation: the fitted step model in the loop, with acceptance learned online per request.
 
-`AdaptivePolicy` chooses, at every step, the strategy with the best predicted goodput
-G = b * E_batch(s) / S(b, s, L) among its candidates (no speculation, chains k = 1..max_k, and the same
-chains with the n-gram second stage when the model measured one and the generator has it), where
-  * S(b, s, L) is `perfmodel.strategy.StepModel`'s step time at the current batch size b and the longest
-    row's context L (rounded up to `context_bucket` tokens, so the step times of a (b, L) bucket are
-    computed once and every later decision is a table look-up plus a few vector operations);
-  * E_batch(s) is the mean over the batch's rows of each row's own E_r(s), from its acceptance estimate.
-
-The estimator (`RequestAcceptance`). What a row accepts per step depends on where steps start (the
-first token after a disagreement is harder: 0.70 at position 1 of a k = 8 chain on the demo pair, 0.79
-for k = 1), so a per-token rate observed at one k predicts another k badly, and an online estimate
-learnt at small k would talk the policy into ever smaller k. The calibrated profile measured the
-step-aligned E_cal(k) at every k instead, so each request r carries one number, the ratio
-    rho_r = accepted draft tokens / what E_cal predicts at the k actually run (E_cal(k) - 1 per step),
-with a Gamma posterior (the conjugate of a Poisson-like count against its expectation): prior
-Gamma(n_0, n_0), i.e. rho = 1 (exactly the calibrated pair) worth n_0 = 4 expected tokens by default
-(`PRIOR_TOKENS`: under two k = 4 steps of the demo pair; with 8, base64 requests at b = 1 ran at 150
-tokens/s against 173 with 4, every learning step at the prior's k = 8 paying eight draft passes, and
-held-out ones were no faster); a step of k proposed tokens of which a were accepted adds a to
-the shape and E_cal(k) - 1 to the rate. Acceptance drifts along a sequence
-(code, then a comment), so older evidence is forgotten: before a step's t = a + [a < k] draft tokens
-are added, both sums AND the prior's weight w are multiplied by (1 - 1 / m)^t, m = 64 tokens
-(`MEMORY_TOKENS`). The point estimate is the posterior mean (n_0 w + A) / (n_0 w + X): a new request
-starts at the calibrated pair, after ~n_0 expected tokens its own history weighs as much as the prior
-(a base64 request at rho ~ 0.25 is recognised within two or three steps), and a long request is
-judged on its last ~m draft tokens alone, with no lasting pull toward 1. A step without speculation
-brings no evidence; it ages the evidence by its one token but not the prior's weight, so a request
-that stopped speculating drifts back toward the calibrated pair over ~m tokens and is tried again
-(measured before this: in lockstep on the demo pair, batches of two base64 prompts that accepted like
-code, 916 tokens/s at the table's k = 4, went to k = 0 after three unlucky steps and stayed there, 496).
-`interval` is the central Gamma credible interval; for a stationary row it narrows to about
-+-1.96 sqrt(rho / X), X the expected tokens still in memory (a few tens: the floor that forgetting buys
-tracking with). Then, per candidate s of depth k,
-    E_r(s) = min(k + 1, 1 + rho_r * (E_cal(s) - 1)),
-which is E_cal(s) when rho_r = 1: with nothing to adapt to the policy predicts what the table predicted
-(up to the context, which the table fixes at one bucket and the policy reads each step). Assumption: a
-row's extra tokens scale by one factor at every k; for a row that agrees geometrically less (constant
-per-token alpha below the pair's) the factor falls with k, so rho learnt at small k over-predicts
-long chains (the hysteresis bounds what that costs).
-
-Hysteresis. The current strategy is kept unless a challenger's predicted goodput beats it by more than
-`switch_margin` (3 %: about the acceptance uncertainty of a calibrated E(k)) on `persist_steps`
-consecutive steps at the same batch size; a change of batch size (rows joined or left) lets the margin
-alone decide, as the table would switch at once. Switching costs it accounts for:
-  * the KV margin: allocated ONCE for max_k (every slot has room for the longest candidate), so a switch
-    allocates nothing and costs nothing there;
-  * wider passes: a larger k verifies k + 1 tokens and drafts k - 1 more passes, all inside S;
-  * draft catch-up: after n steps at k = 0 the draft lags n tokens and the next chain's first draft pass
-    is n + 1 tokens wide; the extra time T_d(b, n + 1, L) - T_d(b, 1, L) is spread over `horizon_steps`
-    steps and added to every chain candidate's S while the current strategy is k = 0.
-The state resets when the last live request is released (an idle engine, the end of a `generate`).
-
-The second stage (`GuessRate`). A staged candidate's step time depends on how often the n-gram guesses
-the draft's next token, which the profile measured on its own prompts and which differs by population
-as much as acceptance does. A staged step's draft pass count is a timing-free reading of it (one more
-round per wrong guess), so after each staged step the policy reads off the guess rate that explains the
-rounds, averages it with the calibrated one (fading, like rho), and evaluates the staged candidates with
-it (per grid level, so their step times stay cached).
-
-Rows are identified by stable request ids, never batch indices (rows leave and join): the generator and
-the engine call `choose(request_ids, L)` before a step, `observe(request_ids, proposed, accepted)` and
-`observe_draft_passes(b, passes)` after it and `release(request_ids)` when requests end (the optional
-hooks of `runtime.policy`).
+Every step `AdaptivePolicy` takes the candidate with the best predicted goodput G = b E_batch(s) / S(b, s, L):
+no speculation, chains k = 1..max_k and, when the model measured the second stage, the same chains staged.
+S is `perfmodel.strategy.StepModel`'s step time at the current batch size and longest context (rounded up
+to `context_bucket` tokens, so a decision is a look-up); E_batch is the mean of the rows' own E_r(s).
+Assumes a row's extra tokens per step scale by one factor rho_r at every depth k:
+E_r(s) = min(k + 1, 1 + rho_r (E_cal(s) - 1)), E_cal the calibrated step-aligned expectation, so with
+rho = 1 the policy predicts what the table did. Rows are stable request ids, told through the optional
+hooks of `runtime.policy`; docs/adaptive.md describes the estimator, the hysteresis and the guess rate.
 """
 from __future__ import annotations
 
-import time
 from bisect import bisect_right
 from dataclasses import replace
 from itertools import accumulate
@@ -81,7 +25,7 @@ from specbatch.perfmodel.strategy import StepModel
 from specbatch.perfmodel.tree import Strategy, chain
 
 
-PRIOR_TOKENS = 4.0  # the prior rho = 1 is worth this many expected accepted tokens (<2 demo steps at k = 4)
+PRIOR_TOKENS = 4.0  # the prior rho = 1 is worth this many expected accepted tokens
 MEMORY_TOKENS = 64.0  # a request's evidence fades with each draft token: (1 - 1/64) per token
 SWITCH_MARGIN = 0.03  # relative predicted gain a challenger needs
 PERSIST_STEPS = 2  # consecutive steps it needs it for, at an unchanged batch size
@@ -107,16 +51,15 @@ def cached(cache: dict, key, make: Callable[[], object]):
 
 
 class GuessRate:
-    """How often the n-gram second stage guesses the draft's next token, learnt online from the rounds a
-    staged chain step took. A staged chain of k drafts in rounds: each wrong guess costs one more draft
-    pass, so a step's pass count R (1..k) is a direct, timing-free reading of the guess rate. The profile
-    measured the rate on the calibration prompts (`Stage2Info.guess_accuracy`, per rank); on text the
-    n-gram knows less (base64 against code) a staged step drafts as many passes as a plain chain, each one
-    wider, and costs more than it (13.8 against 11.5 ms on one demo batch). Per observed step the rank-0
-    accuracy a for which the model's expected rounds (`perfmodel.schedule.staged_rounds`, at this batch
-    size and candidate) equal R is read off a curve over GUESS_LEVELS values of a, and averaged with the
-    calibrated a (worth GUESS_PRIOR_STEPS steps), every weight fading by (1 - 1/GUESS_MEMORY_STEPS) per
-    staged step, so the estimate follows a batch whose population changes. Ranks > 0 scale with rank 0."""
+    """How often the n-gram second stage guesses the draft's next token, learnt online from the rounds a staged chain
+    step took. A staged chain of k drafts in rounds: each wrong guess costs one more draft pass, so a step's
+    pass count R (1..k) is a direct, timing-free reading of the guess rate. The profile measured the rate on the
+    calibration prompts (`Stage2Info.guess_accuracy`, per rank); on text the n-gram knows less, a staged step
+    drafts as many passes as a plain chain, each one wider. Per observed step the rank-0 accuracy a for which
+    the model's expected rounds (`perfmodel.schedule.staged_rounds`, at this batch size and candidate) equal R
+    is read off a curve over GUESS_LEVELS values of a, and averaged with the calibrated a (worth
+    GUESS_PRIOR_STEPS steps), every weight fading by (1 - 1/GUESS_MEMORY_STEPS) per staged step, so the estimate
+    follows a batch whose population changes. Ranks > 0 scale with rank 0."""
 
     def __init__(self, calibrated: Sequence[float], memory_steps: float = GUESS_MEMORY_STEPS,
                  prior_steps: float = GUESS_PRIOR_STEPS, levels: int = GUESS_LEVELS):
@@ -184,7 +127,11 @@ def _read_off(falling: list[float], levels: list[float], value: float) -> float:
 
 
 class RequestAcceptance:
-    """Per-request Gamma posteriors of rho = accepted / calibrated expectation (module docstring)."""
+    """Per request, rho = accepted draft tokens / the calibrated E_cal(k) - 1 per step at the k run, as a Gamma
+    posterior: prior Gamma(n_0, n_0) (rho = 1 worth n_0 = `prior_tokens` expected tokens); a step of k proposed
+    and a accepted adds a to the shape and E_cal(k) - 1 to the rate, after both sums and the prior's weight
+    fade by (1 - 1/`memory_tokens`) per draft token (acceptance drifts along a sequence). A step without
+    speculation ages the evidence but not the prior's weight: the estimate drifts back toward the prior."""
 
     def __init__(self, expected_accepted: Sequence[float], prior_tokens: float = PRIOR_TOKENS,
                  memory_tokens: float = MEMORY_TOKENS):
@@ -237,7 +184,13 @@ class RequestAcceptance:
 
 
 class AdaptivePolicy:
-    """A policy (`runtime.policy`) that evaluates the step model every step with online acceptance."""
+    """A policy (`runtime.policy`) that evaluates the step model every step with online acceptance.
+
+    The current strategy is kept unless a challenger's predicted goodput beats it by more than
+    `switch_margin` on `persist_steps` consecutive steps at one batch size (after a change of batch size the
+    margin alone decides). The KV margin is allocated once for max_k, so a switch costs nothing there; after
+    steps at k = 0 every chain candidate pays the draft's wider catch-up pass, spread over `horizon_steps`.
+    The state resets when the last request is released."""
 
     def __init__(self, model: StepModel, max_k: int = 8, *, staged: bool = False,
                  prior_tokens: float = PRIOR_TOKENS, memory_tokens: float = MEMORY_TOKENS,
@@ -285,7 +238,6 @@ class AdaptivePolicy:
                 f"tokens, margin {self.switch_margin:.0%})")
 
     def choose(self, request_ids: Sequence[Hashable], context_len: int):
-        started = time.perf_counter()
         b = len(request_ids)
         goodput = self.predicted_goodput(request_ids, context_len)
         best = goodput.index(max(goodput))  # the first of equals: the simpler strategy
@@ -302,7 +254,6 @@ class AdaptivePolicy:
             self._streak = 0
         self._current, self._batch_size = current, b
         self._lag_steps = self._lag_steps + 1 if self._depths[current] == 0 else 0
-        self.last_decision_s = time.perf_counter() - started
         return self._answers[current]
 
     def observe(self, request_ids: Sequence[Hashable], proposed: int, accepted: Sequence[int]) -> None:
@@ -396,7 +347,6 @@ class AdaptivePolicy:
 
     def _reset(self) -> None:
         self._current, self._batch_size, self._streak, self._lag_steps = None, 0, 0, 0
-        self.last_decision_s = 0.0
         if self.guess is not None:
             self.guess.reset()
 

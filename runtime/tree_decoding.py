@@ -1,30 +1,13 @@
 """Tree steps: draft a tree of continuations, verify every node in one target pass, keep one path.
 
-The tree's shape is data (`perfmodel.tree.Tree`: rank paths; node 0 is the root, the row's last
-committed token; nodes 1..N in breadth-first order). A node's children are its parent's top-c draft
-tokens (greedy) or c tokens sampled from the draft without replacement (sampling).
-
-Drafting (`draft_tree`). The draft must score every inner node (a node with children); leaves cost
-nothing. Its cache holds each row's committed tokens (`base` = committed), then one slot per non-root
-inner node in breadth-first order, written by passes with a tree attention mask. The work is done in
-rounds; each round is one draft pass:
-  * without a second stage: round 1 is the catch-up pass ending with the root (its last logits give
-    the root's children), then one round per depth over that depth's inner nodes: one pass per level;
-  * with a second stage (an n-gram model that guesses the draft's tokens): round 1 feeds the catch-up
-    tokens AND every inner node, with the n-gram's guess where the true token is not known yet; a node's
-    logits are valid when its token and its ancestors' tokens were the draft's own. Later rounds re-guess
-    and re-feed the breadth-first suffix from the first node still invalid in some row. Each round makes
-    at least one more node valid, and the tokens that come out are exactly the draft's own: the second
-    stage changes the cost of drafting, never its result.
-
-Verifying (`verify_and_accept`). One target pass over root + N nodes per row (tree mask on top of each
-row's own cache length). Greedy: follow the child equal to the target's argmax while there is one, then
-add the target's argmax there. Sampling: at each node, recursive rejection sampling over its children
-in the order they were sampled (accept x with prob min(1, p(x)/q(x)); on rejection p <- norm(max(0, p - q))
-and x leaves q), then sample the last residual: exactly the target's distribution.
-
-Compaction (`compact`). The accepted path's keys and values move to the row's next contiguous slots;
-everything else is dropped by the length reset the generator does anyway.
+A tree is data (`perfmodel.tree.Tree`: node 0 is the root, the row's last committed token; nodes 1..N
+breadth-first); a node's children are its parent's top-c draft tokens (greedy) or c tokens sampled without
+replacement. `draft_tree` scores the inner nodes with the draft, whose cache holds the committed tokens and
+then one slot per inner node, one pass per level; with a second stage (an n-gram that guesses the draft's
+tokens) it feeds every inner node at once and re-feeds from the first wrong guess, which changes the cost of
+drafting, never its result. `verify_and_accept` runs one target pass under a tree mask and follows the
+target (greedy) or recursive rejection sampling (exactly the target's distribution); `compact` moves the
+accepted path's keys and values to the row's next slots.
 """
 from __future__ import annotations
 
