@@ -53,6 +53,22 @@ def number(obj: dict, key: str, where: str, minimum: float | None = None, nullab
     return float(value)
 
 
+# A measured time outside these bounds is not a measurement (a pass of under a nanosecond or over a day);
+# inside them every fit's arithmetic (relative weights, logs, squares) stays finite.
+MIN_MEASURED_MS, MAX_MEASURED_MS = 1e-6, 1e8
+
+
+def duration_ms(obj: dict, key: str, where: str, nullable: bool = False, allow_zero: bool = False) -> float | None:
+    """A measured time in milliseconds: finite and within the bounds above (0 too with `allow_zero`)."""
+    value = number(obj, key, where, nullable=nullable)
+    if value is None or (allow_zero and value == 0):
+        return value
+    if not MIN_MEASURED_MS <= value <= MAX_MEASURED_MS:
+        raise PerfModelError(f"{at(where, key)}: expected a measured time in ms between {MIN_MEASURED_MS:g} and "
+                             f"{MAX_MEASURED_MS:g}, found {value!r}")
+    return value
+
+
 def string(obj: dict, key: str, where: str, choices: tuple[str, ...] | None = None,
            nullable: bool = False) -> str | None:
     value = get(obj, key, where)

@@ -270,7 +270,9 @@ def fit_monotone(shape: RoleShape, roofline: RooflineParams, points: Points) -> 
     _, basis = monotone_basis(shape, roofline, knots, points.batch_size, points.new_tokens, points.context_len)
     scale = np.maximum(basis.max(axis=0), 1e-300)  # unit-range columns keep the NNLS well conditioned
     regression = LinearRegression(positive=True, fit_intercept=False)
-    regression.fit(basis / scale, points.latency_ms, sample_weight=points.latency_ms ** -2.0)
+    # relative errors: weights 1 / T^2, scaled by the median (the same fit; finite for any measured range)
+    weights = (points.latency_ms / np.median(points.latency_ms)) ** -2.0
+    regression.fit(basis / scale, points.latency_ms, sample_weight=weights)
     return MonotoneCorrection(knots, tuple(float(c) for c in regression.coef_ / scale))
 
 

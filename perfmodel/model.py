@@ -27,6 +27,7 @@ import numpy as np
 from . import latency as lat
 from .acceptance import AcceptanceModel, acceptance_from_user
 from .errors import PerfModelError
+from .fields import boolean, duration_ms, integer
 from .jsonio import read_json, rounded, write_json_atomic
 from .profile.noise import NoiseFigure
 from .overhead import OverheadModel
@@ -344,9 +345,28 @@ def _role_from_json(role: str, obj: dict, where: str) -> RoleFit:
     )
 
 
+# acceptance fields a profile entry has and a model file may lack (older files, or never written): read as null
+OPTIONAL_ACCEPTANCE_FIELDS = {"top_k": None, "top_p": None, "prompts": None, "prompt_count": None, "trials": None,
+                              "temperature": None}
+
+
+def _overhead_from_json(obj: dict, source: str) -> OverheadModel:
+    """The overhead rows, by the profile's rules: integer sizes, measured times (0 allowed)."""
+    chain, tree = [], []
+    for index, row in enumerate(obj["overheads"]):
+        where = f"{source}: overheads[{index}]"
+        chain.append((integer(row, "batch_size", where, 1), integer(row, "k", where, 0),
+                      duration_ms(row, "median_ms", where, allow_zero=True)))
+    for index, row in enumerate(obj.get("tree_overheads", [])):
+        where = f"{source}: tree_overheads[{index}]"
+        tree.append((integer(row, "batch_size", where, 1), integer(row, "tree_nodes", where, 1),
+                     boolean(row, "stage2", where), duration_ms(row, "median_ms", where, allow_zero=True)))
+    return OverheadModel(tuple(chain), tuple(tree))
+
+
 def model_from_json(obj: dict, source: str = "model") -> FittedModel:
     """Rebuild a FittedModel; any structural problem is a one-line PerfModelError naming `source`."""
-    from .profile import profile_from_json, stage2_from_json  # the profile's strict readers
+    from .profile import acceptance_entry_from_json, profile_from_json, stage2_from_json  # the strict readers
 
     meta = obj.get("profile")
     if not isinstance(meta, dict):
@@ -361,10 +381,13 @@ def model_from_json(obj: dict, source: str = "model") -> FittedModel:
         stage2 = stage2_from_json(obj["stage2"], f"{source}: stage2")
     try:
         roles = {role: _role_from_json(role, obj["roles"][role], source) for role in ROLES}
-        tree_rows = tuple((int(row["batch_size"]), int(row["tree_nodes"]), bool(row["stage2"]), float(row["median_ms"]))
-                          for row in obj.get("tree_overheads", []))
-        overhead = OverheadModel(tuple((int(row["batch_size"]), int(row["k"]), float(row["median_ms"]))
-                                       for row in obj["overheads"]), tree_rows)
+        overhead = _overhead_from_json(obj, source)
+        for index, entry in enumerate(obj["acceptance"]):
+            # the profile's rules for every measured figure; `source` and `mode` here say where the figures
+            # came from ("profile" or "user", a user's what-if has no mode) and AcceptanceModel checks them
+            checked = {**OPTIONAL_ACCEPTANCE_FIELDS, **entry, "source": "measured",
+                       "mode": entry.get("mode") or "greedy"}
+            acceptance_entry_from_json(checked, f"{source}: acceptance[{index}]")
         acceptance = tuple(AcceptanceModel.from_json(entry, source) for entry in obj["acceptance"])
         created = str(obj["created_utc"])
         timing_source = None if obj.get("timing_source") is None else SourceChoice.from_json(obj["timing_source"])

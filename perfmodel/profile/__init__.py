@@ -25,7 +25,7 @@ from typing import Any
 
 from ..errors import PerfModelError
 from ..fields import at as _at, boolean as _bool, get as _get, int_list as _int_list, integer as _int
-from ..fields import ROLES, is_int as _is_int, listed as _list, number as _number, string as _str
+from ..fields import ROLES, duration_ms as _ms, is_int as _is_int, listed as _list, number as _number, string as _str
 from .insitu import InSituPassRow, InSituStepRow, check_unique, rows_json, sections_from_json
 from .noise import NoiseFigure, noise_from_json
 from ..jsonio import read_json, write_json_atomic
@@ -258,7 +258,7 @@ def _grid(obj: dict, where: str) -> Grid:
 
 def _timing(obj: dict, where: str) -> TimingRow:
     feasible = _bool(obj, "feasible", where)
-    times = {key: _number(obj, key, where, nullable=True) for key in ("median_ms", "p10_ms", "p90_ms")}
+    times = {key: _ms(obj, key, where, nullable=True, allow_zero=True) for key in ("median_ms", "p10_ms", "p90_ms")}
     for key, value in times.items():
         if feasible and (value is None or value <= 0):
             raise PerfModelError(f"{_at(where, key)}: a feasible row needs a positive time, found {value!r}")
@@ -279,9 +279,9 @@ def _overhead(obj: dict, where: str) -> OverheadRow:
     row = OverheadRow(
         batch_size=_int(obj, "batch_size", where, minimum=1),
         k=_int(obj, "k", where, minimum=0),
-        median_ms=_number(obj, "median_ms", where, minimum=0.0),
-        p10_ms=_number(obj, "p10_ms", where, minimum=0.0),
-        p90_ms=_number(obj, "p90_ms", where, minimum=0.0),
+        median_ms=_ms(obj, "median_ms", where, allow_zero=True),
+        p10_ms=_ms(obj, "p10_ms", where, allow_zero=True),
+        p90_ms=_ms(obj, "p90_ms", where, allow_zero=True),
         reps=_int(obj, "reps", where, minimum=1),
         tree_nodes=_int(obj, "tree_nodes", where, minimum=1, nullable=True) if "tree_nodes" in obj else None,
         stage2=_bool(obj, "stage2", where) if "stage2" in obj else False,
@@ -349,8 +349,8 @@ def stage2_from_json(obj: dict, where: str) -> Stage2Info:
         file=_str(obj, "file", where),
         sha256=sha256.lower(),
         guess_accuracy=tuple(float(value) for value in accuracy),
-        query_overhead_ms=_number(obj, "query_overhead_ms", where, minimum=0.0),
-        query_ms_per_context=_number(obj, "query_ms_per_context", where, minimum=0.0),
+        query_overhead_ms=_ms(obj, "query_overhead_ms", where, allow_zero=True),
+        query_ms_per_context=_ms(obj, "query_ms_per_context", where, allow_zero=True),
     )
 
 
@@ -375,12 +375,15 @@ def _step_counts_by_prompt(obj: dict, where: str, max_k: int) -> tuple | None:
         counts = tuple(tuple((float(t), float(n)) for t, n in per_k) for per_k in values)
     except (TypeError, ValueError):
         raise PerfModelError(f"{at}: expected per k a list of [tokens, steps] per prompt") from None
-    if len(counts) != max_k or len({len(per_k) for per_k in counts}) > 1 or min(min(p) for c in counts for p in c) < 0:
-        raise PerfModelError(f"{at}: expected {max_k} lists (k = 1..{max_k}) of equal length with counts >= 0")
+    if (len(counts) != max_k or len({len(per_k) for per_k in counts}) != 1 or not counts[0]
+            or min(min(p) for c in counts for p in c) < 0):
+        raise PerfModelError(f"{at}: expected {max_k} non-empty lists (k = 1..{max_k}) of equal length with "
+                             "counts >= 0")
     return counts
 
 
-def _acceptance(obj: dict, where: str) -> AcceptanceEntry:
+def acceptance_entry_from_json(obj: dict, where: str) -> AcceptanceEntry:
+    """One acceptance entry, strictly (the model file's entries are checked by the same rules)."""
     per_position = _list(obj, "per_position", where)
     if not per_position:
         raise PerfModelError(f"{_at(where, 'per_position')}: needs at least one value")
@@ -435,7 +438,7 @@ def profile_from_json(obj: dict, source: str = "profile") -> Profile:
         grid=_grid(_get(obj, "grid", top), f"{top} grid"),
         timings=_rows(obj, "timings", top, _timing),
         overheads=_rows(obj, "overheads", top, _overhead),
-        acceptance=_rows(obj, "acceptance", top, _acceptance),
+        acceptance=_rows(obj, "acceptance", top, acceptance_entry_from_json),
         stage2=None if obj.get("stage2") is None else stage2_from_json(obj["stage2"], f"{top} stage2"),
         noise=None if obj.get("noise") is None else noise_from_json(obj["noise"], f"{top} noise"),
         insitu_timings=insitu_timings, insitu_steps=insitu_steps,

@@ -35,7 +35,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from ..errors import PerfModelError
-from ..fields import ROLES, at, boolean, integer, listed, number, string
+from ..fields import ROLES, at, boolean, duration_ms, integer, listed, number, string
 
 CONTEXT_BIN_TOKENS = 64  # passes of one (role, b, n, k) are grouped by context in bins this wide
 
@@ -135,9 +135,8 @@ def rows_json(rows: Sequence) -> list[dict]:
 
 
 def _times(obj: dict, where: str) -> dict[str, float]:
-    times = {key: number(obj, key, where, minimum=0.0) for key in ("median_ms", "p10_ms", "p90_ms")}
-    if times["median_ms"] <= 0:
-        raise PerfModelError(f"{at(where, 'median_ms')}: must be > 0, found {times['median_ms']}")
+    times = {key: duration_ms(obj, key, where, allow_zero=key != "median_ms")
+             for key in ("median_ms", "p10_ms", "p90_ms")}
     if not times["p10_ms"] <= times["median_ms"] <= times["p90_ms"]:
         raise PerfModelError(f"{where}: expected p10_ms <= median_ms <= p90_ms, found {times['p10_ms']}, "
                              f"{times['median_ms']}, {times['p90_ms']}")

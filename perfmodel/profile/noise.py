@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import PerfModelError
+from ..fields import duration_ms
 
 NOISE_RULE = 0.03  # the repetition rule's ±3 %: noise above it is larger than the precision we claim
 
@@ -94,6 +95,9 @@ def noise_from_json(obj: Any, where: str) -> NoiseFigure:
         reference = str(obj["reference"])
     except (KeyError, TypeError, ValueError) as error:
         raise PerfModelError(f"{where}: malformed noise figure ({type(error).__name__}: {error})") from None
-    if not checks or min(c.median_ms for c in checks) <= 0:
-        raise PerfModelError(f"{where}.checks: expected at least one check with a positive median_ms")
+    if not checks:
+        raise PerfModelError(f"{where}.checks: expected at least one check")
+    for index, check in enumerate(checks):
+        for key in ("median_ms", "p10_ms", "p90_ms"):
+            duration_ms({key: getattr(check, key)}, key, f"{where}.checks[{index}]", allow_zero=key != "median_ms")
     return NoiseFigure(reference, checks)

@@ -100,7 +100,8 @@ def test_profiles_without_the_new_fields_mean_chains_only(tmp_path):
     (lambda o: o["stage2"].update(sha256="abc"), r"stage2.sha256: expected 64 hexadecimal digits"),
     (lambda o: o["stage2"].update(guess_accuracy=[]), r"stage2.guess_accuracy: needs at least one value"),
     (lambda o: o["stage2"].update(guess_accuracy=[0.5, -0.1]), r"stage2.guess_accuracy\[1\]: expected a probability"),
-    (lambda o: o["stage2"].update(query_ms_per_context=-1), r"stage2.query_ms_per_context: must be >= 0.0"),
+    (lambda o: o["stage2"].update(query_ms_per_context=-1),
+     r"stage2.query_ms_per_context: expected a measured time in ms between 1e-06 and 1e\+08, found -1"),
     (lambda o: o["overheads"][-1].update(tree_nodes=0), r"overheads\[\d+\].tree_nodes: must be >= 1"),
     (lambda o: o["overheads"][-1].update(tree_nodes=1), r"overheads\[\d+\].k: a tree of 1 nodes cannot be 2 deep"),
     (lambda o: o["overheads"][-1].update(stage2=1), r"overheads\[\d+\].stage2: expected true or false"),
@@ -135,10 +136,16 @@ def broken(edit) -> dict:
     (lambda o: o["acceptance"][0].update(per_position=[0.8, 1.5]),
      r"per_position\[1\]: expected a probability in \[0, 1\]"),
     (lambda o: o["acceptance"][0].update(trials=[10]), r"trials: has 1 values but per_position has 2"),
-    (lambda o: o["overheads"][0].update(median_ms=-1), r"overheads\[0\].median_ms: must be >= 0.0"),
+    (lambda o: o["overheads"][0].update(median_ms=-1), r"overheads\[0\].median_ms: expected a measured time in ms"),
+    # times no machine measures: the fit's weights (1 / T^2) would overflow or vanish
+    (lambda o: o["timings"][1].update(median_ms=1e300), r"timings\[1\].median_ms: expected a measured time in ms "
+     r"between 1e-06 and 1e\+08, found 1e\+300"),
+    (lambda o: o["timings"][1].update(p10_ms=1e-320), r"timings\[1\].p10_ms: expected a measured time in ms"),
     (lambda o: o["acceptance"][0].update(tokens_per_step=[1.0, 1.8]), r"tokens_per_step: expected a list of 3 values"),
     (lambda o: o["acceptance"][0].update(tokens_per_step=[1.0, 2.5, 2.0]),
      r"tokens_per_step\[1\]: expected tokens per step in \[1, 2\]"),
+    (lambda o: o["acceptance"][0].update(step_counts_by_prompt=[[], []]),
+     r"step_counts_by_prompt: expected 2 non-empty lists \(k = 1..2\) of equal length"),
 ])
 def test_bad_profiles_name_the_file_and_field(tmp_path, edit, message):
     path = write(tmp_path, broken(edit))
