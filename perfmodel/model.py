@@ -90,6 +90,17 @@ class FittedModel:
         """Predicted time of one forward pass; matches strategy.LatencyFn (arrays in, array out too)."""
         return self.roles[role].model.latency_ms(batch_size, new_tokens, context_len)
 
+    def max_context_len(self) -> int:
+        """The longest context a step can run at: the pair's positions (the smaller max_position_embeddings)."""
+        return min(self.target_info.max_position_embeddings, self.draft_info.max_position_embeddings)
+
+    def check_context_len(self, context_len: int) -> None:
+        """Refuse a context no step of this pair can run at (a table or query there ranks nothing real)."""
+        limit = self.max_context_len()
+        if not 0 <= context_len <= limit:
+            raise PerfModelError(f"context length {context_len} is outside what the pair can hold: 0..{limit} cached "
+                                 "tokens (the models' max_position_embeddings)")
+
     def default_context_len(self) -> int:
         """The context length used when none is given: the middle of the profiled context lengths."""
         lengths = sorted(self.grid.context_lens)
@@ -200,6 +211,7 @@ def query_strategies(fitted: FittedModel, acceptance: AcceptanceModel, batch_siz
                      max_k: int | None = None, strategies: str = "all",
                      max_tree_nodes: int = MAX_TREE_NODES) -> StrategyChoice:
     """Every candidate strategy's step time, tokens per step and goodput at one batch size, ranked."""
+    fitted.check_context_len(context_len)
     family = strategy_family(fitted, acceptance, max_k, strategies, max_tree_nodes)
     return step_model(fitted, acceptance).choose(family, batch_size, context_len)
 
@@ -208,6 +220,7 @@ def evaluate_strategy(fitted: FittedModel, strategy: Strategy, batch_size: int, 
                       acceptance: AcceptanceModel | None = None, stage2: Stage2Info | None = None) -> StrategyCandidate:
     """One strategy's prediction (the `--tree SPEC --stage2 FILE` what-if). `acceptance` defaults to the
     profile's first entry; `stage2` to the profile's second-stage measurements."""
+    fitted.check_context_len(context_len)
     chosen = choose_acceptance(fitted, None) if acceptance is None else acceptance
     return step_model(fitted, chosen, stage2).evaluate(strategy, batch_size, context_len)
 
@@ -223,6 +236,8 @@ def compute_table(fitted: FittedModel, acceptance: AcceptanceModel, max_batch: i
     if max_batch < 1:
         raise PerfModelError(f"--max-batch must be >= 1, found {max_batch}")
     lengths = sorted(set(context_lens)) if context_lens else fitted.table_context_lens()
+    for context_len in lengths:
+        fitted.check_context_len(context_len)
     family = strategy_family(fitted, acceptance, max_k, strategies, max_tree_nodes)
     model = step_model(fitted, acceptance)
     widest_pass = max([s.tree.num_nodes for s in family if s.tree is not None], default=0) + 2

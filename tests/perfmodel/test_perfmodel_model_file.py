@@ -49,3 +49,18 @@ def test_a_value_the_profile_refuses_is_refused_in_the_model_file(model_json, ed
 def test_the_unedited_model_file_reads_back(model_json):
     fitted = model_from_json(model_json, "m.json")
     assert fitted.overhead.rows and fitted.acceptance[0].rank_acceptance == ((0.7, 0.1),) * 3
+
+
+def test_contexts_past_the_pairs_positions_are_refused(model_json):
+    from specbatch.perfmodel.model import choose_acceptance, compute_table, evaluate_strategy, query_strategies
+    from specbatch.perfmodel.tree import Strategy
+
+    fitted = model_from_json(model_json, "m.json")
+    limit = fitted.max_context_len()
+    acceptance = choose_acceptance(fitted, None)
+    assert query_strategies(fitted, acceptance, 4, limit).best is not None  # the last position still answers
+    for call in (lambda: compute_table(fitted, acceptance, 4, [10_000_000]),
+                 lambda: query_strategies(fitted, acceptance, 4, limit + 1),
+                 lambda: evaluate_strategy(fitted, Strategy.from_k(2), 4, 100_000_000)):
+        with pytest.raises(PerfModelError, match=rf"outside what the pair can hold: 0..{limit} cached tokens"):
+            call()
