@@ -1,14 +1,6 @@
 """Does a slow spell of this machine slow a narrow and a wide pass alike?
 
-    OMP_NUM_THREADS=1 python -m bench.pass_ratios --seconds 60
-
-`bench` and `calibrate` check the machine with one narrow reference pass (the target at b = 1, one new
-token, L = 128: perfmodel.noise). If every pass slowed by the same factor in a slow spell, predictions
-could be rescaled by it. This script interleaves that pass with a few others of the demo pair (3 samples
-each, in turn, for `--seconds`) and summarizes them in 2 s windows: each window's median reference time,
-and each other pass's median time divided by the reference's. The spread of the reference (max / min over
-windows) is what a slow spell does; the spread of a ratio is what rescaling by the reference would leave.
-One torch thread (`--threads`); demo pair, random tokens, CPU.
+    OMP_NUM_THREADS=1 python scripts/pass_ratios.py --seconds 60
 """
 from __future__ import annotations
 
@@ -17,21 +9,20 @@ import statistics
 import time
 from collections import defaultdict
 
-import torch
-
-from specbatch.calibrate.benchmarks import forward_sampler, random_tokens
-from specbatch.runtime.assembly import load_pair
-
 WINDOW_S = 2.0
 REFERENCE = ("target", 1, 1, 128)  # (role, b, n, L): calibrate's default reference pass
 OTHERS = (("target", 32, 5, 256), ("target", 8, 3, 128), ("draft", 1, 1, 128), ("draft", 16, 1, 256))
 
 
 def sampler(models: dict, shape: tuple[str, int, int, int]):
+    from specbatch.calibrate.benchmarks import forward_sampler, random_tokens
+    from specbatch.runtime.clock import DeviceClock
+
     role, b, n, L = shape
     model = models[role]
     cache = model.new_cache(b, L + n)
-    return forward_sampler(model, cache, random_tokens(model.config.vocab_size, b, n, "cpu", seed=7), L, None)
+    return forward_sampler(model, cache, random_tokens(model.config.vocab_size, b, n, "cpu", seed=7), L,
+                           DeviceClock("cpu"))
 
 
 def name(shape: tuple[str, int, int, int]) -> str:
@@ -39,14 +30,26 @@ def name(shape: tuple[str, int, int, int]) -> str:
     return f"{role} b={b} n={n} L={L}"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=60.0)
-    parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog=f"Interleaves calibrate's reference pass ({name(REFERENCE)}, the one bench and calibrate check "
+               "the machine with) with a few other passes of the demo pair, 3 samples each in turn, and "
+               f"summarizes them in {WINDOW_S:g} s windows: the reference's spread over windows (max / min) is "
+               "what a slow spell does; the spread of each pass's ratio to it is what rescaling by the "
+               "reference would leave. Random tokens, CPU.")
+    parser.add_argument("--seconds", type=float, default=60.0, help="how long the passes are timed")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    args = parser.parse_args(argv)
+    if args.seconds <= 0 or args.threads < 1:
+        parser.error(f"--seconds must be > 0 and --threads >= 1, got {args.seconds:g} and {args.threads}")
+    import torch  # after the options: --help and a bad option answer at once
+
+    from specbatch.runtime.assembly import load_named_pair
+
     torch.set_num_threads(args.threads)
-    target, draft = load_pair(None, None, "cpu", None)
-    models = {"target": target.model, "draft": draft.model}
+    pair = load_named_pair(None, None, "cpu", None)
+    models = {"target": pair.target, "draft": pair.draft}
     reference, others = sampler(models, REFERENCE), {shape: sampler(models, shape) for shape in OTHERS}
     for sample in (reference, *others.values()):
         for _ in range(3):

@@ -1,0 +1,53 @@
+"""The investigation scripts in scripts/ (not installed): each answers --help, and those that can finish in a
+few seconds run end to end on tiny inputs (step_ratios has its own test on constructed profiles)."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = ("cpu_spells", "pairing_noise", "pass_ratios", "step_ratios")
+
+
+def run_script(name: str, *args: str, timeout_s: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / f"{name}.py"), *args], capture_output=True,
+                          text=True, timeout=timeout_s, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_help_exits_0_with_the_docstrings_summary(name):
+    run = run_script(name, "--help")
+    assert run.returncode == 0, run.stderr
+    summary = (ROOT / "scripts" / f"{name}.py").read_text().split('"""')[1].splitlines()[0]
+    assert " ".join(summary.split()[:5]) in " ".join(run.stdout.split())
+
+
+@pytest.mark.parametrize("name, args", [("cpu_spells", ["--seconds", "0.5"]), ("pass_ratios", ["--seconds", "0"]),
+                                        ("pairing_noise", ["--rounds", "1"]), ("pairing_noise", ["--ks", "4"])])
+def test_bad_options_are_one_line_exit_2(name, args):
+    run = run_script(name, *args)
+    assert run.returncode == 2 and run.stderr.strip().splitlines()[-1].startswith(f"{name}.py: error:"), run.stderr
+
+
+def test_pairing_noise_runs_on_the_demo_pair():
+    run = run_script("pairing_noise", "--batch-size", "1", "--rounds", "2", "--new-tokens", "4", "--ks", "1,1")
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0].startswith("demo-target b = 1, 2 rounds, 4 new tokens") and len(lines) == 3
+    for line, mode in zip(lines[1:], ("back to back", "lockstep")):
+        assert re.fullmatch(rf"k=1 / k=1 +{mode}: geometric mean [\d.]+, sd of log ratio [\d.]+ %, "
+                            r"standard error [\d.]+ %", line), line
+
+
+def test_pass_ratios_runs_on_the_demo_pair():
+    run = run_script("pass_ratios", "--seconds", "0.1")
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert re.match(r"\d+ windows of 2 s; reference target b=1 n=1 L=128: median [\d.]+ ms", lines[0]), lines[0]
+    assert [line.split(" / ")[0] for line in lines[1:]] == [
+        "target b=32 n=5 L=256", "target b=8 n=3 L=128", "draft b=1 n=1 L=128", "draft b=16 n=1 L=256"]
