@@ -35,15 +35,11 @@ def load_bench_inputs(config: BenchConfig, target: str | None, draft: str | None
     the device, encode the prompts (random token prompts for a pair without a tokenizer) and load the
     second stage (`config`'s, else the one the table names), checked against the target's vocabulary."""
     from specbatch.calibrate.acceptance import read_prompts
-    from specbatch.calibrate.environment import resolve_device
-    from specbatch.calibrate.models import check_pair, resolve_model
-    from specbatch.calibrate.models import load_pair as load_specs
-    from specbatch.runtime.assembly import files_for_pair, load_ngram
+    from specbatch.runtime.assembly import files_for_pair
     from specbatch.runtime.checkpoint import parse_dtype
+    from specbatch.runtime.loading import load_ngram, load_pair, resolve_device, resolve_pair
 
-    target_spec = resolve_model(target or str(DEMO_TARGET), "target")
-    draft_spec = resolve_model(draft or str(DEMO_DRAFT), "draft")
-    check_pair(target_spec, draft_spec)
+    target_spec, draft_spec = resolve_pair(target or str(DEMO_TARGET), draft or str(DEMO_DRAFT))
     running = {spec.role: (spec.source, spec.fingerprint) for spec in (target_spec, draft_spec)}
     stage2 = files_for_pair(config.table_path, config.model_path, config.stage2_path, running, force,
                             adaptive=config.adaptive_path)
@@ -54,7 +50,7 @@ def load_bench_inputs(config: BenchConfig, target: str | None, draft: str | None
         raise UsageError("random weights (a preset or config.json) never agree with a target: pass "
                          "--synthetic-acceptance α to benchmark the shape")
     device = resolve_device(device)
-    pair = load_specs(target_spec, draft_spec, device, parse_dtype(dtype, device))
+    pair = load_pair(target_spec, draft_spec, device, parse_dtype(dtype, device))
     # each round of batch size b takes the next b prompts (cycling), so small batches see many prompts
     needed = max(config.batch_sizes) * (config.rounds + config.warmup_rounds)
     notes = []
@@ -75,8 +71,7 @@ def load_bench_inputs(config: BenchConfig, target: str | None, draft: str | None
     else:
         token_prompts = random_prompts(needed, RANDOM_PROMPT_TOKENS, target_spec.config.vocab_size, config.seed)
         notes.append(f"prompts: {needed} random sequences of {RANDOM_PROMPT_TOKENS} tokens (no tokenizer)")
-    ngram = None if config.stage2_path is None else load_ngram(
-        config.stage2_path, "--stage2", vocab_size=target_spec.config.vocab_size, model_dir=target_spec.directory)
+    ngram = None if config.stage2_path is None else load_ngram(config.stage2_path, "--stage2", target_spec)
     models = BenchModels(target=pair.target, draft=pair.draft, target_source=target_spec.source,
                          draft_source=draft_spec.source, target_dir=target_spec.directory,
                          draft_dir=draft_spec.directory, random_weights=random_weights, stage2=ngram)

@@ -1,7 +1,7 @@
 """What a bench run leaves on disk: bench.json (`specbatch.bench/1`), bench.csv and two PNG plots.
 
 Every file is written atomically (`perfmodel.jsonio.write_bytes_atomic`). The CSV holds numbers only
-(an empty cell means not applicable); its old columns come first, in their old order.
+(an empty cell means not applicable); new columns are appended, so readers by position keep working.
 """
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ from .policies import STAGED_SUFFIX, TABLE_POLICY, TREE_PREFIX, fixed_policy_nam
 from .results import BenchResult, PolicyResult, compared_rate
 
 BENCH_SCHEMA = "specbatch.bench/1"
-# old columns first, in their old order: readers by position keep working
-CSV_COLUMNS = ("batch_size", "policy", "k", "median_tokens_per_s", "p10_tokens_per_s", "p90_tokens_per_s",
-               "rounds", "acceptance", "median_steady_tokens_per_s", "predicted_tokens_per_s",
+# columns are only ever appended: readers by position keep working
+CSV_COLUMNS = ("batch_size", "policy", "k", "median_wall_tokens_per_s", "p10_wall_tokens_per_s",
+               "p90_wall_tokens_per_s", "rounds", "acceptance", "median_steady_tokens_per_s", "predicted_tokens_per_s",
                "synthetic_acceptance", "strategy", "prediction_error")
 
 
@@ -41,7 +41,7 @@ def bench_json(result: BenchResult) -> dict[str, Any]:
         "second_prompts": str(config.second_prompts_path) if config.second_prompts_path else None,
         "interleave": config.interleave,
         "eos": "ignored: every row generates max_new_tokens",
-        "tokens_per_s": "generated tokens / wall seconds of one generate() call, prefill and overhead included",
+        "wall_tokens_per_s": "generated tokens / wall seconds of one generate() call, prefill and overhead included",
     }
     batches = []
     for batch in result.batches:
@@ -50,7 +50,7 @@ def bench_json(result: BenchResult) -> dict[str, Any]:
             policy["rounds"] = source.rounds
         batches.append(entry)
     runs = [{"order": i, "batch_size": r.batch_size, "round": r.round, "warmup": r.warmup, "policy": r.policy,
-             "generated_tokens": r.generated_tokens, "seconds": r.seconds, "tokens_per_s": r.tokens_per_s,
+             "generated_tokens": r.generated_tokens, "seconds": r.seconds, "wall_tokens_per_s": r.wall_tokens_per_s,
              "steady_tokens_per_s": r.steady_tokens_per_s, "context_len": r.context_len, "step_seconds": r.step_seconds,
              "decision_seconds": r.decision_seconds, "k_counts_full_batch": r.k_counts_full_batch}
             for i, r in enumerate(result.runs)]
@@ -67,8 +67,9 @@ def bench_csv(result: BenchResult) -> str:
     alpha = result.config.synthetic_acceptance
     for batch in result.batches:
         for p in batch.policies:
-            writer.writerow([batch.batch_size, p.policy, _cell(p.k), _cell(p.median_tokens_per_s),
-                             _cell(p.p10_tokens_per_s), _cell(p.p90_tokens_per_s), p.rounds, _cell(p.acceptance),
+            writer.writerow([batch.batch_size, p.policy, _cell(p.k), _cell(p.median_wall_tokens_per_s),
+                             _cell(p.p10_wall_tokens_per_s), _cell(p.p90_wall_tokens_per_s), p.rounds,
+                             _cell(p.acceptance),
                              _cell(p.median_steady_tokens_per_s), _cell(p.predicted_tokens_per_s), _cell(alpha),
                              _cell(p.strategy), _cell(p.prediction_error)])
     return buffer.getvalue()
@@ -118,7 +119,7 @@ def _band(policy: PolicyResult) -> tuple[float, float]:
     """p10 and p90 of the figure `compared_rate` reports."""
     if policy.median_steady_tokens_per_s is not None:
         return policy.p10_steady_tokens_per_s, policy.p90_steady_tokens_per_s
-    return policy.p10_tokens_per_s, policy.p90_tokens_per_s
+    return policy.p10_wall_tokens_per_s, policy.p90_wall_tokens_per_s
 
 
 def plot_goodput_vs_k(result: BenchResult) -> bytes:

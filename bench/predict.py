@@ -92,10 +92,8 @@ def add_predictions(batches: list[BatchResult], predictor: Predictor, policies: 
     """Predicted goodput for every fixed k, for the table's strategy, and for trees and staged steps
     (evaluate_strategy). Each timed round is predicted at the context its own full-batch steps paid for
     (`RunRecord.context_len`; the batch's mean context where a run has none): the longest of b prompts
-    varies from round to round and goodput is not linear in it: one prediction at the mean context set
-    against the median round was 13-23 % low at b = 32 on the demo pair, the rounds' own predictions
-    1-9 % low (docs/lockstep.md). `predicted_tokens_per_s` is the median of the rounds'
-    predictions, `prediction_error` the geometric mean over rounds of predicted / measured - 1. Returns
+    varies from round to round and goodput is not linear in it. `predicted_tokens_per_s` is the median of
+    the rounds' predictions, `prediction_error` the geometric mean over rounds of predicted / measured - 1. Returns
     notes: one per policy family the model cannot predict (no rank acceptance for trees, no
     second-stage measurements for +ngram)."""
     failed: dict[str, tuple[list[str], str]] = {}  # family -> (policies, the first error)

@@ -1,23 +1,13 @@
 """The table's regret as a paired ratio with a bootstrap interval: is it the model, or the machine's noise?
 
-Within one round every policy runs on the same prompts and seed, back to back (`harness`), so a slow
-moment of a shared machine hits a round's policies alike. Pairing removes it: for every round r and
-fixed k the ratio table_r / k_r is taken first, then the rounds are summarized,
+A round's policies share its prompts, seed and moment of the machine, so the ratio is taken per round first:
+regret(k) = 1 - exp(mean_r log(table_r / k_r)), against the best fixed k in hindsight, with a 95 % interval
+from resampling whole rounds (BOOTSTRAP_SAMPLES, fixed seed). Verdict against REGRET_GOAL: "met" (the whole
+interval at or below it), "missed" (above) or "not resolved" (straddling); *settled* when the interval is also
+no wider than ±goal, which `resolve_regret` adds paired rounds for (docs/validation.md).
 
-    regret(k) = 1 - exp(mean_r log(table_r / k_r)),
-
-a geometric mean of paired ratios (symmetric: a round where the table is 10 % slow and one where it is
-10 % fast cancel). The headline is the regret against the best fixed k in hindsight (the policy the
-unpaired regret compares with). Its 95 % interval resamples whole rounds with replacement (the pairs
-stay together), BOOTSTRAP_SAMPLES times with a fixed seed, and takes the 2.5th and 97.5th percentiles.
-Verdict against the goal: "met" when the whole interval lies at or below it, "missed" when it lies
-above, "not resolved" when it straddles the goal (more rounds would decide). A verdict is *settled* when,
-besides, the interval is no wider than ±goal: with 5 rounds on a noisy machine an interval of ±7 % can lie
-wholly above 3 % for two identical strategies (measured: the table running k = 4 against k = 4, docs/
-fidelity.md), so the bench (`resolve_regret`, below) adds paired rounds until the verdict is settled.
-
-Assumption: rounds are exchangeable (no trend left after the balanced policy order); with few
-rounds the percentile interval is too narrow rather than too wide, so "met" on 3 rounds is weak.
+Assumes rounds are exchangeable (no trend left after the balanced order); with few rounds the percentile
+interval is too narrow rather than too wide.
 """
 from __future__ import annotations
 
@@ -104,7 +94,7 @@ def paired_ratio(numerator: dict[int, float], denominator: dict[int, float]) -> 
 
 def rates_by_round(runs: Sequence[Any], batch_size: int, policy: str) -> dict[int, float]:
     """{round: steady-state tokens/s (wall tokens/s where no steady state)} of one policy's timed rounds."""
-    return {r.round: (r.steady_tokens_per_s if r.steady_tokens_per_s is not None else r.tokens_per_s)
+    return {r.round: (r.steady_tokens_per_s if r.steady_tokens_per_s is not None else r.wall_tokens_per_s)
             for r in runs if r.batch_size == batch_size and r.policy == policy and not r.warmup}
 
 

@@ -1,33 +1,21 @@
 """The machine's speed during a bench against its speed during calibration: the profile's reference pass
 timed again.
 
-A prediction is built from passes timed during calibration. On a machine whose speed moves (other
-tenants of a shared host, throttling) the same pass takes longer or shorter minutes later, and every
-prediction is off by that factor whatever the model. Measured on the 2-core VM this project is built on,
-idle, one thread: the same target pass (b = 1, one new token, 128 cached) ran 4.2 ms and 7.3 ms in
-40-pass series a few seconds apart, on either core.
-
-Calibrate timed a reference pass throughout (perfmodel.noise; the model file keeps those checks). The
-bench times the same pass (same target, batch size, context, one new token) before every timed round and
-once after a batch size's last one, and reports per batch size
-
-    slowdown(b) = median of the reference pass during b's rounds / its median during calibration,
-
-so a prediction error that comes with a slowdown of 1.5x is visibly the machine's. The bench does not
-rescale its predictions by it: measured side by side (docs/fidelity.md), dividing the predictions by
-slowdown(b) raised the mean |error| from 7.1 % to 11.6 %. One narrow pass, timed 7 times per check, is
-noisier than the bench's minutes of steps, and a host-level slowdown (cache and memory-bandwidth
-contention) does not hit narrow and wide passes alike.
+The bench times calibration's reference pass (perfmodel.profile.noise) before every timed round and after a
+batch size's last, and reports slowdown(b) = its median during b's rounds / its median during calibration,
+so a prediction error that comes with a slowdown is visibly the machine's. Predictions are not rescaled by it:
+one narrow pass is noisier than minutes of steps, and a slow spell does not hit narrow and wide passes alike
+(docs/calibration.md).
 """
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any
 
 from specbatch.calibrate.noise import NoiseMonitor, reference_sampler
 from specbatch.perfmodel.errors import PerfModelError
-from specbatch.perfmodel.noise import NoiseFigure
+from specbatch.perfmodel.profile.noise import NoiseFigure
+from specbatch.runtime.clock import DeviceClock
 
 from .config import BenchError
 
@@ -57,7 +45,7 @@ class MachineSpeed:
         """`monitor`: injectable for tests; by default the reference pass on `target`."""
         if monitor is None:
             batch_size, context_len = calibration.reference_shape()
-            monitor = NoiseMonitor(reference_sampler(target, batch_size, context_len, device, time.perf_counter),
+            monitor = NoiseMonitor(reference_sampler(target, batch_size, context_len, device, DeviceClock(device)),
                                    calibration.reference)
         self.monitor, self.calibration = monitor, calibration
         self.checks_by_batch: dict[int, list[float]] = {}

