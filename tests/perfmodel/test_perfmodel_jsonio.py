@@ -50,7 +50,7 @@ def test_a_missing_folder_is_one_line(tmp_path):
         write_text_atomic(tmp_path / "nope" / "x.json", "x")
 
 
-# ---------------------------------------------------------------- issue 15: writes that never destroy
+# ---------------------------------------------------------------- writes that never destroy
 def test_an_output_that_is_its_own_input_is_refused_whatever_its_spelling(tmp_path, monkeypatch):
     from specbatch.perfmodel.jsonio import check_not_input
 

@@ -131,7 +131,7 @@ def test_unknown_answer_kind_is_refused():
 
 @pytest.mark.filterwarnings("ignore::specbatch.perfmodel.table.TableRangeWarning")
 def test_one_answer_per_point_query_ranks_what_the_table_chooses_from(fitted, tmp_path):
-    """`query` by default and `table` pick the same strategy at every batch size (issue 15)."""
+    """`query` by default and `table` pick the same strategy at every batch size."""
     from specbatch.perfmodel.model import compute_table
     from specbatch.perfmodel.table import save_table
 

@@ -240,7 +240,7 @@ def test_bad_strategy_in_a_table_names_the_entry(chain_model):
 
 @pytest.mark.parametrize("max_k", [0, 2])
 def test_max_k_bounds_trees_too(fitted, max_k):
-    """`table --max-k 2` with the default family: no tree deeper than 2 (issue 15: depth 8 was chosen)."""
+    """`table --max-k 2` with the default family: no tree deeper than 2 (the --max-k bound holds for trees too)."""
     table = compute_table(fitted, choose_acceptance(fitted, None), 16, [128], max_k=max_k)
     entries = table.buckets[0].entries
     assert max(e.k for e in entries) <= max_k and table.max_k == max_k
