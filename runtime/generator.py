@@ -318,10 +318,10 @@ class SpeculativeGenerator:
         committed and return it (b,)."""
         b, prompt_lens = state.batch_size, state.committed
         width = int(prompt_lens.max())
-        last_logits = self.target(state.tokens[:, :width], state.target_cache)[torch.arange(b), prompt_lens - 1]
+        last_logits = self.target(state.tokens[:, :width], state.target_cache, logits_at=prompt_lens - 1)  # (b, V)
         state.target_cache.lengths = prompt_lens.clone()
         if state.draft_cache is not None:
-            self.draft(state.tokens[:, :width], state.draft_cache)
+            self.draft(state.tokens[:, :width], state.draft_cache, logits=False)
             state.draft_cache.lengths = prompt_lens.clone()
         sampling = state.sampling
         first = last_logits.argmax(-1) if sampling.greedy else sample(probabilities(last_logits, sampling), state.rng)

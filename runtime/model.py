@@ -227,7 +227,11 @@ class CausalLM(nn.Module):
         return (cos[:, None], cos[:, :, None]), (sin[:, None], sin[:, :, None])
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None,
-                tree: TreeAttention | None = None) -> torch.Tensor:
+                tree: TreeAttention | None = None, logits_at: torch.Tensor | None = None,
+                logits: bool = True) -> torch.Tensor | None:
+        """Logits (b, n, vocab) of every fed position; with `logits_at` (b,) only that position of each row,
+        (b, vocab); with `logits=False` none (the pass only fills the cache). A prefill needs one position
+        per row, so the LM head need not run over every prompt token (b x n x vocab floats)."""
         b, n = tokens.shape  # tokens: (b, n)
         steps = torch.arange(n, device=tokens.device)
         window = self.config.sliding_window
@@ -264,10 +268,14 @@ class CausalLM(nn.Module):
         for index, layer in enumerate(self.layers):
             layer_mask = window_mask if sliding and sliding[index] else mask
             x = layer(x, rope, cache, index, layer_mask, slots)
+        if cache is not None:
+            cache.lengths = cache.lengths + n
+        if not logits:
+            return None
+        if logits_at is not None:
+            x = x[torch.arange(b, device=x.device), logits_at]  # (b, hidden): the norm and head are per position
         if self.final_norm is not None:
             x = self.final_norm(x)
         if self.project_out is not None:
             x = self.project_out(x)
-        if cache is not None:
-            cache.lengths = cache.lengths + n
         return self.lm_head(x)
