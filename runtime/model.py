@@ -37,9 +37,22 @@ class KVCache:
         return self.keys.shape[1]
 
     def keep_rows(self, rows: torch.Tensor) -> None:
-        """Drop finished rows: the batch shrinks to `rows` (a copy, done only when rows leave)."""
-        self.keys = self.keys.index_select(1, rows)
-        self.values = self.values.index_select(1, rows)
+        """Drop finished rows: the batch shrinks to `rows` (increasing indices), compacted in place.
+
+        Row i of the result is row rows[i]; with increasing indices every source lies at or after its
+        destination, so copying in order never overwrites a row still to be moved. Only each row's live
+        entries (its first `lengths` slots) move, and nothing is allocated: the buffer is kept and viewed
+        at its first len(rows) rows, so leaving rows neither copies whole caches nor doubles peak memory."""
+        order = rows.tolist()
+        if any(later <= earlier for earlier, later in zip(order, order[1:])):
+            raise ValueError(f"keep_rows: row indices must be increasing, found {order}")
+        lengths = self.lengths.tolist()
+        for destination, source in enumerate(order):
+            if source != destination:
+                live = lengths[source]
+                self.keys[:, destination, :, :live] = self.keys[:, source, :, :live]
+                self.values[:, destination, :, :live] = self.values[:, source, :, :live]
+        self.keys, self.values = self.keys.narrow(1, 0, len(order)), self.values.narrow(1, 0, len(order))
         self.lengths = self.lengths.index_select(0, rows)
 
     def rows(self, start: int, count: int) -> KVCache:
