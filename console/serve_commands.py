@@ -33,6 +33,10 @@ def serve_command(
     kv_budget_tokens: Annotated[Optional[int], typer.Option(
         "--kv-budget-tokens",
         help="KV tokens running requests may reserve (prompt + max_tokens + draft margin each).")] = None,
+    max_model_len: Annotated[Optional[int], typer.Option(
+        "--max-model-len", min=2, help=(
+            "Prompt + max_tokens of one request at most; every KV slot is sized for it (default: the models' "
+            "context). The KV memory is max-batch-size x this x both models' bytes per token."))] = None,
     max_waiting: Annotated[int, typer.Option(
         "--max-waiting", help="Queued requests beyond which new ones get 429.")] = 1024,
     max_tokens_limit: Annotated[int, typer.Option(
@@ -54,6 +58,7 @@ def serve_command(
     serve(ServeOptions(target=target, draft=draft, table=table, k=k, tree=tree, adaptive=adaptive,
                        host=host, port=port,
                        max_batch_size=max_batch_size, kv_budget_tokens=kv_budget_tokens, max_waiting=max_waiting,
+                       max_model_len=max_model_len,
                        max_tokens_limit=max_tokens_limit, device=device, dtype=dtype, profile=profile,
                        threads=threads, model_name=model_name, drain_s=drain_s))
 

@@ -38,6 +38,7 @@ class ServeOptions:
     port: int = 8000
     max_batch_size: int = 32
     kv_budget_tokens: int | None = None
+    max_model_len: int | None = None  # prompt + max_tokens of one request; sizes every KV slot (None: the models')
     max_waiting: int = 1024
     max_tokens_limit: int = 1024  # the largest max_tokens a request may ask for
     device: str | None = None
@@ -138,11 +139,15 @@ def build(options: ServeOptions):
     pair = load_pair(target_spec, draft_spec, device, parse_dtype(options.dtype, device))
     if pair.tokenizer is None:
         raise ServeError(f"--target {target_dir}: no tokenizer.json; serve needs one to encode prompts")
+    positions = min(m.config.max_position_embeddings for m in (pair.target, pair.draft) if hasattr(m, "config"))
+    if options.max_model_len is not None and options.max_model_len >= positions:
+        raise ServeError(f"--max-model-len {options.max_model_len}: the models hold {positions} positions, and a "
+                         "step needs room for its draft tokens beyond a request's; give a smaller value")
     policy = choose_policy(options, target_dir, draft_dir, device, torch.get_num_threads())
     stage2 = second_stage_for(policy, None, target_spec)  # a table's staged entries: the n-gram it names (by sha256)
     generator = SpeculativeGenerator(pair.target, pair.draft, pair.eos_token_ids, stage2=stage2)
     config = EngineConfig(max_batch_size=options.max_batch_size, kv_budget_tokens=options.kv_budget_tokens,
-                          max_waiting=options.max_waiting)
+                          max_waiting=options.max_waiting, max_context_tokens=options.max_model_len)
     engine = Engine(generator, policy, config, decode=pair.tokenizer.decode)
     name = options.model_name or target_dir.name
     log.info("serving %s (draft %s) as model %r with %s; max batch %d, KV budget %d tokens, context %d tokens",

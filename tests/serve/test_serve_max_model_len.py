@@ -1,0 +1,29 @@
+"""`serve --max-model-len N` sizes every KV slot for N tokens (prompt + max_tokens), not the models' whole
+context: the pool is max-batch-size x (N + one step's draft margin), and longer requests are refused."""
+from __future__ import annotations
+
+import pytest
+
+from specbatch.runtime.engine import EngineError
+from specbatch.serve.server import ServeError, ServeOptions, build
+
+
+def test_the_slots_are_sized_for_max_model_len():
+    runner, _ = build(ServeOptions(k=3, max_batch_size=4, max_model_len=64))
+    engine = runner.engine
+    assert engine.max_context_tokens == 64
+    assert engine._target_pool.keys.shape[1] == 4 and engine._target_pool.max_len == 64 + 3 + 1
+    assert engine._draft_pool.max_len == 64 + 3 + 1
+    engine.check(40, 24)  # 64 tokens: fits
+    with pytest.raises(EngineError, match="64"):
+        engine.check(40, 25)
+    default, _ = build(ServeOptions(k=3, max_batch_size=4))
+    assert default.engine.max_context_tokens == default.engine.generator.context_limit - 3
+
+
+def test_a_length_past_the_models_context_is_one_line_naming_the_option():
+    with pytest.raises(ServeError, match=r"^--max-model-len 1000000: the models hold 1024 positions") as error:
+        build(ServeOptions(k=3, max_batch_size=4, max_model_len=10**6))
+    assert "\n" not in str(error.value)
+    with pytest.raises(EngineError, match=r"exceed the models' context of 1024 positions"):  # no room for k = 3
+        build(ServeOptions(k=3, max_batch_size=4, max_model_len=1022))
