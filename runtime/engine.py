@@ -32,6 +32,7 @@ import torch
 from specbatch.perfmodel.errors import SpecbatchError
 
 from . import policy as hooks
+from .detokenize import IncrementalText
 from .engine_metrics import EngineMetrics, describe_choice
 from .generator import BatchState, SpeculativeGenerator
 from .sampling import RowGenerators, RowSampling, Sampling
@@ -90,6 +91,7 @@ class _Row:
     generated: list[int] = field(default_factory=list)
     emitted_tokens: int = 0
     emitted_chars: int = 0
+    text: IncrementalText | None = None  # the row's text, decoded a step's tokens at a time
 
 
 class Engine:
@@ -247,7 +249,8 @@ class Engine:
                 reserved += need
                 seed = request.seed if request.seed is not None else secrets.randbits(63)
                 rng = torch.Generator(device=self.generator.device).manual_seed(seed)
-                joined.append(_Row(request, need, rng))
+                text = None if self.decode is None else IncrementalText(self.decode)
+                joined.append(_Row(request, need, rng, text=text))
         return joined
 
     def _batch_sampling(self, rows: list[_Row]):
@@ -345,14 +348,14 @@ class Engine:
         string, or that ends inside a multi-byte character, is held back until it cannot."""
         if self.decode is None:
             return "", False
-        text = self.decode(row.generated)
+        text = row.text.extend(row.generated, final)  # certain text: never ends inside a character unless final
         hits = [i for i in (text.find(s) for s in row.request.stop) if i >= 0]
         stopped = bool(hits)
         if stopped:
             text = text[:min(hits)]
         elif not final:
             held = max([n for s in row.request.stop for n in range(1, len(s)) if text.endswith(s[:n])], default=0)
-            text = text[:len(text) - held].rstrip("\ufffd")
+            text = text[:len(text) - held]
         fresh = text[row.emitted_chars:]
         row.emitted_chars = max(row.emitted_chars, len(text))
         return fresh, stopped
