@@ -12,7 +12,7 @@ decodes the whole sequence.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable
 
 INCOMPLETE = "\ufffd"  # what a decoder gives for a multi-byte character cut short
 
@@ -24,10 +24,9 @@ class IncrementalText:
         self._context = 0  # where the context of the next decode starts: the previous certain point
         self._read = 0
 
-    def extend(self, tokens: Sequence[int], final: bool = False) -> str:
+    def extend(self, tokens: list[int], final: bool = False) -> str:
         """The text of `tokens` (the sequence so far: the last call's, extended) as far as it is certain;
-        with `final`, all of it, a cut character included."""
-        tokens = list(tokens)
+        with `final`, all of it, a cut character included. Only slices of it are read (no copy per step)."""
         if len(tokens) < self._read:  # cut below what was read: start again
             self.text, self._context, self._read = "", 0, 0
         if len(tokens) == self._read:

@@ -179,6 +179,12 @@ class _DraftPasses:
         return _run_pass(self.observer, "draft", model, tokens, cache, attention)
 
 
+def context_limit(target: CausalLM, draft) -> int:
+    """Positions a pair can address: the target's, and the draft's when it is a model (an n-gram has none)."""
+    return min(target.config.max_position_embeddings,
+               draft.config.max_position_embeddings if isinstance(draft, CausalLM) else 10**9)
+
+
 class SpeculativeGenerator:
     def __init__(self, target: CausalLM, draft=None, eos_token_ids=(), stage2=None):
         """`draft`: a CausalLM, an n-gram model (runtime.ngram.NGramModel) used alone, or None.
@@ -199,8 +205,7 @@ class SpeculativeGenerator:
     @property
     def context_limit(self) -> int:
         """Positions both models can address: prompt + generated + draft tokens of a step must fit."""
-        return min(self.target.config.max_position_embeddings,
-                   self.draft.config.max_position_embeddings if self.draft_is_model else 10**9)
+        return context_limit(self.target, self.draft)
 
     # ------------------------------------------------------------------ public
     def generate(self, prompts: list[list[int]], max_new_tokens: int, policy, sampling: Sampling = Sampling(),

@@ -124,7 +124,7 @@ def build(options: ServeOptions):
     from specbatch.runtime.assembly import second_stage_for
     from specbatch.runtime.checkpoint import parse_dtype
     from specbatch.runtime.engine import Engine, EngineConfig
-    from specbatch.runtime.generator import SpeculativeGenerator
+    from specbatch.runtime.generator import SpeculativeGenerator, context_limit
     from specbatch.runtime.loading import load_pair, resolve_device, resolve_pair
 
     from .app import ServedModel
@@ -139,7 +139,7 @@ def build(options: ServeOptions):
     pair = load_pair(target_spec, draft_spec, device, parse_dtype(options.dtype, device))
     if pair.tokenizer is None:
         raise ServeError(f"--target {target_dir}: no tokenizer.json; serve needs one to encode prompts")
-    positions = min(m.config.max_position_embeddings for m in (pair.target, pair.draft) if hasattr(m, "config"))
+    positions = context_limit(pair.target, pair.draft)
     if options.max_model_len is not None and options.max_model_len >= positions:
         raise ServeError(f"--max-model-len {options.max_model_len}: the models hold {positions} positions, and a "
                          "step needs room for its draft tokens beyond a request's; give a smaller value")
