@@ -35,14 +35,16 @@ def random_tokens(vocab_size: int, batch_size: int, new_tokens: int, device: str
 
 
 def forward_sampler(model: CausalLM, cache: KVCache, tokens: torch.Tensor, context_len: int,
-                    clock: Clock) -> Callable[[], float]:
+                    clock: Clock, last: int | None = None) -> Callable[[], float]:
     """A function that times one pass of `tokens` (b, n) on top of `context_len` cached tokens, in ms
-    (`clock`: a runtime.clock.DeviceClock, or a fake one in tests)."""
+    (`clock`: a runtime.clock.DeviceClock, or a fake one in tests). `last`: the logits the pass computes,
+    as the runtime's passes of that role do (the draft's catch-up pass: the last position only)."""
+    lengths = [context_len] * tokens.shape[0]
 
     @torch.inference_mode()
     def sample_ms() -> float:
-        cache.lengths.fill_(context_len)  # outside the timed region: the runtime's lengths are already set
-        return timed_ms(lambda: model(tokens, cache), clock)
+        cache.set_lengths(None, lengths)  # outside the timed region: the runtime's lengths are already set
+        return timed_ms(lambda: model(tokens, cache, None, last), clock)
 
     return sample_ms
 
@@ -71,7 +73,9 @@ class ForwardTimer:
         cache = self._cache_for(point)
         tokens = random_tokens(model.config.vocab_size, point.batch_size, point.new_tokens, self.device,
                                seed=point.batch_size * 1000 + point.new_tokens)
-        sampler = forward_sampler(model, cache, tokens, point.context_len, self.clock)
+        # the runtime's draft passes use their last position's logits (runtime.generator); the target's all
+        sampler = forward_sampler(model, cache, tokens, point.context_len, self.clock,
+                                  last=1 if point.model == "draft" else None)
         return repeat(sampler, self.rule, self.clock)
 
     def forget(self) -> None:

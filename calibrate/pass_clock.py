@@ -24,8 +24,7 @@ class StepRecorder:
     """What each step of one generation ran, produced and took."""
 
     def __init__(self, device: torch.device | str, pass_contexts: bool = True):
-        """`pass_contexts=False`: no context per pass (it costs a device read per pass, which the step
-        overheads calibrate measures must not contain)."""
+        """`pass_contexts=False`: no context per pass."""
         self.clock, self.pass_contexts = DeviceClock(device), pass_contexts
         self.steps: list[StepRecord] = []
         self.step_s: list[float] = []  # wall time of each step: passes, the policy's decisions, bookkeeping
@@ -34,10 +33,10 @@ class StepRecorder:
         self._started_s = 0.0
 
     # ------------------------------------------------------------------ the observer protocol
-    def run_pass(self, role: str, model, tokens: torch.Tensor, cache, attention=None) -> torch.Tensor:
-        context = int(cache.lengths.max()) if self.pass_contexts else None  # before the clock starts
+    def run_pass(self, role: str, model, tokens: torch.Tensor, cache, attention=None, last=None) -> torch.Tensor:
+        context = cache.longest() if self.pass_contexts else None  # before the clock starts (host lengths)
         started = self.clock.now()
-        out = model(tokens, cache, attention)
+        out = model(tokens, cache, attention, last)
         self.passes[role].append((int(tokens.shape[0]), int(tokens.shape[1]), context, self.clock.now() - started))
         return out
 

@@ -6,10 +6,11 @@ speculative step for every running row with the strategy the policy gives for th
 and longest context, hand each request its new tokens (and text), and free the slots of finished rows.
 The prefill and the step are `SpeculativeGenerator.prefill` / `.step`: the offline generator's own.
 
-Slots. Both models own one preallocated cache of `max_batch_size` rows; running request i sits in row i,
-so the running rows are always rows 0..b-1 and a step works on views of them (`KVCache.rows`, no copy).
-A leaving row is replaced by the last running row (one row's live entries copied), and a newcomer takes
-the next free row: a slot is reused as soon as it is freed.
+Slots. One `runtime.batch.BatchState` of `max_batch_size` rows holds every request's tokens and both
+models' caches; running request i sits in row i, so the running rows are always rows 0..b-1 and a step
+works on a view of them (`BatchState.rows`, no copy). A leaving row is replaced by the last running row
+(`runtime.batch.fill_holes`: one row's live entries copied), and a newcomer takes the next free row: a
+slot is reused as soon as it is freed.
 
 Assumptions: one thread calls `step` (the torch work); `submit` and `cancel` may be called from any
 thread. Greedy rows give exactly their solo greedy tokens whoever shares the batch (the step is
@@ -27,6 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 
 from specbatch.perfmodel.errors import SpecbatchError
@@ -34,7 +36,9 @@ from specbatch.perfmodel.errors import SpecbatchError
 from . import policy as hooks
 from .detokenize import IncrementalText
 from .engine_metrics import EngineMetrics, describe_choice
-from .generator import BatchState, SpeculativeGenerator
+from .batch import BatchState, apply_moves, fill_holes
+from .generator import SpeculativeGenerator
+from .kv_cache import upload
 from .sampling import RowGenerators, RowSampling, Sampling
 
 log = logging.getLogger("specbatch.engine")
@@ -87,7 +91,8 @@ class Request:
 class _Row:
     request: Request
     reserved_tokens: int
-    rng: torch.Generator
+    seed: int  # the request's random stream (runtime.sampling.RowGenerators)
+    draws: int = 0  # uniforms it has drawn so far: where its stream resumes
     generated: list[int] = field(default_factory=list)
     emitted_tokens: int = 0
     emitted_chars: int = 0
@@ -110,10 +115,10 @@ class Engine:
         b = config.max_batch_size
         self.kv_budget_tokens = config.kv_budget_tokens or b * slot_len
         device = generator.device
-        self._tokens = torch.zeros(b, slot_len, dtype=torch.long, device=device)
-        self._committed = torch.zeros(b, dtype=torch.long, device=device)
-        self._target_pool = generator.target.new_cache(b, slot_len)
-        self._draft_pool = generator.draft.new_cache(b, slot_len) if generator.draft_is_model else None
+        draft_pool = generator.draft.new_cache(b, slot_len) if generator.draft_is_model else None
+        self._pool = BatchState(torch.zeros(b, slot_len, dtype=torch.long, device=device),
+                                torch.zeros(b, dtype=torch.long, device=device), np.zeros(b, dtype=np.int64),
+                                generator.target.new_cache(b, slot_len), draft_pool, self.max_k)
         self._rows: list[_Row] = []
         self._waiting: deque[Request] = deque()
         self._cancelled: set[str] = set()
@@ -248,76 +253,64 @@ class Engine:
                 self._waiting.popleft()
                 reserved += need
                 seed = request.seed if request.seed is not None else secrets.randbits(63)
-                rng = torch.Generator(device=self.generator.device).manual_seed(seed)
                 text = None if self.decode is None else IncrementalText(self.decode)
-                joined.append(_Row(request, need, rng, text=text))
+                joined.append(_Row(request, need, seed, text=text))
         return joined
 
     def _batch_sampling(self, rows: list[_Row]):
         """(Sampling, rng) for a set of rows: the plain greedy path when every row is greedy."""
         if all(row.request.sampling.greedy for row in rows):
             return Sampling(), None
-        return RowSampling(tuple(row.request.sampling for row in rows)), RowGenerators([row.rng for row in rows])
+        return (RowSampling(tuple(row.request.sampling for row in rows)),
+                RowGenerators([row.seed for row in rows], [row.draws for row in rows], self.generator.device))
+
+    @staticmethod
+    def _advance_streams(rows: list[_Row], rng) -> None:
+        """After a pass that drew from `rng`, each row's stream resumes past what it drew."""
+        if rng is not None:
+            for row in rows:
+                row.draws += rng.drawn
 
     def _prefill(self, joined: list[_Row]) -> None:
         start, n = len(self._rows), len(joined)
-        lens = [len(row.request.prompt_ids) for row in joined]
-        for j, row in enumerate(joined):
-            self._tokens[start + j, :lens[j]] = torch.tensor(row.request.prompt_ids, dtype=torch.long)
-        prompt_lens = torch.tensor(lens, dtype=torch.long, device=self.generator.device)
-        caches = self._views(start, n, fresh=True)
+        prompts = [list(row.request.prompt_ids) for row in joined]
+        lens = [len(p) for p in prompts]
+        host_tokens = np.zeros((n, max(lens)), dtype=np.int64)
+        for j, prompt in enumerate(prompts):
+            host_tokens[j, :lens[j]] = prompt
         sampling, rng = self._batch_sampling(joined)
-        state = BatchState(self._tokens[start:start + n], prompt_lens, *caches, self.max_k, sampling, rng)
-        first = self.generator.prefill(state)
-        self._store_lengths(start, caches)
-        self._committed[start:start + n] = state.committed
+        state = self._pool.rows(start, n, sampling=sampling, rng=rng)
+        state.tokens[:, :max(lens)] = upload(host_tokens, state.tokens.device)
+        state.set_committed(None, lens)
+        first = self.generator.prefill(state, prompts)
+        self._advance_streams(joined, rng)
         self._rows.extend(joined)
         self.metrics.observe_prefill(sum(lens))
-        ones = torch.ones(n, dtype=torch.long, device=first.device)
-        self._deliver(list(range(start, start + n)), first[:, None], ones, [[t] for t in first.tolist()], [1] * n)
+        self._deliver(list(range(start, start + n)), [[t] for t in first])
 
     def _speculative_step(self) -> None:
         b = len(self._rows)
-        committed = self._committed[:b].clone()
-        caches = self._views(0, b, fresh=False)
         sampling, rng = self._batch_sampling(self._rows)
+        state = self._pool.rows(0, b, sampling=sampling, rng=rng)
         request_ids = [row.request.id for row in self._rows]
-        context = int(committed.max())  # what any policy is told: not its decision time
+        context = int(state.host_committed.max())  # what any policy is told: not its decision time
         started = time.perf_counter()
         choice = hooks.ask(self.policy, request_ids, context) if self.generator.draft is not None else 0
         decision_s = time.perf_counter() - started
-        step = self.generator.step(BatchState(self._tokens[:b], committed, *caches, self.max_k, sampling, rng), choice)
-        counts_list = step.counts.tolist()
-        decision_s += self.generator.learn(self.policy, request_ids, step, counts_list)
-        self._store_lengths(0, caches)
-        self._committed[:b] = committed + step.counts
-        new_list = step.new.tolist()
-        self.metrics.observe_step(describe_choice(choice), step.k, step.nodes, counts_list,
+        step = self.generator.step(state, choice)
+        self._advance_streams(self._rows, rng)
+        counts = step.counts_host
+        decision_s += self.generator.learn(self.policy, request_ids, step, counts)
+        self.metrics.observe_step(describe_choice(choice), step.k, step.nodes, counts,
                                   time.perf_counter() - started, decision_s)
-        self._deliver(list(range(b)), step.new, step.counts, [t[:c] for t, c in zip(new_list, counts_list)],
-                      counts_list)
+        self._deliver(list(range(b)), step.kept)
 
-    def _views(self, start: int, count: int, fresh: bool):
-        caches = [self._target_pool.rows(start, count),
-                  self._draft_pool.rows(start, count) if self._draft_pool is not None else None]
-        if fresh:  # a newcomer's slot: whatever its last occupant left is beyond length 0, masked
-            for cache in caches:
-                if cache is not None:
-                    cache.lengths.zero_()
-        return caches
-
-    def _store_lengths(self, start: int, caches) -> None:
-        for pool, cache in zip((self._target_pool, self._draft_pool), caches):
-            if cache is not None:
-                pool.lengths[start:start + cache.lengths.shape[0]] = cache.lengths
-
-    def _deliver(self, indices: list[int], new, counts, kept_tokens: list[list[int]], counts_list: list[int]) -> None:
+    def _deliver(self, indices: list[int], kept_tokens: list[list[int]]) -> None:
         """Add each row's new tokens, find the rows that finished, emit events, free finished slots."""
         rows = [self._rows[i] for i in indices]
         for row, tokens in zip(rows, kept_tokens):
             row.generated.extend(tokens)
-        generated = [len(row.generated) for row in rows]
-        done = self.generator.finished_rows(new, counts, counts_list, generated,
+        done = self.generator.finished_rows([row.generated for row in rows], [len(t) for t in kept_tokens],
                                             [row.request.max_tokens for row in rows])
         finished, emitted = [], 0
         for j, row in enumerate(rows):
@@ -371,16 +364,8 @@ class Engine:
     def _remove(self, indices: list[int], reason: str | None) -> None:
         """Free the slots of rows `indices`: the last running row moves into each freed slot."""
         hooks.release(self.policy, [self._rows[i].request.id for i in indices])
-        for i in sorted(indices, reverse=True):
-            last = len(self._rows) - 1
-            if i != last:
-                self._target_pool.move_row(last, i)
-                if self._draft_pool is not None:
-                    self._draft_pool.move_row(last, i)
-                self._tokens[i] = self._tokens[last]
-                self._committed[i] = self._committed[last]
-                self._rows[i] = self._rows[last]
-            self._rows.pop()
+        moves = fill_holes(self._pool, indices, len(self._rows))
+        self._rows = apply_moves(self._rows, moves, len(self._rows) - len(set(indices)))
         if reason and indices:
             for _ in indices:
                 self.metrics.observe_finish(reason)

@@ -1,39 +1,41 @@
 """Batched, ragged, lossless speculative decoding.
 
-Invariants, per row r of a `BatchState`:
-  * `committed[r]` tokens are final (prompt + generated) and stored in `tokens[r, :committed[r]]`;
-  * the target's cache holds all committed tokens but the last: `target_cache.lengths == committed - 1`;
-  * the draft's cache holds a prefix of them: `draft_cache.lengths <= committed - 1` (it lags after
-    steps with k = 0, or by one token after a step in which the row accepted every draft token).
-
-One chain step with k >= 1 (`SpeculativeGenerator.step`):
+The rows of a step are a `runtime.batch.BatchState` (its invariants are in that module). One chain step
+with k >= 1 (`SpeculativeGenerator.step`):
   1. `_draft_chain`: one catch-up pass over the last n0 committed tokens of every row, n0 = the largest
-     lag (rows that lag less are rolled back and re-fed tokens they already hold: same KV, one shape);
+     lag (rows that lag less are rolled back and re-feed tokens they already hold: same KV, one shape);
      its last logits give draft token 1; then k - 1 passes of 1 token give tokens 2..k;
   2. `_verify`: one target pass over [last committed token, d1..dk] (k + 1 tokens per row);
   3. `accept`: per row (greedy: while the draft token equals the target's argmax; sampling: rejection
      sampling, exactly the target's distribution), plus one token from the target;
-  4. `_commit`: write the kept tokens, roll the caches back to them (a length reset, no copy).
+  4. `_commit`: write the kept tokens and roll the caches back to them (a length reset, no copy);
+  5. one read-back: what each row kept (and the draft cache's new lengths) reach the host in a single
+     transfer, the step's only wait for the device; the host mirrors of every length follow from it.
 k = 0 is one target pass of 1 token through the same bookkeeping; trees go through runtime.tree_decoding.
-Finished rows leave the batch. Instrumentation is the caller's: an optional `StepObserver` runs and times
-the step passes and receives a `StepRecord` per step; without one nothing is timed but the prefill and the
-whole generation.
+Finished rows leave the batch (their slots refilled in place, runtime.batch). Instrumentation is the
+caller's: an optional `StepObserver` runs and times the step passes and receives a `StepRecord` per step;
+without one nothing is timed but the prefill and the whole generation.
 """
 from __future__ import annotations
 
 import itertools
 import time
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from specbatch.perfmodel.errors import SpecbatchError
 from specbatch.perfmodel.tree import chain
 
 from . import policy as hooks
+from .attention import TreeAttention
+from .batch import BatchState, apply_moves, fill_holes
 from .clock import DeviceClock
-from .model import CausalLM, KVCache, TreeAttention
+from .kv_cache import KVCache, upload
+from .model import CausalLM
 from .sampling import Sampling, probabilities, sample, uniform
 from .tree_decoding import catch_up_input, compact, draft_tree, ngram_tree, plan_for, verify_and_accept
 
@@ -99,41 +101,20 @@ class GenerationResult:
     stats: GenerationStats
 
 
-@dataclass
-class BatchState:
-    """The rows a step works on, with the invariants of the module docstring."""
-
-    tokens: torch.Tensor  # (b, buffer): each row's committed tokens, then scratch
-    committed: torch.Tensor  # (b,): final tokens per row, prompt included
-    target_cache: KVCache
-    draft_cache: KVCache | None  # None: no draft model, or a policy that never drafts
-    max_k: int  # draft tokens per step the buffer and the caches have room for
-    sampling: Sampling = field(default_factory=Sampling)
-    rng: torch.Generator | None = None
-    # benchmarks and random weights: accept each draft token with this probability (one per position)
-    synthetic_acceptance: float | tuple[float, ...] | None = None
-
-    @property
-    def batch_size(self) -> int:
-        return self.tokens.shape[0]
-
-    def keep_rows(self, index: torch.Tensor) -> None:
-        """Keep only the rows `index` (the others finished): a copy, made only when rows leave."""
-        self.tokens, self.committed = self.tokens.index_select(0, index), self.committed.index_select(0, index)
-        self.target_cache.keep_rows(index)
-        if self.draft_cache is not None:
-            self.draft_cache.keep_rows(index)
-
-
 @dataclass(frozen=True)
 class Step:
     """What `SpeculativeGenerator.step` did."""
 
-    new: torch.Tensor  # (b, w): each row's new tokens (beyond counts[r] scratch)
-    counts: torch.Tensor  # (b,): how many of them row r keeps (its accepted draft tokens + 1)
+    new: torch.Tensor  # (b, w): each row's new tokens (beyond counts[r] scratch), on the device
+    counts: torch.Tensor  # (b,): how many of them row r keeps (its accepted draft tokens + 1), on the device
     k: int  # draft depth (a chain's k, a tree's depth)
     nodes: int  # draft tokens verified per row (k for a chain)
     draft_passes: int  # the draft's forward passes (a staged chain's rounds)
+    kept: list[list[int]]  # each row's kept tokens, on the host (read back once, at the end of the step)
+
+    @property
+    def counts_host(self) -> list[int]:
+        return [len(tokens) for tokens in self.kept]
 
 
 @dataclass(frozen=True)
@@ -153,18 +134,20 @@ class StepRecord:
 class StepObserver(Protocol):
     """What bench and calibrate attach to a generation (calibrate.pass_clock.StepRecorder)."""
 
-    def run_pass(self, role: str, model, tokens: torch.Tensor, cache: KVCache, attention=None) -> torch.Tensor:
-        """Run (and time) one forward pass of a step: `model(tokens, cache, attention)`."""
+    def run_pass(self, role: str, model, tokens: torch.Tensor, cache: KVCache, attention=None,
+                 last: int | None = None) -> torch.Tensor:
+        """Run (and time) one forward pass of a step: `model(tokens, cache, attention, last)`."""
 
     def step_started(self) -> None: ...
 
     def step_finished(self, record: StepRecord) -> None: ...
 
 
-def _run_pass(observer: StepObserver | None, role: str, model, tokens, cache, attention=None) -> torch.Tensor:
+def _run_pass(observer: StepObserver | None, role: str, model, tokens, cache, attention=None,
+              last: int | None = None) -> torch.Tensor:
     if observer is None:
-        return model(tokens, cache, attention)
-    return observer.run_pass(role, model, tokens, cache, attention)
+        return model(tokens, cache, attention, last)
+    return observer.run_pass(role, model, tokens, cache, attention, last)
 
 
 class _DraftPasses:
@@ -174,9 +157,9 @@ class _DraftPasses:
     def __init__(self, observer: StepObserver | None):
         self.observer, self.count = observer, 0
 
-    def __call__(self, model, tokens, cache, attention=None) -> torch.Tensor:
+    def __call__(self, model, tokens, cache, attention=None, last: int | None = None) -> torch.Tensor:
         self.count += 1
-        return _run_pass(self.observer, "draft", model, tokens, cache, attention)
+        return _run_pass(self.observer, "draft", model, tokens, cache, attention, last)
 
 
 def context_limit(target: CausalLM, draft) -> int:
@@ -186,9 +169,13 @@ def context_limit(target: CausalLM, draft) -> int:
 
 
 class SpeculativeGenerator:
-    def __init__(self, target: CausalLM, draft=None, eos_token_ids=(), stage2=None):
+    def __init__(self, target: CausalLM, draft=None, eos_token_ids=(), stage2=None,
+                 host_bookkeeping: bool | None = None):
         """`draft`: a CausalLM, an n-gram model (runtime.ngram.NGramModel) used alone, or None.
-        `stage2`: an n-gram model that speeds up a CausalLM draft's tree drafting (lossless for it)."""
+        `stage2`: an n-gram model that speeds up a CausalLM draft's tree drafting (lossless for it).
+        `host_bookkeeping`: small greedy trees keep their drafting bookkeeping on the host, a read-back
+        per draft round (default: on the CPU, where reading back costs nothing and small tensor
+        operations cost most; never on CUDA, where every read-back waits for the device)."""
         vocab = target.config.vocab_size
         for role, model in (("draft", draft), ("second-stage n-gram", stage2)):
             size = None if model is None else getattr(model, "vocab_size", None) or model.config.vocab_size
@@ -201,6 +188,7 @@ class SpeculativeGenerator:
         self.draft_is_model = isinstance(draft, CausalLM)
         self.eos_token_ids = tuple(eos_token_ids)
         self.device = target.lm_head.weight.device
+        self.host_bookkeeping = self.device.type == "cpu" if host_bookkeeping is None else host_bookkeeping
 
     @property
     def context_limit(self) -> int:
@@ -235,55 +223,52 @@ class SpeculativeGenerator:
         resumed, own_s = clock.now(), 0.0  # own_s: this generation's time between its turns
         stats = GenerationStats(synthetic_acceptance=synthetic_acceptance)
         b = len(prompts)
-        prompt_lens = [len(p) for p in prompts]
         rng = torch.Generator(device=self.device).manual_seed(seed)
         state = self._new_batch(prompts, max_new_tokens, policy.max_k if self.draft is not None else 0, sampling,
                                 rng, synthetic_acceptance)
         started = clock.now()
-        first = self.prefill(state)
+        first = self.prefill(state, prompts)
         stats.prefill_s = clock.now() - started
 
-        rows = list(range(b))  # original index of each active row
+        rows = list(range(b))  # original index of each running row, by slot
         serial = next(_generation_serial)
         request_ids = lambda: [(serial, r) for r in rows]  # noqa: E731 - stable ids for a learning policy
-        generated = [1] * b
+        generated = [[token] for token in first]  # each running row's tokens so far, on the host
         outputs: list[list[int] | None] = [None] * b
         stats.first_tokens = b
-        done = self.finished_rows(first[:, None], torch.ones(b, dtype=torch.long), [1] * b, generated,
-                                  [max_new_tokens] * b)
+        done = self.finished_rows(generated, [1] * b, [max_new_tokens] * b)
         finished_tokens = 0  # tokens of the rows that already left the batch
         wanted = b * max_new_tokens
         while True:
             if done:
-                keep = [i for i in range(len(rows)) if i not in done]
                 hooks.release(policy, [(serial, rows[i]) for i in done])
-                for i, cut in done.items():
-                    start = prompt_lens[rows[i]]
-                    outputs[rows[i]] = state.tokens[i, start:start + cut].tolist()
+                for i, keep in done.items():
+                    outputs[rows[i]] = generated[i][:keep]
                     finished_tokens += max_new_tokens
-                if not keep:
+                remaining = len(rows) - len(done)
+                if not remaining:
                     break
-                state.keep_rows(torch.tensor(keep, device=self.device))
-                rows = [rows[i] for i in keep]
-                generated = [generated[i] for i in keep]
+                moves = fill_holes(state, list(done), len(rows))
+                rows, generated = apply_moves(rows, moves, remaining), apply_moves(generated, moves, remaining)
+                state = state.rows(0, remaining)
             own_s += clock.now() - resumed
-            yield (finished_tokens + sum(generated)) / wanted  # a turn ends: the prefill, or a step, is done
+            yield (finished_tokens + sum(map(len, generated))) / wanted  # a turn ends: the prefill, or a step
             resumed = clock.now()
             if observer is not None:
                 observer.step_started()
-            # the context a step pays for: attention spans the longest row (shorter rows are masked)
-            context, ids = int(state.committed.max()), request_ids()  # what any policy is told
+            # the context a step pays for: the longest row's (what any policy is told)
+            context, ids = int(state.host_committed.max()), request_ids()
             decided = time.perf_counter()
             choice = hooks.ask(policy, ids, context) if self.draft is not None else 0
             decision_s = time.perf_counter() - decided
             step = self.step(state, choice, observer)
-            counts = step.counts.tolist()
+            counts = step.counts_host
             decision_s += self.learn(policy, ids, step, counts)
             stats.add_step(len(counts), step.k, counts)
-            kept = sum(min(c, max_new_tokens - g) for c, g in zip(counts, generated))
-            for i, c in enumerate(counts):
-                generated[i] += c
-            done = self.finished_rows(step.new, step.counts, counts, generated, [max_new_tokens] * len(rows))
+            kept = sum(min(c, max_new_tokens - len(g)) for c, g in zip(counts, generated))
+            for row_tokens, new in zip(generated, step.kept):
+                row_tokens.extend(new)
+            done = self.finished_rows(generated, counts, [max_new_tokens] * len(rows))
             if observer is not None:
                 observer.step_finished(StepRecord(len(counts), context, step.k, step.nodes, step.draft_passes,
                                                   kept, sum(counts), decision_s))
@@ -303,41 +288,43 @@ class SpeculativeGenerator:
 
     def _new_batch(self, prompts: list[list[int]], max_new_tokens: int, max_k: int, sampling: Sampling, rng,
                    synthetic_acceptance) -> BatchState:
-        """Right-padded prompts in a buffer with room for every token of the generation, and empty caches;
+        """The prompts in a buffer with room for every token of the generation, and empty caches;
         `committed` holds each prompt's length until the prefill."""
         b, prompt_lens = len(prompts), [len(p) for p in prompts]
         buffer_len = max(prompt_lens) + max_new_tokens + max_k + 1
-        tokens = torch.zeros(b, buffer_len, dtype=torch.long, device=self.device)
+        host_tokens = np.zeros((b, buffer_len), dtype=np.int64)
         for r, prompt in enumerate(prompts):
-            tokens[r, :len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+            host_tokens[r, :len(prompt)] = prompt
         # a policy that never drafts (k = 0 throughout) gets no draft cache and no draft prefill: plain decoding
         draft_cache = self.draft.new_cache(b, buffer_len) if self.draft_is_model and max_k > 0 else None
-        return BatchState(tokens, torch.tensor(prompt_lens, dtype=torch.long, device=self.device),
+        host_committed = np.asarray(prompt_lens, dtype=np.int64)
+        return BatchState(upload(host_tokens, self.device), upload(host_committed, self.device), host_committed,
                           self.target.new_cache(b, buffer_len), draft_cache, max_k, sampling, rng, synthetic_acceptance)
 
     # ------------------------------------------------------------------ the steps (the engine's too)
-    def prefill(self, state: BatchState) -> torch.Tensor:
-        """Feed right-padded prompts (`state.committed`: each row's prompt length) into caches whose rows
-        are empty; set each row's cache length to its own prompt length (the padding's entries lie beyond
-        it, masked and later overwritten), write the target's first token after each prompt, count it
-        committed and return it (b,)."""
-        b, prompt_lens = state.batch_size, state.committed
-        width = int(prompt_lens.max())
-        last_logits = self.target(state.tokens[:, :width], state.target_cache, logits_at=prompt_lens - 1)  # (b, V)
-        state.target_cache.lengths = prompt_lens.clone()
+    def prefill(self, state: BatchState, prompts: list[list[int]]) -> list[int]:
+        """Feed each row's prompt (`state.tokens` already holds it) into caches whose rows are empty, packed
+        with no padding; write the target's first token after each prompt, count it committed and return
+        the first tokens (on the host: the prefill's one read-back)."""
+        counts = [len(p) for p in prompts]
+        packed = upload(np.concatenate([np.asarray(p, dtype=np.int64) for p in prompts]), self.device)
+        for cache in (state.target_cache, state.draft_cache):
+            if cache is not None:
+                cache.set_lengths(None, np.zeros(len(prompts), dtype=np.int64))
+        last_logits = self.target(packed, state.target_cache, last=1, new_tokens=counts)[:, 0]  # (b, V)
         if state.draft_cache is not None:
-            self.draft(state.tokens[:, :width], state.draft_cache, logits=False)
-            state.draft_cache.lengths = prompt_lens.clone()
+            self.draft(packed, state.draft_cache, last=0, new_tokens=counts)
         sampling = state.sampling
         first = last_logits.argmax(-1) if sampling.greedy else sample(probabilities(last_logits, sampling), state.rng)
-        state.tokens[torch.arange(b), prompt_lens] = first
-        state.committed = prompt_lens + 1
-        return first
+        state.tokens.scatter_(1, state.committed[:, None], first[:, None])
+        state.set_committed(state.committed + 1, np.asarray(counts) + 1)
+        return first.tolist()
 
     def step(self, state: BatchState, choice, observer: StepObserver | None = None) -> Step:
         """One speculative step for every row of `state` with the policy's `choice` (k or a Strategy): each
         row's new tokens are written after its committed prefix, `state.committed` advances by what the row
-        keeps, and both caches follow. The rows may be a different set at every call (runtime.engine)."""
+        keeps, and both caches follow. The rows may be a different set at every call (runtime.engine).
+        The step reads the device back once, at its end (`Step.kept`)."""
         tree, staged = self._strategy(choice)
         if tree is not None and tree.num_nodes > state.max_k:
             raise GenerationError(f"policy asked for {tree.num_nodes} draft tokens per step, above the "
@@ -346,7 +333,7 @@ class SpeculativeGenerator:
         if tree is not None and (staged or not tree.is_chain or not self.draft_is_model):
             if state.synthetic_acceptance is not None:
                 raise GenerationError("synthetic acceptance applies to chains of the draft model only")
-            new, counts = self._tree_step(state, tree, staged, passes, observer)
+            new, counts, draft_lengths = self._tree_step(state, tree, staged, passes, observer)
             k, nodes = tree.depth, tree.num_nodes
         else:
             k = nodes = 0 if tree is None else tree.depth
@@ -354,9 +341,10 @@ class SpeculativeGenerator:
             target_logits = self._verify(state, draft_tokens, observer)  # (b, k + 1, vocab)
             accepted, bonus = accept(draft_tokens, draft_probs, target_logits, state.sampling, state.rng,
                                      state.synthetic_acceptance)
-            new, counts = self._chain_tokens(state, draft_tokens, accepted, bonus), accepted + 1
-        self._commit(state, new, counts)
-        return Step(new, counts, k, nodes, passes.count)
+            new, counts = self._chain_tokens(draft_tokens, accepted, bonus), accepted + 1
+            # the draft cache holds d1..d_{k-1} beyond the committed tokens: it keeps what was accepted of them
+            draft_lengths = state.committed + torch.clamp(accepted, max=k - 1) if k else None
+        return Step(new, counts, k, nodes, passes.count, self._commit(state, new, counts, draft_lengths))
 
     def _strategy(self, choice):
         """A policy's answer (an int k or a perfmodel.tree.Strategy) -> (tree or None, staged)."""
@@ -368,10 +356,11 @@ class SpeculativeGenerator:
 
     def _draft_chain(self, state: BatchState, k: int, passes: _DraftPasses):
         """k draft tokens per row (b, k) and, when sampling, their distributions q (b, k, vocab)."""
-        step_input = catch_up_input(self.draft, state.draft_cache, state.tokens, state.committed, passes)
+        step_input = catch_up_input(self.draft, state.draft_cache, state.tokens, state.committed,
+                                    state.host_committed, passes)
         proposed, dists = [], []
         for _ in range(k):
-            logits = passes(self.draft, step_input, state.draft_cache)[:, -1]  # (b, vocab)
+            logits = passes(self.draft, step_input, state.draft_cache, last=1)[:, -1]  # (b, vocab)
             if state.sampling.greedy:
                 token = logits.argmax(-1)
             else:
@@ -389,35 +378,45 @@ class SpeculativeGenerator:
         return _run_pass(observer, "target", self.target, verify_input, state.target_cache)
 
     @staticmethod
-    def _chain_tokens(state: BatchState, draft_tokens, accepted, bonus) -> torch.Tensor:
-        """A chain step's tokens (b, k + 1): the draft's, the target's after the accepted ones; the draft
-        cache, which holds d1..d_{k-1}, keeps what was accepted of them."""
+    def _chain_tokens(draft_tokens, accepted, bonus) -> torch.Tensor:
+        """A chain step's tokens (b, k + 1): the draft's, the target's after the accepted ones."""
         if draft_tokens is None:
             return bonus[:, None]
-        state.draft_cache.lengths = state.committed + torch.clamp(accepted, max=draft_tokens.shape[1] - 1)
         new = torch.cat([draft_tokens, bonus[:, None]], dim=1)
         new.scatter_(1, accepted[:, None], bonus[:, None])
         return new
 
     @staticmethod
-    def _commit(state: BatchState, new: torch.Tensor, counts: torch.Tensor) -> None:
-        """Write the step's tokens after each row's committed prefix (beyond `counts` is scratch) and advance."""
+    def _commit(state: BatchState, new: torch.Tensor, counts: torch.Tensor, draft_lengths) -> list[list[int]]:
+        """Write the step's tokens after each row's committed prefix (beyond `counts` is scratch), read back
+        what each row kept (and the draft cache's lengths) in ONE transfer, and advance every length on
+        the device and on the host. Returns each row's kept tokens."""
         positions = state.committed[:, None] + torch.arange(new.shape[1], device=new.device)
         state.tokens.scatter_(1, positions, new)
-        state.target_cache.lengths = state.committed + counts - 1
-        state.committed = state.committed + counts
+        columns = [counts[:, None], new] if draft_lengths is None else [counts[:, None], draft_lengths[:, None], new]
+        host = torch.cat(columns, dim=1).tolist()  # the step's one read-back
+        host_counts = np.asarray([row[0] for row in host], dtype=np.int64)
+        committed = state.committed + counts
+        state.set_committed(committed, state.host_committed + host_counts)
+        state.target_cache.set_lengths(committed - 1, state.host_committed - 1)
+        if draft_lengths is not None:
+            state.draft_cache.set_lengths(draft_lengths, [row[1] for row in host])
+        skip = len(columns) - 1
+        return [row[skip:skip + count] for row, count in zip(host, host_counts.tolist())]
 
     def _tree_step(self, state: BatchState, tree, staged: bool, passes: _DraftPasses, observer):
         """A tree step (runtime.tree_decoding): draft, one target pass over every node, keep one path;
-        returns the new tokens (b, depth + 1) and how many of them each row keeps (b,)."""
+        returns the new tokens (b, depth + 1), how many of them each row keeps (b,) and the draft cache's
+        new lengths (b,) (None without a draft cache)."""
         if tree.max_children > self.target.config.vocab_size:
             raise GenerationError(f"a tree node has {tree.max_children} children, more than the vocabulary's "
                                   f"{self.target.config.vocab_size} tokens")
         plan = plan_for(tree, self.device)
         committed, draft_cache = state.committed, state.draft_cache
         if self.draft_is_model:
-            drafted = draft_tree(plan, self.draft, draft_cache, state.tokens, committed, state.sampling, state.rng,
-                                 stage2=self.stage2 if staged else None, forward=passes)
+            drafted = draft_tree(plan, self.draft, draft_cache, state.tokens, committed, state.host_committed,
+                                 state.sampling, state.rng, stage2=self.stage2 if staged else None, forward=passes,
+                                 host_bookkeeping=self.host_bookkeeping)
         else:
             drafted = ngram_tree(plan, self.draft, state.tokens, committed, state.sampling, state.rng)
             passes.count = drafted.rounds  # the n-gram's queries, a round per level
@@ -427,15 +426,16 @@ class SpeculativeGenerator:
         keep = torch.arange(tree.depth, device=self.device) < accepted[:, None]
         if not tree.is_chain:  # in a chain, node i already sits where the i-th accepted token belongs
             compact(state.target_cache, committed, path - 1, keep)  # node j sat at slot committed - 1 + j
+        draft_lengths = None
         if draft_cache is not None:
             slot = plan.inner_index[path] - 1  # leaves were never fed to the draft
             fed = keep & (slot >= 0)
             if not tree.is_chain:
                 compact(draft_cache, committed, slot, fed)
-            draft_cache.lengths = committed + fed.sum(1)
+            draft_lengths = committed + fed.sum(1)
         new = torch.cat([drafted.tokens.gather(1, path), bonus[:, None]], dim=1)
         new.scatter_(1, accepted[:, None], bonus[:, None])
-        return new, accepted + 1
+        return new, accepted + 1, draft_lengths
 
     # ------------------------------------------------------------------ checks and bookkeeping
     def _check(self, prompts, max_new_tokens, policy):
@@ -459,21 +459,18 @@ class SpeculativeGenerator:
                 f"k or the tree's size"
             )
 
-    def finished_rows(self, new, counts, counts_list, generated, max_new_tokens: list[int]) -> dict[int, int]:
-        """Rows that hit EOS or their own max_new_tokens in this step -> how many generated tokens they
-        keep. `counts_list` is `counts` already on the host (the step needed it anyway)."""
-        eos_hits = None
-        if self.eos_token_ids:
-            is_eos = torch.isin(new, torch.tensor(self.eos_token_ids, device=new.device))
-            is_eos &= torch.arange(new.shape[1], device=new.device) < counts[:, None].to(new.device)
-            eos_hits = torch.where(is_eos.any(1), is_eos.float().argmax(1), -1).tolist()
+    def finished_rows(self, generated: list[list[int]], counts: list[int], max_new_tokens: list[int]) -> dict[int, int]:
+        """Rows whose last step (row i kept counts[i] tokens, the tail of generated[i]) hit EOS or their own
+        max_new_tokens -> how many generated tokens they keep. On the host."""
+        eos = self.eos_token_ids
         done = {}
-        for i, (total, limit) in enumerate(zip(generated, max_new_tokens)):
-            before = total - counts_list[i]
+        for i, (tokens, limit) in enumerate(zip(generated, max_new_tokens)):
+            total = len(tokens)
             keep = min(total, limit)
-            if eos_hits is not None and eos_hits[i] >= 0:
-                keep = min(keep, before + eos_hits[i] + 1)
-            if keep < total or total >= limit or (eos_hits is not None and eos_hits[i] >= 0):
+            hit = next((j for j in range(total - counts[i], total) if tokens[j] in eos), None) if eos else None
+            if hit is not None:
+                keep = min(keep, hit + 1)
+            if keep < total or total >= limit or hit is not None:
                 done[i] = keep
         return done
 
@@ -534,7 +531,12 @@ def synthetic_threshold(synthetic: float | tuple[float, ...], k: int, device):
     value for positions beyond the given ones), as a tensor that broadcasts over the rows."""
     if isinstance(synthetic, (int, float)):
         return float(synthetic)
-    return torch.tensor([synthetic[min(i, len(synthetic) - 1)] for i in range(k)], device=device)
+    return _thresholds(tuple(synthetic), k, torch.device(device))
+
+
+@lru_cache(maxsize=64)
+def _thresholds(synthetic: tuple[float, ...], k: int, device: torch.device) -> torch.Tensor:
+    return upload([synthetic[min(i, len(synthetic) - 1)] for i in range(k)], device, torch.float32)
 
 
 def count_acceptance(accepted_per_position: list[int], trials_per_position: list[int], counts: list[int],

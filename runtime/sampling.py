@@ -68,41 +68,86 @@ def parse_sampling(text: str) -> Sampling:
         raise SamplingError(f"--sampling {text!r}: {error}") from None
 
 
-@dataclass(frozen=True)
 class RowSampling:
     """Settings per row of a batch whose rows come from different requests (the serving engine): row r
-    of every logits tensor (batch first) follows `rows[r]`. A greedy row (T = 0) gets the one-hot
-    distribution at its argmax: through speculative sampling, one-hot p and q accept exactly the draft
-    tokens that equal the target's argmax and resample the argmax otherwise, so a greedy row in a
-    sampling batch produces its greedy tokens."""
+    of every logits tensor (batch first) follows `rows[r]`, as tensors of one value per row (one pass over
+    the batch, whatever the mix). A greedy row (T = 0) gets the one-hot distribution at its argmax: through
+    speculative sampling, one-hot p and q accept exactly the draft tokens that equal the target's argmax
+    and resample the argmax otherwise, so a greedy row in a sampling batch produces its greedy tokens."""
 
-    rows: tuple[Sampling, ...]
     greedy = False  # a batch in which every row is greedy runs with a plain Sampling() instead
 
-    def select(self, rows: list[int]) -> RowSampling:
-        return RowSampling(tuple(self.rows[r] for r in rows))
+    def __init__(self, rows: tuple[Sampling, ...]):
+        self.rows = tuple(rows)
+        self.top_ks = tuple(row.top_k for row in self.rows)
+        self.any_top_p = any(row.top_p < 1.0 for row in self.rows)
+        self._tensors: dict[torch.device, tuple[torch.Tensor, ...]] = {}
+
+    def tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(temperature, top_k, top_p, greedy) per row on `device`, uploaded once: a greedy row's
+        temperature is 1 (its distribution is replaced), no top-k is the whole vocabulary (0 here), and
+        no top-p is 2 (a bound no cumulative mass reaches, not even rounded)."""
+        if device not in self._tensors:
+            from .kv_cache import upload
+
+            settings = upload([[row.temperature if not row.greedy else 1.0 for row in self.rows],
+                               [float(row.top_k) for row in self.rows],
+                               [row.top_p if row.top_p < 1.0 else 2.0 for row in self.rows],
+                               [float(row.greedy) for row in self.rows]], device, torch.float32)
+            self._tensors[device] = (settings[0], settings[1].long(), settings[2], settings[3].bool())
+        return self._tensors[device]
 
     def describe(self) -> str:
         return "per request"
 
 
+# splitmix64's constants as signed 64-bit integers (torch has no unsigned int64 arithmetic)
+_GOLDEN, _MIX1, _MIX2 = -0x61C8864680B583EB, -0x40A7B892E31B1A47, -0x6B2FB644ECCEEE15
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's output function: a bijection of 64-bit integers whose output bits each depend on every
+    input bit (products wrap modulo 2^64, as two's complement int64 does)."""
+    x = x + _GOLDEN
+    x = (x ^ _shift_right(x, 30)) * _MIX1
+    x = (x ^ _shift_right(x, 27)) * _MIX2
+    return x ^ _shift_right(x, 31)
+
+
 class RowGenerators:
-    """One torch.Generator per row: a seeded request draws its own random numbers whoever shares the
-    batch (as long as it draws the same amount per step: true of chain steps, see runtime.engine)."""
+    """Random numbers per row, counter-based: row r's i-th uniform is a hash of (its request's seed, its
+    offset + i), computed for the whole batch at once. So a seeded request draws the same numbers whoever
+    shares its batch, as long as it draws the same amount per step (true of chain steps, see
+    runtime.engine), and a batch of any size costs a few kernels per draw, not one per row. `drawn` is how
+    many uniforms each row has drawn from this object (the engine adds it to the request's offset)."""
 
-    def __init__(self, generators: list[torch.Generator]):
-        self.generators = list(generators)
+    def __init__(self, seeds: list[int], offsets: list[int], device):
+        from .kv_cache import upload
 
-    def select(self, rows: list[int]) -> RowGenerators:
-        return RowGenerators([self.generators[r] for r in rows])
+        state = upload([seeds, offsets], device)
+        self.keys, self.offsets = _mix64(state[0]), state[1]
+        self.drawn = 0
+
+    def __len__(self) -> int:
+        return self.keys.shape[0]
+
+    def bits(self, per_row: int) -> torch.Tensor:
+        """(rows, per_row) int64 hashes, the next `per_row` of each row's stream."""
+        counters = self.offsets[:, None] + self.drawn + torch.arange(per_row, device=self.keys.device)
+        self.drawn += per_row
+        return _mix64(self.keys[:, None] ^ _mix64(counters))
 
 
 def probabilities(logits: torch.Tensor, sampling) -> torch.Tensor:
     """Softmax of `logits` (..., vocab) after temperature, top-k and top-p; float32. With a RowSampling,
     row r of `logits` (batch first) follows the row's own settings."""
     if isinstance(sampling, RowSampling):
-        return torch.stack([_one_hot_argmax(row) if setting.greedy else probabilities(row, setting)
-                            for row, setting in zip(logits, sampling.rows)])
+        return _row_probabilities(logits, sampling)
     logits = logits.float() / sampling.temperature
     if sampling.top_k and sampling.top_k < logits.shape[-1]:
         kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
@@ -118,21 +163,50 @@ def probabilities(logits: torch.Tensor, sampling) -> torch.Tensor:
     return probs
 
 
-def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+def _row_probabilities(logits: torch.Tensor, sampling: RowSampling) -> torch.Tensor:
+    """`probabilities` with one setting per row, every row in the same operations (the rules above)."""
+    temperature, top_k, top_p, greedy = sampling.tensors(logits.device)
+    per_row = (-1,) + (1,) * (logits.dim() - 1)
+    scaled = logits.float() / temperature.view(per_row)
+    vocab = logits.shape[-1]
+    filtering = [k for k in sampling.top_ks if 0 < k < vocab]
+    if filtering:
+        largest = scaled.topk(max(filtering), dim=-1).values  # as many as the largest top-k any row asks
+        index = (top_k.clamp(1, largest.shape[-1]) - 1).view(per_row).expand(*scaled.shape[:-1], 1)
+        filters = ((top_k > 0) & (top_k < vocab)).view(per_row)
+        kth = torch.where(filters, largest.gather(-1, index), float("-inf"))
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if sampling.any_top_p:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(mass_before >= top_p.view(per_row), 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        probs = probs / probs.sum(-1, keepdim=True)
+    one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    return torch.where(greedy.view(per_row), one_hot, probs)
 
 
 def sample(probs: torch.Tensor, generator) -> torch.Tensor:
     """One token per distribution: probs (..., vocab) -> ids (...). `generator`: a torch.Generator (or
-    None) for the whole batch, or RowGenerators (row r of `probs`, batch first, draws from its own)."""
+    None) for the whole batch, or RowGenerators (row r of `probs`, batch first, draws from its own stream:
+    the inverse of the row's cumulative distribution at a 53-bit uniform; a token of probability 0 is
+    never drawn)."""
     if isinstance(generator, RowGenerators):
-        return torch.stack([sample(row, g) for row, g in zip(probs, generator.generators)])
+        cumulative = probs.double().cumsum(-1)
+        u = uniform(probs.shape[:-1], generator, probs.device, torch.float64)
+        drawn = torch.searchsorted(cumulative, (u * cumulative[..., -1])[..., None], right=True).squeeze(-1)
+        return drawn.clamp_(max=probs.shape[-1] - 1)
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
 
 
-def uniform(shape: tuple[int, ...], generator, device) -> torch.Tensor:
+def uniform(shape: tuple[int, ...], generator, device, dtype=torch.float32) -> torch.Tensor:
     """Uniform [0, 1) numbers of `shape` (batch first) from one generator or from RowGenerators."""
     if isinstance(generator, RowGenerators):
-        return torch.stack([torch.rand(tuple(shape[1:]), generator=g, device=device) for g in generator.generators])
-    return torch.rand(tuple(shape), generator=generator, device=device)
+        per_row = math.prod(shape[1:])
+        bits = generator.bits(per_row).view(shape)
+        if dtype == torch.float64:
+            return _shift_right(bits, 11).double() * 2.0 ** -53
+        return _shift_right(bits, 40).float() * 2.0 ** -24
+    return torch.rand(tuple(shape), generator=generator, device=device, dtype=dtype)

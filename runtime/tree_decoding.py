@@ -12,14 +12,17 @@ accepted path's keys and values to the row's next slots.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
+import numpy as np
 import torch
 
 from specbatch.perfmodel.tree import Tree, tree_buffers
 
-from .model import CausalLM, KVCache, TreeAttention
+from .attention import TreeAttention
+from .kv_cache import KVCache, upload
+from .model import CausalLM
 from .sampling import Sampling, probabilities, sample, uniform
 
 
@@ -47,6 +50,25 @@ class TreePlan:
     rank_of: torch.Tensor  # (N+1,)
     ancestor_at_depth: torch.Tensor  # (N+1, depth): a node's ancestor at depth 1..depth (itself at its own), 0 past it
     parent_list: tuple[int, ...]  # the same parents as Python ints, for host-side guessing
+    _indices: dict = field(default_factory=dict, compare=False, repr=False)  # at() and children_of(), built once
+
+    def at(self, nodes) -> torch.Tensor:
+        """Node ids as an index tensor on the plan's device, built once per list of nodes (indexing a
+        device tensor with a Python list would copy the list to the device, and wait, every time)."""
+        key = ("at", tuple(nodes))
+        if key not in self._indices:
+            self._indices[key] = torch.tensor(key[1], dtype=torch.long, device=self.depths.device)
+        return self._indices[key]
+
+    def children_of(self, nodes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(owner, rank, child): every child of `nodes`, as which of them it hangs from and its rank."""
+        key = ("children", tuple(nodes))
+        if key not in self._indices:
+            triples = [(i, rank, child) for i, node in enumerate(nodes)
+                       for rank, child in enumerate(self.tree.children[node])]
+            columns = torch.tensor(triples, dtype=torch.long).reshape(-1, 3).T.to(self.depths.device)
+            self._indices[key] = (columns[0], columns[1], columns[2])
+        return self._indices[key]
 
 
 @lru_cache(maxsize=64)
@@ -137,12 +159,9 @@ class _TreeState:
         q, picks, unusable = picked
         plan = self.plan
         if q is not None:
-            slots = plan.inner_index[nodes]
+            slots = plan.inner_index[plan.at(nodes)]
             self.probs[:, slots] = torch.where(newly[..., None], q, self.probs[:, slots])
-        kids = plan.children[nodes]  # (n, c)
-        has = (kids >= 0).nonzero()
-        owner, rank = has[:, 0], has[:, 1]  # which of `nodes` each child hangs from, and its rank
-        child_ids = kids[owner, rank]
+        owner, rank, child_ids = plan.children_of(nodes)  # which of `nodes` each child hangs from, and its rank
         update = newly[:, owner]  # (b, m)
         self.tokens[:, child_ids] = torch.where(update, picks[:, owner, rank], self.tokens[:, child_ids])
         self.known[:, child_ids] |= update
@@ -164,29 +183,29 @@ class _TreeState:
         end = start + fed.shape[1]
         nodes = list(self.plan.inner[start:end])
         picked = self.picks(nodes, logits, rng)
-        parents = self.plan.parent_of[nodes]
+        node_ids = self.plan.at(nodes)
+        parents = self.plan.parent_of[node_ids]
         parent_slot = self.plan.inner_index[parents] - 1  # -1: the root
         fed_parent = parent_slot >= start
         position = (parent_slot - start).clamp(min=0)
-        candidate = picked[1][:, position, self.plan.rank_of[nodes]]  # (b, n): the child the parent's logits give
-        known = self.known[:, nodes]
-        truth = torch.where(known | ~fed_parent, self.tokens[:, nodes], candidate)
+        candidate = picked[1][:, position, self.plan.rank_of[node_ids]]  # (b, n): the child the parent's logits give
+        known = self.known[:, node_ids]
+        truth = torch.where(known | ~fed_parent, self.tokens[:, node_ids], candidate)
         wrong = (fed != truth) | (~known & ~fed_parent)
         # valid: no wrong token among a node's fed ancestors-or-self (a product with the transposed mask)
         valid = (wrong.float() @ self.plan.inner_descendants[start:end, start:end]) == 0
-        own = self.plan.inner_index[nodes]
+        own = self.plan.inner_index[node_ids]
         newly = valid & ~self.valid[:, own]
         self.valid[:, own] |= valid
-        if bool(newly.any()):
-            self.expand(nodes, picked, newly)
+        self.expand(nodes, picked, newly)  # a no-op in rows where nothing became valid
 
     def guess(self, stage2, before_root: torch.Tensor, nodes: list[int]) -> None:
         tokens = self.tokens.tolist()
         _guess_rows(self.plan, tokens, self.known.tolist(), stage2, before_root.tolist(), nodes)
-        self.tokens = torch.tensor(tokens, dtype=torch.long, device=self.tokens.device)
+        self.tokens = upload(tokens, self.tokens.device)
 
     def fed_tokens(self, nodes: list[int]) -> torch.Tensor:
-        return self.tokens[:, nodes].clone()
+        return self.tokens[:, self.plan.at(nodes)]
 
     def first_invalid(self) -> int | None:
         """The first inner slot that is not valid in some row; None when all are valid."""
@@ -257,7 +276,7 @@ class _HostState:
 
 def _context(plan: TreePlan, state: _TreeState, before_root: torch.Tensor, nodes: list[int]) -> torch.Tensor:
     """(b * len(nodes), 2): the two tokens before each node's next token (grandparent... parent = node)."""
-    node_t = torch.tensor(nodes, device=before_root.device)
+    node_t = plan.at(nodes)
     parent = plan.parent_of[node_t]
     last = state.tokens[:, node_t]
     previous = torch.where(node_t > 0, state.tokens[:, parent], before_root[:, None])
@@ -265,21 +284,25 @@ def _context(plan: TreePlan, state: _TreeState, before_root: torch.Tensor, nodes
 
 
 def draft_tree(plan: TreePlan, draft: CausalLM, cache: KVCache, tokens: torch.Tensor, committed: torch.Tensor,
-               sampling: Sampling, rng, stage2=None, forward=None) -> DraftedTree:
+               host_committed: np.ndarray, sampling: Sampling, rng, stage2=None, forward=None,
+               host_bookkeeping: bool = False) -> DraftedTree:
     """Draft one tree per row with a draft model; leaves the draft cache at `committed` plus the
-    inner nodes' slots (see the module docstring). `forward(model, tokens, cache, attention)` runs each draft
-    pass when given (the generator counts and observes them); by default the model is called."""
+    inner nodes' slots (see the module docstring). `forward(model, tokens, cache, attention, last)` runs each
+    draft pass when given (the generator counts and observes them); by default the model is called.
+    Without a second stage the passes go level by level and every fed node is the draft's own: no pass
+    waits for the device. With one, which slots to re-feed is read back after each pass.
+    `host_bookkeeping`: small greedy trees keep their bookkeeping on the host (_HostState)."""
     b = tokens.shape[0]
     device = tokens.device
     rows = torch.arange(b, device=device)
     root_tokens = tokens[rows, committed - 1]
-    if sampling.greedy and b * (plan.tree.num_nodes + 1) <= HOST_BOOKKEEPING_MAX_CELLS:
+    if host_bookkeeping and sampling.greedy and b * (plan.tree.num_nodes + 1) <= HOST_BOOKKEEPING_MAX_CELLS:
         state = _HostState(plan, root_tokens)
     else:
         state = _TreeState(plan, root_tokens, sampling, draft.config.vocab_size)
     before_root = torch.where(committed >= 2, tokens[rows, (committed - 2).clamp(min=0)], -1)
     inner = list(plan.inner)
-    catch_up = catch_up_input(draft, cache, tokens, committed, forward)
+    catch_up = catch_up_input(draft, cache, tokens, committed, host_committed, forward)
     width = catch_up.shape[1]
     if stage2 is not None and inner:
         state.guess(stage2, before_root, inner)
@@ -289,51 +312,67 @@ def draft_tree(plan: TreePlan, draft: CausalLM, cache: KVCache, tokens: torch.Te
         mask[:width, :width] = torch.ones(width, width, dtype=torch.bool, device=device).tril()
         mask[width:, :width] = True
         mask[width:, width:] = plan.inner_mask
-        logits = _forward(forward, draft, torch.cat([catch_up, fed], dim=1), cache, TreeAttention(offsets, mask))
-        state.absorb_root(logits[:, width - 1], rng)
-        state.absorb(logits[:, width:], fed, 0, rng)
+        logits = _forward(forward, draft, torch.cat([catch_up, fed], dim=1), cache, TreeAttention(offsets, mask),
+                          last=len(inner) + 1)
+        state.absorb_root(logits[:, 0], rng)
+        state.absorb(logits[:, 1:], fed, 0, rng)
     else:
-        logits = _forward(forward, draft, catch_up, cache)
+        logits = _forward(forward, draft, catch_up, cache, last=1)
         state.absorb_root(logits[:, -1], rng)
     rounds = 1
-    base = committed
-    while (start := state.first_invalid()) is not None:
+    starts = iter(level_starts(plan)) if stage2 is None else None
+    while (start := next(starts, None) if starts is not None else state.first_invalid()) is not None:
         if stage2 is None:
             end = next(e for e in plan.level_ends if e > start)
         else:
             state.guess(stage2, before_root, inner[start:])
             end = len(inner)
-        cache.lengths = base + start
+        cache.set_lengths(committed + start, host_committed + start)
         fed = state.fed_tokens(inner[start:end])
         attention = TreeAttention(plan.inner_offsets[:end], plan.inner_mask[start:end, :end])
         logits = _forward(forward, draft, fed, cache, attention)
         state.absorb(logits, fed, start, rng)
         rounds += 1
-    cache.lengths = base + len(inner)
+    cache.set_lengths(committed + len(inner), host_committed + len(inner))
     return state.result(rounds)
 
 
+def level_starts(plan: TreePlan) -> list[int]:
+    """The first inner slot of every level of inner nodes below the root: without a second stage the
+    draft feeds one level per pass, each node its own pick, so every fed node is valid.
+
+    >>> from specbatch.perfmodel.tree import parse_tree
+    >>> level_starts(plan_for(parse_tree("0,0.0,0.1,0.0.0,0.0.0.0"), torch.device("cpu")))  # inner: 0, 0.0, 0.0.0
+    [0, 1, 2]
+    """
+    return [start for start in dict.fromkeys((0, *plan.level_ends)) if start < len(plan.inner)]
+
+
 def catch_up_input(draft: CausalLM, cache: KVCache, tokens: torch.Tensor, committed: torch.Tensor,
-                   forward=None) -> torch.Tensor:
+                   host_committed: np.ndarray, forward=None) -> torch.Tensor:
     """The draft's catch-up input (b, width): each row's last `width` committed tokens, width = the
     largest lag of the draft behind `committed`, with the cache rolled back to committed - width (rows
     that lag less re-feed tokens they hold: same KV, one shape). A row can re-feed at most its whole
     prefix: when the largest lag exceeds the shortest row (serving: a newcomer beside a row that ran
-    k = 0 for a while), passes of min(committed) - 1 tokens first bring the laggards closer."""
+    k = 0 for a while), passes of min(committed) - 1 tokens first bring the laggards closer. Planned from
+    the host lengths: nothing is read back."""
     steps = lambda n: torch.arange(n, device=tokens.device)  # noqa: E731
-    while int((committed - cache.lengths).max()) > int(committed.min()):
-        width = int(committed.min()) - 1  # >= 1: a row holds its prompt and a first token
+    while int((host_committed - cache.host_lengths).max()) > int(host_committed.min()):
+        width = int(host_committed.min()) - 1  # >= 1: a row holds its prompt and a first token
+        host_start = np.minimum(cache.host_lengths, host_committed - 1 - width)
         start = torch.minimum(cache.lengths, committed - 1 - width)
-        cache.lengths = start
-        _forward(forward, draft, tokens.gather(1, start[:, None] + steps(width)), cache)
-    width = int((committed - cache.lengths).max())
-    cache.lengths = committed - width
+        cache.set_lengths(start, host_start)
+        _forward(forward, draft, tokens.gather(1, start[:, None] + steps(width)), cache, last=0)
+    width = int((host_committed - cache.host_lengths).max())
+    cache.set_lengths(committed - width, host_committed - width)
     return tokens.gather(1, (committed - width)[:, None] + steps(width))
 
 
-def _forward(forward, model, inputs, cache, attention=None):
+def _forward(forward, model, inputs, cache, attention=None, last=None):
     """One draft pass, through `forward` when the caller gave one."""
-    return model(inputs, cache, attention) if forward is None else forward(model, inputs, cache, attention)
+    if forward is None:
+        return model(inputs, cache, attention, last)
+    return forward(model, inputs, cache, attention, last)
 
 
 def _guess_rows(plan: TreePlan, tokens: list[list[int]], known: list[list[bool]], stage2, before: list[int],
@@ -407,9 +446,9 @@ def verify_and_accept(plan: TreePlan, drafted: DraftedTree, target_logits: torch
         nxt = current.clone()
         for j in range(kids.shape[1]):
             child = kids[:, j].clamp(min=0)
+            # every rank is tried in every row (a row that cannot try it changes nothing): no early exit
+            # that would read the device back
             can = alive & ~moved & (kids[:, j] >= 0) & ~drafted.unusable.gather(1, child[:, None]).squeeze(1)
-            if not bool(can.any()):
-                break
             x = drafted.tokens.gather(1, child[:, None])
             px, qx = p.gather(1, x).squeeze(1), q.gather(1, x).squeeze(1)
             ok = can & (uniform((b,), rng, device) * qx < px)
@@ -422,15 +461,12 @@ def verify_and_accept(plan: TreePlan, drafted: DraftedTree, target_logits: torch
             q_left = q.scatter(1, x, 0.0)
             q = torch.where(rejected, q_left / q_left.sum(-1, keepdim=True).clamp_min(1e-30), q)
         stop = alive & ~moved
-        if bool(stop.any()):
-            bonus = torch.where(stop, sample(p, rng), bonus)
+        bonus = torch.where(stop, sample(p, rng), bonus)
         if level < depth:
             path[:, level] = torch.where(moved, nxt, 0)
         accepted += moved.long()
         current = nxt
         alive = moved
-        if not bool(alive.any()):
-            break
     return path, accepted, bonus
 
 
@@ -462,5 +498,5 @@ def compact(cache: KVCache, base: torch.Tensor, source_slots: torch.Tensor, keep
     steps = torch.arange(source_slots.shape[1], device=base.device)
     destination = base[:, None] + steps
     source = torch.where(keep, base[:, None] + source_slots, destination)
-    cache.keys[:, rows, :, destination] = cache.keys[:, rows, :, source]
-    cache.values[:, rows, :, destination] = cache.values[:, rows, :, source]
+    cache.keys[:, rows, destination] = cache.keys[:, rows, source]
+    cache.values[:, rows, destination] = cache.values[:, rows, source]

@@ -13,3 +13,16 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(params=["sdpa", "varlen"])
+def backend(request, monkeypatch):
+    """The CPU attention backend, and the CUDA varlen backend's code run through a CPU reference of the
+    kernel (tests/runtime/varlen_reference.py); set it on a model as `model.attention_backend = backend`."""
+    if request.param == "varlen":
+        from specbatch.runtime import attention
+        import varlen_reference
+
+        monkeypatch.setattr(attention, "varlen_attn", varlen_reference.varlen_attn)
+        monkeypatch.setattr(attention, "AuxRequest", varlen_reference.AuxRequest)
+    return request.param

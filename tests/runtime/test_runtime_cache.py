@@ -1,39 +1,75 @@
-"""KVCache.keep_rows compacts in place: each kept row's live entries are the original row's (the oracle:
-index_select of the same rows), nothing is allocated, and indices must be increasing."""
+"""Rows retire in place: the last running row moves into each freed slot (its live entries only), the
+caches keep their storage (nothing allocated, no whole-cache copy), and device and host lengths agree.
+Oracles: the original rows' entries, and the storage pointers before the retirement."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from torch_fixtures import tiny_llama_config
-from specbatch.runtime.model import KVCache
+from specbatch.runtime.batch import BatchState, apply_moves, fill_holes
+from specbatch.runtime.kv_cache import KVCache
 
 
-def filled_cache(lengths: list[int]) -> KVCache:
+def filled_cache(lengths: list[int], seed: int = 3) -> KVCache:
     cache = KVCache(tiny_llama_config(), len(lengths), 16, "cpu", torch.float32)
-    generator = torch.Generator().manual_seed(3)
+    generator = torch.Generator().manual_seed(seed)
     cache.keys.copy_(torch.randn(cache.keys.shape, generator=generator))
     cache.values.copy_(torch.randn(cache.values.shape, generator=generator))
     cache.lengths = torch.tensor(lengths)
     return cache
 
 
-@pytest.mark.parametrize("keep", [[0, 2, 3], [1, 4], [4], [0, 1, 2, 3, 4]])
-def test_kept_rows_hold_their_live_entries_and_nothing_is_allocated(keep):
+def filled_state(lengths: list[int]) -> BatchState:
+    b = len(lengths)
+    tokens = torch.arange(b * 20).view(b, 20)
+    committed = torch.tensor(lengths) + 1
+    return BatchState(tokens, committed, committed.numpy().copy(), filled_cache(lengths), filled_cache(lengths, 4), 2)
+
+
+@pytest.mark.parametrize("holes", [[1, 3], [4], [0, 1, 2, 3], [2], [0, 4]])
+def test_retired_rows_are_refilled_in_place_with_the_survivors_live_entries(holes):
     lengths = [5, 16, 0, 9, 12]
-    cache = filled_cache(lengths)
-    keys, values = cache.keys.clone(), cache.values.clone()
-    storage = cache.keys.untyped_storage().data_ptr()
-    cache.keep_rows(torch.tensor(keep))
-    assert cache.batch_size == len(keep) and cache.lengths.tolist() == [lengths[r] for r in keep]
-    assert cache.keys.untyped_storage().data_ptr() == storage  # compacted where it was
-    for row, source in enumerate(keep):
-        live = lengths[source]
-        assert torch.equal(cache.keys[:, row, :, :live], keys[:, source, :, :live])
-        assert torch.equal(cache.values[:, row, :, :live], values[:, source, :, :live])
+    state = filled_state(lengths)
+    caches = (state.target_cache, state.draft_cache)
+    before = [(c.keys.clone(), c.values.clone()) for c in caches]
+    tokens_before = state.tokens.clone()
+    pointers = [(c.keys.untyped_storage().data_ptr(), c.values.untyped_storage().data_ptr()) for c in caches]
+    moves = fill_holes(state, holes, len(lengths))
+    remaining = len(lengths) - len(holes)
+    survivors = apply_moves(list(range(len(lengths))), moves, remaining)
+    assert sorted(survivors) == [r for r in range(len(lengths)) if r not in holes]
+    state = state.rows(0, remaining)
+    for cache, (keys, values), (key_ptr, value_ptr) in zip((state.target_cache, state.draft_cache), before, pointers):
+        assert cache.keys.untyped_storage().data_ptr() == key_ptr  # the same buffers: nothing was copied whole
+        assert cache.values.untyped_storage().data_ptr() == value_ptr
+        assert cache.lengths.tolist() == [lengths[r] for r in survivors]
+        assert cache.host_lengths.tolist() == [lengths[r] for r in survivors]
+        for slot, source in enumerate(survivors):
+            live = lengths[source]
+            assert torch.equal(cache.keys[:, slot, :live], keys[:, source, :live])
+            assert torch.equal(cache.values[:, slot, :live], values[:, source, :live])
+    assert state.committed.tolist() == [lengths[r] + 1 for r in survivors] == state.host_committed.tolist()
+    assert torch.equal(state.tokens, tokens_before[survivors])
+    # only the moved rows were written: a row that did not move still holds its own entries past its length
+    for slot, source in enumerate(survivors):
+        if slot == source:
+            assert torch.equal(state.target_cache.keys[:, slot], before[0][0][:, source])
 
 
-def test_indices_must_be_increasing():
-    cache = filled_cache([3, 3, 3])
-    with pytest.raises(ValueError, match=r"keep_rows: row indices must be increasing, found \[2, 0\]"):
-        cache.keep_rows(torch.tensor([2, 0]))
+def test_a_move_copies_only_live_entries():
+    state = filled_state([3, 7])
+    stale = state.target_cache.keys[:, 0, 7:].clone()  # beyond row 1's live entries
+    fill_holes(state, [0], 2)
+    assert torch.equal(state.target_cache.keys[:, 0, 7:], stale)
+
+
+def test_views_share_both_lengths_with_their_parent():
+    cache = filled_cache([4, 6, 8, 10])
+    view = cache.rows(1, 2)
+    view.advance(3)
+    assert cache.lengths.tolist() == [4, 9, 11, 10] and cache.host_lengths.tolist() == [4, 9, 11, 10]
+    view.set_lengths(torch.tensor([1, 2]), [1, 2])
+    assert cache.lengths.tolist() == [4, 1, 2, 10] and np.array_equal(cache.host_lengths, [4, 1, 2, 10])
+    assert cache.longest() == 10 and view.longest() == 2

@@ -301,3 +301,32 @@ def test_qwen2_sliding_window_layers(tmp_path, randomize, max_window_layers):
     cache = model.new_cache(2, 12)
     pieces = [model(ids[:, :6], cache)] + [model(ids[:, t:t + 1], cache) for t in range(6, 12)]
     _assert_close(torch.cat(pieces, dim=1), expected)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_packed_prefill_and_far_apart_rows_match_transformers(checkpoints, name, backend):
+    """Rows 56, 3 and 9 tokens long: a packed prefill (one row alone in its padding group), a pass of 3
+    tokens whose rows attend in separate runs (the long row cut out), a rollback of one row and a pass of 1:
+    every row's logits equal transformers' full pass over that row alone."""
+    from specbatch.runtime.attention import plan_runs
+    import numpy as np
+
+    hf, directory = checkpoints[name]
+    model = load_checkpoint(directory).model
+    model.attention_backend = backend
+    lengths = [56, 3, 9]
+    rows = [_sequences(1, 62, seed=20 + i)[0] for i in range(3)]
+    cache = model.new_cache(3, 64)
+    first = model(torch.cat([row[:n] for row, n in zip(rows, lengths)]), cache, last=1, new_tokens=lengths)
+    assert len(plan_runs(cache.host_lengths + 3)) > 1  # the uniform pass below splits its rows
+    chunk = model(torch.stack([row[n:n + 3] for row, n in zip(rows, lengths)]), cache)
+    cache.set_lengths(None, [n + 3 for n in lengths[:2]] + [lengths[2] + 2])  # row 2 rolls back one token
+    after = [n + 3 for n in lengths[:2]] + [lengths[2] + 2]
+    one = model(torch.stack([row[n:n + 1] for row, n in zip(rows, after)]), cache)
+    assert cache.host_lengths.tolist() == [n + 1 for n in after] and np.array_equal(
+        cache.lengths.numpy(), cache.host_lengths)
+    for i, (row, n) in enumerate(zip(rows, lengths)):
+        expected = _hf_logits(hf, row[None, :n + 3])[0]
+        _assert_close(first[i, 0], expected[n - 1])
+        _assert_close(chunk[i], expected[n:n + 3])
+        _assert_close(one[i, 0], _hf_logits(hf, row[None, :after[i] + 1])[0, -1])

@@ -10,33 +10,52 @@ from specbatch.runtime.generator import SpeculativeGenerator
 from specbatch.runtime.policy import FixedK
 
 
-def padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    lengths = torch.tensor([len(p) for p in prompts])
-    tokens = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        tokens[row, :len(prompt)] = torch.tensor(prompt)
-    return tokens, lengths
+def packed(prompts: list[list[int]]) -> torch.Tensor:
+    return torch.tensor([token for prompt in prompts for token in prompt])
 
 
-def test_logits_at_one_position_per_row_are_the_full_pass_at_those_positions(greedy_target, prompts8):
-    tokens, lengths = padded(prompts8)
-    full_cache, one_cache = greedy_target.new_cache(8, 32), greedy_target.new_cache(8, 32)
+def test_a_packed_prefill_gives_each_rows_last_logits_and_cache_as_the_row_alone(greedy_target, prompts8):
+    """Prompts of different lengths packed with no padding: each row's last-position logits and its cache
+    entries equal those of the row's prompt run alone."""
+    counts = [len(p) for p in prompts8]
+    assert len(set(counts)) > 1  # ragged
+    cache = greedy_target.new_cache(8, 32)
     with torch.no_grad():
-        full = greedy_target(tokens, full_cache)  # (b, n, vocab)
-        last = greedy_target(tokens, one_cache, logits_at=lengths - 1)  # (b, vocab)
-    assert last.shape == (8, full.shape[-1])
-    torch.testing.assert_close(last, full[torch.arange(8), lengths - 1], rtol=1e-5, atol=1e-5)
-    assert torch.equal(full_cache.lengths, one_cache.lengths)
-    assert torch.equal(full_cache.keys, one_cache.keys) and torch.equal(full_cache.values, one_cache.values)
+        last = greedy_target(packed(prompts8), cache, last=1, new_tokens=counts)  # (b, 1, vocab)
+        assert last.shape == (8, 1, greedy_target.config.vocab_size)
+        for row, prompt in enumerate(prompts8):
+            alone = greedy_target.new_cache(1, 32)
+            full = greedy_target(torch.tensor([prompt]), alone)
+            torch.testing.assert_close(last[row, 0], full[0, -1], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(cache.keys[:, row, :len(prompt)], alone.keys[:, 0, :len(prompt)],
+                                       rtol=1e-5, atol=1e-5)
+    assert cache.lengths.tolist() == counts == cache.host_lengths.tolist()
 
 
 def test_a_pass_without_logits_fills_the_cache_and_returns_none(greedy_target, prompts8):
-    tokens, _ = padded(prompts8)
+    counts = [len(p) for p in prompts8]
     with_logits, without = greedy_target.new_cache(8, 32), greedy_target.new_cache(8, 32)
     with torch.no_grad():
-        greedy_target(tokens, with_logits)
-        assert greedy_target(tokens, without, logits=False) is None
+        greedy_target(packed(prompts8), with_logits, last=1, new_tokens=counts)
+        assert greedy_target(packed(prompts8), without, last=0, new_tokens=counts) is None
     assert torch.equal(with_logits.keys, without.keys) and torch.equal(with_logits.lengths, without.lengths)
+
+
+def test_a_ragged_pass_continues_rows_that_already_hold_tokens(greedy_target, prompts8):
+    """Chunked prefill: rows that hold part of their prompt (and rows that hold none) feed the rest in one
+    ragged pass; the logits equal the prompt run alone."""
+    held = [3, 0, 5, 1, 0, 2, 4, 0]
+    cache = greedy_target.new_cache(8, 32)
+    with torch.no_grad():
+        for row, h in enumerate(held):
+            if h:
+                greedy_target(torch.tensor(prompts8[row][:h]), cache.rows(row, 1), last=0, new_tokens=[h])
+        rest = [p[h:] for p, h in zip(prompts8, held)]
+        last = greedy_target(packed(rest), cache, last=1, new_tokens=[len(r) for r in rest])
+        for row, prompt in enumerate(prompts8):
+            full = greedy_target(torch.tensor([prompt]))
+            torch.testing.assert_close(last[row, 0], full[0, -1], rtol=1e-5, atol=1e-5)
+    assert cache.host_lengths.tolist() == [len(p) for p in prompts8]
 
 
 def test_generation_matches_greedy_decoding_without_cache_or_padding(greedy_target, greedy_draft_sometimes, prompts8):

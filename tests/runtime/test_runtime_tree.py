@@ -74,16 +74,19 @@ def _policy(spec: str, stage2: bool = False) -> FixedStrategy:
 
 # ---------------------------------------------------------------------------------------------- attention
 @pytest.mark.parametrize("overrides", [{}, {"sliding_window": 3}], ids=["llama", "sliding-window"])
+@pytest.mark.parametrize("long_prefix", [5, 60], ids=["near", "far-apart"])
 @torch.no_grad()
-def test_tree_attention_equals_each_path_fed_alone(llama_config_factory, overrides):
+def test_tree_attention_equals_each_path_fed_alone(llama_config_factory, overrides, long_prefix, backend):
+    """Rows of different cache lengths (far apart: they attend in separate runs on the sdpa backend)."""
     model = build_model(llama_config_factory(**overrides), seed=3)
+    model.attention_backend = backend
     tree = parse_tree("0,1,2,0.0,0.1,1.0,0.0.0")
     plan = plan_for(tree, torch.device("cpu"))
-    prefixes = [[5, 9, 2, 7, 1], [3, 8]]  # ragged rows: different cache lengths
+    long = torch.randint(0, 64, (long_prefix,), generator=torch.Generator().manual_seed(1)).tolist()
+    prefixes = [long, [3, 8]]  # ragged rows: different cache lengths
     nodes = torch.randint(0, 64, (2, tree.num_nodes + 1), generator=torch.Generator().manual_seed(0))
-    cache = model.new_cache(2, 32)
-    model(torch.tensor([prefixes[0][:-1], prefixes[1][:-1] + [0] * 3]), cache)
-    cache.lengths = torch.tensor([len(p) - 1 for p in prefixes])
+    cache = model.new_cache(2, 80)
+    model(torch.tensor(long[:-1] + [3]), cache, last=0, new_tokens=[len(long) - 1, 1])
     nodes[:, 0] = torch.tensor([p[-1] for p in prefixes])
     logits = model(nodes, cache, TreeAttention(plan.depths, plan.target_mask))
     for row, prefix in enumerate(prefixes):
@@ -144,7 +147,8 @@ def test_second_stage_changes_the_cost_not_the_draft(spec, bigram_draft, greedy_
             cache = draft.new_cache(8, tokens.shape[1])
             draft(tokens[:, :width], cache)
             cache.lengths = committed - 3  # rows lag: the catch-up pass re-feeds three tokens
-            drafted[name] = draft_tree(plan, draft, cache, tokens, committed, Sampling(), None, stage2=guess)
+            drafted[name] = draft_tree(plan, draft, cache, tokens, committed, committed.numpy(), Sampling(), None,
+                                       stage2=guess, host_bookkeeping=True)
             assert int(cache.lengths[0]) == int(committed[0]) + len(plan.inner)
         assert torch.equal(drafted["plain"].tokens, drafted["perfect"].tokens)
         assert torch.equal(drafted["plain"].tokens, drafted["random"].tokens)
@@ -175,9 +179,8 @@ def test_compaction_leaves_the_caches_as_a_fresh_prefill(greedy_target, greedy_d
             kept = int(cache.lengths[row])
             fresh = model.new_cache(1, 64)
             model(torch.tensor([sequence[:kept]]), fresh)
-            torch.testing.assert_close(cache.keys[:, row, :, :kept], fresh.keys[:, 0, :, :kept], atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(cache.values[:, row, :, :kept], fresh.values[:, 0, :, :kept], atol=1e-5,
-                                       rtol=1e-5)
+            torch.testing.assert_close(cache.keys[:, row, :kept], fresh.keys[:, 0, :kept], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(cache.values[:, row, :kept], fresh.values[:, 0, :kept], atol=1e-5, rtol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------- sampling

@@ -12,8 +12,8 @@ def test_the_slots_are_sized_for_max_model_len():
     runner, _ = build(ServeOptions(k=3, max_batch_size=4, max_model_len=64))
     engine = runner.engine
     assert engine.max_context_tokens == 64
-    assert engine._target_pool.keys.shape[1] == 4 and engine._target_pool.max_len == 64 + 3 + 1
-    assert engine._draft_pool.max_len == 64 + 3 + 1
+    assert engine._pool.target_cache.batch_size == 4 and engine._pool.target_cache.max_len == 64 + 3 + 1
+    assert engine._pool.draft_cache.max_len == 64 + 3 + 1
     engine.check(40, 24)  # 64 tokens: fits
     with pytest.raises(EngineError, match="64"):
         engine.check(40, 25)

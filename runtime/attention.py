@@ -1,0 +1,333 @@
+"""How a forward pass over the KV cache attends: every row over its own keys, and no more.
+
+Two kinds of cached pass (`CausalLM.forward` plans one per call and every layer reuses the plan):
+- `UniformPass`: n new tokens per row on top of each row's cached ones (decode, verify, the draft's
+  catch-up and chain passes, and tree passes under a `TreeAttention`);
+- `RaggedPass`: row r feeds its own n_r tokens, packed one row after another (a prefill: n_r is the
+  row's prompt), so the linear layers see sum(n_r) tokens, not b * max(n_r).
+Both are planned on the host from `KVCache.host_lengths` (how many keys each row spans) and computed on
+the device from `KVCache.lengths` (positions, masks, where keys are written): a pass never reads the
+device back.
+
+Backends:
+- "sdpa" (CPU, and any device without varlen): `scaled_dot_product_attention` over contiguous runs of
+  rows, each run spanning its own longest row; a row far longer than its neighbours gets a run of its
+  own (`plan_runs`), so a ragged batch pays about its own keys. A fresh prefill needs no mask at all
+  (rows of similar prompt length padded together, causal from the first key).
+- "varlen" (CUDA, fp16/bf16): `torch.nn.attention.varlen.varlen_attn` straight over the cache's slots,
+  each row's key count given as `seqused_k`: no mask, no padding, and for a uniform pass nothing that
+  depends on the host. A tree pass attends to the committed prefix through varlen and to the in-flight
+  nodes under the tree mask by hand, the two merged by their log-sum-exp.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .kv_cache import KVCache, upload
+
+try:  # torch >= 2.10 on CUDA; None elsewhere
+    from torch.nn.attention.varlen import AuxRequest, varlen_attn
+except ImportError:  # pragma: no cover - older torch
+    AuxRequest = varlen_attn = None
+
+# The "sdpa" backend's cost of a call of `rows` rows spanning `keys` keys, in row-keys:
+# CALL_KEYS + rows * (ROW_KEYS + keys). Read off CPU timings of the demo shapes (b 1-32, 20-520 keys):
+# a call's fixed cost is about that of one row over 32 keys, a row's about 16 keys.
+CALL_KEYS, ROW_KEYS = 32, 16
+CANDIDATE_CUTOFFS = 8  # longest rows tried as runs of their own
+PREFILL_PADDING = 1.25  # a prefill group pads its rows to at most this much over their own tokens
+
+
+@dataclass(frozen=True)
+class TreeAttention:
+    """Tokens that form a tree (or a chain followed by a tree) on top of each row's cached prefix.
+
+    The cache of every row holds `base[r]` committed tokens and then `m` in-flight slots of the same
+    tree for every row (fed by earlier passes of this step); this pass appends `n` more. `offsets`
+    (m + n,) are the in-flight slots' positions relative to `base` (a node's depth, for a tree), and
+    `mask` (n, m + n) says which in-flight slots each new token may attend to (its ancestors and
+    itself). Every new token also sees the whole committed prefix. Positions feed RoPE or learned
+    position embeddings; slots are where keys and values are stored: they differ inside a tree.
+    """
+
+    offsets: torch.Tensor
+    mask: torch.Tensor
+
+    def __post_init__(self):
+        if self.mask.dim() != 2 or self.offsets.shape != (self.mask.shape[1],):
+            raise ValueError(f"tree attention: mask {tuple(self.mask.shape)} does not match offsets "
+                             f"{tuple(self.offsets.shape)}")
+
+    @property
+    def in_flight(self) -> int:
+        """Slots of this tree the rows hold before the pass plus the pass's own (m + n)."""
+        return self.mask.shape[1]
+
+
+def choose_backend(cache: KVCache, requested: str | None, tree: TreeAttention | None, window: int | None) -> str:
+    """`requested` (a model's `attention_backend`) or, by default, varlen on CUDA in half precision. A tree
+    under a sliding window always goes through sdpa (its positions are not the slots' order)."""
+    if tree is not None and window:
+        return "sdpa"
+    if requested is not None:
+        return requested
+    usable = varlen_attn is not None and cache.device.type == "cuda" and cache.keys.dtype in (torch.float16,
+                                                                                            torch.bfloat16)
+    return "varlen" if usable else "sdpa"
+
+
+# ---------------------------------------------------------------------------------------------- planning
+def plan_runs(totals: np.ndarray) -> list[tuple[int, int, int]]:
+    """Contiguous runs of rows (start, end, keys) covering every row, each spanning its own longest row's
+    `totals`: one run unless cutting the longest rows out (each alone) costs less by the sdpa cost model.
+
+    >>> plan_runs(np.array([21, 517, 21, 21]))
+    [(0, 1, 21), (1, 2, 517), (2, 4, 21)]
+    >>> plan_runs(np.array([21, 25, 23]))
+    [(0, 3, 25)]
+    """
+    b = len(totals)
+    longest = int(totals.max())
+    best, best_cost = [(0, b, longest)], CALL_KEYS + b * (ROW_KEYS + longest)
+    if b == 1 or longest - int(totals.min()) <= ROW_KEYS + CALL_KEYS:
+        return best
+    for cutoff in np.unique(totals)[::-1][1:CANDIDATE_CUTOFFS + 1]:
+        alone = totals > cutoff
+        # a run starts at row 0, at every row cut out, and at every row just after one
+        starts = np.flatnonzero(alone | np.r_[True, alone[:-1]] | (np.arange(b) == 0))
+        ends = np.r_[starts[1:], b]
+        keys = np.maximum.reduceat(totals, starts)
+        cost = len(starts) * CALL_KEYS + int(((ends - starts) * (ROW_KEYS + keys)).sum())
+        if cost < best_cost:
+            best, best_cost = [(int(s), int(e), int(k)) for s, e, k in zip(starts, ends, keys)], cost
+    return best
+
+
+def prefill_groups(counts: list[int]) -> list[list[int]]:
+    """Rows of a fresh prefill grouped for padded attention: by decreasing length, a group closed when
+    padding its rows to its longest would exceed PREFILL_PADDING times their own tokens.
+
+    >>> prefill_groups([16, 512, 16, 15])
+    [[1], [0, 2, 3]]
+    """
+    order = sorted(range(len(counts)), key=lambda r: -counts[r])
+    groups: list[list[int]] = []
+    for row in order:
+        if groups:
+            group = groups[-1]
+            longest = counts[group[0]]
+            if longest * (len(group) + 1) <= PREFILL_PADDING * (sum(counts[r] for r in group) + counts[row]):
+                group.append(row)
+                continue
+        groups.append([row])
+    return groups
+
+
+def _window_of(windowed: bool, window: int | None) -> int | None:
+    return window if windowed else None
+
+
+def _causal(keys: torch.Tensor, positions: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Key j is visible from a query at position p: j <= p (and j > p - window). (..., n, key_len)."""
+    allowed = keys <= positions[..., None]
+    if window:
+        allowed &= keys > positions[..., None] - window
+    return allowed
+
+
+def _sdpa(q, k, v, mask, gqa: bool, causal: bool = False) -> torch.Tensor:
+    """Attention over (rows, heads, tokens, head_dim) layouts; q, k and v are given tokens-first
+    (rows, tokens, heads, head_dim) and the result comes back tokens-first."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                         is_causal=causal and mask is None, enable_gqa=gqa)
+    return out.transpose(1, 2)
+
+
+class UniformPass:
+    """n new tokens per row on top of the cache; `tree`: they form (part of) a tree of in-flight slots."""
+
+    def __init__(self, cache: KVCache, n: int, tree: TreeAttention | None, window: int | None, backend: str):
+        device, b = cache.device, cache.batch_size
+        self.n, self.tree, self.window, self.backend = n, tree, window, backend
+        lengths = cache.lengths
+        self.rows = torch.arange(b, device=device)[:, None]
+        self.slots = lengths[:, None] + torch.arange(n, device=device)  # (b, n): where keys are written
+        if tree is None:
+            self.positions = self.slots
+        else:
+            base = lengths - (tree.in_flight - n)
+            self.positions = base[:, None] + tree.offsets[tree.in_flight - n:]
+        if backend == "varlen":
+            self._plan_varlen(cache, lengths)
+        else:
+            totals = cache.host_lengths + n
+            self.runs = [self._run(cache, start, end, key_len, totals) for start, end, key_len in plan_runs(totals)]
+
+    # ---------------------------------------------------------------- sdpa
+    def _run(self, cache: KVCache, start: int, end: int, key_len: int, totals: np.ndarray):
+        """(start, end, key_len, mask, window mask) of one run; masks are (rows, 1, n, key_len) or None."""
+        if self.tree is None and self.n == 1 and (totals[start:end] == key_len).all() and (
+                not self.window or key_len <= self.window):
+            return start, end, key_len, None, None  # every row sees all its keys: no mask
+        keys = torch.arange(key_len, device=cache.device)
+        positions = self.positions[start:end]
+        if self.tree is None:
+            allowed = _causal(keys, positions, None)
+            windowed = _causal(keys, positions, self.window) if self.window else allowed
+            return start, end, key_len, allowed[:, None], windowed[:, None]
+        tree, m = self.tree, self.tree.in_flight
+        base = cache.lengths[start:end] - (m - self.n)
+        relative = keys - base[:, None]  # (rows, key_len): slot index inside the in-flight region
+        inside = (relative >= 0) & (relative < m)
+        tree_part = tree.mask[:, relative.clamp(0, m - 1)].permute(1, 0, 2)  # (rows, n, key_len)
+        allowed = (relative < 0)[:, None, :] | (inside[:, None, :] & tree_part)
+        windowed = allowed
+        if self.window:
+            key_positions = torch.where(inside, base[:, None] + tree.offsets[relative.clamp(0, m - 1)], keys)
+            windowed = allowed & (key_positions[:, None, :] > positions[..., None] - self.window)
+        return start, end, key_len, allowed[:, None].contiguous(), windowed[:, None].contiguous()
+
+    def write(self, cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v (b, n, kv_heads, head_dim) into each row's next n slots."""
+        cache.keys[layer][self.rows, self.slots] = k.to(cache.keys.dtype)
+        cache.values[layer][self.rows, self.slots] = v.to(cache.values.dtype)
+
+    def attend(self, q: torch.Tensor, cache: KVCache, layer: int, windowed: bool, gqa: bool) -> torch.Tensor:
+        """q (b, n, heads, head_dim) -> the attention output, same layout."""
+        if self.backend == "varlen":
+            return self._attend_varlen(q, cache, layer, windowed, gqa)
+        keys, values = cache.keys[layer], cache.values[layer]
+        if len(self.runs) == 1:
+            start, end, key_len, mask, window_mask = self.runs[0]
+            return _sdpa(q, keys[:, :key_len], values[:, :key_len], window_mask if windowed else mask, gqa)
+        out = torch.empty_like(q)
+        for start, end, key_len, mask, window_mask in self.runs:
+            out[start:end] = _sdpa(q[start:end], keys[start:end, :key_len], values[start:end, :key_len],
+                                   window_mask if windowed else mask, gqa)
+        return out
+
+    # ---------------------------------------------------------------- varlen (CUDA)
+    def _plan_varlen(self, cache: KVCache, lengths: torch.Tensor) -> None:
+        b, device = cache.batch_size, cache.device
+        self.cu_q = (torch.arange(b + 1, device=device) * self.n).int()
+        self.cu_k = (torch.arange(b + 1, device=device) * cache.max_len).int()
+        if self.tree is None:
+            self.used_k = (lengths + self.n).int()
+            return
+        m = self.tree.in_flight
+        base = lengths - (m - self.n)
+        self.used_k = base.int()  # the committed prefix; the in-flight slots go by hand
+        self.in_flight_slots = base[:, None] + torch.arange(m, device=device)  # (b, m)
+
+    def _attend_varlen(self, q, cache: KVCache, layer: int, windowed: bool, gqa: bool) -> torch.Tensor:
+        b, n, heads, head_dim = q.shape
+        keys, values = cache.keys[layer], cache.values[layer]
+        flat_k, flat_v = keys.reshape(-1, *keys.shape[2:]), values.reshape(-1, *values.shape[2:])
+        flat_q = q.reshape(b * n, heads, head_dim)
+        if self.tree is None:
+            window = _window_of(windowed, self.window)
+            out = varlen_attn(flat_q, flat_k, flat_v, self.cu_q, self.cu_k, n, cache.max_len,
+                              window_size=(window - 1 if window else -1, 0), enable_gqa=gqa, seqused_k=self.used_k)
+            return out.view(b, n, heads, head_dim)
+        prefix, prefix_lse = varlen_attn(flat_q, flat_k, flat_v, self.cu_q, self.cu_k, n, cache.max_len,
+                                         return_aux=AuxRequest(lse=True), enable_gqa=gqa, seqused_k=self.used_k)
+        k_in, v_in = keys[self.rows, self.in_flight_slots], values[self.rows, self.in_flight_slots]  # (b, m, kv, d)
+        nodes, nodes_lse = _masked_attention(q, k_in, v_in, self.tree.mask)
+        # the kernel's log-sum-exp is (heads, tokens) (torch's meta implementation of varlen says so)
+        return merge_by_lse(prefix.view(b, n, heads, head_dim), prefix_lse.T.reshape(b, n, heads), nodes, nodes_lse)
+
+
+def _masked_attention(q, k, v, mask):
+    """Attention of q (b, n, heads, d) over a few keys k, v (b, m, kv_heads, d) under mask (n, m) shared by
+    every row, in float32; returns the output (b, n, heads, d) in q's dtype and the log-sum-exp (b, n, heads)."""
+    b, n, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    grouped = q.float().view(b, n, kv_heads, heads // kv_heads, head_dim)
+    scores = torch.einsum("bnkgd,bmkd->bkgnm", grouped, k.float()) / math.sqrt(head_dim)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # (b, kv, g, n)
+    out = torch.einsum("bkgnm,bmkd->bnkgd", (scores - lse[..., None]).exp(), v.float())
+    return out.reshape(b, n, heads, head_dim).to(q.dtype), lse.permute(0, 3, 1, 2).reshape(b, n, heads)
+
+
+def merge_by_lse(out_a, lse_a, out_b, lse_b):
+    """Attention over two disjoint sets of keys, each normalised over its own, as attention over both:
+    weights exp(lse_x - lse) with lse = log(exp(lse_a) + exp(lse_b)). A set with no keys has lse -inf."""
+    lse = torch.logaddexp(lse_a.float(), lse_b.float())
+    weight_a = torch.nan_to_num((lse_a.float() - lse).exp())[..., None]
+    weight_b = torch.nan_to_num((lse_b.float() - lse).exp())[..., None]
+    return (out_a.float() * weight_a + out_b.float() * weight_b).to(out_a.dtype)
+
+
+class RaggedPass:
+    """Row r feeds counts[r] tokens, packed one row after another, on top of its cached tokens (none, for
+    a prefill); causal. The layout is planned on the host and uploaded once."""
+
+    def __init__(self, cache: KVCache, counts: list[int], window: int | None, backend: str):
+        device = cache.device
+        self.counts, self.window, self.backend = list(counts), window, backend
+        starts = cache.host_lengths.copy()
+        cumulative = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        total = int(cumulative[-1])
+        row_of_token = np.repeat(np.arange(len(counts)), counts)
+        position = starts[row_of_token] + np.arange(total) - cumulative[row_of_token]
+        self.cumulative = cumulative
+        self.last_token = upload(cumulative[1:] - 1, device)  # each row's last token in the packing
+        layout = upload(np.stack([row_of_token, position]), device)
+        self.row_of_token, self.positions = layout[0], layout[1]
+        if backend == "varlen":
+            self.cu_q = upload(cumulative, device, torch.int32)
+            self.cu_k = (torch.arange(len(counts) + 1, device=device) * cache.max_len).int()
+            self.used_k = upload(starts + np.asarray(counts), device, torch.int32)
+            self.max_q = max(counts)
+            return
+        self.groups, self.alone = [], []  # fresh rows padded together; rows continuing their cache, one by one
+        fresh = [r for r in range(len(counts)) if starts[r] == 0]
+        continuing = [r for r in range(len(counts)) if starts[r] > 0]
+        for group in prefill_groups([counts[r] for r in fresh]):
+            rows = [fresh[i] for i in group]
+            longest = counts[rows[0]]
+            steps = np.arange(longest)
+            # token gathered at (row, i): the row's i-th, padding repeats its last (never attended to)
+            gather = cumulative[rows][:, None] + np.minimum(steps, np.asarray([counts[r] for r in rows])[:, None] - 1)
+            valid = steps[None, :] < np.asarray([counts[r] for r in rows])[:, None]
+            self.groups.append((upload(gather, device), upload(np.flatnonzero(valid), device),
+                                upload(gather[valid], device), longest))
+        for row in continuing:
+            keys = torch.arange(int(starts[row]) + counts[row], device=device)
+            own = self.positions[int(cumulative[row]):int(cumulative[row + 1])]
+            self.alone.append((row, int(starts[row]) + counts[row], _causal(keys, own, None)[None, None],
+                               _causal(keys, own, window)[None, None] if window else None))
+
+    def write(self, cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v (tokens, kv_heads, head_dim) into each token's row and position."""
+        cache.keys[layer][self.row_of_token, self.positions] = k.to(cache.keys.dtype)
+        cache.values[layer][self.row_of_token, self.positions] = v.to(cache.values.dtype)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, layer: int, windowed: bool,
+               gqa: bool) -> torch.Tensor:
+        """q, k, v (tokens, heads, head_dim) of this pass -> the attention output (tokens, heads, head_dim)."""
+        window = _window_of(windowed, self.window)
+        if self.backend == "varlen":
+            keys, values = cache.keys[layer], cache.values[layer]
+            return varlen_attn(q, keys.reshape(-1, *keys.shape[2:]), values.reshape(-1, *values.shape[2:]),
+                               self.cu_q, self.cu_k, self.max_q, cache.max_len,
+                               window_size=(window - 1 if window else -1, 0), enable_gqa=gqa, seqused_k=self.used_k)
+        out = torch.empty_like(q)
+        for gather, valid, tokens, longest in self.groups:
+            mask = None
+            if window and longest > window:  # the causal window, the same for every row of the group
+                steps = torch.arange(longest, device=q.device)
+                mask = _causal(steps, steps, window)
+            rows = _sdpa(q[gather], k[gather], v[gather], mask, gqa, causal=True)  # (rows, longest, heads, d)
+            out[tokens] = rows.reshape(-1, *rows.shape[2:])[valid]
+        for row, key_len, mask, window_mask in self.alone:
+            span = slice(int(self.cumulative[row]), int(self.cumulative[row + 1]))
+            out[span] = _sdpa(q[None, span], cache.keys[layer, row:row + 1, :key_len],
+                              cache.values[layer, row:row + 1, :key_len], window_mask if window else mask, gqa)[0]
+        return out

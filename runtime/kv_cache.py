@@ -1,0 +1,95 @@
+"""The KV cache: one preallocated slot per row, with each row's length on the device and on the host.
+
+Layout `[layers, slots, max_len, kv_heads, head_dim]` for keys and for values: a layer's slot is one
+contiguous run of tokens, which is what packed (varlen) attention kernels read (`runtime.attention`), and a
+CPU pass reads a row's first L tokens as a strided view with no copy.
+
+Lengths live twice: `lengths` on the device (positions, masks and writes of a pass are computed there, so
+a pass never waits for the host) and `host_lengths` (numpy int64) on the host (how many keys each row's
+attention spans is decided there, so a pass never reads the device). Every change goes through
+`set_lengths`/`advance`, which keep the two equal; the one place that learns new lengths from the device is
+the generator's end-of-step read-back. Views (`rows`) share both with their parent, in place.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .config import ModelConfig
+
+
+class KVCache:
+    """Preallocated keys and values with one length per row."""
+
+    def __init__(self, config: ModelConfig, batch_size: int, max_len: int, device, dtype):
+        shape = (config.num_layers, batch_size, max_len, config.num_kv_heads, config.head_dim)
+        self.keys = torch.zeros(shape, device=device, dtype=dtype)
+        self.values = torch.zeros(shape, device=device, dtype=dtype)
+        self._lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.host_lengths = np.zeros(batch_size, dtype=np.int64)
+        self.max_len = max_len
+
+    @property
+    def batch_size(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.keys.device
+
+    # ------------------------------------------------------------------ lengths
+    @property
+    def lengths(self) -> torch.Tensor:
+        """Each row's cached tokens (b,), on the device. Assigning a tensor copies it in place and reads it
+        back to the host mirror (tests and calibration; the generator uses `set_lengths`)."""
+        return self._lengths
+
+    @lengths.setter
+    def lengths(self, value: torch.Tensor) -> None:
+        self.set_lengths(value, torch.as_tensor(value).tolist())
+
+    def set_lengths(self, device_lengths: torch.Tensor | None, host_lengths) -> None:
+        """Set every row's length: on the device from `device_lengths` (None: upload `host_lengths`), on the
+        host from `host_lengths`; both in place, so views and their parent stay one cache."""
+        host = np.asarray(host_lengths, dtype=np.int64).reshape(self.batch_size)
+        if device_lengths is None:
+            device_lengths = upload(host, self.device)
+        self._lengths.copy_(device_lengths)
+        self.host_lengths[:] = host
+
+    def advance(self, n: int) -> None:
+        """Every row grew by n tokens (a pass of n tokens per row)."""
+        self._lengths.add_(n)
+        self.host_lengths += n
+
+    def longest(self) -> int:
+        """The longest row's cached tokens, from the host mirror (no device read)."""
+        return int(self.host_lengths.max()) if self.batch_size else 0
+
+    # ------------------------------------------------------------------ rows
+    def rows(self, start: int, count: int) -> KVCache:
+        """Rows start..start+count-1 as a cache of their own sharing this one's keys, values and both
+        lengths (a pass through the view writes here; no copy)."""
+        view = KVCache.__new__(KVCache)
+        view.keys, view.values = self.keys.narrow(1, start, count), self.values.narrow(1, start, count)
+        view._lengths = self._lengths.narrow(0, start, count)
+        view.host_lengths = self.host_lengths[start:start + count]
+        view.max_len = self.max_len
+        return view
+
+    def move_row(self, source: int, destination: int) -> None:
+        """Copy row `source` onto `destination`: its live entries only (the host knows how many)."""
+        live = int(self.host_lengths[source])
+        self.keys[:, destination, :live] = self.keys[:, source, :live]
+        self.values[:, destination, :live] = self.values[:, source, :live]
+        self._lengths[destination] = self._lengths[source]
+        self.host_lengths[destination] = self.host_lengths[source]
+
+
+def upload(values, device, dtype=torch.long) -> torch.Tensor:
+    """Host values (a list or numpy array) as a tensor on `device`. On CUDA the copy is staged in pinned
+    memory and queued without waiting for the device (a pageable copy would synchronize the stream)."""
+    tensor = torch.tensor(np.asarray(values), dtype=dtype)  # a copy: the host array may change later
+    if torch.device(device).type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
