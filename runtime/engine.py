@@ -48,6 +48,10 @@ class EngineError(SpecbatchError):
     """A request the engine cannot take (too long, over the KV budget, bad settings)."""
 
 
+class KVCacheTooSmall(EngineError):
+    """Not one KV slot fits in the memory given to the KV cache."""
+
+
 class QueueFull(EngineError):
     """The waiting queue is at its bound: try again later (HTTP 429)."""
 
@@ -62,6 +66,7 @@ class EngineConfig:
     kv_budget_tokens: int | None = None  # tokens reserved by running requests; None: every slot full
     max_waiting: int = 1024  # queued requests beyond which submit raises QueueFull
     max_context_tokens: int | None = None  # prompt + max_tokens of one request; None: the models' context
+    kv_cache_bytes: int | None = None  # both models' KV slots fit in this; None: max_batch_size slots
 
 
 @dataclass(frozen=True)
@@ -112,7 +117,7 @@ class Engine:
             raise EngineError(f"max_context_tokens {self.max_context_tokens} + {self.max_k} draft tokens per "
                               f"step exceed the models' context of {limit} positions")
         slot_len = self.max_context_tokens + self.max_k + 1  # generated tokens + one step's draft margin
-        b = config.max_batch_size
+        b = self.max_batch_size = min(config.max_batch_size, self.slots_that_fit(slot_len))
         self.kv_budget_tokens = config.kv_budget_tokens or b * slot_len
         device = generator.device
         draft_pool = generator.draft.new_cache(b, slot_len) if generator.draft_is_model else None
@@ -127,6 +132,23 @@ class Engine:
         self._closed = False
         self._cancel_everything = False
         self.metrics = EngineMetrics()
+
+    def kv_bytes_per_token(self) -> int:
+        """Both models' KV-cache bytes per token (in the models' dtype)."""
+        models = [self.generator.target] + ([self.generator.draft] if self.generator.draft_is_model else [])
+        return sum(m.config.kv_bytes_per_token(m.lm_head.weight.element_size()) for m in models)
+
+    def slots_that_fit(self, slot_len: int) -> int:
+        """Running rows whose KV slots of `slot_len` tokens fit in `kv_cache_bytes` (unbounded: None)."""
+        if self.config.kv_cache_bytes is None:
+            return self.config.max_batch_size
+        slot_bytes = slot_len * self.kv_bytes_per_token()
+        slots = self.config.kv_cache_bytes // slot_bytes
+        if slots < 1:
+            raise KVCacheTooSmall(f"one KV slot of {slot_len} tokens takes {slot_bytes / 2**30:.3g} GiB, more than the "
+                              f"{self.config.kv_cache_bytes / 2**30:.3g} GiB KV cache; give more memory or a smaller "
+                              "context per request")
+        return int(slots)
 
     # ------------------------------------------------------------------ any thread
     def reservation(self, prompt_len: int, max_tokens: int) -> int:
@@ -245,7 +267,7 @@ class Engine:
         joined: list[_Row] = []
         reserved = self.reserved_tokens
         with self._lock:
-            while self._waiting and len(self._rows) + len(joined) < self.config.max_batch_size:
+            while self._waiting and len(self._rows) + len(joined) < self.max_batch_size:
                 request = self._waiting[0]
                 need = self.reservation(len(request.prompt_ids), request.max_tokens)
                 if reserved + need > self.kv_budget_tokens:

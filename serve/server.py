@@ -39,6 +39,7 @@ class ServeOptions:
     max_batch_size: int = 32
     kv_budget_tokens: int | None = None
     max_model_len: int | None = None  # prompt + max_tokens of one request; sizes every KV slot (None: the models')
+    kv_cache_gb: float | None = None  # GiB both models' KV slots may take (None: a share of the free memory)
     max_waiting: int = 1024
     max_tokens_limit: int = 1024  # the largest max_tokens a request may ask for
     device: str | None = None
@@ -117,13 +118,30 @@ def choose_policy(options: ServeOptions, target_dir: Path, draft_dir: Path | Non
     return policy
 
 
+# Without --kv-cache-gb the KV slots may take this share of the memory free after loading the models: most
+# of a GPU's (nothing else should run there), half of a CPU machine's RAM (shared with everything else).
+KV_SHARE_OF_FREE = {"cuda": 0.9, "cpu": 0.5}
+
+
+def kv_cache_bytes(kv_cache_gb: float | None, device: str) -> int:
+    """The KV cache's size in bytes: --kv-cache-gb, or a share of the device's free memory now."""
+    from specbatch.calibrate.environment import available_memory_bytes
+
+    if kv_cache_gb is not None:
+        if not kv_cache_gb > 0:
+            raise ServeError(f"--kv-cache-gb must be > 0, got {kv_cache_gb}")
+        return int(kv_cache_gb * 2**30)
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    return int(KV_SHARE_OF_FREE[kind] * available_memory_bytes(device))
+
+
 def build(options: ServeOptions):
     """(runner, served model) ready for `create_app`; loads the models and chooses the policy."""
     import torch
 
     from specbatch.runtime.assembly import second_stage_for
     from specbatch.runtime.checkpoint import parse_dtype
-    from specbatch.runtime.engine import Engine, EngineConfig
+    from specbatch.runtime.engine import Engine, EngineConfig, KVCacheTooSmall
     from specbatch.runtime.generator import SpeculativeGenerator, context_limit
     from specbatch.runtime.loading import load_pair, resolve_device, resolve_pair
 
@@ -147,12 +165,17 @@ def build(options: ServeOptions):
     stage2 = second_stage_for(policy, None, target_spec)  # a table's staged entries: the n-gram it names (by sha256)
     generator = SpeculativeGenerator(pair.target, pair.draft, pair.eos_token_ids, stage2=stage2)
     config = EngineConfig(max_batch_size=options.max_batch_size, kv_budget_tokens=options.kv_budget_tokens,
-                          max_waiting=options.max_waiting, max_context_tokens=options.max_model_len)
-    engine = Engine(generator, policy, config, decode=pair.tokenizer.decode)
+                          max_waiting=options.max_waiting, max_context_tokens=options.max_model_len,
+                          kv_cache_bytes=kv_cache_bytes(options.kv_cache_gb, device))
+    try:
+        engine = Engine(generator, policy, config, decode=pair.tokenizer.decode)
+    except KVCacheTooSmall as error:
+        given = "--kv-cache-gb" if options.kv_cache_gb is not None else "the free memory (set --kv-cache-gb)"
+        raise ServeError(f"{given}: {error}") from None
     name = options.model_name or target_dir.name
-    log.info("serving %s (draft %s) as model %r with %s; max batch %d, KV budget %d tokens, context %d tokens",
-             target_dir, draft_dir, name, policy.describe(), options.max_batch_size, engine.kv_budget_tokens,
-             engine.max_context_tokens)
+    log.info("serving %s (draft %s) as model %r with %s; max batch %d (%d KV slots of %d tokens fit in %.3g GiB), "
+             "KV budget %d tokens", target_dir, draft_dir, name, policy.describe(), engine.max_batch_size,
+             engine.max_batch_size, engine.max_context_tokens, config.kv_cache_bytes / 2**30, engine.kv_budget_tokens)
     template = _chat_template(target_dir)
     served = ServedModel(name, pair.tokenizer.encode, pair.tokenizer.decode,
                          min(options.max_tokens_limit, engine.max_context_tokens - 1), template)

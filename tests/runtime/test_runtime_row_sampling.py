@@ -15,7 +15,8 @@ scipy_stats = pytest.importorskip("scipy.stats")
 
 SETTINGS = (Sampling(), Sampling(temperature=0.7), Sampling(temperature=1.3, top_k=5),
             Sampling(temperature=1.0, top_p=0.9), Sampling(temperature=0.8, top_k=10, top_p=0.7),
-            Sampling(temperature=1.0, top_p=0.3), Sampling(temperature=2.0, top_k=1), Sampling(temperature=0.5, top_k=40))
+            Sampling(temperature=1.0, top_p=0.3), Sampling(temperature=2.0, top_k=1),
+            Sampling(temperature=0.5, top_k=40))
 
 
 @pytest.mark.parametrize("shape", [(8, 40), (8, 3, 40)], ids=["(b, vocab)", "(b, positions, vocab)"])

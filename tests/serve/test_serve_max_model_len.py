@@ -27,3 +27,17 @@ def test_a_length_past_the_models_context_is_one_line_naming_the_option():
     assert "\n" not in str(error.value)
     with pytest.raises(EngineError, match=r"exceed the models' context of 1024 positions"):  # no room for k = 3
         build(ServeOptions(k=3, max_batch_size=4, max_model_len=1022))
+
+
+def test_the_kv_cache_size_caps_the_running_requests_at_the_slots_that_fit():
+    """--kv-cache-gb sizes the pool: slots of (N + draft margin) tokens x both models' bytes per token."""
+    probe, _ = build(ServeOptions(k=3, max_batch_size=4, max_model_len=64))
+    slot_bytes = (64 + 3 + 1) * probe.engine.kv_bytes_per_token()
+    assert probe.engine.kv_bytes_per_token() == 2 * 4 * (6 * 4 * 64 + 1 * 3 * 64)  # demo pair, float32: by hand
+    runner, _ = build(ServeOptions(k=3, max_batch_size=32, max_model_len=64, kv_cache_gb=2.5 * slot_bytes / 2**30))
+    assert runner.engine.max_batch_size == 2 and runner.engine._pool.target_cache.batch_size == 2
+    with pytest.raises(ServeError, match=r"^--kv-cache-gb: one KV slot of 68 tokens takes .* GiB") as error:
+        build(ServeOptions(k=3, max_batch_size=4, max_model_len=64, kv_cache_gb=0.5 * slot_bytes / 2**30))
+    assert "\n" not in str(error.value)
+    with pytest.raises(ServeError, match=r"^--kv-cache-gb must be > 0"):
+        build(ServeOptions(k=3, max_model_len=64, kv_cache_gb=0.0))
