@@ -152,14 +152,15 @@ def _run_pass(observer: StepObserver | None, role: str, model, tokens, cache, at
 
 class _DraftPasses:
     """Runs a step's draft passes (runtime.tree_decoding calls it too): counts them, for a learning
-    policy, and hands them to the observer, when there is one."""
+    policy, and hands them to the observer, when there is one. `runner`: what runs the draft's passes
+    (the model, or its CUDA graphs)."""
 
-    def __init__(self, observer: StepObserver | None):
-        self.observer, self.count = observer, 0
+    def __init__(self, observer: StepObserver | None, runner=None):
+        self.observer, self.count, self.runner = observer, 0, runner
 
     def __call__(self, model, tokens, cache, attention=None, last: int | None = None) -> torch.Tensor:
         self.count += 1
-        return _run_pass(self.observer, "draft", model, tokens, cache, attention, last)
+        return _run_pass(self.observer, "draft", self.runner or model, tokens, cache, attention, last)
 
 
 def context_limit(target: CausalLM, draft) -> int:
@@ -170,12 +171,14 @@ def context_limit(target: CausalLM, draft) -> int:
 
 class SpeculativeGenerator:
     def __init__(self, target: CausalLM, draft=None, eos_token_ids=(), stage2=None,
-                 host_bookkeeping: bool | None = None):
+                 host_bookkeeping: bool | None = None, cuda_graphs: bool = False):
         """`draft`: a CausalLM, an n-gram model (runtime.ngram.NGramModel) used alone, or None.
         `stage2`: an n-gram model that speeds up a CausalLM draft's tree drafting (lossless for it).
         `host_bookkeeping`: small greedy trees keep their drafting bookkeeping on the host, a read-back
         per draft round (default: on the CPU, where reading back costs nothing and small tensor
-        operations cost most; never on CUDA, where every read-back waits for the device)."""
+        operations cost most; never on CUDA, where every read-back waits for the device).
+        `cuda_graphs`: decode and verify passes replay CUDA graphs (runtime.cuda_graphs; CUDA, half
+        precision), captured on first use per batch bucket and width for each KV cache."""
         vocab = target.config.vocab_size
         for role, model in (("draft", draft), ("second-stage n-gram", stage2)):
             size = None if model is None else getattr(model, "vocab_size", None) or model.config.vocab_size
@@ -189,6 +192,12 @@ class SpeculativeGenerator:
         self.eos_token_ids = tuple(eos_token_ids)
         self.device = target.lm_head.weight.device
         self.host_bookkeeping = self.device.type == "cpu" if host_bookkeeping is None else host_bookkeeping
+        self.target_runner, self.draft_runner = target, draft  # what runs the step passes of each model
+        if cuda_graphs:
+            from .cuda_graphs import GraphedModel
+
+            self.target_runner = GraphedModel(target)
+            self.draft_runner = GraphedModel(draft) if self.draft_is_model else draft
 
     @property
     def context_limit(self) -> int:
@@ -329,7 +338,7 @@ class SpeculativeGenerator:
         if tree is not None and tree.num_nodes > state.max_k:
             raise GenerationError(f"policy asked for {tree.num_nodes} draft tokens per step, above the "
                                   f"{state.max_k} the KV cache was sized for")
-        passes = _DraftPasses(observer)
+        passes = _DraftPasses(observer, self.draft_runner if self.draft_is_model else None)
         if tree is not None and (staged or not tree.is_chain or not self.draft_is_model):
             if state.synthetic_acceptance is not None:
                 raise GenerationError("synthetic acceptance applies to chains of the draft model only")
@@ -375,7 +384,7 @@ class SpeculativeGenerator:
         """The target's logits (b, k + 1, vocab) over each row's last committed token and its draft tokens."""
         last = state.tokens.gather(1, (state.committed - 1)[:, None])  # (b, 1)
         verify_input = last if draft_tokens is None else torch.cat([last, draft_tokens], dim=1)
-        return _run_pass(observer, "target", self.target, verify_input, state.target_cache)
+        return _run_pass(observer, "target", self.target_runner, verify_input, state.target_cache)
 
     @staticmethod
     def _chain_tokens(draft_tokens, accepted, bonus) -> torch.Tensor:
@@ -420,7 +429,7 @@ class SpeculativeGenerator:
         else:
             drafted = ngram_tree(plan, self.draft, state.tokens, committed, state.sampling, state.rng)
             passes.count = drafted.rounds  # the n-gram's queries, a round per level
-        target_logits = _run_pass(observer, "target", self.target, drafted.tokens, state.target_cache,
+        target_logits = _run_pass(observer, "target", self.target_runner, drafted.tokens, state.target_cache,
                                   TreeAttention(plan.depths, plan.target_mask))
         path, accepted, bonus = verify_and_accept(plan, drafted, target_logits, state.sampling, state.rng)
         keep = torch.arange(tree.depth, device=self.device) < accepted[:, None]

@@ -28,6 +28,7 @@ class KVCache:
         self._lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.host_lengths = np.zeros(batch_size, dtype=np.int64)
         self.max_len = max_len
+        self.root, self.start = self, 0  # the cache this one is a view of, and its first row there
 
     @property
     def batch_size(self) -> int:
@@ -75,6 +76,7 @@ class KVCache:
         view._lengths = self._lengths.narrow(0, start, count)
         view.host_lengths = self.host_lengths[start:start + count]
         view.max_len = self.max_len
+        view.root, view.start = self.root, self.start + start
         return view
 
     def move_row(self, source: int, destination: int) -> None:

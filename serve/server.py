@@ -40,6 +40,7 @@ class ServeOptions:
     kv_budget_tokens: int | None = None
     max_model_len: int | None = None  # prompt + max_tokens of one request; sizes every KV slot (None: the models')
     kv_cache_gb: float | None = None  # GiB both models' KV slots may take (None: a share of the free memory)
+    cuda_graphs: bool = False  # decode and verify passes replay CUDA graphs (CUDA, half precision)
     max_waiting: int = 1024
     max_tokens_limit: int = 1024  # the largest max_tokens a request may ask for
     device: str | None = None
@@ -163,7 +164,10 @@ def build(options: ServeOptions):
                          "step needs room for its draft tokens beyond a request's; give a smaller value")
     policy = choose_policy(options, target_dir, draft_dir, device, torch.get_num_threads())
     stage2 = second_stage_for(policy, None, target_spec)  # a table's staged entries: the n-gram it names (by sha256)
-    generator = SpeculativeGenerator(pair.target, pair.draft, pair.eos_token_ids, stage2=stage2)
+    if options.cuda_graphs and not device.startswith("cuda"):
+        raise ServeError(f"--cuda-graphs needs a CUDA device, got --device {device}")
+    generator = SpeculativeGenerator(pair.target, pair.draft, pair.eos_token_ids, stage2=stage2,
+                                     cuda_graphs=options.cuda_graphs)
     config = EngineConfig(max_batch_size=options.max_batch_size, kv_budget_tokens=options.kv_budget_tokens,
                           max_waiting=options.max_waiting, max_context_tokens=options.max_model_len,
                           kv_cache_bytes=kv_cache_bytes(options.kv_cache_gb, device))

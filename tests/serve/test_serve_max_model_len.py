@@ -41,3 +41,8 @@ def test_the_kv_cache_size_caps_the_running_requests_at_the_slots_that_fit():
     assert "\n" not in str(error.value)
     with pytest.raises(ServeError, match=r"^--kv-cache-gb must be > 0"):
         build(ServeOptions(k=3, max_model_len=64, kv_cache_gb=0.0))
+
+
+def test_cuda_graphs_on_a_cpu_are_one_line():
+    with pytest.raises(ServeError, match=r"^--cuda-graphs needs a CUDA device, got --device cpu$"):
+        build(ServeOptions(k=3, max_model_len=64, cuda_graphs=True, device="cpu"))
