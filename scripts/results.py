@@ -27,6 +27,9 @@ from typing import Any, Sequence
 
 from specbatch.perfmodel.jsonio import write_text_atomic
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the scripts' own shared module, however this is run
+from docs_sections import replace_section, sections  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 README = ROOT / "README.md"
@@ -220,10 +223,18 @@ def replace_block(text: str, block: str) -> str:
     >>> replace_block("a\\n<!-- results:begin -->\\nold\\n<!-- results:end -->\\nb", "new")
     'a\\n<!-- results:begin -->\\nnew\\n<!-- results:end -->\\nb'
     """
-    pattern = re.compile(re.escape(README_BEGIN) + r".*?" + re.escape(README_END), re.DOTALL)
-    if not pattern.search(text):
-        raise ResultsError(f"README.md: no {README_BEGIN} ... {README_END} block to replace")
-    return pattern.sub(lambda _: f"{README_BEGIN}\n{block}\n{README_END}", text, count=1)
+    try:
+        return replace_section(text, "results", block, append=False)
+    except ValueError:
+        raise ResultsError(f"README.md: no {README_BEGIN} ... {README_END} block to replace") from None
+
+
+def with_other_sections(page: str, previous: str) -> str:
+    """`page` followed by the sections other scripts wrote into the previous results.md (docs_sections)."""
+    for name, block in sections(previous).items():
+        if name != "results":
+            page = page.rstrip("\n") + "\n\n" + block + "\n"
+    return page
 
 
 # ---------------------------------------------------------------- running the loop
@@ -314,7 +325,8 @@ def _main(args: argparse.Namespace) -> int:
     conditions = conditions_line(profile, bench["config"], cpu_model(), os.cpu_count() or 1, args.quick)
     text = render_results(conditions, commands, table, regret_details(rows),
                           fit_figures(fit, model.get("profile", {}).get("noise")))
-    write_text_atomic(out / "results.md", text)
+    previous = (out / "results.md").read_text() if (out / "results.md").is_file() else ""
+    write_text_atomic(out / "results.md", with_other_sections(text, previous))
     print(f"\n{conditions}\n\n{table}\n\nwrote {out / 'results.md'} and {plot}; the run's files are in {work}")
     if out == DOCS.resolve():
         block = f"{conditions}\n\n{table}"

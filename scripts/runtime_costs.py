@@ -1,23 +1,66 @@
-"""What the runtime pays for a batch: a ragged batch against a uniform one, and the prefill's peak memory.
+"""What the runtime pays for a batch: a ragged batch against a uniform one, a prefill's peak memory, and
+the device synchronizations and kernel launches of a step.
 
-    OMP_NUM_THREADS=1 python scripts/runtime_costs.py [--rounds 5] [--new-tokens 64] [--k 0,4]
+    OMP_NUM_THREADS=1 python scripts/runtime_costs.py [--rounds 5] [--write-docs]
 
 Ragged: one prompt of --long-prompt tokens among b - 1 of --short-prompt tokens; uniform: b prompts of
 --short-prompt tokens (random token ids, EOS ignored so every row generates --new-tokens). Each round runs
 the uniform and the ragged batch back to back (the order alternating by round) at every k; the figure is
 wall seconds per generated token, prefill included, and the ragged/uniform ratio is taken within each
-round (its median and range over rounds). The prefill's peak memory is the growth of the process's
-resident set's peak (Linux: VmHWM, reset through /proc/self/clear_refs) over one prefill of --batch-size rows
-of --long-prompt tokens, in a fresh process.
+round (its median and range over rounds).
+
+Prefill memory: the resident set's peak (Linux: VmHWM, reset through /proc/self/clear_refs) over one
+prefill of the ragged batch and of --batch-size prompts of --long-prompt tokens, each in a fresh process:
+the runtime's prefill (prompts packed, logits at each row's last token) beside the same models fed the
+prompts right-padded to the longest with logits at every position (what a padded prefill pays).
+
+Step operations: `specbatch.bench.step_ops` (syncs, launches and uploads per step, counted).
+--write-docs puts the figures in docs/results.md's "runtime-costs" section (scripts/docs_sections.py).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import platform
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from docs_sections import replace_section  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results.md"
+
+_PREFILL = """
+import torch
+torch.set_num_threads(1)
+from specbatch.runtime.assembly import load_named_pair
+from specbatch.runtime.generator import SpeculativeGenerator
+from specbatch.runtime.policy import FixedK
+prompts = {prompts}
+pair = load_named_pair(None, None, "cpu", None)
+generator = SpeculativeGenerator(pair.target, pair.draft)
+generator.generate([[1, 2, 3]], 2, FixedK(2))  # allocator and kernels warm
+
+def status_kib(field):
+    with open("/proc/self/status") as file:
+        return next(int(line.split()[1]) for line in file if line.startswith(field + ":"))
+
+def padded():
+    width = max(map(len, prompts))
+    tokens = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
+    for model in (pair.target, pair.draft):
+        model(tokens, model.new_cache(len(prompts), width + 8))  # logits at every position
+
+with open("/proc/self/clear_refs", "w") as file:
+    file.write("5")  # resets the peak resident set (VmHWM) to the current one
+before = status_kib("VmRSS")
+with torch.inference_mode():
+    generator.generate(prompts, 1, FixedK(2)) if {packed} else padded()
+print((status_kib("VmHWM") - before) * 1024)
+"""
 
 
 def batches(vocab: int, b: int, short: int, long: int, seed: int = 0):
@@ -39,29 +82,79 @@ def per_token_s(generator, prompts, new_tokens: int, k: int) -> float:
     return elapsed / sum(len(t) for t in result.token_ids)
 
 
-def peak_prefill_bytes(b: int, prompt_len: int) -> int:
-    """Resident-set growth of one prefill (both models), in a fresh process."""
-    code = f"""
-import torch
-torch.set_num_threads(1)
-from specbatch.runtime.assembly import load_named_pair
-from specbatch.runtime.generator import SpeculativeGenerator
-from specbatch.runtime.policy import FixedK
-pair = load_named_pair(None, None, "cpu", None)
-generator = SpeculativeGenerator(pair.target, pair.draft)
-prompts = [[i % 250 for i in range(r, r + {prompt_len})] for r in range({b})]
-generator.generate([[1, 2, 3]], 2, FixedK(2))  # allocator and kernels warm
-def status_kib(field):
-    with open("/proc/self/status") as file:
-        return next(int(line.split()[1]) for line in file if line.startswith(field + ":"))
-with open("/proc/self/clear_refs", "w") as file:
-    file.write("5")  # resets the peak resident set (VmHWM) to the current one
-before = status_kib("VmRSS")
-generator.generate(prompts, 1, FixedK(2))
-print((status_kib("VmHWM") - before) * 1024)
-"""
+def peak_prefill_bytes(prompts: list[list[int]], packed: bool) -> int:
+    """Resident-set growth of one prefill of both models, in a fresh process."""
+    code = _PREFILL.format(prompts=json.dumps(prompts), packed=packed)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return int(out.stdout.strip().splitlines()[-1])
+
+
+def ragged_costs(generator, uniform, ragged, ks, rounds: int, new_tokens: int) -> list[dict]:
+    for k in ks:  # warm-up
+        per_token_s(generator, uniform, 4, k), per_token_s(generator, ragged, 4, k)
+    seconds = {(k, kind): [] for k in ks for kind in ("uniform", "ragged")}
+    for round_index in range(rounds):
+        for k in ks:
+            order = ("uniform", "ragged") if round_index % 2 == 0 else ("ragged", "uniform")
+            for kind in order:
+                seconds[(k, kind)].append(per_token_s(generator, uniform if kind == "uniform" else ragged,
+                                                      new_tokens, k))
+    rows = []
+    for k in ks:
+        ratios = [r / u for r, u in zip(seconds[(k, "ragged")], seconds[(k, "uniform")])]
+        rows.append({"k": k, "uniform_ms_per_token": 1e3 * statistics.median(seconds[(k, "uniform")]),
+                     "ragged_ms_per_token": 1e3 * statistics.median(seconds[(k, "ragged")]),
+                     "ragged_over_uniform": statistics.median(ratios), "range": [min(ratios), max(ratios)]})
+    return rows
+
+
+def step_operations(pair, batch_size: int, k: int, tree: str) -> list[dict]:
+    import torch
+
+    from specbatch.bench.step_ops import count_steps, summary
+    from specbatch.perfmodel.tree import Strategy, parse_tree
+    from specbatch.runtime.generator import SpeculativeGenerator
+    from specbatch.runtime.policy import FixedK, FixedStrategy
+
+    generator_rng = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, pair.target.config.vocab_size, (16 + r,), generator=generator_rng).tolist()
+               for r in range(batch_size)]
+    rows = []
+    for name, policy in (("plain", FixedK(0)), (f"chain k={k}", FixedK(k)),
+                         (f"tree {tree}", FixedStrategy(Strategy(parse_tree(tree))))):
+        generator = SpeculativeGenerator(pair.target, pair.draft, host_bookkeeping=False)
+        rows.append({"strategy": name, **summary(count_steps(generator, prompts, policy, 16))})
+    return rows
+
+
+def markdown(figures: dict) -> str:
+    lines = [
+        "## What the runtime pays for a batch",
+        "",
+        f"Written by `OMP_NUM_THREADS=1 python scripts/runtime_costs.py --write-docs` ({figures['machine']}, "
+        f"torch {figures['torch']}, {figures['threads']} thread, demo pair, float32, {figures['rounds']} rounds).",
+        "",
+        f"A ragged batch ({figures['batch_size']} rows: one prompt of {figures['long']} tokens among "
+        f"{figures['batch_size'] - 1} of {figures['short']}) against a uniform one ({figures['short']} tokens "
+        f"each), {figures['new_tokens']} new tokens per row, wall time per generated token with the prefill:",
+        "",
+        "| k | uniform ms/token | ragged ms/token | ragged / uniform [range over rounds] |",
+        "|---:|---:|---:|---|",
+    ]
+    for row in figures["ragged"]:
+        low, high = row["range"]
+        lines.append(f"| {row['k']} | {row['uniform_ms_per_token']:.3f} | {row['ragged_ms_per_token']:.3f} | "
+                     f"{row['ragged_over_uniform']:.2f}x [{low:.2f}, {high:.2f}] |")
+    lines += ["", "Peak resident memory of one prefill (both models):", "",
+              "| prompts | packed, last-token logits | right-padded, every position's logits |", "|---|---:|---:|"]
+    for name, row in figures["prefill"].items():
+        lines.append(f"| {name} | {row['packed'] / 2**20:.0f} MiB | {row['padded'] / 2**20:.0f} MiB |")
+    lines += ["", f"Per step at b = {figures['ops_batch_size']}, as CUDA runs it (`python -m "
+              "specbatch.bench.step_ops`): host synchronizations, kernel launches and uploads:", "",
+              "| strategy | syncs | launches | uploads |", "|---|---:|---:|---:|"]
+    for row in figures["ops"]:
+        lines.append(f"| {row['strategy']} | {row['syncs']:g} | {row['launches']:g} | {row['uploads']:g} |")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> None:
@@ -74,10 +167,14 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("-o", "--out", help="write the figures as JSON here")
+    parser.add_argument("--write-docs", action="store_true", help="update docs/results.md's section")
     args = parser.parse_args(argv)
-    ks = [int(k) for k in args.k.split(",")]
-    if args.batch_size < 2 or args.rounds < 1 or min(ks) < 0 or args.new_tokens < 1:
-        parser.error("need --batch-size >= 2, --rounds >= 1, --new-tokens >= 1 and k >= 0")
+    try:
+        ks = [int(k) for k in args.k.split(",")]
+    except ValueError:
+        parser.error(f"--k {args.k!r}: expected comma-separated integers")
+    if args.batch_size < 2 or args.rounds < 1 or min(ks) < 0 or args.new_tokens < 1 or args.threads < 1:
+        parser.error("need --batch-size >= 2, --rounds >= 1, --new-tokens >= 1, --threads >= 1 and k >= 0")
     import torch
 
     from specbatch.runtime.assembly import load_named_pair
@@ -87,30 +184,35 @@ def main(argv=None) -> None:
     pair = load_named_pair(None, None, "cpu", None)
     generator = SpeculativeGenerator(pair.target, pair.draft)  # no EOS: every row generates new_tokens
     uniform, ragged = batches(pair.target.config.vocab_size, args.batch_size, args.short_prompt, args.long_prompt)
-    for k in ks:  # warm-up
-        per_token_s(generator, uniform, 4, k), per_token_s(generator, ragged, 4, k)
-    seconds = {(k, kind): [] for k in ks for kind in ("uniform", "ragged")}
-    for round_index in range(args.rounds):
-        for k in ks:
-            order = ("uniform", "ragged") if round_index % 2 == 0 else ("ragged", "uniform")
-            for kind in order:
-                prompts = uniform if kind == "uniform" else ragged
-                seconds[(k, kind)].append(per_token_s(generator, prompts, args.new_tokens, k))
-    figures = {"batch_size": args.batch_size, "threads": args.threads, "rounds": args.rounds, "ragged": []}
-    for k in ks:
-        ratios = [r / u for r, u in zip(seconds[(k, "ragged")], seconds[(k, "uniform")])]
-        row = {"k": k, "uniform_ms_per_token": 1e3 * statistics.median(seconds[(k, "uniform")]),
-               "ragged_ms_per_token": 1e3 * statistics.median(seconds[(k, "ragged")]),
-               "ragged_over_uniform": statistics.median(ratios), "range": [min(ratios), max(ratios)]}
-        figures["ragged"].append(row)
-        print(f"k={k}: uniform {row['uniform_ms_per_token']:.3f} ms/token, ragged {row['ragged_ms_per_token']:.3f} "
-              f"ms/token, ragged/uniform {row['ragged_over_uniform']:.2f}x [{min(ratios):.2f}, {max(ratios):.2f}]")
-    peak = peak_prefill_bytes(args.batch_size, args.long_prompt)
-    figures["prefill_peak_bytes"] = peak
-    print(f"prefill of {args.batch_size} x {args.long_prompt} tokens: peak resident growth {peak / 2**20:.1f} MiB")
+    from specbatch.calibrate.environment import device_name
+
+    figures = {"machine": device_name("cpu") or platform.machine(), "torch": torch.__version__,
+               "threads": args.threads, "rounds": args.rounds, "batch_size": args.batch_size,
+               "short": args.short_prompt, "long": args.long_prompt, "new_tokens": args.new_tokens}
+    figures["ragged"] = ragged_costs(generator, uniform, ragged, ks, args.rounds, args.new_tokens)
+    for row in figures["ragged"]:
+        print(f"k={row['k']}: uniform {row['uniform_ms_per_token']:.3f} ms/token, ragged "
+              f"{row['ragged_ms_per_token']:.3f} ms/token, ragged/uniform {row['ragged_over_uniform']:.2f}x "
+              f"[{row['range'][0]:.2f}, {row['range'][1]:.2f}]")
+    long_batch = [ragged[0]] * args.batch_size
+    figures["prefill"] = {
+        f"ragged ({args.long_prompt} + {args.batch_size - 1} x {args.short_prompt})":
+            {"packed": peak_prefill_bytes(ragged, True), "padded": peak_prefill_bytes(ragged, False)},
+        f"{args.batch_size} x {args.long_prompt}":
+            {"packed": peak_prefill_bytes(long_batch, True), "padded": peak_prefill_bytes(long_batch, False)}}
+    for name, row in figures["prefill"].items():
+        print(f"prefill {name}: packed {row['packed'] / 2**20:.0f} MiB, padded {row['padded'] / 2**20:.0f} MiB")
+    figures["ops_batch_size"] = 8
+    figures["ops"] = step_operations(pair, 8, 4, "0,1,2,0.0,0.1,1.0,0.0.0")
+    for row in figures["ops"]:
+        print(f"{row['strategy']}: {row['syncs']:g} syncs, {row['launches']:g} launches per step")
     if args.out:
-        with open(args.out, "w") as file:
-            json.dump(figures, file, indent=1)
+        Path(args.out).write_text(json.dumps(figures, indent=1))
+    if args.write_docs:
+        from specbatch.perfmodel.jsonio import write_text_atomic
+
+        write_text_atomic(RESULTS, replace_section(RESULTS.read_text(), "runtime-costs", markdown(figures)))
+        print(f"updated the runtime-costs section of {RESULTS}")
 
 
 if __name__ == "__main__":

@@ -121,3 +121,9 @@ def test_the_readme_carries_the_conditions_and_table_of_docs_results_md():
     conditions = next(line for line in page.splitlines() if line.startswith("Demo pair ("))
     assert table and all(line in block.splitlines() for line in table)
     assert conditions in block.splitlines()
+
+
+def test_other_scripts_sections_survive_a_rewrite():
+    previous = "# Results\n\nold\n\n<!-- runtime-costs:begin -->\ncosts\n<!-- runtime-costs:end -->\n"
+    page = results.with_other_sections("# Results\n\nnew\n", previous)
+    assert page == "# Results\n\nnew\n\n<!-- runtime-costs:begin -->\ncosts\n<!-- runtime-costs:end -->\n"

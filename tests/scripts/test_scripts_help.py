@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS = ("cpu_spells", "pairing_noise", "pass_ratios", "step_ratios")
+SCRIPTS = ("cpu_spells", "pairing_noise", "pass_ratios", "step_ratios", "runtime_costs")
 
 
 def run_script(name: str, *args: str, timeout_s: int = 120) -> subprocess.CompletedProcess:
@@ -28,7 +28,8 @@ def test_help_exits_0_with_the_docstrings_summary(name):
 
 
 @pytest.mark.parametrize("name, args", [("cpu_spells", ["--seconds", "0.5"]), ("pass_ratios", ["--seconds", "0"]),
-                                        ("pairing_noise", ["--rounds", "1"]), ("pairing_noise", ["--ks", "4"])])
+                                        ("pairing_noise", ["--rounds", "1"]), ("pairing_noise", ["--ks", "4"]),
+                                        ("runtime_costs", ["--k", "x"]), ("runtime_costs", ["--batch-size", "1"])])
 def test_bad_options_are_one_line_exit_2(name, args):
     run = run_script(name, *args)
     assert run.returncode == 2 and run.stderr.strip().splitlines()[-1].startswith(f"{name}.py: error:"), run.stderr
@@ -51,3 +52,16 @@ def test_pass_ratios_runs_on_the_demo_pair():
     assert re.match(r"\d+ windows of 2 s; reference target b=1 n=1 L=128: median [\d.]+ ms", lines[0]), lines[0]
     assert [line.split(" / ")[0] for line in lines[1:]] == [
         "target b=32 n=5 L=256", "target b=8 n=3 L=128", "draft b=1 n=1 L=128", "draft b=16 n=1 L=256"]
+
+
+def test_runtime_costs_runs_on_the_demo_pair(tmp_path):
+    out = tmp_path / "costs.json"
+    run = run_script("runtime_costs", "--rounds", "1", "--new-tokens", "4", "--batch-size", "3", "--long-prompt", "40",
+                     "--k", "0,2", "-o", str(out))
+    assert run.returncode == 0, run.stderr
+    import json
+
+    figures = json.loads(out.read_text())
+    assert [row["k"] for row in figures["ragged"]] == [0, 2]
+    assert all(row["packed"] > 0 and row["padded"] > 0 for row in figures["prefill"].values())
+    assert [row["syncs"] for row in figures["ops"]] == [1, 1, 1]  # one read-back per step, as CUDA runs it
