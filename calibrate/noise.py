@@ -38,9 +38,9 @@ class NoiseMonitor:
         return NoiseFigure(self.reference, tuple(self.checks)) if self.checks else None
 
 
-def reference_sampler(model, batch_size: int, context_len: int, device: str, clock: Clock):
-    """One pass of `model` over (batch_size, 1) new tokens on `context_len` cached ones, in ms (`clock`: a
-    runtime.clock.DeviceClock, or a fake one in tests)."""
+def reference_sampler(model, batch_size: int, context_len: int, device: str, clock):
+    """One pass of `model` over (batch_size, 1) new tokens on `context_len` cached ones, in ms, between two
+    marks of `clock` (a runtime.clock.DeviceClock)."""
     from .benchmarks import forward_sampler, random_tokens
 
     cache = model.new_cache(batch_size, context_len + 1)

@@ -474,4 +474,5 @@ def _measure(pair: LoadedPair, plan: _Plan, grid: Grid, todo: _Todo, request: Ca
 def _noise_monitor(pair: LoadedPair, grid: Grid, device: str, clock: Clock) -> NoiseMonitor:
     """The reference pass: the target at the smallest batch size and context, one new token (cheap)."""
     b, L = min(grid.batch_sizes), min(grid.context_lens)
-    return NoiseMonitor(reference_sampler(pair.target, b, L, device, clock), f"target b={b} n=1 L={L}", clock)
+    return NoiseMonitor(reference_sampler(pair.target, b, L, device, DeviceClock(device)), f"target b={b} n=1 L={L}",
+                        clock)
