@@ -83,3 +83,17 @@ def device_info(device: str, dtype: torch.dtype) -> DeviceInfo:
                       memory_bytes=total_memory_bytes(device), dtype=dtype_name(dtype),
                       torch_version=torch.__version__, cpu_threads=torch.get_num_threads(),
                       git_revision=git_revision())
+
+
+def attention_kernel(device: str, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> str:
+    """The scaled-dot-product-attention kernel torch chooses on `device` for the runtime's cached attention
+    (runtime.model: a boolean mask over the keys, grouped-query when kv_heads < heads): FLASH_ATTENTION,
+    EFFICIENT_ATTENTION, CUDNN_ATTENTION or MATH (which materializes the scores). The choice depends on the
+    device, dtype, head counts and head size, not on the lengths, so tiny tensors ask it."""
+    from torch.nn.attention import SDPBackend
+
+    query = torch.zeros(1, heads, 2, head_dim, device=device, dtype=dtype)  # (b, heads, n, hd)
+    keys = torch.zeros(1, kv_heads, 8, head_dim, device=device, dtype=dtype)  # (b, kv_heads, key_len, hd)
+    mask = torch.ones(1, 1, 2, 8, device=device, dtype=torch.bool)
+    choice = torch._fused_sdp_choice(query, keys, keys, attn_mask=mask, enable_gqa=kv_heads != heads)
+    return SDPBackend(choice).name

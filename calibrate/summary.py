@@ -66,6 +66,8 @@ class CalibrationSummary:
     warnings: tuple[str, ...] = ()  # one line each, e.g. a machine too noisy for the ±3 % rule
     insitu_passes: int = 0  # in-situ pass rows in the profile (passes timed inside real steps)
     insitu_steps: int = 0  # in-situ step rows
+    points_skipped: int = 0  # not measured: they cannot fit in the device's free memory (calibrate.memory)
+    memory_notes: tuple[str, ...] = ()  # what calibrate said about memory before measuring
 
     def to_json(self) -> dict:
         return asdict(self)
