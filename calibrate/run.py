@@ -27,15 +27,15 @@ from specbatch.runtime.sampling import Sampling
 from . import acceptance as acc
 from . import stage2 as st2
 from .benchmarks import ForwardTimer, overhead_sampler, release_memory, time_point, tree_overhead_sampler
-from .environment import attention_kernel, available_memory_bytes, device_info
+from .environment import attention_kernel, available_memory_bytes, device_info, open_nvml
 from .errors import CalibrationError
 from .grid import (DEFAULT_BATCH_SIZES, DEFAULT_CONTEXT_LENS, DEFAULT_MAX_K, QUICK_BATCH_SIZES, QUICK_CONTEXT_LENS,
-                   OverheadPoint, TreeOverheadPoint, check_grid_fits, fit_wide_passes, make_grid, merge_grids,
-                   overhead_points, timing_points, tree_overhead_points)
+                   OverheadPoint, TimingPoint, TreeOverheadPoint, check_grid_fits, fit_wide_passes, make_grid,
+                   merge_grids, overhead_points, timing_points, tree_overhead_points)
 from .insitu import InSituPoint, insitu_groups, insitu_points, measure_insitu, random_prompts
 from .memory import MemoryPlan, memory_budget, plan_memory
 from .models import model_info
-from .noise import NoiseMonitor, reference_sampler
+from .noise import MachineWatch, NoiseMonitor, reference_sampler
 from .store import (check_resumable, csv_path_for, load_for_resume, measured_insitu_points, measured_overhead_points,
                     measured_timing_points, measured_tree_overhead_points, new_profile, overhead_row,
                     tree_overhead_row, with_row, write_profile)
@@ -387,8 +387,8 @@ def _calibrate(request: CalibrationRequest, plan: _Plan, on_progress, on_estimat
         on_estimate(todo.count, estimate_seconds(plan.effort, len(todo.acceptance) * (plan.user_acceptance is None),
                                                  len(todo.timings), len(todo.overheads), len(todo.trees),
                                                  len(todo.insitu)))
-    monitor = _noise_monitor(pair, grid, plan.device, clock)
-    monitor.check(force=True)
+    watch = _machine_watch(pair, grid, plan.device, clock, memory)
+    watch.start(lambda: clock() - started_s)
 
     def advance(label: str, row=None) -> None:
         """Save the row (if any), then report: a point counts as done only once it is on disk."""
@@ -399,7 +399,7 @@ def _calibrate(request: CalibrationRequest, plan: _Plan, on_progress, on_estimat
         done += 1
         if on_progress is not None:
             on_progress(ProgressEvent(done, total, label))
-        monitor.check()  # between points, when its interval has passed
+        watch.check()  # between points, when its interval has passed
         if request.max_seconds is not None and clock() - started_s > request.max_seconds and done < total:
             raise _OutOfTime
 
@@ -408,9 +408,9 @@ def _calibrate(request: CalibrationRequest, plan: _Plan, on_progress, on_estimat
         _measure(pair, plan, grid, todo, request, clock, advance, lambda: profile, memory, insitu_batch)
     except _OutOfTime:
         pass
-    monitor.check(force=True)
-    profile = replace(profile, noise=monitor.figure())
-    write_profile(request.out, profile)  # with the noise figure (and, after a finished --resume, the merged grid)
+    noise, noise_large_batch, device_state = watch.finish(lambda: clock() - started_s)
+    profile = replace(profile, noise=noise, noise_large_batch=noise_large_batch, device_state=device_state)
+    write_profile(request.out, profile)  # with the noise figures (and, after a finished --resume, the merged grid)
     summary = summarize(request.out, profile, done - resumed, resumed, started_s, clock)
     return replace(summary, points_left=total - done, max_seconds=request.max_seconds,
                    points_skipped=len(memory.skipped), memory_notes=memory.notes)
@@ -504,8 +504,16 @@ def _measure(pair: LoadedPair, plan: _Plan, grid: Grid, todo: _Todo, request: Ca
         advance(label if row is not None else label + " (out of memory, not recorded)", row)
 
 
-def _noise_monitor(pair: LoadedPair, grid: Grid, device: str, clock: Clock) -> NoiseMonitor:
-    """The reference pass: the target at the smallest batch size and context, one new token (cheap)."""
-    b, L = min(grid.batch_sizes), min(grid.context_lens)
-    return NoiseMonitor(reference_sampler(pair.target, b, L, device, DeviceClock(device)), f"target b={b} n=1 L={L}",
-                        clock)
+def _machine_watch(pair: LoadedPair, grid: Grid, device: str, clock: Clock, memory: MemoryPlan) -> MachineWatch:
+    """The reference passes: the target at the smallest context, one new token, at the smallest batch size
+    (cheap) and at the largest one when its pass fits in memory; NVML on CUDA when it answers."""
+    L = min(grid.context_lens)
+
+    def monitor(b: int) -> NoiseMonitor:
+        sampler = reference_sampler(pair.target, b, L, device, DeviceClock(device))
+        return NoiseMonitor(sampler, f"target b={b} n=1 L={L}", clock)
+
+    small, large = min(grid.batch_sizes), max(grid.batch_sizes)
+    fits = large > small and TimingPoint("target", large, 1, L) not in memory.skipped
+    return MachineWatch(monitor(small), monitor(large) if fits else None, open_nvml(device),
+                        on_cuda=device.startswith("cuda"))

@@ -104,4 +104,4 @@ def summarize(out: Path, profile: Profile, measured: int, resumed: int, started_
         tree_overheads=sum(row.tree_nodes is not None for row in profile.overheads),
         noise=None if profile.noise is None else profile.noise.to_json(),
         insitu_passes=len(profile.insitu_timings), insitu_steps=len(profile.insitu_steps),
-        warnings=tuple(w for w in [None if profile.noise is None else profile.noise.warning()] if w))
+        warnings=profile.warnings())
