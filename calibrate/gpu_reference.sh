@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device run, in under 8 minutes on one H200, writing 8 files to $OUT:
+# One device run, budgeted for 8 minutes on one H200, writing 8 files to $OUT:
 #
 #   nvidia-smi.txt   the GPU's state before anything runs (clocks, power, temperature, memory)
 #   probe.txt        torch and CUDA versions, the attention kernel torch picks for both models' shapes, and a
