@@ -108,6 +108,7 @@ class MemoryBudget:
     device: str
     available_bytes: int
     weight_bytes: int
+    reserved_bytes: int = 0  # held all run long beside the weights: the reference passes' caches
 
     @property
     def usable_bytes(self) -> int:
@@ -115,17 +116,28 @@ class MemoryBudget:
 
     @property
     def room_bytes(self) -> int:
-        """What a stage may hold beside the weights."""
-        return self.usable_bytes - self.weight_bytes
+        """What a stage may hold beside the weights and the reserved caches."""
+        return self.usable_bytes - self.weight_bytes - self.reserved_bytes
 
     def fits(self, stage_bytes: int) -> bool:
         return stage_bytes <= self.room_bytes
 
+    def reserve(self, held_bytes: int) -> MemoryBudget:
+        return MemoryBudget(self.device, self.available_bytes, self.weight_bytes, self.reserved_bytes + held_bytes)
+
     def reason(self, stage_bytes: int) -> str:
         """'X GiB beside the weights' W GiB, where F GiB are free': what a need that does not fit is told with."""
-        return (f"{stage_bytes / GIB:.2f} GiB beside {self.weight_bytes / GIB:.2f} GiB of weights, where "
+        resident = (self.weight_bytes + self.reserved_bytes) / GIB
+        held = " and reference caches" if self.reserved_bytes else ""
+        return (f"{stage_bytes / GIB:.2f} GiB beside {resident:.2f} GiB of weights{held}, where "
                 f"{self.available_bytes / GIB:.2f} GiB are free on {self.device} "
                 f"({100 * HEADROOM:.0f} % of it planned)")
+
+
+def reference_bytes(target: ModelInfo, rows: int, context_len: int, scores_materialized: bool) -> int:
+    """A reference pass (calibrate.noise.reference_sampler): its cache, kept all run long, and the pass."""
+    return kv_bytes(target, rows, context_len + 1) + pass_bytes(target, rows, 1, context_len + 1, rows,
+                                                                 scores_materialized)
 
 
 def memory_budget(target: ModelInfo, draft: ModelInfo, available_bytes: int, device: str) -> MemoryBudget:
@@ -164,6 +176,7 @@ class MemoryPlan:
     skipped: frozenset  # the points (calibrate.grid / calibrate.insitu point objects) not measured
     lockstep_ks: dict[int, list[list[int]]]  # in-situ batch size -> its ks' lockstep groups, in order
     notes: tuple[str, ...]  # one line each, said before measuring
+    large_reference: bool = True  # whether the reference pass at the largest batch size fits beside the rest
 
 
 def plan_memory(target: ModelInfo, draft: ModelInfo, grid: Grid, budget: MemoryBudget, scores_materialized: bool,

@@ -30,10 +30,10 @@ from .benchmarks import ForwardTimer, overhead_sampler, release_memory, time_poi
 from .environment import attention_kernel, available_memory_bytes, device_info, open_nvml
 from .errors import CalibrationError
 from .grid import (DEFAULT_BATCH_SIZES, DEFAULT_CONTEXT_LENS, DEFAULT_MAX_K, QUICK_BATCH_SIZES, QUICK_CONTEXT_LENS,
-                   OverheadPoint, TimingPoint, TreeOverheadPoint, check_grid_fits, fit_wide_passes, make_grid,
+                   OverheadPoint, TreeOverheadPoint, check_grid_fits, fit_wide_passes, make_grid,
                    merge_grids, overhead_points, timing_points, tree_overhead_points)
 from .insitu import InSituPoint, insitu_groups, insitu_points, measure_insitu, random_prompts
-from .memory import MemoryPlan, memory_budget, plan_memory
+from .memory import MemoryPlan, memory_budget, plan_memory, reference_bytes
 from .models import model_info
 from .noise import MachineWatch, NoiseMonitor, reference_sampler
 from .store import (check_resumable, csv_path_for, load_for_resume, measured_insitu_points, measured_overhead_points,
@@ -441,13 +441,20 @@ class _Todo:
 
 def _memory_plan(plan: _Plan, profile: Profile, todo: _Todo) -> MemoryPlan:
     """Which of the points still to measure fit in the memory free now (calibrate.memory), before loading."""
-    target, draft = profile.target, profile.draft
-    budget = memory_budget(target, draft, available_memory_bytes(plan.device), plan.device)
+    target, draft, grid = profile.target, profile.draft, profile.grid
     math_attention = any(attention_kernel(plan.device, plan.dtype, info.heads, info.kv_heads, info.head_dim) == "MATH"
                          for info in (target, draft))
+    budget = memory_budget(target, draft, available_memory_bytes(plan.device), plan.device)
+    L, small, large = min(grid.context_lens), min(grid.batch_sizes), max(grid.batch_sizes)
+    budget = budget.reserve(reference_bytes(target, small, L, math_attention))  # the references' caches stay
+    large_bytes = reference_bytes(target, large, L, math_attention) if large > small else 0
+    large_reference = large > small and budget.fits(large_bytes)
+    budget = budget.reserve(large_bytes if large_reference else 0)
     effort = plan.effort
-    return plan_memory(target, draft, profile.grid, budget, math_attention, todo.timings, todo.overheads, todo.trees,
-                       todo.insitu, effort.overhead_steps, effort.tree_steps, _insitu_room(plan), effort.insitu_tokens)
+    memory = plan_memory(target, draft, grid, budget, math_attention, todo.timings, todo.overheads, todo.trees,
+                         todo.insitu, effort.overhead_steps, effort.tree_steps, _insitu_room(plan),
+                         effort.insitu_tokens)
+    return replace(memory, large_reference=large_reference)
 
 
 def _measure(pair: LoadedPair, plan: _Plan, grid: Grid, todo: _Todo, request: CalibrationRequest, clock: Clock,
@@ -514,6 +521,5 @@ def _machine_watch(pair: LoadedPair, grid: Grid, device: str, clock: Clock, memo
         return NoiseMonitor(sampler, f"target b={b} n=1 L={L}", clock)
 
     small, large = min(grid.batch_sizes), max(grid.batch_sizes)
-    fits = large > small and TimingPoint("target", large, 1, L) not in memory.skipped
-    return MachineWatch(monitor(small), monitor(large) if fits else None, open_nvml(device),
+    return MachineWatch(monitor(small), monitor(large) if memory.large_reference else None, open_nvml(device),
                         on_cuda=device.startswith("cuda"))

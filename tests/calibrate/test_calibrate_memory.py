@@ -16,13 +16,13 @@ from specbatch.calibrate.errors import CalibrationError
 from specbatch.calibrate.grid import TimingPoint, make_grid, overhead_points, timing_points
 from specbatch.calibrate.insitu import insitu_points
 from specbatch.calibrate.memory import (GIB, HEADROOM, MemoryBudget, generation_bytes, kv_bytes, lockstep_bytes,
-                                        lockstep_split, memory_budget, plan_memory)
+                                        lockstep_split, memory_budget, plan_memory, reference_bytes)
 from specbatch.calibrate.models import model_info
 from specbatch.calibrate.run import CalibrationRequest, calibrate
 from specbatch.perfmodel.profile import load_profile
 from specbatch.runtime.loading import resolve_model
 
-H200_FREE_BYTES = 139 * GIB  # an H200 (141 GB) with a CUDA context: what torch.cuda.mem_get_info reports free
+H200_FREE_BYTES = 139 * GIB  # an H200 ("141 GB": 143771 MiB) less a CUDA context: what mem_get_info reports free
 
 
 def infos(target: str, draft: str):
@@ -74,9 +74,10 @@ def test_the_device_scripts_calibration_fits_an_h200_without_skipping_a_point():
     grid = make_grid((1, 4, 16, 64), (512, 2048), 6)
     insitu = insitu_points(grid, (0, 2, 3, 4, 5, 6), every_other_batch_size=True, sweeps=2)
     assert sorted({p.batch_size for p in insitu}) == [1, 16, 64]
-    budget = memory_budget(target, draft, H200_FREE_BYTES, "cuda")
     longest_prompt = 2048 - 24  # the grid's largest context less the 24 new tokens of --quick
     for scores_materialized in (False, True):  # whichever attention kernel torch picks on the device
+        references = sum(reference_bytes(target, b, 512, scores_materialized) for b in (1, 64))  # kept all run
+        budget = memory_budget(target, draft, H200_FREE_BYTES, "cuda").reserve(references)
         plan = plan_memory(target, draft, grid, budget, scores_materialized, timing_points(grid),
                            overhead_points(grid), [], insitu, overhead_steps=2, tree_steps=2,
                            insitu_prompt_tokens=longest_prompt, insitu_new_tokens=24)
@@ -85,7 +86,7 @@ def test_the_device_scripts_calibration_fits_an_h200_without_skipping_a_point():
         assert len(plan.lockstep_ks[64]) > 1
         biggest = max(lockstep_bytes(target, draft, b, g, longest_prompt, 24, scores_materialized)
                       for b, groups in plan.lockstep_ks.items() for g in groups)
-        assert budget.weight_bytes + biggest <= HEADROOM * 141e9  # an H200's 141 GB, with the headroom
+        assert budget.weight_bytes + references + biggest <= HEADROOM * H200_FREE_BYTES
         assert any(f"in situ at b=64 the ks run in {len(plan.lockstep_ks[64])} lockstep groups" in note
                    for note in plan.notes)
 
