@@ -10,6 +10,8 @@ step, what each torch call would cost on a GPU:
 - launches: aten ops that compute (every op but views and bare allocations), a kernel each on a GPU;
 - uploads: host-to-device copies of host-planned layouts (`runtime.kv_cache.upload`; queued without
   waiting on CUDA).
+A barrier of the device clock (`runtime.clock.DeviceClock.now`, a synchronize on CUDA) counts as a sync
+whatever the device.
 Two configurations: as the CPU runs (small greedy trees keep their bookkeeping on the host, a read-back
 per draft round, free on a CPU) and as CUDA runs (bookkeeping in tensors). Greedy, random prompts.
 """
@@ -60,9 +62,14 @@ class OpCounter(TorchDispatchMode):
 def counting(counter: OpCounter):
     """The counter active, and the host reads that do not go through the dispatcher counted too."""
     from specbatch.runtime import kv_cache
+    from specbatch.runtime.clock import DeviceClock
 
     originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy")}
-    upload = kv_cache.upload
+    upload, barrier = kv_cache.upload, DeviceClock.now
+
+    def counted_barrier(clock):
+        counter.note_sync("synchronize")
+        return barrier(clock)
 
     def reading(name):
         def read(tensor, *args, **kwargs):
@@ -80,6 +87,7 @@ def counting(counter: OpCounter):
             setattr(torch.Tensor, name, reading(name))
         for module in modules:
             module.upload = counted_upload
+        DeviceClock.now = counted_barrier
         with counter:
             yield counter
     finally:
@@ -87,6 +95,7 @@ def counting(counter: OpCounter):
             setattr(torch.Tensor, name, original)
         for module in modules:
             module.upload = upload
+        DeviceClock.now = barrier
 
 
 def _runtime_modules():

@@ -24,7 +24,7 @@ from specbatch.runtime.sampling import Sampling
 from .grid import TimingPoint, new_tokens_at
 from .pass_clock import StepRecorder
 from .store import timing_row
-from .timing import Clock, Measurement, RepetitionRule, is_out_of_memory, repeat, timed_ms
+from .timing import Clock, Measurement, RepetitionRule, device_timed_ms, is_out_of_memory, repeat
 
 OVERHEAD_PROMPT_TOKENS = 8  # short: the overhead barely depends on the context, and each sample's prefill is waste
 
@@ -35,16 +35,16 @@ def random_tokens(vocab_size: int, batch_size: int, new_tokens: int, device: str
 
 
 def forward_sampler(model: CausalLM, cache: KVCache, tokens: torch.Tensor, context_len: int,
-                    clock: Clock, last: int | None = None) -> Callable[[], float]:
-    """A function that times one pass of `tokens` (b, n) on top of `context_len` cached tokens, in ms
-    (`clock`: a runtime.clock.DeviceClock, or a fake one in tests). `last`: the logits the pass computes,
-    as the runtime's passes of that role do (the draft's catch-up pass: the last position only)."""
+                    clock: DeviceClock, last: int | None = None) -> Callable[[], float]:
+    """A function that times one pass of `tokens` (b, n) on top of `context_len` cached tokens, in ms,
+    between two marks of the device clock (`device_timed_ms`). `last`: the logits the pass computes, as the
+    runtime's passes of that role do (the draft's catch-up pass: the last position only)."""
     lengths = [context_len] * tokens.shape[0]
 
     @torch.inference_mode()
     def sample_ms() -> float:
         cache.set_lengths(None, lengths)  # outside the timed region: the runtime's lengths are already set
-        return timed_ms(lambda: model(tokens, cache, None, last), clock)
+        return device_timed_ms(lambda: model(tokens, cache, None, last), clock)
 
     return sample_ms
 
@@ -54,9 +54,10 @@ class ForwardTimer:
     (model, b, L): allocating a cache per point would cost more than many of the passes."""
 
     def __init__(self, models: dict[str, CausalLM], grid: Grid, device: str, rule: RepetitionRule,
-                 clock: Clock | None = None):
+                 clock: Clock = time.perf_counter):
+        """`clock`: the repetition budget's (host time; a fake one in tests); passes are timed on the device."""
         self.models, self.grid, self.device, self.rule = models, grid, device, rule
-        self.clock = clock or DeviceClock(device)
+        self.clock, self.device_clock = clock, DeviceClock(device)
         self.key, self.cache = None, None
 
     def _cache_for(self, point: TimingPoint) -> KVCache:
@@ -74,7 +75,7 @@ class ForwardTimer:
         tokens = random_tokens(model.config.vocab_size, point.batch_size, point.new_tokens, self.device,
                                seed=point.batch_size * 1000 + point.new_tokens)
         # the runtime's draft passes use their last position's logits (runtime.generator); the target's all
-        sampler = forward_sampler(model, cache, tokens, point.context_len, self.clock,
+        sampler = forward_sampler(model, cache, tokens, point.context_len, self.device_clock,
                                   last=1 if point.model == "draft" else None)
         return repeat(sampler, self.rule, self.clock)
 
@@ -130,39 +131,54 @@ def overhead_sampler(target: CausalLM, draft: CausalLM, batch_size: int, k: int,
 
 
 class TimedNGram:
-    """An n-gram second stage that adds up the wall time of its queries on `clock` (a DeviceClock on
-    CUDA): the device queries (`top_tokens`, `distributions`) and the host look-ups the runtime makes
-    while guessing (`top_tokens_host`). Anything else is the wrapped model's."""
+    """An n-gram second stage that adds up the time of its queries: the device queries (`top_tokens`,
+    `distributions`) between two marks of `clock` (a runtime.clock.DeviceClock: events on CUDA, read back
+    when `seconds` is read, after the generation), the host look-ups the runtime makes while guessing
+    (`top_tokens_host`) on its host clock. Anything else is the wrapped model's."""
 
-    def __init__(self, ngram, clock: Clock = time.perf_counter):
-        self.ngram, self.clock, self.seconds = ngram, clock, 0.0
+    def __init__(self, ngram, clock: DeviceClock):
+        self.ngram, self.clock = ngram, clock
+        self.host_s, self._device_marks = 0.0, []
 
     def __getattr__(self, name):
         return getattr(self.ngram, name)
 
-    def _timed(self, method, *args):
-        started = self.clock()
+    @property
+    def seconds(self) -> float:
+        """Every query's time since the last `reset` (read it once the generation has ended)."""
+        return self.host_s + sum(self.clock.elapsed_s(start, end) for start, end in self._device_marks)
+
+    def reset(self) -> None:
+        self.host_s, self._device_marks = 0.0, []
+
+    def _device(self, method, *args):
+        start = self.clock.mark()
         out = method(*args)
-        self.seconds += self.clock() - started
+        self._device_marks.append((start, self.clock.mark()))
         return out
 
     def top_tokens(self, contexts: torch.Tensor, count: int) -> torch.Tensor:
-        return self._timed(self.ngram.top_tokens, contexts, count)
+        return self._device(self.ngram.top_tokens, contexts, count)
 
     def distributions(self, contexts: torch.Tensor) -> torch.Tensor:
-        return self._timed(self.ngram.distributions, contexts)
+        return self._device(self.ngram.distributions, contexts)
 
     def top_tokens_host(self, u: int, v: int) -> tuple[int, ...]:
-        return self._timed(self.ngram.top_tokens_host, u, v)
+        started = self.clock.host_s()
+        out = self.ngram.top_tokens_host(u, v)
+        self.host_s += self.clock.host_s() - started
+        return out
 
 
 def tree_overhead_sampler(target: CausalLM, draft: CausalLM, prompts: list[list[int]], strategy,
                           expected_tokens: float, steps_per_sample: int, stage2=None, seed: int = 0,
-                          clock: Clock = time.perf_counter) -> Callable[[], float]:
+                          clock: DeviceClock | None = None) -> Callable[[], float]:
     """A function that generates with `strategy` (a perfmodel.tree.Strategy: a tree, with the second
     stage or not) from `prompts` (one per row, real text: acceptance is real) and returns the time per
     step outside forward passes and n-gram queries, in ms. `expected_tokens` (per row and step) sizes
-    a sample to about `steps_per_sample` steps; EOS is disabled; `clock` times the n-gram's queries."""
+    a sample to about `steps_per_sample` steps; EOS is disabled; `clock` (the target's device by default)
+    times the n-gram's queries."""
+    clock = clock or DeviceClock(target.lm_head.weight.device)
     timed = TimedNGram(stage2, clock) if stage2 is not None else None
     generator = SpeculativeGenerator(target, draft, eos_token_ids=(), stage2=timed)
     policy = FixedStrategy(strategy)
@@ -171,7 +187,7 @@ def tree_overhead_sampler(target: CausalLM, draft: CausalLM, prompts: list[list[
 
     def sample_ms() -> float:
         if timed is not None:
-            timed.seconds = 0.0
+            timed.reset()
         recorder = StepRecorder(generator.device, pass_contexts=False)
         generator.generate(prompts, new_tokens, policy, Sampling(), seed=seed + next(calls), observer=recorder)
         queries_s = timed.seconds if timed is not None else 0.0

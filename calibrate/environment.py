@@ -1,4 +1,5 @@
-"""The device being calibrated, described: name, memory (total and free now), metadata for the profile.
+"""The device being calibrated, described: name, memory (total and free now), metadata for the profile, the
+attention kernel torch picks for our shapes, and the GPU's clocks, power and temperature through NVML.
 Which device a name means is `runtime.loading.resolve_device`'s."""
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import torch
 
 from specbatch.perfmodel.profile import DeviceInfo
+from specbatch.perfmodel.profile.device_state import DeviceReading
 
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -83,3 +85,91 @@ def device_info(device: str, dtype: torch.dtype) -> DeviceInfo:
                       memory_bytes=total_memory_bytes(device), dtype=dtype_name(dtype),
                       torch_version=torch.__version__, cpu_threads=torch.get_num_threads(),
                       git_revision=git_revision())
+
+
+def attention_kernel(device: str, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> str:
+    """The attention kernel the runtime's cached passes run on `device` (runtime.attention): VARLEN where its
+    varlen backend runs (CUDA, half precision: no mask, no scores materialized); elsewhere the
+    scaled-dot-product-attention kernel torch chooses for a boolean mask over the keys (grouped-query when
+    kv_heads < heads): FLASH_ATTENTION, EFFICIENT_ATTENTION, CUDNN_ATTENTION or MATH (which materializes the
+    scores). The choice depends on the device, dtype, head counts and head size, not on the lengths, so tiny
+    tensors ask it."""
+    from torch.nn.attention import SDPBackend
+
+    from specbatch.runtime.attention import varlen_attn
+
+    if torch.device(device).type == "cuda" and dtype in (torch.float16, torch.bfloat16) and varlen_attn is not None:
+        return "VARLEN"
+    query = torch.zeros(1, heads, 2, head_dim, device=device, dtype=dtype)  # (b, heads, n, hd)
+    keys = torch.zeros(1, kv_heads, 8, head_dim, device=device, dtype=dtype)  # (b, kv_heads, key_len, hd)
+    mask = torch.ones(1, 1, 2, 8, device=device, dtype=torch.bool)
+    choice = torch._fused_sdp_choice(query, keys, keys, attn_mask=mask, enable_gqa=kv_heads != heads)
+    return SDPBackend(choice).name
+
+
+# NVML's clock-event reason bits (nvmlClocksEventReason*), named as the profile records them
+CLOCK_EVENT_REASONS = {0x1: "gpu_idle", 0x2: "applications_clocks_setting", 0x4: "sw_power_cap", 0x8: "hw_slowdown",
+                       0x10: "sync_boost", 0x20: "sw_thermal_slowdown", 0x40: "hw_thermal_slowdown",
+                       0x80: "hw_power_brake_slowdown", 0x100: "display_clock_setting"}
+
+
+class NvmlReader:
+    """Clocks, power and temperature of one GPU through NVML (`nvml`: the `pynvml` module of the
+    `nvidia-ml-py` package, the optional `gpu` extra). Every reading is None where NVML refuses it."""
+
+    def __init__(self, nvml, index: int):
+        nvml.nvmlInit()
+        self.nvml, self.handle = nvml, nvml.nvmlDeviceGetHandleByIndex(index)
+
+    def _ask(self, name: str, *args):
+        try:
+            return getattr(self.nvml, name)(self.handle, *args)
+        except (self.nvml.NVMLError, AttributeError):
+            return None
+
+    def reading(self, elapsed_s: float) -> DeviceReading | None:
+        sm = self._ask("nvmlDeviceGetClockInfo", self.nvml.NVML_CLOCK_SM)
+        memory = self._ask("nvmlDeviceGetClockInfo", self.nvml.NVML_CLOCK_MEM)
+        power_mw = self._ask("nvmlDeviceGetPowerUsage")
+        temperature = self._ask("nvmlDeviceGetTemperature", self.nvml.NVML_TEMPERATURE_GPU)
+        if None in (sm, memory, power_mw, temperature):
+            return None
+        reasons = self._ask("nvmlDeviceGetCurrentClocksEventReasons")
+        if reasons is None:  # drivers before the rename
+            reasons = self._ask("nvmlDeviceGetCurrentClocksThrottleReasons") or 0
+        names = tuple(name for bit, name in CLOCK_EVENT_REASONS.items() if reasons & bit)
+        return DeviceReading(round(elapsed_s, 3), int(sm), int(memory), round(power_mw / 1000.0, 1), int(temperature),
+                             names)
+
+    def max_sm_clock_mhz(self) -> int | None:
+        value = self._ask("nvmlDeviceGetMaxClockInfo", self.nvml.NVML_CLOCK_SM)
+        return None if value is None else int(value)
+
+    def power_limit_w(self) -> float | None:
+        value = self._ask("nvmlDeviceGetEnforcedPowerLimit")
+        return None if value is None else round(value / 1000.0, 1)
+
+    def close(self) -> None:
+        try:
+            self.nvml.nvmlShutdown()
+        except self.nvml.NVMLError:
+            pass
+
+
+def open_nvml(device: str) -> NvmlReader | None:
+    """A reader for `device` when it is a CUDA device and NVML answers; None otherwise (no `nvidia-ml-py`,
+    no driver, a CPU): the profile then has no clocks, and nothing else changes."""
+    if not device.startswith("cuda"):
+        return None
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:  # NVML numbers the GPUs of the machine; CUDA those of CUDA_VISIBLE_DEVICES
+        index = torch.cuda._get_nvml_device_index(torch.device(device))
+    except (RuntimeError, ValueError, AttributeError, OSError):
+        index = torch.device(device).index or 0
+    try:
+        return NvmlReader(pynvml, index)
+    except pynvml.NVMLError:
+        return None

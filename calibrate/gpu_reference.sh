@@ -1,39 +1,64 @@
 #!/usr/bin/env bash
-# GPU reference profiles: the GPU tests, then two shape-only calibrations in bfloat16.
+# One device run, budgeted for 8 minutes on one H200, writing 8 files to $OUT:
 #
-#   opt-6.7b   + opt-125m   (the pair of Su et al. 2023)
-#   llama-2-7b + llama-68m  (the pair of SpecInfer)
+#   nvidia-smi.txt   the GPU's state before anything runs (clocks, power, temperature, memory)
+#   probe.txt        torch and CUDA versions, the attention kernel torch picks for both models' shapes, and a
+#                    k = 4 step at b = 1 and 64: each pass's wall time between barriers against its CUDA-event time
+#   pytest-gpu.txt   the GPU tests (pytest -m gpu): parity with transformers, sampling, bf16 vs fp32, clocks
+#   profile.json     a reference calibration: llama-3.1-8b + llama-3.2-1b shapes in bfloat16, acceptance 0.8,
+#   profile.csv      batch sizes 1, 4, 16, 64, contexts 512 and 2048, k up to 6, --quick, cut at --max-seconds
+#   model.json       specbatch fit of it
+#   table.json       specbatch table of it
+#   run.log          what calibrate, fit and table said
 #
-# No weights exist for these shapes here, so acceptance is given (--acceptance 0.8) and the profiles
-# hold measured forward-pass times and step overheads only. Budget: under 8 minutes on one H200
-# (each step has its own timeout, so a slow step cannot eat the others' time; a calibration cut
-# short still leaves every point it measured in its profile, resumable with --resume).
+# Shapes only (no weights are downloaded): acceptance is given, the profile holds measured passes and steps.
+# A calibration cut short by --max-seconds keeps every point it measured (--resume continues it).
 #
-#   OUT=/some/dir calibrate/gpu_reference.sh      # default OUT: data/profiles
+#   OUT=/some/dir calibrate/gpu_reference.sh                # on a GPU
+#   OUT=/some/dir calibrate/gpu_reference.sh --device cpu   # the same steps on tiny shapes, on a CPU (CI)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT="${OUT:-data/profiles}"
+OUT="${OUT:-data/profiles/gpu-reference}"
+DEVICE=cuda
+if [ "${1:-}" = "--device" ]; then DEVICE="${2:?--device needs a value: cuda or cpu}"; fi
 mkdir -p "$OUT"
-
-# 'NVIDIA H200' -> 'h200', 'NVIDIA H100 80GB HBM3' -> 'h100-80gb-hbm3'
-gpu=$(python -c "import re, torch; name = torch.cuda.get_device_name(0).lower().replace('nvidia', ''); \
-print(re.sub('[^a-z0-9]+', '-', name).strip('-'))") || { echo "no CUDA device" >&2; exit 1; }
-echo "device: $gpu, profiles in $OUT"
-
 status=0
-timeout 100 python -m pytest -m gpu -q tests/ 2>&1 | tail -n 20 || status=1
 
-# Batch 1..64 covers the paper's 1..32 and one step beyond; three context lengths fix the L term.
-# KV cache at the largest point: 64 rows x 1801 tokens x 512 KiB (7B, bf16) = 56 GiB, plus 13.5 GiB
-# of weights: fits an H200 (141 GB) with room to spare, and the memory check says so before building.
-common=(--device cuda --dtype bfloat16 --acceptance 0.8 --max-k 8
-        --batch-sizes 1,2,4,8,16,32,64 --context-lens 256,1024,1792)
-for pair in "opt-6.7b opt-125m" "llama-2-7b llama-68m"; do
-    read -r target draft <<< "$pair"
-    profile="$OUT/$gpu-$target-$draft.json"
-    echo "calibrating $target + $draft -> $profile"
-    timeout 170 specbatch calibrate --target "$target" --draft "$draft" "${common[@]}" --out "$profile" \
-        || { echo "calibration of $target + $draft failed or timed out (exit $?)" >&2; status=1; }
-done
+if [ "$DEVICE" = cpu ]; then  # tiny shapes: the script's every step, in seconds
+    shapes=$(mktemp -d)
+    trap 'rm -rf "$shapes"' EXIT
+    tiny='"model_type": "llama", "vocab_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "max_position_embeddings": 512'
+    echo "{$tiny, \"hidden_size\": 64, \"num_hidden_layers\": 2, \"intermediate_size\": 128}" > "$shapes/target.json"
+    echo "{$tiny, \"hidden_size\": 32, \"num_hidden_layers\": 1, \"intermediate_size\": 64}" > "$shapes/draft.json"
+    target="$shapes/target.json" draft="$shapes/draft.json" dtype=float32
+    probe=(--batch-sizes 1,8 --context-len 32 --new-tokens 8)
+    grid=(--batch-sizes 1,4 --context-lens 32,64 --max-k 3 --max-seconds 60)
+else
+    target=llama-3.1-8b draft=llama-3.2-1b dtype=bfloat16
+    probe=(--batch-sizes 1,64 --context-len 512 --new-tokens 24)
+    grid=(--batch-sizes 1,4,16,64 --context-lens 512,2048 --max-k 6 --max-seconds 240)
+fi
+
+# 1. the GPU's state
+{ nvidia-smi -q -d CLOCK,POWER,TEMPERATURE,PERFORMANCE,MEMORY 2>&1 || echo "no nvidia-smi on this machine"; } \
+    > "$OUT/nvidia-smi.txt"
+
+# 2. versions, attention kernels, one step timed two ways
+python -m specbatch.calibrate.device_probe --target "$target" --draft "$draft" --device "$DEVICE" --dtype "$dtype" \
+    --k 4 "${probe[@]}" > "$OUT/probe.txt" 2>&1 || { echo "device probe failed (probe.txt)" >&2; status=1; }
+
+# 3. the GPU tests (they skip without CUDA); bounded, as no test may hold the device for long
+timeout 150 python -m pytest -m gpu -q -p no:cacheprovider tests/ > "$OUT/pytest-gpu.txt" 2>&1
+case $? in 0|5) ;; *) echo "GPU tests failed (pytest-gpu.txt)" >&2; status=1 ;; esac
+
+# 4. the reference calibration, its fit and its table
+{
+    specbatch calibrate --target "$target" --draft "$draft" --device "$DEVICE" --dtype "$dtype" --acceptance 0.8 \
+        --quick "${grid[@]}" --force --out "$OUT/profile.json" \
+        && specbatch fit "$OUT/profile.json" -o "$OUT/model.json" \
+        && specbatch table "$OUT/model.json" -o "$OUT/table.json" --max-batch 64
+} > "$OUT/run.log" 2>&1 || { echo "calibration, fit or table failed (run.log)" >&2; status=1; }
+
 ls -l "$OUT"
 exit $status

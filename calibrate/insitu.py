@@ -87,13 +87,25 @@ def random_prompts(vocab_size: int, count: int, shortest: int, longest: int, see
     return [rng.integers(0, vocab_size, size=int(n)).tolist() for n in lengths]
 
 
-def insitu_groups(points: Sequence[InSituPoint]) -> list[list[InSituPoint]]:
-    """Consecutive points of one batch size and sweep, the ks generated together in lockstep.
+def insitu_groups(points: Sequence[InSituPoint],
+                  lockstep_ks: dict[int, list[list[int]]] | None = None) -> list[list[InSituPoint]]:
+    """Consecutive points of one batch size and sweep, the ks generated together in lockstep; with
+    `lockstep_ks` (calibrate.memory: batch size -> groups of ks that fit in memory together) split into
+    those groups.
 
     >>> [[p.k for p in group] for group in insitu_groups([InSituPoint(1, 0), InSituPoint(1, 2), InSituPoint(2, 0)])]
     [[0, 2], [0]]
+    >>> [[p.k for p in g] for g in insitu_groups([InSituPoint(1, k) for k in (0, 2, 3)], {1: [[0], [2, 3]]})]
+    [[0], [2, 3]]
     """
-    return [list(group) for _, group in groupby(points, key=lambda point: (point.batch_size, point.sweep))]
+    groups = [list(group) for _, group in groupby(points, key=lambda point: (point.batch_size, point.sweep))]
+    if lockstep_ks is None:
+        return groups
+    split = []
+    for group in groups:
+        planned = lockstep_ks.get(group[0].batch_size, [[point.k for point in group]])
+        split.extend(part for ks in planned if (part := [point for point in group if point.k in ks]))
+    return split
 
 
 def measure_insitu(generator: SpeculativeGenerator, points: Sequence[InSituPoint], prompts: Sequence[list[int]],

@@ -1,10 +1,13 @@
 """Every step of a generation and every forward pass in it, timed: the recorder bench and calibrate attach.
 
 `StepRecorder` is a `runtime.generator.StepObserver`: `generator.generate(..., observer=StepRecorder(device))`.
-The generator hands it each pass of a step to run, which it times on the device clock (runtime.clock) with
-its shape and the longest row's cached context before it (what the pass's attention spans: shorter rows are
-masked), and a `StepRecord` after every step, whose wall time it takes from `step_started`. The prefill is
-not a step: its passes are not recorded. Plain generation attaches no recorder and pays for none of this.
+The generator hands it each pass of a step to run; it puts two marks of the device clock (runtime.clock:
+CUDA events on the stream, perf_counter on the CPU) around the pass and notes its shape and the longest
+row's cached context before it (what the pass's attention spans: shorter rows are masked). Nothing inside
+a step is synchronized or read back for the recorder: when the step is over (`step_finished`, which the
+generator calls after it has read the step's accept counts back, so every pass of the step has run) it
+reads the step's pass times and the step's wall time (host time from `step_started`). The prefill is not
+a step: its passes are not recorded. Plain generation attaches no recorder and pays for none of this.
 
 Shared by `bench` (the decomposition of a prediction's error, perfmodel.explain) and `calibrate` (passes
 timed inside real speculative steps, calibrate/insitu.py; step overheads, calibrate/benchmarks.py).
@@ -16,7 +19,7 @@ from typing import Any
 import torch
 
 from specbatch.perfmodel.explain import MeasuredSteps, measured_from_stats
-from specbatch.runtime.clock import DeviceClock
+from specbatch.runtime.clock import DeviceClock, Mark
 from specbatch.runtime.generator import StepRecord
 
 
@@ -30,21 +33,26 @@ class StepRecorder:
         self.step_s: list[float] = []  # wall time of each step: passes, the policy's decisions, bookkeeping
         # per role, per step pass: (batch, new tokens, cached context of the longest row or None, seconds)
         self.passes: dict[str, list[tuple[int, int, int | None, float]]] = {"draft": [], "target": []}
+        self._queued: list[tuple[str, int, int, int | None, Mark, Mark]] = []  # this step's passes, not read yet
         self._started_s = 0.0
 
     # ------------------------------------------------------------------ the observer protocol
     def run_pass(self, role: str, model, tokens: torch.Tensor, cache, attention=None, last=None) -> torch.Tensor:
-        context = cache.longest() if self.pass_contexts else None  # before the clock starts (host lengths)
-        started = self.clock.now()
+        context = cache.longest() if self.pass_contexts else None  # the host's lengths: no device read
+        start = self.clock.mark()
         out = model(tokens, cache, attention, last)
-        self.passes[role].append((int(tokens.shape[0]), int(tokens.shape[1]), context, self.clock.now() - started))
+        self._queued.append((role, int(tokens.shape[0]), int(tokens.shape[1]), context, start, self.clock.mark()))
         return out
 
     def step_started(self) -> None:
-        self._started_s = self.clock.now()
+        self._started_s = self.clock.host_s()
 
     def step_finished(self, record: StepRecord) -> None:
-        self.step_s.append(self.clock.now() - self._started_s)
+        """The generator has read the step's counts back: its passes have run, their marks can be read."""
+        self.step_s.append(self.clock.host_s() - self._started_s)
+        for role, batch, new_tokens, context, start, end in self._queued:
+            self.passes[role].append((batch, new_tokens, context, self.clock.elapsed_s(start, end)))
+        self._queued.clear()
         self.steps.append(record)
 
     # ------------------------------------------------------------------ readings

@@ -27,14 +27,15 @@ from specbatch.runtime.sampling import Sampling
 from . import acceptance as acc
 from . import stage2 as st2
 from .benchmarks import ForwardTimer, overhead_sampler, release_memory, time_point, tree_overhead_sampler
-from .environment import available_memory_bytes, device_info
+from .environment import attention_kernel, available_memory_bytes, device_info, open_nvml
 from .errors import CalibrationError
 from .grid import (DEFAULT_BATCH_SIZES, DEFAULT_CONTEXT_LENS, DEFAULT_MAX_K, QUICK_BATCH_SIZES, QUICK_CONTEXT_LENS,
-                   OverheadPoint, TreeOverheadPoint, check_grid_fits, fit_wide_passes, make_grid, merge_grids,
-                   overhead_points, timing_points, tree_overhead_points)
+                   OverheadPoint, TreeOverheadPoint, check_grid_fits, fit_wide_passes, make_grid,
+                   merge_grids, overhead_points, timing_points, tree_overhead_points)
 from .insitu import InSituPoint, insitu_groups, insitu_points, measure_insitu, random_prompts
-from .models import check_memory, memory_need, model_info
-from .noise import NoiseMonitor, reference_sampler
+from .memory import MemoryPlan, memory_budget, plan_memory, reference_bytes
+from .models import model_info
+from .noise import MachineWatch, NoiseMonitor, reference_sampler
 from .store import (check_resumable, csv_path_for, load_for_resume, measured_insitu_points, measured_overhead_points,
                     measured_timing_points, measured_tree_overhead_points, new_profile, overhead_row,
                     tree_overhead_row, with_row, write_profile)
@@ -190,8 +191,6 @@ def _start_profile(request: CalibrationRequest, plan: _Plan) -> Profile:
     device = device_info(plan.device, plan.dtype)
     target, draft = model_info(plan.target, plan.dtype), model_info(plan.draft, plan.dtype)
     grid = plan.grid
-    tree_nodes = max(plan.effort.tree_nodes) if plan.trees else 0
-    check_memory(memory_need(target, draft, grid, tree_nodes), available_memory_bytes(plan.device), plan.device)
     if request.resume and request.out.is_file():
         old = load_for_resume(request.out)
         check_resumable(old, request.out, device, target, draft)
@@ -267,17 +266,23 @@ def _tree_overhead_row(pair: LoadedPair, plan: _Plan, point: TreeOverheadPoint, 
     return None
 
 
-def _insitu_prompts(pair: LoadedPair, plan: _Plan) -> list[list[int]]:
+def _insitu_room(plan: _Plan) -> int:
+    """The longest in-situ prompt (tokens): the generation and the longest chain fit within the grid's
+    largest context and both models' positions."""
+    limit = min(plan.target.config.max_position_embeddings, plan.draft.config.max_position_embeddings)
+    return max(1, min(limit - plan.grid.max_k - 2, max(plan.grid.context_lens)) - plan.effort.insitu_tokens)
+
+
+def _insitu_prompts(pair: LoadedPair, plan: _Plan, largest_batch: int) -> list[list[int]]:
     """The prompts after the acceptance ones (all of them when there are no more), cut so that the contexts
     stay within the grid's largest (the steps the table is computed for, and little time spent beyond)
     and within both models' positions with room for the generation and the longest chain. Random weights:
-    random token ids, twice the largest batch size of them, from the grid's smallest context up."""
-    effort = plan.effort
-    limit = min(plan.target.config.max_position_embeddings, plan.draft.config.max_position_embeddings)
-    room = max(1, min(limit - plan.grid.max_k - 2, max(plan.grid.context_lens)) - effort.insitu_tokens)
+    random token ids, twice the largest in-situ batch size that fits in memory of them, from the grid's
+    smallest context up."""
+    effort, room = plan.effort, _insitu_room(plan)
     if plan.user_acceptance is not None:
         vocab_size = min(plan.target.config.vocab_size, plan.draft.config.vocab_size)
-        return random_prompts(vocab_size, 2 * max(plan.grid.batch_sizes),
+        return random_prompts(vocab_size, 2 * largest_batch,
                               min(min(plan.grid.context_lens), room), room)
     texts = list(plan.prompts[effort.prompt_count:]) or list(plan.prompts)
     return acc.encode_prompts(pair.tokenizer, texts, room)
@@ -333,11 +338,14 @@ class _OutOfTime(Exception):
 
 def calibrate(request: CalibrationRequest, on_progress: Callable[[ProgressEvent], None] | None = None,
               clock: Clock | None = None,
-              on_estimate: Callable[[int, float], None] | None = None) -> CalibrationSummary:
+              on_estimate: Callable[[int, float], None] | None = None,
+              on_notice: Callable[[str], None] | None = None) -> CalibrationSummary:
     """Measure the pair on the device and write the profile (and its CSV) after every point.
 
     `on_estimate(points, seconds)` is called once the models are loaded, before measuring (see
-    `estimate_seconds`); `on_progress` is called after each point is on disk; an exception it raises
+    `estimate_seconds`), and `on_notice(line)` for each thing said before measuring (points skipped because
+    they cannot fit in memory, in-situ ks split into smaller lockstep groups); `on_progress` is called after
+    each point is on disk; an exception it raises
     (Ctrl-C) stops the run with everything measured so far saved, and `resume=True` continues from there. An existing
     --out is not touched until the first point is measured; a lock beside it keeps a second run out.
     `clock` (tests: a fake one) defaults to the device's (runtime.clock.DeviceClock).
@@ -346,17 +354,13 @@ def calibrate(request: CalibrationRequest, on_progress: Callable[[ProgressEvent]
     plan = _plan(request)
     clock = clock or DeviceClock(plan.device)
     with exclusive_lock(request.out, "--out", "calibration"):
-        return _calibrate(request, plan, on_progress, on_estimate, clock, started_s)
+        return _calibrate(request, plan, on_progress, on_estimate, on_notice, clock, started_s)
 
 
-def _calibrate(request: CalibrationRequest, plan: _Plan, on_progress, on_estimate, clock: Clock,
+def _calibrate(request: CalibrationRequest, plan: _Plan, on_progress, on_estimate, on_notice, clock: Clock,
                started_s: float) -> CalibrationSummary:
     profile = _start_profile(request, plan)
     grid = profile.grid  # on resume, the union of the old grid and the requested one
-    pair = _load(plan)
-    monitor = _noise_monitor(pair, grid, plan.device, clock)
-    monitor.check(force=True)
-
     done_acceptance = {acc.entry_key(e) for e in profile.acceptance if _acceptance_done(e, plan.trees)}
     done_timings, done_overheads = measured_timing_points(profile), measured_overhead_points(profile)
     all_trees = tree_overhead_points(grid, plan.effort.tree_nodes, plan.stage2 is not None) if plan.trees else []
@@ -370,13 +374,21 @@ def _calibrate(request: CalibrationRequest, plan: _Plan, on_progress, on_estimat
                  overheads=[p for p in overhead_points(grid) if p not in done_overheads],
                  trees=[p for p in all_trees if p not in done_trees],
                  insitu=[p for p in all_insitu if p not in done_insitu])
+    memory = _memory_plan(plan, profile, todo)
+    todo = todo.without(memory.skipped)
+    for note in memory.notes:
+        if on_notice is not None:
+            on_notice(note)
     total = (len(plan.samplings) + int(plan.stage2 is not None) + len(timing_points(grid)) + len(overhead_points(grid))
-             + len(all_trees) + len(all_insitu))
+             + len(all_trees) + len(all_insitu)) - len(memory.skipped)
     resumed = done = total - todo.count
+    pair = _load(plan)
     if on_estimate is not None and todo.count:
         on_estimate(todo.count, estimate_seconds(plan.effort, len(todo.acceptance) * (plan.user_acceptance is None),
                                                  len(todo.timings), len(todo.overheads), len(todo.trees),
                                                  len(todo.insitu)))
+    watch = _machine_watch(pair, grid, plan.device, clock, memory)
+    watch.start(lambda: clock() - started_s)
 
     def advance(label: str, row=None) -> None:
         """Save the row (if any), then report: a point counts as done only once it is on disk."""
@@ -387,19 +399,21 @@ def _calibrate(request: CalibrationRequest, plan: _Plan, on_progress, on_estimat
         done += 1
         if on_progress is not None:
             on_progress(ProgressEvent(done, total, label))
-        monitor.check()  # between points, when its interval has passed
+        watch.check()  # between points, when its interval has passed
         if request.max_seconds is not None and clock() - started_s > request.max_seconds and done < total:
             raise _OutOfTime
 
     try:
-        _measure(pair, plan, grid, todo, request, clock, advance, lambda: profile)
+        insitu_batch = max((p.batch_size for p in all_insitu if p not in memory.skipped), default=0)
+        _measure(pair, plan, grid, todo, request, clock, advance, lambda: profile, memory, insitu_batch)
     except _OutOfTime:
         pass
-    monitor.check(force=True)
-    profile = replace(profile, noise=monitor.figure())
-    write_profile(request.out, profile)  # with the noise figure (and, after a finished --resume, the merged grid)
+    noise, noise_large_batch, device_state = watch.finish(lambda: clock() - started_s)
+    profile = replace(profile, noise=noise, noise_large_batch=noise_large_batch, device_state=device_state)
+    write_profile(request.out, profile)  # with the noise figures (and, after a finished --resume, the merged grid)
     summary = summarize(request.out, profile, done - resumed, resumed, started_s, clock)
-    return replace(summary, points_left=total - done, max_seconds=request.max_seconds)
+    return replace(summary, points_left=total - done, max_seconds=request.max_seconds,
+                   points_skipped=len(memory.skipped), memory_notes=memory.notes)
 
 
 @dataclass(frozen=True)
@@ -418,10 +432,35 @@ class _Todo:
         return (len(self.acceptance) + int(self.stage2) + len(self.timings) + len(self.overheads) + len(self.trees)
                 + len(self.insitu))
 
+    def without(self, skipped) -> _Todo:
+        """The same lists less the points in `skipped`."""
+        keep = lambda points: [p for p in points if p not in skipped]  # noqa: E731
+        return replace(self, timings=keep(self.timings), overheads=keep(self.overheads), trees=keep(self.trees),
+                       insitu=keep(self.insitu))
+
+
+def _memory_plan(plan: _Plan, profile: Profile, todo: _Todo) -> MemoryPlan:
+    """Which of the points still to measure fit in the memory free now (calibrate.memory), before loading."""
+    target, draft, grid = profile.target, profile.draft, profile.grid
+    math_attention = any(attention_kernel(plan.device, plan.dtype, info.heads, info.kv_heads, info.head_dim) == "MATH"
+                         for info in (target, draft))
+    budget = memory_budget(target, draft, available_memory_bytes(plan.device), plan.device)
+    L, small, large = min(grid.context_lens), min(grid.batch_sizes), max(grid.batch_sizes)
+    budget = budget.reserve(reference_bytes(target, small, L, math_attention))  # the references' caches stay
+    large_bytes = reference_bytes(target, large, L, math_attention) if large > small else 0
+    large_reference = large > small and budget.fits(large_bytes)
+    budget = budget.reserve(large_bytes if large_reference else 0)
+    effort = plan.effort
+    memory = plan_memory(target, draft, grid, budget, math_attention, todo.timings, todo.overheads, todo.trees,
+                         todo.insitu, effort.overhead_steps, effort.tree_steps, _insitu_room(plan),
+                         effort.insitu_tokens)
+    return replace(memory, large_reference=large_reference)
+
 
 def _measure(pair: LoadedPair, plan: _Plan, grid: Grid, todo: _Todo, request: CalibrationRequest, clock: Clock,
-             advance: Callable, current: Callable[[], Profile]) -> None:
-    """Every point still to measure, in order; `advance` saves each row; `current()` is the profile so far."""
+             advance: Callable, current: Callable[[], Profile], memory: MemoryPlan, insitu_batch: int) -> None:
+    """Every point still to measure, in order; `advance` saves each row; `current()` is the profile so far;
+    `insitu_batch`: the largest in-situ batch size of the whole run (the random prompts' count follows it)."""
     prompts_source = display_path(request.prompts) if request.prompts is not None else None
     greedy_rows = None  # kept for the second stage's guesses: the same continuations
     for sampling in todo.acceptance:
@@ -445,6 +484,7 @@ def _measure(pair: LoadedPair, plan: _Plan, grid: Grid, todo: _Todo, request: Ca
         advance(f"{point.model} b={point.batch_size} n={point.new_tokens} L={point.context_len}",
                 time_point(timer, point))
     timer.forget()
+    release_memory(plan.device)  # the timer's caches were of every size: let the next stages start from free memory
 
     synthetic = _greedy_acceptance(current())
     for point in todo.overheads:
@@ -453,8 +493,8 @@ def _measure(pair: LoadedPair, plan: _Plan, grid: Grid, todo: _Todo, request: Ca
         advance(label if row is not None else label + " (out of memory, not recorded)", row)
 
     generator = SpeculativeGenerator(pair.target, pair.draft, eos_token_ids=()) if todo.insitu else None
-    insitu_prompts = _insitu_prompts(pair, plan) if todo.insitu else []
-    for group in insitu_groups(todo.insitu):  # the ks of one batch size and sweep, in lockstep
+    insitu_prompts = _insitu_prompts(pair, plan, insitu_batch) if todo.insitu else []
+    for group in insitu_groups(todo.insitu, memory.lockstep_ks):  # ks of one batch size and sweep, in lockstep
         for point, row in zip(group, _insitu_rows(plan, generator, group, insitu_prompts)):
             label = f"in-situ b={point.batch_size} k={point.k} sweep {point.sweep}"
             advance(label if row is not None else label + " (out of memory or no full-batch step, not recorded)", row)
@@ -471,7 +511,15 @@ def _measure(pair: LoadedPair, plan: _Plan, grid: Grid, todo: _Todo, request: Ca
         advance(label if row is not None else label + " (out of memory, not recorded)", row)
 
 
-def _noise_monitor(pair: LoadedPair, grid: Grid, device: str, clock: Clock) -> NoiseMonitor:
-    """The reference pass: the target at the smallest batch size and context, one new token (cheap)."""
-    b, L = min(grid.batch_sizes), min(grid.context_lens)
-    return NoiseMonitor(reference_sampler(pair.target, b, L, device, clock), f"target b={b} n=1 L={L}", clock)
+def _machine_watch(pair: LoadedPair, grid: Grid, device: str, clock: Clock, memory: MemoryPlan) -> MachineWatch:
+    """The reference passes: the target at the smallest context, one new token, at the smallest batch size
+    (cheap) and at the largest one when its pass fits in memory; NVML on CUDA when it answers."""
+    L = min(grid.context_lens)
+
+    def monitor(b: int) -> NoiseMonitor:
+        sampler = reference_sampler(pair.target, b, L, device, DeviceClock(device))
+        return NoiseMonitor(sampler, f"target b={b} n=1 L={L}", clock)
+
+    small, large = min(grid.batch_sizes), max(grid.batch_sizes)
+    return MachineWatch(monitor(small), monitor(large) if memory.large_reference else None, open_nvml(device),
+                        on_cuda=device.startswith("cuda"))

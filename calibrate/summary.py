@@ -66,6 +66,8 @@ class CalibrationSummary:
     warnings: tuple[str, ...] = ()  # one line each, e.g. a machine too noisy for the ±3 % rule
     insitu_passes: int = 0  # in-situ pass rows in the profile (passes timed inside real steps)
     insitu_steps: int = 0  # in-situ step rows
+    points_skipped: int = 0  # not measured: they cannot fit in the device's free memory (calibrate.memory)
+    memory_notes: tuple[str, ...] = ()  # what calibrate said about memory before measuring
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -102,4 +104,4 @@ def summarize(out: Path, profile: Profile, measured: int, resumed: int, started_
         tree_overheads=sum(row.tree_nodes is not None for row in profile.overheads),
         noise=None if profile.noise is None else profile.noise.to_json(),
         insitu_passes=len(profile.insitu_timings), insitu_steps=len(profile.insitu_steps),
-        warnings=tuple(w for w in [None if profile.noise is None else profile.noise.warning()] if w))
+        warnings=profile.warnings())

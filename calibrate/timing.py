@@ -8,17 +8,21 @@ the samples are independent and identically distributed; it makes no normality a
 few slow outliers (a context switch, a page fault) widen it much less than they would a mean's.
 With fewer than 6 samples no such interval exists and the rule keeps sampling.
 
-Everything here is pure Python over an injectable clock, so the rule is tested with a fake clock; on a
-device the clock is `runtime.clock.DeviceClock`, which synchronizes before it reads the time.
+Everything here is pure Python over an injectable clock, so the rule is tested with a fake clock. Device
+work is timed between two marks of `runtime.clock.DeviceClock` (`device_timed_ms`: CUDA events on the
+stream, nothing synchronized inside the region); budgets and host-only work read a plain clock.
 """
 from __future__ import annotations
 
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-Clock = Callable[[], float]  # seconds, monotonic (runtime.clock.DeviceClock on a device)
+if TYPE_CHECKING:
+    from specbatch.runtime.clock import DeviceClock
+
+Clock = Callable[[], float]  # seconds, monotonic host time (a runtime.clock.DeviceClock reads perf_counter)
 
 
 @dataclass(frozen=True)
@@ -110,11 +114,21 @@ def repeat(sample_ms: Callable[[], float], rule: RepetitionRule, clock: Clock = 
 
 
 def timed_ms(call: Callable[[], object], clock: Clock = time.perf_counter) -> float:
-    """Wall time of `call()` in milliseconds, between two readings of `clock` (on CUDA a DeviceClock:
-    kernels are queued asynchronously, so a clock that does not synchronize would measure the launch)."""
+    """Host wall time of `call()` in milliseconds, between two readings of `clock`: for work done on the host
+    (device work is `device_timed_ms`'s: CUDA queues kernels, and the host clock would measure the launch)."""
     start_s = clock()
     call()
     return (clock() - start_s) * 1000.0
+
+
+def device_timed_ms(call: Callable[[], object], clock: DeviceClock) -> float:
+    """Time of the device work `call()` queues, in milliseconds, between two marks of `clock` (CUDA: events
+    recorded on the stream around it, nothing synchronized inside; the figure is read back after the second
+    mark, so the next sample starts on an idle stream as a step's first pass does). On the CPU: perf_counter."""
+    start = clock.mark()
+    call()
+    end = clock.mark()
+    return clock.elapsed_s(start, end) * 1000.0
 
 
 def is_out_of_memory(error: BaseException) -> bool:

@@ -28,7 +28,7 @@ def calibrate_with_progress(request, show: bool):
     from specbatch.calibrate.run import calibrate
 
     if not show:
-        return calibrate(request)
+        return calibrate(request, on_notice=lambda line: typer.echo(line, err=True))
     columns = (TextColumn("[bold]calibrate"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.description}"))
     # a long speed window: points can take minutes each, and a short window leaves the ETA at -:--:--
@@ -42,8 +42,11 @@ def calibrate_with_progress(request, show: bool):
             progress.console.print(estimate_line(points, estimated_s, request.max_seconds), markup=False,
                                    highlight=False, soft_wrap=True)
 
+        def on_notice(line: str):
+            progress.console.print(line, markup=False, highlight=False, soft_wrap=True)
+
         try:
-            return calibrate(request, on_progress, on_estimate=on_estimate)
+            return calibrate(request, on_progress, on_estimate=on_estimate, on_notice=on_notice)
         except KeyboardInterrupt:
             progress.stop()
             typer.echo(f"interrupted: every point measured so far is in {request.out}; "
@@ -74,6 +77,8 @@ def render_calibration(summary) -> None:
         counts += f", {summary.points_resumed} kept from the previous run"
     if summary.points_infeasible:
         counts += f", {summary.points_infeasible} out of memory"
+    if summary.points_skipped:
+        counts += f", {summary.points_skipped} skipped before measuring (they cannot fit in memory)"
     if summary.noise is not None:
         counts += (f"; noise (reference pass): drift ±{100 * summary.noise['drift']:.1f} %, "
                    f"jitter ±{100 * summary.noise['jitter']:.1f} %")

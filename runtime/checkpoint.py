@@ -3,7 +3,10 @@
 A directory holds `config.json`, weights (`model.safetensors`, a sharded
 `model.safetensors.index.json`, or `pytorch_model.bin` read with `weights_only=True`),
 optionally `generation_config.json` (EOS ids) and `tokenizer.json` (read with `tokenizers`).
-Each family's tensor names are mapped onto the internal names of `model.CausalLM`.
+Each family's tensor names are mapped onto the internal names of `model.CausalLM` (`weight_placements`).
+Weights load into a model already allocated on the target device in the target dtype, one file and one
+tensor at a time (safetensors reads each straight onto the device): host memory stays near one tensor
+beyond the mapped file. Only floating-point tensors with finite values are accepted.
 """
 from __future__ import annotations
 
@@ -64,29 +67,78 @@ def parse_dtype(name: str | None, device: str) -> torch.dtype:
     return table[name]
 
 
-def _read_weight_files(directory: Path) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+FLOAT_WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # converted without a scale
 
-    single = directory / "model.safetensors"
-    index = directory / "model.safetensors.index.json"
-    legacy = directory / "pytorch_model.bin"
-    try:
-        if single.is_file():
-            return load_file(str(single))
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            tensors: dict[str, torch.Tensor] = {}
-            for shard in sorted(set(weight_map.values())):
-                tensors.update(load_file(str(directory / shard)))
-            return tensors
-        if legacy.is_file():
-            return torch.load(str(legacy), map_location="cpu", weights_only=True)
-    except (OSError, KeyError, ValueError, RuntimeError, SafetensorError) as error:  # e.g. a truncated file
-        raise CheckpointError(f"{directory}: weights are not readable ({error})") from None
-    raise CheckpointError(
-        f"{directory}: no weights (expected model.safetensors, model.safetensors.index.json or pytorch_model.bin)"
-    )
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a Hugging Face tensor goes in `CausalLM`: a parameter, or rows of a fused one (q, k and v in
+    `qkv`, gate and up in `gate_up`), transposed for GPT-2's Conv1D weights (stored (in, out))."""
+
+    name: str
+    start: int | None = None  # first row in the fused parameter; None: the whole parameter
+    rows: int | None = None
+    transpose: bool = False
+
+
+def weight_placements(config: ModelConfig) -> dict[str, Placement]:
+    """Every tensor a family's checkpoint must hold (names without their prefix) -> where it goes."""
+    plan: dict[str, Placement] = {}
+    family, hd = config.family, config.head_dim
+    q, kv, inter = config.num_heads * hd, config.num_kv_heads * hd, config.intermediate_size
+    for i in range(config.num_layers):
+        dst = f"layers.{i}."
+        if family == "llama":
+            p = f"layers.{i}."
+            for part in ("weight", "bias") if config.qkv_bias else ("weight",):
+                for x, start, rows in (("q", 0, q), ("k", q, kv), ("v", q + kv, kv)):
+                    plan[f"{p}self_attn.{x}_proj.{part}"] = Placement(dst + "qkv." + part, start, rows)
+            plan[p + "self_attn.o_proj.weight"] = Placement(dst + "o.weight")
+            if config.o_bias:
+                plan[p + "self_attn.o_proj.bias"] = Placement(dst + "o.bias")
+            for part in ("weight", "bias") if config.mlp_bias else ("weight",):
+                plan[f"{p}mlp.gate_proj.{part}"] = Placement(dst + "gate_up." + part, 0, inter)
+                plan[f"{p}mlp.up_proj.{part}"] = Placement(dst + "gate_up." + part, inter, inter)
+                plan[f"{p}mlp.down_proj.{part}"] = Placement(dst + "down." + part)
+            plan[p + "input_layernorm.weight"] = Placement(dst + "attn_norm.weight")
+            plan[p + "post_attention_layernorm.weight"] = Placement(dst + "mlp_norm.weight")
+        elif family == "gpt2":
+            p = f"h.{i}."
+            for theirs, ours in (("attn.c_attn", "qkv"), ("attn.c_proj", "o"), ("mlp.c_fc", "up"),
+                                 ("mlp.c_proj", "down")):
+                plan[f"{p}{theirs}.weight"] = Placement(f"{dst}{ours}.weight", transpose=True)
+                plan[f"{p}{theirs}.bias"] = Placement(f"{dst}{ours}.bias")
+            for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
+                for part in ("weight", "bias"):
+                    plan[f"{p}{theirs}.{part}"] = Placement(f"{dst}{ours}.{part}")
+        else:  # opt
+            p = f"layers.{i}."
+            for part in ("weight", "bias") if config.enable_bias else ("weight",):
+                for x, start, rows in (("q", 0, q), ("k", q, kv), ("v", q + kv, kv)):
+                    plan[f"{p}self_attn.{x}_proj.{part}"] = Placement(dst + "qkv." + part, start, rows)
+                for theirs, ours in (("self_attn.out_proj", "o"), ("fc1", "up"), ("fc2", "down")):
+                    plan[f"{p}{theirs}.{part}"] = Placement(f"{dst}{ours}.{part}")
+            for ours, theirs in (("attn_norm", "self_attn_layer_norm"), ("mlp_norm", "final_layer_norm")):
+                for part in ("weight", "bias"):
+                    plan[f"{p}{theirs}.{part}"] = Placement(f"{dst}{ours}.{part}")
+    if family == "gpt2":
+        plan.update({"wte.weight": Placement("embed.weight"), "wpe.weight": Placement("pos_embed.weight"),
+                     "ln_f.weight": Placement("final_norm.weight"), "ln_f.bias": Placement("final_norm.bias")})
+    else:
+        plan["embed_tokens.weight"] = Placement("embed.weight")
+        if family == "llama":
+            plan["norm.weight"] = Placement("final_norm.weight")
+        else:
+            plan["embed_positions.weight"] = Placement("pos_embed.weight")
+            if config.final_layer_norm:
+                plan["final_layer_norm.weight"] = Placement("final_norm.weight")
+                plan["final_layer_norm.bias"] = Placement("final_norm.bias")
+            if config.word_embed_proj_dim and config.word_embed_proj_dim != config.hidden_size:
+                plan["project_in.weight"] = Placement("project_in.weight")
+                plan["project_out.weight"] = Placement("project_out.weight")
+    if not config.tie_word_embeddings:
+        plan["lm_head.weight"] = Placement("lm_head.weight")
+    return plan
 
 
 def _strip_prefix(name: str) -> str:
@@ -96,85 +148,96 @@ def _strip_prefix(name: str) -> str:
     return name
 
 
-def hf_to_internal(config: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Map a family's Hugging Face tensor names onto `CausalLM`'s names (fusing qkv and gate/up)."""
-    src = {_strip_prefix(k): v for k, v in hf.items()}
-    out: dict[str, torch.Tensor] = {}
-    taken: set[str] = set()
+def _weight_files(directory: Path) -> list[Path]:
+    """The weight files of a model directory, in order: one file, the shards of an index, or the legacy bin."""
+    single, index = directory / "model.safetensors", directory / "model.safetensors.index.json"
+    if single.is_file():
+        return [single]
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as error:
+            raise CheckpointError(f"{index}: not a readable shard index ({error})") from None
+        return [directory / shard for shard in sorted(set(weight_map.values()))]
+    if (directory / "pytorch_model.bin").is_file():
+        return [directory / "pytorch_model.bin"]
+    raise CheckpointError(
+        f"{directory}: no weights (expected model.safetensors, model.safetensors.index.json or pytorch_model.bin)")
 
-    def take(name: str) -> torch.Tensor:
-        if name not in src:
-            raise CheckpointError(f"weights: tensor {name!r} is missing")
-        taken.add(name)
-        return src[name]
 
-    family = config.family
-    for i in range(config.num_layers):
-        dst = f"layers.{i}."
-        if family == "llama":
-            p = f"layers.{i}."
-            for part in ("weight", "bias") if config.qkv_bias else ("weight",):
-                out[dst + "qkv." + part] = torch.cat([take(f"{p}self_attn.{x}_proj.{part}") for x in "qkv"])
-            out[dst + "o.weight"] = take(p + "self_attn.o_proj.weight")
-            if config.o_bias:
-                out[dst + "o.bias"] = take(p + "self_attn.o_proj.bias")
-            out[dst + "gate_up.weight"] = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
-            out[dst + "down.weight"] = take(p + "mlp.down_proj.weight")
-            if config.mlp_bias:
-                out[dst + "gate_up.bias"] = torch.cat([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")])
-                out[dst + "down.bias"] = take(p + "mlp.down_proj.bias")
-            out[dst + "attn_norm.weight"] = take(p + "input_layernorm.weight")
-            out[dst + "mlp_norm.weight"] = take(p + "post_attention_layernorm.weight")
-        elif family == "gpt2":
-            p = f"h.{i}."
-            # GPT-2 stores Conv1D weights as (in, out): transpose to nn.Linear's (out, in)
-            out[dst + "qkv.weight"] = take(p + "attn.c_attn.weight").t().contiguous()
-            out[dst + "qkv.bias"] = take(p + "attn.c_attn.bias")
-            out[dst + "o.weight"] = take(p + "attn.c_proj.weight").t().contiguous()
-            out[dst + "o.bias"] = take(p + "attn.c_proj.bias")
-            out[dst + "up.weight"] = take(p + "mlp.c_fc.weight").t().contiguous()
-            out[dst + "up.bias"] = take(p + "mlp.c_fc.bias")
-            out[dst + "down.weight"] = take(p + "mlp.c_proj.weight").t().contiguous()
-            out[dst + "down.bias"] = take(p + "mlp.c_proj.bias")
-            for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
-                out[dst + ours + ".weight"] = take(p + theirs + ".weight")
-                out[dst + ours + ".bias"] = take(p + theirs + ".bias")
-        else:  # opt
-            p = f"layers.{i}."
-            parts = ("weight", "bias") if config.enable_bias else ("weight",)
-            for part in parts:
-                out[dst + "qkv." + part] = torch.cat([take(f"{p}self_attn.{x}_proj.{part}") for x in "qkv"])
-                out[dst + "o." + part] = take(f"{p}self_attn.out_proj.{part}")
-                out[dst + "up." + part] = take(f"{p}fc1.{part}")
-                out[dst + "down." + part] = take(f"{p}fc2.{part}")
-            for ours, theirs in (("attn_norm", "self_attn_layer_norm"), ("mlp_norm", "final_layer_norm")):
-                out[dst + ours + ".weight"] = take(p + theirs + ".weight")
-                out[dst + ours + ".bias"] = take(p + theirs + ".bias")
-    if family == "llama":
-        out["embed.weight"] = take("embed_tokens.weight")
-        out["final_norm.weight"] = take("norm.weight")
-    elif family == "gpt2":
-        out["embed.weight"] = take("wte.weight")
-        out["pos_embed.weight"] = take("wpe.weight")
-        out["final_norm.weight"], out["final_norm.bias"] = take("ln_f.weight"), take("ln_f.bias")
-    else:
-        out["embed.weight"] = take("embed_tokens.weight")
-        out["pos_embed.weight"] = take("embed_positions.weight")
-        if config.final_layer_norm:
-            out["final_norm.weight"] = take("final_layer_norm.weight")
-            out["final_norm.bias"] = take("final_layer_norm.bias")
-        if "project_in.weight" in src:
-            out["project_in.weight"] = take("project_in.weight")
-            out["project_out.weight"] = take("project_out.weight")
-    if config.tie_word_embeddings:
-        out["lm_head.weight"] = out["embed.weight"]
-    else:
-        out["lm_head.weight"] = take("lm_head.weight")
-    unused = sorted(name for name in set(src) - taken if not _ignorable(name, config))
+def _file_tensors(path: Path, device: torch.device):
+    """(name, tensor) of every tensor in one weight file, each read when asked: a safetensors file straight
+    onto `device` (one tensor at a time), a legacy bin memory-mapped on the host."""
+    from safetensors import safe_open
+
+    if path.suffix == ".bin":
+        try:
+            state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # a file of before torch's zip format cannot be memory-mapped
+            state = torch.load(str(path), map_location="cpu", weights_only=True)
+        yield from state.items()
+        return
+    with safe_open(str(path), framework="pt", device=str(device)) as file:
+        for name in file.keys():
+            yield name, file.get_tensor(name)
+
+
+def _all_finite(tensor: torch.Tensor, chunk: int = 1 << 24) -> bool:
+    """Whether every value is finite, a slice at a time (a whole-tensor check would need a mask as large)."""
+    flat = tensor.reshape(-1)
+    return all(bool(torch.isfinite(flat[i:i + chunk]).all()) for i in range(0, flat.numel(), chunk))
+
+
+def _place(param: torch.Tensor, placement: Placement, tensor: torch.Tensor, file: Path, name: str) -> None:
+    """Copy one checkpoint tensor into its place, converting it to the parameter's dtype; refuse a tensor that
+    is not floating point, has another shape, or is not finite (before or after the conversion)."""
+    if tensor.dtype not in FLOAT_WEIGHT_DTYPES:
+        raise CheckpointError(f"{file}: tensor {name} is {str(tensor.dtype).removeprefix('torch.')}, expected a "
+                              f"floating-point weight (float32, float16 or bfloat16)")
+    target = param if placement.start is None else param.narrow(0, placement.start, placement.rows)
+    source = tensor.t() if placement.transpose else tensor
+    if tuple(source.shape) != tuple(target.shape):
+        raise CheckpointError(f"weights: {name} has shape {tuple(tensor.shape)}, config implies "
+                              f"{tuple(target.t().shape if placement.transpose else target.shape)}")
+    target.copy_(source)
+    if not _all_finite(target):  # NaN or inf in the file, or a value beyond the dtype's range (float16: 65504)
+        where = "" if not _all_finite(tensor) else f" once converted to {str(param.dtype).removeprefix('torch.')}"
+        raise CheckpointError(f"{file}: tensor {name} has non-finite values (NaN or inf){where}")
+
+
+def load_weights(model: CausalLM, config: ModelConfig, directory: Path) -> None:
+    """Fill `model`'s parameters (already on their device, in their dtype) from the directory's weight files,
+    one file at a time and one tensor at a time: the host never holds more than one shard's tensors."""
+    from safetensors import SafetensorError
+
+    params = dict(model.named_parameters(remove_duplicate=False))
+    placements = weight_placements(config)
+    filled: set[str] = set()
+    unused: list[str] = []
+    for path in _weight_files(directory):
+        try:
+            with torch.no_grad():
+                for raw_name, tensor in _file_tensors(path, model.lm_head.weight.device):
+                    name = _strip_prefix(raw_name)
+                    placement = placements.get(name)
+                    if placement is None:
+                        if not _ignorable(name, config):
+                            unused.append(name)
+                        continue
+                    _place(params[placement.name], placement, tensor, path, raw_name)
+                    filled.add(name)
+                    del tensor
+        except CheckpointError:
+            raise
+        except (OSError, KeyError, ValueError, RuntimeError, SafetensorError) as error:  # e.g. a truncated file
+            raise CheckpointError(f"{directory}: weights are not readable ({error})") from None
+    missing = sorted(set(placements) - filled)
+    if missing:
+        raise CheckpointError(f"weights: tensor {missing[0]!r} is missing" + (
+            f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     if unused:  # e.g. a config with fewer layers than the weights: it would load and generate garbage
-        raise CheckpointError(f"weights: {len(unused)} tensor(s) the config does not use, e.g. {unused[:3]}; "
+        raise CheckpointError(f"weights: {len(unused)} tensor(s) the config does not use, e.g. {sorted(unused)[:3]}; "
                               f"config.json does not describe these weights ({config.num_layers} layers)")
-    return out
 
 
 def _ignorable(name: str, config: ModelConfig) -> bool:
@@ -229,31 +292,25 @@ def load_tokenizer(directory: Path) -> Tokenizer | None:
     return Tokenizer(backend=backend, vocab_size=backend.get_vocab_size(with_added_tokens=True))
 
 
-def build_model(config: ModelConfig, device: str = "cpu", dtype: torch.dtype | None = None,
-                state: dict[str, torch.Tensor] | None = None, seed: int = 0) -> CausalLM:
-    """Build a model; random weights (seeded, small) when `state` is None, as for shape presets."""
+def build_model(config: ModelConfig, device: str = "cpu", dtype: torch.dtype | None = None, seed: int = 0) -> CausalLM:
+    """A model of `config`'s shape with seeded random weights (small), as for shape presets."""
     dtype = dtype or default_dtype(device)
     torch.manual_seed(seed)
-    with torch.device("meta" if state is not None else device):
+    with torch.device(device):
         model = CausalLM(config)
-    if state is None:
-        for param in model.parameters():
-            torch.nn.init.normal_(param, std=0.02) if param.dim() > 1 else torch.nn.init.ones_(param)
-        return _finish(model, config, device, dtype)
-    model = model.to_empty(device=device)
-    expected = set(model.state_dict())
-    missing = expected - set(state)
-    if missing:
-        raise CheckpointError(f"weights: tensors missing for {sorted(missing)[:3]}")
-    for name, param in model.named_parameters(remove_duplicate=False):
-        src = state[name]
-        if tuple(src.shape) != tuple(param.shape):
-            raise CheckpointError(f"weights: {name} has shape {tuple(src.shape)}, config implies {tuple(param.shape)}")
-        with torch.no_grad():
-            param.copy_(src.to(dtype))
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.embed.weight
+    for param in model.parameters():
+        torch.nn.init.normal_(param, std=0.02) if param.dim() > 1 else torch.nn.init.ones_(param)
     return _finish(model, config, device, dtype)
+
+
+def empty_model(config: ModelConfig, device: str, dtype: torch.dtype) -> CausalLM:
+    """A model whose parameters are allocated on `device` in `dtype` and not initialized (to be loaded)."""
+    with torch.device("meta"):
+        model = CausalLM(config).to(dtype)
+    model = model.to_empty(device=device)
+    if config.tie_word_embeddings:  # to_empty gives every parameter its own storage: tie them again
+        model.lm_head.weight = model.embed.weight
+    return model
 
 
 def _finish(model: CausalLM, config: ModelConfig, device: str, dtype: torch.dtype) -> CausalLM:
@@ -275,8 +332,9 @@ def load_checkpoint(path: str | Path, device: str = "cpu", dtype: torch.dtype | 
     eos = _eos_from_generation_config(directory)
     if eos is not None:
         config = replace(config, eos_token_ids=eos)
-    tensors = _read_weight_files(directory)
-    state = hf_to_internal(config, tensors)
-    model = build_model(config, device, dtype, state)
+    dtype = dtype or default_dtype(device)
+    model = empty_model(config, device, dtype)
+    load_weights(model, config, directory)
+    model = _finish(model, config, device, dtype)
     return LoadedModel(path=directory, config=config, model=model, tokenizer=load_tokenizer(directory))
 

@@ -228,16 +228,17 @@ class SpeculativeGenerator:
         contenders timed side by side, step by step); `stats.total_s` counts this generation's own time
         only, not the time spent in others between its turns."""
         self._check(prompts, max_new_tokens, policy)
-        clock = DeviceClock(self.device)
-        resumed, own_s = clock.now(), 0.0  # own_s: this generation's time between its turns
+        # host time: the prefill and every step end with a read-back, so the device is idle at each reading
+        clock = DeviceClock(self.device).host_s
+        resumed, own_s = clock(), 0.0  # own_s: this generation's time between its turns
         stats = GenerationStats(synthetic_acceptance=synthetic_acceptance)
         b = len(prompts)
         rng = torch.Generator(device=self.device).manual_seed(seed)
         state = self._new_batch(prompts, max_new_tokens, policy.max_k if self.draft is not None else 0, sampling,
                                 rng, synthetic_acceptance)
-        started = clock.now()
+        started = clock()
         first = self.prefill(state, prompts)
-        stats.prefill_s = clock.now() - started
+        stats.prefill_s = clock() - started
 
         rows = list(range(b))  # original index of each running row, by slot
         serial = next(_generation_serial)
@@ -260,9 +261,9 @@ class SpeculativeGenerator:
                 moves = fill_holes(state, list(done), len(rows))
                 rows, generated = apply_moves(rows, moves, remaining), apply_moves(generated, moves, remaining)
                 state = state.rows(0, remaining)
-            own_s += clock.now() - resumed
+            own_s += clock() - resumed
             yield (finished_tokens + sum(map(len, generated))) / wanted  # a turn ends: the prefill, or a step
-            resumed = clock.now()
+            resumed = clock()
             if observer is not None:
                 observer.step_started()
             # the context a step pays for: the longest row's (what any policy is told)
@@ -282,7 +283,7 @@ class SpeculativeGenerator:
                 observer.step_finished(StepRecord(len(counts), context, step.k, step.nodes, step.draft_passes,
                                                   kept, sum(counts), decision_s))
         stats.generated_tokens = sum(len(o) for o in outputs)
-        stats.total_s = own_s + clock.now() - resumed
+        stats.total_s = own_s + clock() - resumed
         return GenerationResult(token_ids=outputs, stats=stats)
 
     @staticmethod

@@ -312,7 +312,9 @@ def _slug(text: str) -> str:
 
 def solo_references(config: LoadtestConfig):
     """prompt index, max_tokens -> the prompt's solo greedy output (the target alone, one prompt at a time,
-    generated once per prompt at the largest max_tokens: greedy outputs of fewer tokens are its prefixes)."""
+    generated once per prompt at the largest max_tokens: greedy outputs of fewer tokens are its prefixes), on
+    the server's device and in its dtype: in bfloat16 or float16 a speculative server's output may still part
+    from it at a near tie of the target's logits (docs/validation.md), which counts as a mismatch."""
     import torch
 
     from specbatch.runtime.assembly import load_named_pair

@@ -14,6 +14,10 @@ profiles without them still load and mean "chains only":
 Optional in-situ timing (the `insitu` section): `insitu_timings`, passes timed inside real speculative
 steps, and `insitu_steps`, those steps' measured times; profiles without them mean "isolated only".
 
+Optional device state: `device_state` (profile/device_state.py: the full-load warm-up, the GPU's clocks,
+power and temperature at the start and end of timing) and `noise_large_batch`, a second drift reference
+at the grid's largest batch size beside `noise`'s smallest one (power capping slows large passes first).
+
 Reading is strict: a missing or mistyped field is a PerfModelError that names the file and the
 field (`profile.json: timings[3].median_ms: expected a number, found 'fast'`).
 """
@@ -27,6 +31,7 @@ from ..errors import PerfModelError
 from ..fields import at as _at, boolean as _bool, get as _get, int_list as _int_list, integer as _int
 from ..fields import ROLES, duration_ms as _ms, is_int as _is_int, listed as _list, number as _number, string as _str
 from .insitu import InSituPassRow, InSituStepRow, check_unique, rows_json, sections_from_json
+from .device_state import DeviceState, device_state_from_json
 from .noise import NoiseFigure, noise_from_json
 from ..jsonio import read_json, write_json_atomic
 
@@ -176,6 +181,13 @@ class Profile:
     # optional (the `insitu` section): passes and steps timed inside real speculative generation
     insitu_timings: tuple[InSituPassRow, ...] = ()
     insitu_steps: tuple[InSituStepRow, ...] = ()
+    device_state: DeviceState | None = None  # optional: the GPU's warm-up, clocks, power and temperature
+    noise_large_batch: NoiseFigure | None = None  # optional: the drift reference at the largest batch size
+
+    def warnings(self) -> tuple[str, ...]:
+        """One line for each figure of the machine's state that exceeds its rule."""
+        figures = (self.noise, self.noise_large_batch, self.device_state)
+        return tuple(line for line in (None if f is None else f.warning() for f in figures) if line)
 
     def model(self, role: str) -> ModelInfo:
         if role not in ROLES:
@@ -200,6 +212,8 @@ class Profile:
             **({} if self.noise is None else {"noise": self.noise.to_json()}),
             **({"insitu_timings": rows_json(self.insitu_timings)} if self.insitu_timings else {}),
             **({"insitu_steps": rows_json(self.insitu_steps)} if self.insitu_steps else {}),
+            **({} if self.device_state is None else {"device_state": self.device_state.to_json()}),
+            **({} if self.noise_large_batch is None else {"noise_large_batch": self.noise_large_batch.to_json()}),
         }
 
 
@@ -442,6 +456,10 @@ def profile_from_json(obj: dict, source: str = "profile") -> Profile:
         stage2=None if obj.get("stage2") is None else stage2_from_json(obj["stage2"], f"{top} stage2"),
         noise=None if obj.get("noise") is None else noise_from_json(obj["noise"], f"{top} noise"),
         insitu_timings=insitu_timings, insitu_steps=insitu_steps,
+        device_state=None if obj.get("device_state") is None else device_state_from_json(obj["device_state"],
+                                                                                        f"{top} device_state"),
+        noise_large_batch=None if obj.get("noise_large_batch") is None else noise_from_json(
+            obj["noise_large_batch"], f"{top} noise_large_batch"),
     )
     validate(profile, source)
     return profile

@@ -8,6 +8,7 @@ import torch
 
 from specbatch.bench.step_ops import OpCounter, count_steps, counting, main
 from specbatch.perfmodel.tree import Strategy, parse_tree
+from specbatch.runtime.clock import DeviceClock
 from specbatch.runtime.generator import SpeculativeGenerator
 from specbatch.runtime.policy import FixedK, FixedStrategy
 
@@ -20,8 +21,10 @@ def test_the_counter_sees_every_kind_of_host_read_and_no_more():
         int(y[0, 0]), bool(y.sum() > 3), y.tolist(), y.numpy()  # four reads: item, bool, tolist, numpy
         x[x > 2]  # a boolean index: the output's size is the data's
         x[torch.tensor([0, 1])]  # an index by positions: no read
-    assert counter.counts["syncs"] == 5
-    assert set(counter.sync_ops) == {"_local_scalar_dense", "tolist", "numpy", "index"}
+        DeviceClock("cpu").now()  # a barrier on CUDA, whatever it does here
+        DeviceClock("cpu").host_s()  # no barrier
+    assert counter.counts["syncs"] == 6
+    assert set(counter.sync_ops) == {"_local_scalar_dense", "tolist", "numpy", "index", "synchronize"}
 
 
 @pytest.mark.parametrize("policy", [FixedK(0), FixedK(4), FixedStrategy(Strategy(parse_tree("0,1,2,0.0,0.1,1.0")))],

@@ -4,14 +4,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-import torch
 
 from specbatch.calibrate.errors import CalibrationError
 from specbatch.calibrate.grid import (
     TimingPoint, TreeOverheadPoint, check_grid_fits, fit_wide_passes, make_grid, merge_grids,
     new_tokens_at, overhead_points, timing_points, tree_overhead_points)
-from specbatch.calibrate.models import MemoryNeed, check_memory, memory_need, model_info
-from specbatch.runtime.loading import resolve_model
 from specbatch.runtime.presets import preset_config
 
 
@@ -94,28 +91,3 @@ def test_resumed_grid_is_the_union_and_keeps_max_k():
     assert merged.target_new_tokens == (1, 2, 3, 4, 5, 16, 32, 64) and merged.draft_new_tokens[-1] == 64
     with pytest.raises(CalibrationError, match="--max-k 4, not 6"):
         merge_grids(make_grid([1], [64], 4), make_grid([1], [64], 6))
-
-
-# ---------------------------------------------------------------- memory
-def test_memory_need_adds_weights_both_caches_and_logits():
-    target = model_info(resolve_model("llama-2-7b", "target"), torch.bfloat16)
-    draft = model_info(resolve_model("llama-68m", "draft"), torch.bfloat16)
-    assert target.kv_bytes_per_token == 2 * 32 * 32 * 128 * 2  # K and V, 32 layers, 32 heads of 128, 2 bytes
-    need = memory_need(target, draft, make_grid([1, 16], [256, 1024], max_k=7))
-    cache_len = 1024 + 7 + 1
-    assert need.kv_cache_bytes == (target.kv_bytes_per_token + draft.kv_bytes_per_token) * 16 * cache_len
-    assert need.weight_bytes == 2 * (target.parameters + draft.parameters)
-    assert need.logits_bytes == 16 * 8 * 32000 * 4  # the widest pass at b = 1 (64 tokens) is smaller
-    assert need.total_bytes == need.weight_bytes + need.kv_cache_bytes + need.logits_bytes
-    # tree steps verify N + 1 tokens per row at every batch size
-    assert memory_need(target, draft, make_grid([1, 16], [256, 1024], max_k=7), tree_nodes=32).logits_bytes == \
-        16 * 33 * 32000 * 4
-
-
-def test_memory_check_refuses_with_the_numbers():
-    need = MemoryNeed(weight_bytes=14 * 2**30, kv_cache_bytes=64 * 2**30, logits_bytes=0, batch_size=64,
-                      context_len=2048)
-    check_memory(need, available_bytes=80 * 2**30, device="cuda")
-    with pytest.raises(CalibrationError, match=r"weights 14.00 GiB \+ KV cache 64.00 GiB \(batch 64, context 2048\)"
-                                               r".* = 78.00 GiB > 70.00 GiB available"):
-        check_memory(need, available_bytes=70 * 2**30, device="cuda")

@@ -396,7 +396,8 @@ BAD_INPUTS = [
     ("different vocabularies", ["--target", "gpt2", "--draft", "llama-68m", "--acceptance", "0.8"],
      "--draft llama-68m: a vocabulary of 32000 tokens, the target's has 50257; draft and target must share"),
     ("too large for memory", ["--target", "llama-2-7b", "--draft", "llama-68m", "--acceptance", "0.8",
-                              "--batch-sizes", "100000", "--context-lens", "2000"], "does not fit on cpu"),
+                              "--dtype", "bfloat16", "--batch-sizes", "100000", "--context-lens", "2000"],
+     "no target pass of the grid fits on cpu"),
 ]
 
 

@@ -13,11 +13,19 @@ from specbatch.calibrate.timing import RepetitionRule
 
 
 class FakeClock:
+    """Host time that only the fake look-ups advance; its marks read the same time (a CPU DeviceClock's do)."""
+
     def __init__(self):
         self.now_s = 0.0
 
     def __call__(self) -> float:
         return self.now_s
+
+    host_s = mark = __call__
+
+    @staticmethod
+    def elapsed_s(start: float, end: float) -> float:
+        return end - start
 
 
 class FakeNGram:

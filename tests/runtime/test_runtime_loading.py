@@ -139,3 +139,111 @@ def test_ngram_files_are_checked_against_the_target_naming_the_option(tmp_path):
         load_ngram(tmp_path / "absent.safetensors", "--draft", shape)
     demo, _ = resolve_pair(str(MODELS / "demo-target"), None)
     assert load_ngram(ngram, "--stage2", demo).vocab_size == 259
+
+
+# ---------------------------------------------------------------- weights: straight to the device, checked
+def _write_tiny(directory: Path, edit=None, dtype=torch.float32) -> Path:
+    """A one-file Llama checkpoint of TINY's shape; `edit(tensors)` changes it before it is written."""
+    from safetensors.torch import save_file
+
+    from specbatch.runtime.checkpoint import build_model, internal_to_hf_llama
+    from specbatch.runtime.config import load_config
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(TINY))
+    config = load_config(directory / "config.json")
+    state = build_model(config, seed=3).state_dict()
+    tensors = {k: v.to(dtype) for k, v in internal_to_hf_llama(state, config).items()}
+    if edit is not None:
+        edit(tensors)
+    save_file(tensors, str(directory / "model.safetensors"))
+    return directory
+
+
+@pytest.mark.parametrize("value, where", [(float("nan"), ""), (float("inf"), "")])
+def test_non_finite_weights_are_refused_naming_the_file_and_tensor(tmp_path, value, where):
+    from specbatch.runtime.checkpoint import CheckpointError, load_checkpoint
+
+    def poison(tensors):
+        tensors["model.layers.1.mlp.down_proj.weight"][3, 5] = value
+
+    directory = _write_tiny(tmp_path / "m", poison)
+    with pytest.raises(CheckpointError, match=rf"^{directory / 'model.safetensors'}: tensor "
+                                              r"model.layers.1.mlp.down_proj.weight has non-finite values \(NaN or "
+                                              r"inf\)$"):
+        load_checkpoint(directory)
+
+
+def test_a_weight_that_overflows_the_target_dtype_is_refused_as_such(tmp_path):
+    from specbatch.runtime.checkpoint import CheckpointError, load_checkpoint
+
+    def huge(tensors):
+        tensors["model.norm.weight"][0] = 1e6  # beyond float16's 65504
+
+    directory = _write_tiny(tmp_path / "m", huge)
+    assert load_checkpoint(directory).model.final_norm.weight[0] == 1e6  # float32: fine
+    with pytest.raises(CheckpointError, match=r"tensor model.norm.weight has non-finite values \(NaN or inf\) "
+                                              r"once converted to float16$"):
+        load_checkpoint(directory, dtype=torch.float16)
+
+
+def test_integer_weights_are_refused_with_the_dtype_found_and_expected(tmp_path):
+    from specbatch.runtime.checkpoint import CheckpointError, load_checkpoint
+
+    def quantized(tensors):
+        name = "model.layers.0.self_attn.q_proj.weight"
+        tensors[name] = tensors[name].mul(100).to(torch.int8)
+
+    directory = _write_tiny(tmp_path / "m", quantized)
+    with pytest.raises(CheckpointError, match=rf"^{directory / 'model.safetensors'}: tensor model.layers.0.self_attn"
+                                              r".q_proj.weight is int8, expected a floating-point weight \(float32, "
+                                              r"float16 or bfloat16\)$"):
+        load_checkpoint(directory)
+
+
+def test_half_precision_files_load_into_the_requested_dtype(tmp_path):
+    from specbatch.runtime.checkpoint import load_checkpoint
+
+    directory = _write_tiny(tmp_path / "m", dtype=torch.float16)
+    model = load_checkpoint(directory, dtype=torch.float32).model
+    assert all(p.dtype == torch.float32 for p in model.parameters()) and model.inv_freq.dtype == torch.float32
+
+
+def _host_memory_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith(field + ":"))
+
+
+def test_a_sharded_checkpoint_loads_a_shard_at_a_time_within_one_shard_of_the_model(tmp_path):
+    """Peak host memory (the kernel's VmHWM, reset before loading) grows by the model plus about one shard,
+    not by the whole checkpoint again and its fused copies; and the sharded load equals the one-file load."""
+    import gc
+
+    transformers = pytest.importorskip("transformers")
+    from specbatch.runtime.checkpoint import load_checkpoint
+
+    config = transformers.LlamaConfig(vocab_size=8192, hidden_size=256, intermediate_size=1024, num_hidden_layers=8,
+                                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
+                                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(config)
+    model_bytes = sum(p.numel() * 4 for p in hf.parameters())
+    hf.save_pretrained(str(tmp_path / "sharded"), max_shard_size="8MB")
+    hf.save_pretrained(str(tmp_path / "single"), max_shard_size="10GB")
+    del hf
+    gc.collect()
+    shards = sorted((tmp_path / "sharded").glob("*.safetensors"))
+    assert len(shards) >= 5 and not (tmp_path / "single" / "model.safetensors.index.json").exists()
+    largest_shard = max(path.stat().st_size for path in shards)
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")  # resets VmHWM (peak resident memory) to what is resident now
+    except OSError:
+        pytest.skip("this kernel does not let a process reset its peak resident memory")
+    before_kib = _host_memory_kib("VmRSS")
+    sharded = load_checkpoint(tmp_path / "sharded")
+    grown = (_host_memory_kib("VmHWM") - before_kib) * 1024
+    assert grown <= model_bytes + 1.5 * largest_shard + 8 * 2**20, (grown / 2**20, model_bytes / 2**20)
+    single = load_checkpoint(tmp_path / "single")
+    tokens = torch.tensor([[1, 5, 9, 200, 7]])
+    assert torch.equal(sharded.model(tokens), single.model(tokens))

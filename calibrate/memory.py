@@ -1,0 +1,241 @@
+"""What each stage of calibration holds in device memory at once, and the plan that keeps every point
+within what the device has free: points that cannot fit are named before anything is measured, and the
+ks of an in-situ batch size are generated in lockstep only as many at a time as fit.
+
+Per stage (both models' weights are resident throughout):
+- isolated passes (calibrate.benchmarks.ForwardTimer): one model's cache of b rows x (L + the widest n
+  timed at b) tokens, and one pass;
+- step overheads and tree overheads: a generation on 8-token prompts (both caches) and its widest pass;
+- in situ (calibrate.insitu): the generations of a lockstep group are alive together, each with its own
+  target cache and, for k > 0, draft cache of b rows x (longest prompt + new tokens + k + 1) tokens (the
+  generator's buffer), plus the largest pass any of them runs: its prefill of b x prompt tokens, or its
+  verify pass.
+
+A pass's transient memory: activations of one layer at a time (the MLP's gate and up, a few hidden-size
+tensors), its logits in the model's dtype and in float32, the attention mask, and, when the attention
+kernel is the math one (`scores_materialized`), the attention scores and their softmax in float32.
+Assumptions: the caching allocator reuses what a finished generation freed (calibrate empties its cache
+between stages), and HEADROOM of the free memory covers its rounding, cuBLAS workspaces and the
+temporaries not counted here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from specbatch.perfmodel.profile import Grid, ModelInfo
+
+from .errors import CalibrationError
+from .grid import new_tokens_at
+
+GIB = 1024 ** 3
+HEADROOM = 0.9  # plan within 90 % of the free memory: allocator rounding, cuBLAS workspaces, small temporaries
+PROMPT_TOKENS = 8  # the overhead and tree samplers' prompts (calibrate.benchmarks, calibrate.run)
+TOKEN_ID_BYTES = 8  # the generator's token buffer is int64
+SHOWN_LABELS = 8  # skipped points named in a note, per stage
+
+
+def _element_bytes(info: ModelInfo) -> int:
+    return max(1, info.weight_bytes // info.parameters)
+
+
+def kv_bytes(info: ModelInfo, rows: int, tokens: int) -> int:
+    """A KV cache of `rows` rows with room for `tokens` tokens each."""
+    return info.kv_bytes_per_token * rows * tokens
+
+
+def pass_bytes(info: ModelInfo, rows: int, new_tokens: int, key_len: int, logits_tokens: int,
+               scores_materialized: bool) -> int:
+    """The transient memory of one forward pass of `rows` x `new_tokens` tokens over `key_len` keys, whose LM
+    head runs on `logits_tokens` positions (a prefill: one per row; a decode pass: every fed token)."""
+    element = _element_bytes(info)
+    tokens = rows * new_tokens
+    activations = tokens * (3 * info.intermediate_size + 6 * info.hidden_size) * element
+    logits = logits_tokens * info.vocab_size * (element + 4)
+    mask = tokens * key_len  # bool, broadcast over heads
+    scores = tokens * info.heads * key_len * 8 if scores_materialized else 0  # float32 scores and softmax
+    return activations + logits + mask + scores
+
+
+def generation_bytes(target: ModelInfo, draft: ModelInfo, rows: int, k: int, longest_prompt: int,
+                     new_tokens: int) -> int:
+    """What one generation keeps while it runs: its token buffer and caches (runtime.generator's buffer:
+    longest prompt + new tokens + k + 1 per row; no draft cache at k = 0)."""
+    buffer = longest_prompt + new_tokens + k + 1
+    caches = kv_bytes(target, rows, buffer) + (kv_bytes(draft, rows, buffer) if k > 0 else 0)
+    return caches + rows * buffer * TOKEN_ID_BYTES
+
+
+def generation_peak_pass_bytes(target: ModelInfo, draft: ModelInfo, rows: int, k: int, longest_prompt: int,
+                               new_tokens: int, scores_materialized: bool) -> int:
+    """The largest pass of one generation: a prefill (logits at one position a row; none for the draft) or its
+    verify pass."""
+    buffer = longest_prompt + new_tokens + k + 1
+    prefill = pass_bytes(target, rows, longest_prompt, longest_prompt, rows, scores_materialized)
+    verify = pass_bytes(target, rows, k + 1, buffer, rows * (k + 1), scores_materialized)
+    draft_prefill = pass_bytes(draft, rows, longest_prompt, longest_prompt, 0, scores_materialized) if k > 0 else 0
+    return max(prefill, verify, draft_prefill)  # the draft's decode passes (1 or 2 tokens a row) are smaller
+
+
+def lockstep_bytes(target: ModelInfo, draft: ModelInfo, rows: int, ks: Sequence[int], longest_prompt: int,
+                   new_tokens: int, scores_materialized: bool) -> int:
+    """The generations of `ks` alive together (calibrate.lockstep) and the largest pass any of them runs."""
+    caches = sum(generation_bytes(target, draft, rows, k, longest_prompt, new_tokens) for k in ks)
+    return caches + max(generation_peak_pass_bytes(target, draft, rows, k, longest_prompt, new_tokens,
+                                                   scores_materialized) for k in ks)
+
+
+def timing_point_bytes(info: ModelInfo, grid: Grid, role: str, rows: int, new_tokens: int, context_len: int,
+                       scores_materialized: bool) -> int:
+    """An isolated pass: the ForwardTimer's cache (room for the widest n timed at this b) and the pass."""
+    cache = kv_bytes(info, rows, context_len + max(new_tokens_at(grid, role, rows)))
+    return cache + pass_bytes(info, rows, new_tokens, context_len + new_tokens, rows * new_tokens,
+                              scores_materialized)
+
+
+def sampler_generation_bytes(target: ModelInfo, draft: ModelInfo, rows: int, draft_tokens: int,
+                             new_tokens: int, scores_materialized: bool) -> int:
+    """A step-overhead sample (chain k or a tree of `draft_tokens` nodes) on PROMPT_TOKENS-token prompts."""
+    return (generation_bytes(target, draft, rows, draft_tokens, PROMPT_TOKENS, new_tokens)
+            + generation_peak_pass_bytes(target, draft, rows, draft_tokens, PROMPT_TOKENS, new_tokens,
+                                         scores_materialized))
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """The device's free memory and what the plan may use of it beyond both models' weights."""
+
+    device: str
+    available_bytes: int
+    weight_bytes: int
+    reserved_bytes: int = 0  # held all run long beside the weights: the reference passes' caches
+
+    @property
+    def usable_bytes(self) -> int:
+        return int(self.available_bytes * HEADROOM)
+
+    @property
+    def room_bytes(self) -> int:
+        """What a stage may hold beside the weights and the reserved caches."""
+        return self.usable_bytes - self.weight_bytes - self.reserved_bytes
+
+    def fits(self, stage_bytes: int) -> bool:
+        return stage_bytes <= self.room_bytes
+
+    def reserve(self, held_bytes: int) -> MemoryBudget:
+        return MemoryBudget(self.device, self.available_bytes, self.weight_bytes, self.reserved_bytes + held_bytes)
+
+    def reason(self, stage_bytes: int) -> str:
+        """'X GiB beside the weights' W GiB, where F GiB are free': what a need that does not fit is told with."""
+        resident = (self.weight_bytes + self.reserved_bytes) / GIB
+        held = " and reference caches" if self.reserved_bytes else ""
+        return (f"{stage_bytes / GIB:.2f} GiB beside {resident:.2f} GiB of weights{held}, where "
+                f"{self.available_bytes / GIB:.2f} GiB are free on {self.device} "
+                f"({100 * HEADROOM:.0f} % of it planned)")
+
+
+def reference_bytes(target: ModelInfo, rows: int, context_len: int, scores_materialized: bool) -> int:
+    """A reference pass (calibrate.noise.reference_sampler): its cache, kept all run long, and the pass."""
+    return kv_bytes(target, rows, context_len + 1) + pass_bytes(target, rows, 1, context_len + 1, rows,
+                                                                 scores_materialized)
+
+
+def memory_budget(target: ModelInfo, draft: ModelInfo, available_bytes: int, device: str) -> MemoryBudget:
+    """The budget, refused with the numbers when the weights alone leave no room."""
+    budget = MemoryBudget(device, available_bytes, target.weight_bytes + draft.weight_bytes)
+    if budget.room_bytes <= 0:
+        raise CalibrationError(
+            f"--target/--draft: the weights need {budget.weight_bytes / GIB:.2f} GiB but {available_bytes / GIB:.2f} "
+            f"GiB are free on {device} ({100 * HEADROOM:.0f} % of it planned); use a smaller --dtype or pair")
+    return budget
+
+
+def lockstep_split(target: ModelInfo, draft: ModelInfo, rows: int, ks: Sequence[int], longest_prompt: int,
+                   new_tokens: int, scores_materialized: bool,
+                   budget: MemoryBudget) -> tuple[list[list[int]], list[int]]:
+    """The ks of one in-situ batch size as consecutive lockstep groups that each fit, and the ks that do
+    not fit even alone. Groups are as large as fit, in the given order, so the ks the table chooses between
+    stay side by side where memory allows."""
+    groups: list[list[int]] = []
+    alone: list[int] = []
+    for k in ks:
+        if not budget.fits(lockstep_bytes(target, draft, rows, [k], longest_prompt, new_tokens, scores_materialized)):
+            alone.append(k)
+        elif groups and budget.fits(lockstep_bytes(target, draft, rows, groups[-1] + [k], longest_prompt, new_tokens,
+                                                   scores_materialized)):
+            groups[-1].append(k)
+        else:
+            groups.append([k])
+    return groups, alone
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Which points a run skips because they cannot fit, how the in-situ ks are grouped, and what to say."""
+
+    skipped: frozenset  # the points (calibrate.grid / calibrate.insitu point objects) not measured
+    lockstep_ks: dict[int, list[list[int]]]  # in-situ batch size -> its ks' lockstep groups, in order
+    notes: tuple[str, ...]  # one line each, said before measuring
+    large_reference: bool = True  # whether the reference pass at the largest batch size fits beside the rest
+
+
+def plan_memory(target: ModelInfo, draft: ModelInfo, grid: Grid, budget: MemoryBudget, scores_materialized: bool,
+                timings: Sequence, overheads: Sequence, trees: Sequence, insitu: Sequence, overhead_steps: int,
+                tree_steps: int, insitu_prompt_tokens: int, insitu_new_tokens: int) -> MemoryPlan:
+    """The plan for the points still to measure (calibrate.run's lists). Sample sizes are bounded from above:
+    an overhead sample of k generates at most 1 + steps x (k + 1) tokens a row, a tree's 1 + steps x (N + 1)."""
+    models = {"target": target, "draft": draft}
+    skipped: dict[object, tuple[str, int]] = {}  # point -> (label, bytes it needs beside the weights)
+    by_stage: dict[str, list[object]] = {}
+
+    def check(stage: str, point, label: str, stage_bytes: int) -> None:
+        if not budget.fits(stage_bytes):
+            skipped[point] = (label, stage_bytes)
+            by_stage.setdefault(stage, []).append(point)
+
+    for p in timings:
+        check("isolated passes", p, f"{p.model} b={p.batch_size} n={p.new_tokens} L={p.context_len}",
+              timing_point_bytes(models[p.model], grid, p.model, p.batch_size, p.new_tokens, p.context_len,
+                                 scores_materialized))
+    for p in overheads:
+        check("step overheads", p, f"overhead b={p.batch_size} k={p.k}",
+              sampler_generation_bytes(target, draft, p.batch_size, p.k, 1 + overhead_steps * (p.k + 1),
+                                       scores_materialized))
+    for p in trees:
+        check("tree overheads", p, f"tree overhead b={p.batch_size} nodes={p.tree_nodes}",
+              sampler_generation_bytes(target, draft, p.batch_size, p.tree_nodes,
+                                       1 + tree_steps * (p.tree_nodes + 1), scores_materialized))
+    for role in models:
+        passes = [p for p in timings if p.model == role]
+        if passes and all(p in skipped for p in passes):  # nothing to fit a latency model to
+            label, need = min((skipped[p] for p in passes), key=lambda item: item[1])
+            raise CalibrationError(f"--batch-sizes/--context-lens: no {role} pass of the grid fits on {budget.device} "
+                                   f"(the smallest, {label}, needs {budget.reason(need)}); lower --batch-sizes or "
+                                   "--context-lens, or use a smaller --dtype")
+    lockstep_ks: dict[int, list[list[int]]] = {}
+    notes: list[str] = []
+    for b in sorted({p.batch_size for p in insitu}):
+        ks = sorted({p.k for p in insitu if p.batch_size == b})
+        groups, alone = lockstep_split(target, draft, b, ks, insitu_prompt_tokens, insitu_new_tokens,
+                                       scores_materialized, budget)
+        if groups:
+            lockstep_ks[b] = groups
+        for p in insitu:
+            if p.batch_size == b and p.k in alone:
+                check("in-situ generations", p, f"in-situ b={b} k={p.k}",
+                      lockstep_bytes(target, draft, b, [p.k], insitu_prompt_tokens, insitu_new_tokens,
+                                     scores_materialized))
+        if len(groups) > 1:
+            together = lockstep_bytes(target, draft, b, ks, insitu_prompt_tokens, insitu_new_tokens,
+                                      scores_materialized)
+            notes.append(f"memory: in situ at b={b} the ks run in {len(groups)} lockstep groups "
+                         f"({' | '.join(','.join(map(str, g)) for g in groups)}): all together "
+                         + "they need " + budget.reason(together))
+    for stage, points in by_stage.items():
+        labels = [skipped[p][0] for p in points]
+        shown = "; ".join(labels[:SHOWN_LABELS]) + (f"; and {len(labels) - SHOWN_LABELS} more"
+                                                    if len(labels) > SHOWN_LABELS else "")
+        smallest = min(skipped[p][1] for p in points)
+        notes.append(f"memory: skipping {len(points)} {stage} that cannot fit ({shown}): the smallest needs "
+                     + budget.reason(smallest))
+    return MemoryPlan(frozenset(skipped), lockstep_ks, tuple(notes))
