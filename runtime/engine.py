@@ -67,6 +67,7 @@ class EngineConfig:
     max_waiting: int = 1024  # queued requests beyond which submit raises QueueFull
     max_context_tokens: int | None = None  # prompt + max_tokens of one request; None: the models' context
     kv_cache_bytes: int | None = None  # both models' KV slots fit in this; None: max_batch_size slots
+    prefill_chunk_tokens: int = 512  # a longer prompt is prefilled in parts of this size, decode steps between
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,26 @@ class _Row:
     emitted_tokens: int = 0
     emitted_chars: int = 0
     text: IncrementalText | None = None  # the row's text, decoded a step's tokens at a time
+
+
+class _Cancelled(Exception):
+    """A request cancelled while its long prompt was prefilled."""
+
+
+class _Lengths:
+    """A state's lengths (committed tokens, both caches), on the device and the host, to put back after a
+    step that failed half-way (its passes had advanced the caches)."""
+
+    def __init__(self, state: BatchState):
+        caches = [c for c in (state.target_cache, state.draft_cache) if c is not None]
+        self.committed = state.committed.clone(), state.host_committed.copy()
+        self.caches = [(cache.lengths.clone(), cache.host_lengths.copy()) for cache in caches]
+
+    def restore(self, state: BatchState) -> None:
+        state.set_committed(*self.committed)
+        caches = [c for c in (state.target_cache, state.draft_cache) if c is not None]
+        for cache, (device, host) in zip(caches, self.caches):
+            cache.set_lengths(device, host)
 
 
 class Engine:
@@ -294,21 +315,77 @@ class Engine:
                 row.draws += rng.drawn
 
     def _prefill(self, joined: list[_Row]) -> None:
-        start, n = len(self._rows), len(joined)
-        prompts = [list(row.request.prompt_ids) for row in joined]
-        lens = [len(p) for p in prompts]
-        host_tokens = np.zeros((n, max(lens)), dtype=np.int64)
-        for j, prompt in enumerate(prompts):
-            host_tokens[j, :lens[j]] = prompt
-        sampling, rng = self._batch_sampling(joined)
+        """Prefill the newcomers: short prompts together in one packed pass, each long one in parts with
+        the running rows' decode steps between them (they wait one part at most). A prefill that fails
+        ends its own requests with 'error', no one else's."""
+        chunk = self.config.prefill_chunk_tokens
+        short = [row for row in joined if len(row.request.prompt_ids) <= chunk]
+        if short:
+            self._guarded_prefill(short, lambda state, prompts: self.generator.prefill(state, prompts))
+        for row in joined:
+            if len(row.request.prompt_ids) > chunk:
+                self._prefill_in_parts(row, chunk)
+
+    def _guarded_prefill(self, rows: list[_Row], run) -> None:
+        """Prefill `rows` into the slots after the running ones with `run(state, prompts)` -> first tokens,
+        then let them run; on failure they end with 'error'. Running rows may leave during `run` (a chunked
+        prefill steps them): the newcomers then move down next to the rows still running."""
+        start, n = len(self._rows), len(rows)
+        prompts = [list(row.request.prompt_ids) for row in rows]
+        sampling, rng = self._batch_sampling(rows)
         state = self._pool.rows(start, n, sampling=sampling, rng=rng)
-        state.tokens[:, :max(lens)] = upload(host_tokens, state.tokens.device)
-        state.set_committed(None, lens)
-        first = self.generator.prefill(state, prompts)
-        self._advance_streams(joined, rng)
-        self._rows.extend(joined)
-        self.metrics.observe_prefill(sum(lens))
-        self._deliver(list(range(start, start + n)), [[t] for t in first])
+        try:
+            longest = max(map(len, prompts))
+            host_tokens = np.zeros((n, longest), dtype=np.int64)
+            for j, prompt in enumerate(prompts):
+                host_tokens[j, :len(prompt)] = prompt
+            state.tokens[:, :longest] = upload(host_tokens, state.tokens.device)
+            state.set_committed(None, [len(p) for p in prompts])
+            first = run(state, prompts)
+        except _Cancelled:
+            for row in rows:
+                self._emit(row.request, [], "", "cancelled", 0)
+                self.metrics.observe_finish("cancelled")
+            return
+        except Exception:  # noqa: BLE001 - a request that cannot be prefilled must not end the others
+            log.exception("prefill of %d request(s) failed; they end with finish_reason 'error'", n)
+            for row in rows:
+                self._emit(row.request, [], "", "error", 0)
+                self.metrics.observe_finish("error")
+            return
+        position = len(self._rows)
+        for j in range(n if position != start else 0):  # destinations lie below their sources
+            self._pool.move_row(start + j, position + j)
+        self._advance_streams(rows, rng)
+        self._rows.extend(rows)
+        self.metrics.observe_prefill(sum(map(len, prompts)))
+        self._deliver(list(range(position, position + n)), [[t] for t in first])
+
+    def _prefill_in_parts(self, row: _Row, chunk: int) -> None:
+        """A long prompt in parts of `chunk` tokens, a decode step of the running rows after each part."""
+        prompt = list(row.request.prompt_ids)
+        last = (len(prompt) - 1) // chunk * chunk  # where the final part (1..chunk tokens) starts
+
+        def run(state, prompts):
+            for cache in (state.target_cache, state.draft_cache):
+                if cache is not None:
+                    cache.set_lengths(None, [0])
+            for begin in range(0, last, chunk):
+                self.generator.prefill_part(state, [prompt[begin:begin + chunk]])
+                if self._rows:
+                    self._speculative_step()
+                if self._take_cancelled(row.request.id):
+                    raise _Cancelled()
+            return self.generator.prefill(state, [prompt[last:]], continuing=True)
+
+        self._guarded_prefill([row], run)
+
+    def _take_cancelled(self, request_id: str) -> bool:
+        with self._lock:
+            if request_id in self._cancelled:
+                self._cancelled.discard(request_id)
+                return True
+        return False
 
     def _speculative_step(self) -> None:
         b = len(self._rows)
@@ -319,13 +396,41 @@ class Engine:
         started = time.perf_counter()
         choice = hooks.ask(self.policy, request_ids, context) if self.generator.draft is not None else 0
         decision_s = time.perf_counter() - started
-        step = self.generator.step(state, choice)
+        saved = _Lengths(state)
+        try:
+            step = self.generator.step(state, choice)
+        except Exception:  # noqa: BLE001 - find the rows that fail alone; the others go on
+            log.exception("a step over %d rows failed; retrying each row alone", b)
+            saved.restore(state)
+            self._rows_alone(choice)
+            return
         self._advance_streams(self._rows, rng)
         counts = step.counts_host
         decision_s += self.generator.learn(self.policy, request_ids, step, counts)
         self.metrics.observe_step(describe_choice(choice), step.k, step.nodes, counts,
                                   time.perf_counter() - started, decision_s)
         self._deliver(list(range(b)), step.kept)
+
+    def _rows_alone(self, choice) -> None:
+        """After a failed step: each row steps alone; the rows that fail alone end with 'error'."""
+        kept, failed = [], []
+        for i, row in enumerate(self._rows):
+            sampling, rng = self._batch_sampling([row])
+            state = self._pool.rows(i, 1, sampling=sampling, rng=rng)
+            saved = _Lengths(state)
+            try:
+                kept.append(self.generator.step(state, choice).kept[0])
+                self._advance_streams([row], rng)
+            except Exception:  # noqa: BLE001
+                log.exception("request %s fails alone; it ends with finish_reason 'error'", row.request.id)
+                saved.restore(state)
+                kept.append([])
+                failed.append(row)
+        self._deliver(list(range(len(self._rows))), kept)
+        gone = [i for i, row in enumerate(self._rows) if any(row is f for f in failed)]
+        for i in gone:
+            self._emit(self._rows[i].request, [], "", "error", len(self._rows[i].generated))
+        self._remove(gone, "error")
 
     def _deliver(self, indices: list[int], kept_tokens: list[list[int]]) -> None:
         """Add each row's new tokens, find the rows that finished, emit events, free finished slots."""

@@ -312,23 +312,35 @@ class SpeculativeGenerator:
                           self.target.new_cache(b, buffer_len), draft_cache, max_k, sampling, rng, synthetic_acceptance)
 
     # ------------------------------------------------------------------ the steps (the engine's too)
-    def prefill(self, state: BatchState, prompts: list[list[int]]) -> list[int]:
-        """Feed each row's prompt (`state.tokens` already holds it) into caches whose rows are empty, packed
-        with no padding; write the target's first token after each prompt, count it committed and return
-        the first tokens (on the host: the prefill's one read-back)."""
+    def prefill(self, state: BatchState, prompts: list[list[int]], continuing: bool = False) -> list[int]:
+        """Feed each row's prompt (`state.tokens` already holds it, `state.committed` counts it) into the
+        caches, packed with no padding; write the target's first token after each prompt, count it
+        committed and return the first tokens (on the host: the prefill's one read-back). The caches'
+        rows start empty, or, `continuing`, hold the prompt's beginning (`prefill_part`): `prompts` is then
+        each row's rest."""
+        if not continuing:
+            for cache in (state.target_cache, state.draft_cache):
+                if cache is not None:
+                    cache.set_lengths(None, np.zeros(len(prompts), dtype=np.int64))
         counts = [len(p) for p in prompts]
-        packed = upload(np.concatenate([np.asarray(p, dtype=np.int64) for p in prompts]), self.device)
-        for cache in (state.target_cache, state.draft_cache):
-            if cache is not None:
-                cache.set_lengths(None, np.zeros(len(prompts), dtype=np.int64))
+        packed = _packed(prompts, self.device)
         last_logits = self.target(packed, state.target_cache, last=1, new_tokens=counts)[:, 0]  # (b, V)
         if state.draft_cache is not None:
             self.draft(packed, state.draft_cache, last=0, new_tokens=counts)
         sampling = state.sampling
         first = last_logits.argmax(-1) if sampling.greedy else sample(probabilities(last_logits, sampling), state.rng)
         state.tokens.scatter_(1, state.committed[:, None], first[:, None])
-        state.set_committed(state.committed + 1, np.asarray(counts) + 1)
+        state.set_committed(state.committed + 1, state.host_committed + 1)
         return first.tolist()
+
+    def prefill_part(self, state: BatchState, parts: list[list[int]]) -> None:
+        """Feed a part of each row's prompt into both caches (a chunked prefill: the serving engine runs
+        decode steps between the parts of a long prompt); the last part goes through `prefill`."""
+        counts = [len(p) for p in parts]
+        packed = _packed(parts, self.device)
+        for model, cache in ((self.target, state.target_cache), (self.draft, state.draft_cache)):
+            if cache is not None:
+                model(packed, cache, last=0, new_tokens=counts)
 
     def step(self, state: BatchState, choice, observer: StepObserver | None = None) -> Step:
         """One speculative step for every row of `state` with the policy's `choice` (k or a Strategy): each
@@ -483,6 +495,11 @@ class SpeculativeGenerator:
             if keep < total or total >= limit or hit is not None:
                 done[i] = keep
         return done
+
+
+def _packed(prompts: list[list[int]], device) -> torch.Tensor:
+    """Every row's tokens one row after another (a ragged pass's input), on `device`."""
+    return upload(np.concatenate([np.asarray(p, dtype=np.int64) for p in prompts]), device)
 
 
 def run_to_end(generation):

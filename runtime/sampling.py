@@ -94,7 +94,8 @@ class RowSampling:
                                [float(row.top_k) for row in self.rows],
                                [row.top_p if row.top_p < 1.0 else 2.0 for row in self.rows],
                                [float(row.greedy) for row in self.rows]], device, torch.float32)
-            self._tensors[device] = (settings[0], settings[1].long(), settings[2], settings[3].bool())
+            self._tensors[device] = (settings[0].clamp_min(_TINY), settings[1].long(), settings[2].clamp_min(_TINY),
+                                     settings[3].bool())
         return self._tensors[device]
 
     def describe(self) -> str:
@@ -148,7 +149,7 @@ def probabilities(logits: torch.Tensor, sampling) -> torch.Tensor:
     row r of `logits` (batch first) follows the row's own settings."""
     if isinstance(sampling, RowSampling):
         return _row_probabilities(logits, sampling)
-    logits = logits.float() / sampling.temperature
+    logits = _relative(logits) / max(sampling.temperature, _TINY)
     if sampling.top_k and sampling.top_k < logits.shape[-1]:
         kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -157,17 +158,30 @@ def probabilities(logits: torch.Tensor, sampling) -> torch.Tensor:
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
         # drop a token when the tokens ranked above it already hold top_p of the mass
         mass_before = sorted_probs.cumsum(-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(mass_before >= sampling.top_p, 0.0)
+        sorted_probs = sorted_probs.masked_fill(mass_before >= max(sampling.top_p, _TINY), 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+# Settings below float32's smallest normal number act as it (they would round to 0 in float32): the
+# distribution is then its limit, the argmax (temperature) or the top token (top-p), as it is just above.
+_TINY = torch.finfo(torch.float32).tiny
+
+
+def _relative(logits: torch.Tensor) -> torch.Tensor:
+    """Logits less their maximum, in float32: the same softmax, and a temperature however small divides
+    numbers <= 0 (the largest gives 0, the others -inf at worst), so the distribution tends to its limit,
+    the argmax, instead of overflowing to inf - inf = NaN."""
+    logits = logits.float()
+    return logits - logits.max(dim=-1, keepdim=True).values
 
 
 def _row_probabilities(logits: torch.Tensor, sampling: RowSampling) -> torch.Tensor:
     """`probabilities` with one setting per row, every row in the same operations (the rules above)."""
     temperature, top_k, top_p, greedy = sampling.tensors(logits.device)
     per_row = (-1,) + (1,) * (logits.dim() - 1)
-    scaled = logits.float() / temperature.view(per_row)
+    scaled = _relative(logits) / temperature.view(per_row)
     vocab = logits.shape[-1]
     filtering = [k for k in sampling.top_ks if 0 < k < vocab]
     if filtering:

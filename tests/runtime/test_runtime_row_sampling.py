@@ -74,3 +74,19 @@ def test_sampling_by_row_streams_follows_the_distribution_and_never_draws_zero_p
     assert counts[1] == counts[6] == 0
     support = probs > 0
     assert scipy_stats.chisquare(counts[support.numpy()], rows * probs[support].numpy()).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("temperature", [1e-320, 1e-300, 1e-30, 1e-8])
+def test_a_temperature_however_small_gives_the_argmax_not_nan(temperature):
+    """The limit T -> 0 is greedy: the one-hot distribution at the argmax (both paths, any logits' scale)."""
+    logits = torch.tensor([[3.0, 7.5, -2.0, 7.4], [1e4, -1e4, 0.0, 5.0]])
+    expected = torch.nn.functional.one_hot(logits.argmax(-1), 4).float()
+    assert torch.equal(probabilities(logits, Sampling(temperature=temperature)), expected)
+    rows = RowSampling((Sampling(temperature=temperature), Sampling(temperature=temperature, top_p=1e-300)))
+    assert torch.equal(probabilities(logits, rows), expected)
+
+
+def test_a_top_p_however_small_keeps_the_top_token():
+    logits = torch.tensor([[0.1, 2.0, 1.9, -1.0]])
+    assert torch.equal(probabilities(logits, Sampling(temperature=1.0, top_p=1e-300)),
+                       torch.tensor([[0.0, 1.0, 0.0, 0.0]]))
