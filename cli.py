@@ -17,14 +17,14 @@ from specbatch.runtime.assembly import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET  # 
 from specbatch.calibrate import grid as _grid  # plain data: --help's defaults
 from specbatch.console.explain_command import explain
 from specbatch.console.options import (
-    AcceptanceOpt, AdaptiveOpt, AnyDraftOpt, AnyTargetOpt, DeviceOpt, DraftOpt, DtypeOpt, ForceOpt, JsonOpt,
+    AcceptanceOpt, AdaptiveOpt, App, AnyDraftOpt, AnyTargetOpt, DeviceOpt, DraftOpt, DtypeOpt, ForceOpt, JsonOpt,
     MaxBatchOpt, MaxKOpt, ModelFileArg, Stage2Opt, TargetOpt, ThreadsOpt, TreeOpt, acceptance_override,
     check_counts, check_query_options, ints_text, one_line_errors, parse_int_list, read_prompts_file, set_threads,
 )
 from specbatch.console.serve_commands import loadtest_command, serve_command
 from specbatch.perfmodel.errors import UsageError
 
-app = typer.Typer(
+app = App(
     add_completion=False,
     no_args_is_help=True,
     help="Optimal speculation length per batch size: calibrate, fit, table, query, generate, bench, demo.",
@@ -206,7 +206,7 @@ def bench(
     from specbatch.bench.config import BenchConfig
     from specbatch.runtime.sampling import parse_sampling
 
-    from specbatch.perfmodel.jsonio import writable_dir
+    from specbatch.perfmodel.jsonio import make_dir
 
     config = BenchConfig(  # every option is checked before a model is loaded
         batch_sizes=tuple(parse_int_list("--batch-sizes", batch_sizes)), ks=tuple(parse_int_list("--ks", ks, 0)),
@@ -218,7 +218,7 @@ def bench(
         second_prompts_path=second_prompts, interleave=interleave)
     check_input_files(table=table, model=model, prompts=prompts, stage2=stage2, adaptive=adaptive,
                       second_prompts=second_prompts)
-    writable_dir(out, "--out")  # before measuring: a file in the way would lose every measurement
+    make_dir(out, "--out")  # before measuring: a file in the way would lose every measurement
     set_threads(threads)  # after the checks: a note must not come before a one-line error
     inputs = load_bench_inputs(config, target, draft, prompts, device, dtype, force)
     config = inputs.config  # with the table's own n-gram when it names one
@@ -406,9 +406,9 @@ def demo(
     race_sizes = parse_int_list("--batch-sizes", batch_sizes)
     if prompts_shown <= 0 or max_new_tokens <= 0 or rounds <= 0 or max_batch <= 0:
         raise UsageError("--prompts-shown, --max-new-tokens, --rounds and --max-batch must be positive")
-    from specbatch.perfmodel.jsonio import writable_dir
+    from specbatch.perfmodel.jsonio import make_dir, writable_dir
 
-    writable_dir(out, "--out")  # before the first measurement
+    make_dir(out, "--out")  # before the first measurement
     writable_dir(out / "bench", "--out")  # where the race's files go
     set_threads(threads)
     from specbatch.console.demo import run_demo

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from specbatch.perfmodel.jsonio import write_bytes_atomic
+from specbatch.perfmodel.jsonio import make_dir, write_bytes_atomic
 
 from .policies import STAGED_SUFFIX, TABLE_POLICY, TREE_PREFIX, fixed_policy_name, policy_family
 from .results import BenchResult, PolicyResult, compared_rate
@@ -93,8 +93,7 @@ def write_outputs(result: BenchResult, out_dir: str | os.PathLike) -> list[Path]
     except ImportError:
         plots = ()
         result.notes.append("plots skipped: matplotlib is not installed (pip install matplotlib)")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_dir(Path(out_dir), "--out")
     written = [out / "bench.json", out / "bench.csv"]
     write_bytes_atomic(written[0], (json.dumps(bench_json(result), indent=1, allow_nan=False) + "\n").encode())
     write_bytes_atomic(written[1], bench_csv(result).encode())

@@ -2,23 +2,59 @@
 library error becomes `error: <message>` (exit code 2) and a table range warning a `note:` line."""
 from __future__ import annotations
 
+import errno
 import functools
+import io
 import json
 import os
+import sys
 import time
 import warnings
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from typer.core import TyperCommand, TyperGroup
 
 from specbatch.runtime import presets as _presets
 from specbatch.perfmodel.errors import SpecbatchError, UsageError
 
 
+class _FlagsTakeNoValue:
+    """--help shows no `<bool>` type beside a flag: a flag takes no value (`--force`, not `--force true`)."""
+
+    def get_params(self, ctx):
+        params = super().get_params(ctx)
+        for param in params:
+            if getattr(param, "is_flag", False) and param.metavar is None:
+                param.metavar = ""
+        return params
+
+
+class _Command(_FlagsTakeNoValue, TyperCommand):
+    pass
+
+
+class _Group(_FlagsTakeNoValue, TyperGroup):
+    pass
+
+
+class App(typer.Typer):
+    """typer.Typer whose commands show flags as flags in --help."""
+
+    def __init__(self, **kwargs):
+        super().__init__(cls=_Group, **kwargs)
+
+    def command(self, *args, cls=None, **kwargs):
+        return super().command(*args, cls=cls or _Command, **kwargs)
+
+
 def one_line_errors(command):
     """Turn the library's input errors into `error: <message>` on stderr and exit code 2, and the table's
-    range warnings into one `note:` line each (not a Python warning with its source line)."""
+    range warnings into one `note:` line each (not a Python warning with its source line). A system error
+    (a full disk, a read-only folder, standard output that takes no more bytes) is one line too: the path
+    or "standard output" and the system's reason; files themselves are written atomically, so the old
+    one is kept."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
@@ -26,6 +62,7 @@ def one_line_errors(command):
             with warnings.catch_warnings(record=True) as caught:  # the filters in force stay as they are
                 result = command(*args, **kwargs)
             _say_warnings(caught)
+            sys.stdout.flush()  # a full stdout fails here, inside the command, not at the interpreter's exit
             return result
         except KeyboardInterrupt:
             typer.echo("interrupted", err=True)
@@ -33,8 +70,36 @@ def one_line_errors(command):
         except (SpecbatchError, FileNotFoundError, json.JSONDecodeError) as error:
             typer.echo(f"error: {error}", err=True)
             raise typer.Exit(2)
+        except OSError as error:
+            typer.echo(f"error: {_os_error_line(error)}", err=True)
+            raise typer.Exit(2)
 
     return wrapper
+
+
+# A system error without a path at this level comes from a stream: files are written by the atomic
+# writer (its errors name the file) and folders by jsonio.make_dir; stderr is where we would report it.
+_STREAM_WRITE_ERRNOS = {errno.ENOSPC, errno.EPIPE, errno.EIO, errno.EFBIG, errno.EDQUOT}
+
+
+def _os_error_line(error: OSError) -> str:
+    from specbatch.perfmodel.jsonio import os_reason
+
+    if error.filename is not None:
+        return f"{error.filename}: {os_reason(error)}"
+    if error.errno in _STREAM_WRITE_ERRNOS:
+        _discard_stdout()
+        return f"cannot write standard output ({os_reason(error)})"
+    return os_reason(error)
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's last flush of what is still buffered does not fail
+    a second time with a traceback of its own."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, io.UnsupportedOperation):  # not a real file (a test's capture)
+        pass
 
 
 def _say_warnings(caught) -> None:

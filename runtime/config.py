@@ -199,9 +199,13 @@ def load_config(path: str | Path) -> ModelConfig:
     if not path.is_file():
         raise ConfigError(f"{path}: no such file")
     try:
-        raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise ConfigError(f"{path}: not readable JSON ({error})") from None
+        text = path.read_text()
+    except OSError as error:
+        raise ConfigError(f"{path}: cannot read ({error.strerror or error})") from None
+    try:
+        raw = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ConfigError(f"{path}: not valid JSON ({error})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a JSON object")
     return config_from_dict(raw, str(path))
