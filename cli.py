@@ -404,8 +404,9 @@ def demo(
 ):
     """The whole loop on the bundled demo pair: quick calibration, fit, table, generation, measured speedup."""
     race_sizes = parse_int_list("--batch-sizes", batch_sizes)
-    if prompts_shown <= 0 or max_new_tokens <= 0 or rounds <= 0 or max_batch <= 0:
-        raise UsageError("--prompts-shown, --max-new-tokens, --rounds and --max-batch must be positive")
+    if prompts_shown <= 0 or max_new_tokens <= 0 or rounds <= 0:
+        raise UsageError("--prompts-shown, --max-new-tokens and --rounds must be positive")
+    check_counts(max_batch=max_batch)
     from specbatch.perfmodel.jsonio import make_dir, writable_dir
 
     make_dir(out, "--out")  # before the first measurement

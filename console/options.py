@@ -18,6 +18,7 @@ from typer.core import TyperCommand, TyperGroup
 
 from specbatch.runtime import presets as _presets
 from specbatch.perfmodel.errors import SpecbatchError, UsageError
+from specbatch.perfmodel.table import MAX_TABLE_BATCH
 
 
 class _FlagsTakeNoValue:
@@ -136,6 +137,10 @@ def check_counts(max_batch: int | None = None, max_k: int | None = None, batch_s
                                    ("--batch-size", batch_size, 1), ("--context-len", context_len, 0)):
         if value is not None and value < minimum:
             raise UsageError(f"{option} must be >= {minimum}, got {value}")
+    if max_batch is not None:
+        from specbatch.perfmodel.model import check_max_batch
+
+        check_max_batch(max_batch)
 
 
 def acceptance_override(text: str | None):
@@ -243,7 +248,8 @@ ThreadsOpt = Annotated[Optional[int], typer.Option(
 ForceOpt = Annotated[bool, typer.Option(
     "--force", help="Use a table or model made for another target/draft pair anyway.")]
 MaxKOpt = Annotated[Optional[int], typer.Option("--max-k", help="Largest k considered (default: the profile's max_k).")]
-MaxBatchOpt = Annotated[int, typer.Option("--max-batch", help="Tabulate batch sizes 1..this.")]
+MaxBatchOpt = Annotated[int, typer.Option(
+    "--max-batch", help=f"Tabulate batch sizes 1..this (at most {MAX_TABLE_BATCH}).")]
 MODEL_FORMS_HELP = ("Model directory (real weights), config.json or shape preset (random weights: "
                     f"{', '.join(_presets.PRESET_NAMES)})")
 AnyTargetOpt = Annotated[Optional[str], typer.Option(  # calibrate and bench: every form runtime.loading reads
