@@ -138,6 +138,19 @@ def test_an_unreadable_config_json_is_one_line(tmp_path):
     assert_one_error_line(result, "--target", f"{target}/config.json", "cannot read", "Permission denied")
 
 
+def test_unreadable_weights_are_reported_as_unreadable_not_missing(tmp_path):
+    from specbatch.runtime.assembly import DEMO_TARGET
+
+    target = tmp_path / "target"
+    shutil.copytree(DEMO_TARGET, target)
+    (target / "model.safetensors").chmod(0o000)
+    for command in (["generate", "--prompt", "x", "--max-new-tokens", "2", "--k", "0"],
+                    ["bench", "--batch-sizes", "1", "--ks", "0", "--out", tmp_path / "b"]):
+        result = run_specbatch(*command, "--target", target, prefix=without_root_override())
+        line = assert_one_error_line(result, f"{target}/model.safetensors", "Permission denied")
+        assert "no weights" not in line
+
+
 # ---------------------------------------------------------------------------------------- a full stdout
 @pytest.mark.parametrize("command", [
     ["query", "{model}", "--batch-size", "2"],
