@@ -215,7 +215,7 @@ def bench(
     from specbatch.bench.config import BenchConfig
     from specbatch.runtime.sampling import parse_sampling
 
-    from specbatch.perfmodel.jsonio import make_dir
+    from specbatch.perfmodel.jsonio import writable_dir
 
     defaults = _bench.FULL_RUN if full else _bench.QUICK_RUN
     config = BenchConfig(  # every option is checked before a model is loaded
@@ -230,7 +230,7 @@ def bench(
         second_prompts_path=second_prompts, interleave=interleave)
     check_input_files(table=table, model=model, prompts=prompts, stage2=stage2, adaptive=adaptive,
                       second_prompts=second_prompts)
-    make_dir(out, "--out")  # before measuring: a file in the way would lose every measurement
+    writable_dir(out, "--out")  # before measuring: a file in the way would lose every measurement
     set_threads(threads)  # after the checks: a note must not come before a one-line error
     inputs = load_bench_inputs(config, target, draft, prompts, device, dtype, force)
     config = inputs.config  # with the table's own n-gram when it names one
@@ -422,9 +422,9 @@ def demo(
     if prompts_shown <= 0 or max_new_tokens <= 0 or rounds <= 0:
         raise UsageError("--prompts-shown, --max-new-tokens and --rounds must be positive")
     check_counts(max_batch=max_batch)
-    from specbatch.perfmodel.jsonio import make_dir, writable_dir
+    from specbatch.perfmodel.jsonio import writable_dir
 
-    make_dir(out, "--out")  # before the first measurement
+    writable_dir(out, "--out")  # before the first measurement
     writable_dir(out / "bench", "--out")  # where the race's files go
     set_threads(threads)
     from specbatch.console.demo import run_demo

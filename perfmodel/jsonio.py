@@ -53,6 +53,9 @@ def writable_dir(path: str | os.PathLike, option: str = "--out") -> Path:
     parent = next((p for p in path.absolute().parents if p.exists()), None)
     if parent is not None and not parent.is_dir():
         raise PerfModelError(f"{option} {path}: cannot create it, {parent} is not a folder")
+    nearest = path if path.exists() else parent
+    if nearest is not None and not os.access(nearest, os.W_OK | os.X_OK):
+        raise WriteError(f"{_named(option, path)}: cannot write into {nearest} (Permission denied)")
     return path
 
 
