@@ -15,16 +15,17 @@ import typer
 
 from specbatch.runtime.assembly import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET  # imports runtime: OpenMP default first
 from specbatch.calibrate import grid as _grid  # plain data: --help's defaults
+from specbatch.console import bench as _bench
 from specbatch.console.explain_command import explain
 from specbatch.console.options import (
-    AcceptanceOpt, AdaptiveOpt, AnyDraftOpt, AnyTargetOpt, DeviceOpt, DraftOpt, DtypeOpt, ForceOpt, JsonOpt,
+    AcceptanceOpt, AdaptiveOpt, App, AnyDraftOpt, AnyTargetOpt, DeviceOpt, DraftOpt, DtypeOpt, ForceOpt, JsonOpt,
     MaxBatchOpt, MaxKOpt, ModelFileArg, Stage2Opt, TargetOpt, ThreadsOpt, TreeOpt, acceptance_override,
     check_counts, check_query_options, ints_text, one_line_errors, parse_int_list, read_prompts_file, set_threads,
 )
 from specbatch.console.serve_commands import loadtest_command, serve_command
 from specbatch.perfmodel.errors import UsageError
 
-app = typer.Typer(
+app = App(
     add_completion=False,
     no_args_is_help=True,
     help="Optimal speculation length per batch size: calibrate, fit, table, query, generate, bench, demo.",
@@ -169,17 +170,25 @@ def bench(
     second_prompts: Annotated[Optional[Path], typer.Option(
         "--second-prompts", help="The other population of mixed/switch (default: data/prompts/base64.jsonl, on "
                                  "which the demo draft agrees much less).")] = None,
-    batch_sizes: Annotated[str, typer.Option("--batch-sizes")] = "1,2,4,8,16,32",
+    batch_sizes: Annotated[Optional[str], typer.Option("--batch-sizes", help=(
+        f"Default {ints_text(_bench.QUICK_RUN['batch_sizes'])}; --full "
+        f"{ints_text(_bench.FULL_RUN['batch_sizes'])}."))] = None,
     ks: Annotated[str, typer.Option("--ks", help="Fixed k to compare; k = 0 is always run.")] = "0,1,2,3,4,5,6,7,8",
     prompts: Annotated[Optional[Path], typer.Option(
         "--prompts", help="One JSON string (or plain line) per line (default: bundled held-out prompts).")] = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Per row; EOS is ignored.")] = 64,
-    rounds: Annotated[int, typer.Option("--rounds", help="Timed interleaved rounds per batch size.")] = 5,
-    resolve_rounds: Annotated[int, typer.Option(
+    rounds: Annotated[Optional[int], typer.Option("--rounds", help=(
+        f"Timed interleaved rounds per batch size (default {_bench.QUICK_RUN['rounds']}; --full "
+        f"{_bench.FULL_RUN['rounds']})."))] = None,
+    resolve_rounds: Annotated[Optional[int], typer.Option(
         "--resolve-rounds", help="At most this many extra rounds of the table and the best fixed k alone while "
                                  "the table's paired regret straddles the 3 % goal or its interval is wider than "
                                  "±3 % (0: none); above b = 8 no more than the batch size's own rounds' "
-                                 "generations.")] = 30,
+                                 f"generations (default {_bench.QUICK_RUN['resolve_rounds']}; --full "
+                                 f"{_bench.FULL_RUN['resolve_rounds']}).")] = None,
+    full: Annotated[bool, typer.Option(
+        "--full", help="The thorough run: every batch size of the Su et al. grid, more rounds (about four times "
+                       "longer than the default first look).")] = False,
     interleave: Annotated[str, typer.Option(
         "--interleave", help="steps: a round's policies advance together, one step of each in turn, so they meet "
                              "the same moments of the machine | runs: one whole generation after another.")] = "steps",
@@ -192,7 +201,7 @@ def bench(
                         "plain and with the exported --table, interleaved with ours; bash bench/vllm/setup.sh "
                         "first).")] = None,
     out: Annotated[Path, typer.Option(
-        "--out", help="Output folder for bench.json, bench.csv and plots.")] = Path("specbatch-bench"),
+        "-o", "--out", help="Output folder for bench.json, bench.csv and plots.")] = Path("specbatch-bench"),
     seed: Annotated[int, typer.Option("--seed")] = 0,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
@@ -208,9 +217,12 @@ def bench(
 
     from specbatch.perfmodel.jsonio import writable_dir
 
+    defaults = _bench.FULL_RUN if full else _bench.QUICK_RUN
     config = BenchConfig(  # every option is checked before a model is loaded
-        batch_sizes=tuple(parse_int_list("--batch-sizes", batch_sizes)), ks=tuple(parse_int_list("--ks", ks, 0)),
-        max_new_tokens=max_new_tokens, rounds=rounds, resolve_rounds=resolve_rounds,
+        batch_sizes=tuple(parse_int_list("--batch-sizes", batch_sizes) or defaults["batch_sizes"]),
+        ks=tuple(parse_int_list("--ks", ks, 0)), max_new_tokens=max_new_tokens,
+        rounds=defaults["rounds"] if rounds is None else rounds,
+        resolve_rounds=defaults["resolve_rounds"] if resolve_rounds is None else resolve_rounds,
         sampling=parse_sampling(sampling),
         synthetic_acceptance=synthetic_acceptance, seed=seed, table_path=table, model_path=model,
         peers=tuple(name.strip() for name in peers.split(",") if name.strip()) if peers else (),
@@ -232,8 +244,11 @@ def bench(
     written = write_outputs(result, out)
     if json_output:
         typer.echo(json.dumps({**bench_json(result), "outputs": [str(path) for path in written]}))
-        return
-    render_bench(result, written)
+    else:
+        render_bench(result, written)
+    if result.interrupted:  # what was measured is written; the exit status still says Ctrl-C
+        typer.echo(f"interrupted: the finished rounds are in {out}", err=True)
+        raise typer.Exit(130)
 
 
 @app.command()
@@ -404,8 +419,9 @@ def demo(
 ):
     """The whole loop on the bundled demo pair: quick calibration, fit, table, generation, measured speedup."""
     race_sizes = parse_int_list("--batch-sizes", batch_sizes)
-    if prompts_shown <= 0 or max_new_tokens <= 0 or rounds <= 0 or max_batch <= 0:
-        raise UsageError("--prompts-shown, --max-new-tokens, --rounds and --max-batch must be positive")
+    if prompts_shown <= 0 or max_new_tokens <= 0 or rounds <= 0:
+        raise UsageError("--prompts-shown, --max-new-tokens and --rounds must be positive")
+    check_counts(max_batch=max_batch)
     from specbatch.perfmodel.jsonio import writable_dir
 
     writable_dir(out, "--out")  # before the first measurement

@@ -15,6 +15,7 @@ from typing import Any
 
 from specbatch.perfmodel.errors import PerfModelError, SpecbatchError
 from specbatch.perfmodel.tree import Tree, parse_tree
+from specbatch.runtime.assembly import check_seed
 from specbatch.runtime.model import CausalLM
 from specbatch.runtime.sampling import Sampling
 
@@ -79,6 +80,7 @@ def check_config(config: BenchConfig) -> None:
         raise BenchError(f"--max-new-tokens must be positive, got {config.max_new_tokens}")
     if config.rounds <= 0:
         raise BenchError(f"--rounds must be positive, got {config.rounds}")
+    check_seed(config.seed)
     if config.interleave not in INTERLEAVE_MODES:
         raise BenchError(f"--interleave {config.interleave!r}: expected one of {', '.join(INTERLEAVE_MODES)}")
     if config.resolve_rounds < 0:

@@ -23,31 +23,50 @@ from .policies import ADAPTIVE_POLICY, HF_ASSISTED, HF_GREEDY, TABLE_POLICY, fix
 from .predict import add_predictions
 from .regret import add_adaptive_comparison, add_paired_regret
 from .results import BatchResult, BenchResult, RunRecord, most_frequent_k, summarize_batch, summarize_policy
-from .rounds import run_rounds, run_vllm_peer
+from .rounds import BenchInterrupted, complete_rounds, run_rounds, run_vllm_peer
 from .speed import add_machine_speed
 from .workload import Workload, attended_context_len
 
 
 def run_bench(config: BenchConfig, models: BenchModels, prompts: Sequence[list[int]] | Workload,
-              on_run: Callable[[RunRecord, int, int], None] | None = None) -> BenchResult:
+              on_run: Callable[[RunRecord, int, int], None] | None = None,
+              on_plan: Callable[[BenchPlan], None] | None = None) -> BenchResult:
     """Measure every policy at every batch size in interleaved rounds.
 
     `prompts` are token ids, or a `bench.workload.Workload` (two populations, mixed or switched); batch
-    size b takes the next b of them every round (cycling). `on_run(record, done, total)` is called after
-    every generation (the CLI's progress bar). Everything that can be refused is refused before measuring.
+    size b takes the next b of them every round (cycling). `on_plan(plan)` is called once the run is
+    planned, before the first generation; `on_run(record, done, total)` after every generation (the CLI's
+    progress). Everything that can be refused is refused before measuring. Interrupted (Ctrl-C), the
+    result holds the batch sizes with a finished round and says so (`interrupted`); with none, the
+    KeyboardInterrupt goes on.
     """
     plan = plan_bench(config, models, prompts)
-    runs, notes = run_rounds(plan, on_run)
+    if on_plan is not None:
+        on_plan(plan)
+    try:
+        runs, notes = run_rounds(plan, on_run)
+    except BenchInterrupted as stop:
+        runs, measured = complete_rounds(plan, stop.runs)
+        if not measured:
+            raise KeyboardInterrupt from None
+        left = [b for b in config.batch_sizes if b not in measured]
+        note = (f"interrupted: batch sizes {', '.join(map(str, measured))} measured (their finished rounds)"
+                + (f", {', '.join(map(str, left))} not" if left else ""))
+        result = summarize_bench(plan, runs, stop.notes + [note], batch_sizes=measured)
+        result.interrupted = True
+        return result
     vllm = run_vllm_peer(plan)
     return summarize_bench(plan, runs, notes, vllm)
 
 
-def summarize_bench(plan: BenchPlan, runs: list[RunRecord], round_notes: list[str], vllm: Any = None) -> BenchResult:
-    """The result of a run: every batch size's summary, the paired regret and adaptive comparison, the
-    performance model's predictions and their decomposition when a model file was given."""
+def summarize_bench(plan: BenchPlan, runs: list[RunRecord], round_notes: list[str], vllm: Any = None,
+                    batch_sizes: Sequence[int] | None = None) -> BenchResult:
+    """The result of a run: every batch size's summary (of `batch_sizes`, default the config's), the paired
+    regret and adaptive comparison, the performance model's predictions and their decomposition when a
+    model file was given."""
     config, models = plan.config, plan.models
     notes = plan.notes + round_notes
-    batches = [batch_result(plan, b, runs) for b in config.batch_sizes]
+    batches = [batch_result(plan, b, runs) for b in (config.batch_sizes if batch_sizes is None else batch_sizes)]
     fixed_names = {k: fixed_policy_name(k) for k in config.fixed_ks}
     if plan.table is not None:
         add_paired_regret(batches, runs, fixed_names, TABLE_POLICY)

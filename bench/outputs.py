@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from specbatch.perfmodel.jsonio import write_bytes_atomic
+from specbatch.perfmodel.jsonio import make_dir, write_bytes_atomic
 
 from .policies import STAGED_SUFFIX, TABLE_POLICY, TREE_PREFIX, fixed_policy_name, policy_family
 from .results import BenchResult, PolicyResult, compared_rate
@@ -54,7 +54,8 @@ def bench_json(result: BenchResult) -> dict[str, Any]:
              "steady_tokens_per_s": r.steady_tokens_per_s, "context_len": r.context_len, "step_seconds": r.step_seconds,
              "decision_seconds": r.decision_seconds, "k_counts_full_batch": r.k_counts_full_batch}
             for i, r in enumerate(result.runs)]
-    return {"schema": BENCH_SCHEMA, "synthetic": result.synthetic, "config": config_json, "device": result.device,
+    return {"schema": BENCH_SCHEMA, "synthetic": result.synthetic, "interrupted": result.interrupted,
+            "config": config_json, "device": result.device,
             "models": result.models, "prompts": result.prompts, "batch_sizes": batches, "runs": runs,
             "notes": result.notes, "vllm": asdict(result.vllm) if result.vllm is not None else None}
 
@@ -93,8 +94,7 @@ def write_outputs(result: BenchResult, out_dir: str | os.PathLike) -> list[Path]
     except ImportError:
         plots = ()
         result.notes.append("plots skipped: matplotlib is not installed (pip install matplotlib)")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_dir(Path(out_dir), "--out")
     written = [out / "bench.json", out / "bench.csv"]
     write_bytes_atomic(written[0], (json.dumps(bench_json(result), indent=1, allow_nan=False) + "\n").encode())
     write_bytes_atomic(written[1], bench_csv(result).encode())
@@ -218,6 +218,7 @@ def plot_speedup_vs_batch(result: BenchResult) -> bytes:
     ax.set_xlabel("batch size")
     ax.set_ylabel("speedup over k = 0 (steady-state tokens/s)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, ncol=2)
+    if ax.get_legend_handles_labels()[0]:  # k = 0 alone draws no line of its own
+        ax.legend(fontsize=8, ncol=2)
     ax.set_title(_title(result, "speedup over plain decoding"))
     return _figure_png(figure)

@@ -126,6 +126,7 @@ class BenchResult:
     runs: list[RunRecord]  # every generation, warm-ups included, in execution order
     notes: list[str]
     vllm: Any = None  # bench.vllm.compare.Comparison with --peers vllm
+    interrupted: bool = False  # Ctrl-C: `batches` are the batch sizes with a finished round
 
     @property
     def synthetic(self) -> str | None:

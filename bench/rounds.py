@@ -23,6 +23,14 @@ from .timing import time_lockstep, time_ours
 RESOLVE_MAX_BATCH = 8
 
 
+class BenchInterrupted(KeyboardInterrupt):
+    """Ctrl-C during the rounds; carries every generation run so far and the notes left so far."""
+
+    def __init__(self, runs: list[RunRecord], notes: list[str]):
+        super().__init__("interrupted")
+        self.runs, self.notes = runs, notes
+
+
 @dataclass
 class RoundRunner:
     """Runs rounds of a plan, keeping every generation in the order it ran; `on_run(record, done, total)`
@@ -81,17 +89,41 @@ def run_batch_size(runner: RoundRunner, batch_size: int) -> list[str]:
 
 def run_rounds(plan: BenchPlan, on_run: Callable[[RunRecord, int, int], None] | None = None
                ) -> tuple[list[RunRecord], list[str]]:
-    """Every round of the plan, batch size by batch size; returns the runs and the notes they left."""
+    """Every round of the plan, batch size by batch size; returns the runs and the notes they left.
+    Ctrl-C raises BenchInterrupted with what was measured."""
     runner = RoundRunner(plan, on_run)
     notes: list[str] = []
     # warnings raised while measuring (e.g. a batch size beyond the table) become notes in the result
     # instead of lines in the middle of the progress bar
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("default")
-        for batch_size in plan.config.batch_sizes:
-            notes += run_batch_size(runner, batch_size)
-    notes += list(dict.fromkeys(f"warning: {w.message}" for w in caught))
-    return runner.runs, notes
+        try:
+            for batch_size in plan.config.batch_sizes:
+                notes += run_batch_size(runner, batch_size)
+        except KeyboardInterrupt:
+            raise BenchInterrupted(runner.runs, notes + _warning_notes(caught)) from None
+    return runner.runs, notes + _warning_notes(caught)
+
+
+def _warning_notes(caught) -> list[str]:
+    return list(dict.fromkeys(f"warning: {w.message}" for w in caught))
+
+
+def complete_rounds(plan: BenchPlan, runs: list[RunRecord]) -> tuple[list[RunRecord], list[int]]:
+    """What an interrupted run keeps: warm-ups, and the rounds every contender finished (an extra paired
+    round: both of its policies); and the batch sizes with at least one such timed round."""
+    config = plan.config
+    groups: dict[tuple[int, int], list[RunRecord]] = {}
+    for run in runs:
+        groups.setdefault((run.batch_size, run.round), []).append(run)
+    kept, measured = set(), []
+    for (b, round_index), group in groups.items():
+        needed = len(plan.contenders(b)) if round_index < config.rounds else 2
+        if round_index < 0 or len({r.policy for r in group}) == needed:
+            kept |= {id(run) for run in group}
+            if round_index >= 0 and b not in measured:
+                measured.append(b)
+    return [run for run in runs if id(run) in kept], measured
 
 
 def run_vllm_peer(plan: BenchPlan):

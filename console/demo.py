@@ -23,7 +23,7 @@ def run_demo(out: Path, race_sizes: tuple[int, ...], prompts_shown: int, max_new
     from specbatch.calibrate.run import CalibrationRequest
     from specbatch.calibrate.stage2 import stage2_for_calibration
     from specbatch.perfmodel.errors import PerfModelError
-    from specbatch.perfmodel.jsonio import write_text_atomic
+    from specbatch.perfmodel.jsonio import make_dir, write_text_atomic
     from specbatch.perfmodel.fit import fit_profile
     from specbatch.perfmodel.model import choose_acceptance, compute_table, save_model
     from specbatch.perfmodel.profile import load_profile
@@ -43,7 +43,7 @@ def run_demo(out: Path, race_sizes: tuple[int, ...], prompts_shown: int, max_new
     from .model import render_fit, render_table
 
     console = Console()
-    out.mkdir(parents=True, exist_ok=True)
+    make_dir(out, "--out")
     profile_path, model_path, table_path = out / "profile.json", out / "model.json", out / "table.json"
 
     console.rule("[bold]1/5 calibrate (quick): time the demo pair's passes on this machine, measure acceptance")

@@ -17,6 +17,31 @@ def _pct(value: float) -> str:
     return f"{100 * value:+.1f}%"
 
 
+TREE_LEGEND = ("tree paths: each number is a draft token's rank among its siblings (0 = the draft's most likely "
+               "token, 1 = its second); 0.1 is the second most likely token after the most likely one")
+
+
+def strategy_text(description: str) -> str:
+    """A strategy as a reader sees it: a tree's shape before its rank paths.
+
+    >>> strategy_text("tree 0,1,0.0 (3 nodes) +ngram")
+    'tree of 3 nodes, 2 deep, 2 wide (paths 0,1,0.0) +ngram'
+    """
+    import re
+
+    match = re.fullmatch(r"tree (\S+) \((\d+) nodes\)(.*)", description)
+    if not match:
+        return description
+    spec, nodes, rest = match.groups()
+    if spec.endswith("..."):  # cut for width: the shape of what is shown would mislead
+        return f"tree of {nodes} nodes (paths {spec}){rest}"
+    from specbatch.perfmodel.tree import parse_tree
+
+    tree = parse_tree(spec)
+    widest = max(tree.depths.count(depth) for depth in set(tree.depths))
+    return f"tree of {nodes} nodes, {tree.depth} deep, {widest} wide (paths {spec}){rest}"
+
+
 def explanation_table(explained: dict[str, Any], title: str | None = None):
     """One row per term: passes per step, ms per pass and ms per step, predicted vs measured, and the
     term's push on the predicted goodput (mix and pass time apart)."""
@@ -24,7 +49,7 @@ def explanation_table(explained: dict[str, Any], title: str | None = None):
 
     step = explained["step_ms"]
     rate = explained["tokens_per_s"]
-    table = Table(title=title or (f"b={explained['batch_size']} {explained['strategy']} (context "
+    table = Table(title=title or (f"b={explained['batch_size']} {strategy_text(explained['strategy'])} (context "
                                   f"{explained['context_len']}, {explained['steps']} full-batch steps): predicted "
                                   f"{rate['predicted']:.1f} vs measured {rate['measured']:.1f} tokens/s, "
                                   f"{_pct(explained['error'])}"))

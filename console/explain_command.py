@@ -39,7 +39,9 @@ def explain(
 ):
     """Predicted vs measured step at one batch size, term by term (tokens per step, draft passes by width,
     verify pass, overhead): which term carries the prediction error."""
-    check_counts(batch_size=batch_size, max_k=k)
+    check_counts(batch_size=batch_size)
+    if k is not None and k < 0:
+        raise UsageError(f"--k must be >= 0, got {k}")
     if sum(option is not None for option in (k, table, tree)) > 1:
         raise UsageError("give one of --k, --table and --tree")
     from specbatch.bench.assembly import check_input_files, load_bench_inputs

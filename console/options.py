@@ -2,23 +2,60 @@
 library error becomes `error: <message>` (exit code 2) and a table range warning a `note:` line."""
 from __future__ import annotations
 
+import errno
 import functools
+import io
 import json
 import os
+import sys
 import time
 import warnings
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from typer.core import TyperCommand, TyperGroup
 
 from specbatch.runtime import presets as _presets
 from specbatch.perfmodel.errors import SpecbatchError, UsageError
+from specbatch.perfmodel.table import MAX_TABLE_BATCH
+
+
+class _FlagsTakeNoValue:
+    """--help shows no `<bool>` type beside a flag: a flag takes no value (`--force`, not `--force true`)."""
+
+    def get_params(self, ctx):
+        params = super().get_params(ctx)
+        for param in params:
+            if getattr(param, "is_flag", False) and param.metavar is None:
+                param.metavar = ""
+        return params
+
+
+class _Command(_FlagsTakeNoValue, TyperCommand):
+    pass
+
+
+class _Group(_FlagsTakeNoValue, TyperGroup):
+    pass
+
+
+class App(typer.Typer):
+    """typer.Typer whose commands show flags as flags in --help."""
+
+    def __init__(self, **kwargs):
+        super().__init__(cls=_Group, **kwargs)
+
+    def command(self, *args, cls=None, **kwargs):
+        return super().command(*args, cls=cls or _Command, **kwargs)
 
 
 def one_line_errors(command):
     """Turn the library's input errors into `error: <message>` on stderr and exit code 2, and the table's
-    range warnings into one `note:` line each (not a Python warning with its source line)."""
+    range warnings into one `note:` line each (not a Python warning with its source line). A system error
+    (a full disk, a read-only folder, standard output that takes no more bytes) is one line too: the path
+    or "standard output" and the system's reason; files themselves are written atomically, so the old
+    one is kept."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
@@ -26,6 +63,7 @@ def one_line_errors(command):
             with warnings.catch_warnings(record=True) as caught:  # the filters in force stay as they are
                 result = command(*args, **kwargs)
             _say_warnings(caught)
+            sys.stdout.flush()  # a full stdout fails here, inside the command, not at the interpreter's exit
             return result
         except KeyboardInterrupt:
             typer.echo("interrupted", err=True)
@@ -33,8 +71,36 @@ def one_line_errors(command):
         except (SpecbatchError, FileNotFoundError, json.JSONDecodeError) as error:
             typer.echo(f"error: {error}", err=True)
             raise typer.Exit(2)
+        except OSError as error:
+            typer.echo(f"error: {_os_error_line(error)}", err=True)
+            raise typer.Exit(2)
 
     return wrapper
+
+
+# A system error without a path at this level comes from a stream: files are written by the atomic
+# writer (its errors name the file) and folders by jsonio.make_dir; stderr is where we would report it.
+_STREAM_WRITE_ERRNOS = {errno.ENOSPC, errno.EPIPE, errno.EIO, errno.EFBIG, errno.EDQUOT}
+
+
+def _os_error_line(error: OSError) -> str:
+    from specbatch.perfmodel.jsonio import os_reason
+
+    if error.filename is not None:
+        return f"{error.filename}: {os_reason(error)}"
+    if error.errno in _STREAM_WRITE_ERRNOS:
+        _discard_stdout()
+        return f"cannot write standard output ({os_reason(error)})"
+    return os_reason(error)
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's last flush of what is still buffered does not fail
+    a second time with a traceback of its own."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, io.UnsupportedOperation):  # not a real file (a test's capture)
+        pass
 
 
 def _say_warnings(caught) -> None:
@@ -71,6 +137,10 @@ def check_counts(max_batch: int | None = None, max_k: int | None = None, batch_s
                                    ("--batch-size", batch_size, 1), ("--context-len", context_len, 0)):
         if value is not None and value < minimum:
             raise UsageError(f"{option} must be >= {minimum}, got {value}")
+    if max_batch is not None:
+        from specbatch.perfmodel.model import check_max_batch
+
+        check_max_batch(max_batch)
 
 
 def acceptance_override(text: str | None):
@@ -178,7 +248,8 @@ ThreadsOpt = Annotated[Optional[int], typer.Option(
 ForceOpt = Annotated[bool, typer.Option(
     "--force", help="Use a table or model made for another target/draft pair anyway.")]
 MaxKOpt = Annotated[Optional[int], typer.Option("--max-k", help="Largest k considered (default: the profile's max_k).")]
-MaxBatchOpt = Annotated[int, typer.Option("--max-batch", help="Tabulate batch sizes 1..this.")]
+MaxBatchOpt = Annotated[int, typer.Option(
+    "--max-batch", help=f"Tabulate batch sizes 1..this (at most {MAX_TABLE_BATCH}).")]
 MODEL_FORMS_HELP = ("Model directory (real weights), config.json or shape preset (random weights: "
                     f"{', '.join(_presets.PRESET_NAMES)})")
 AnyTargetOpt = Annotated[Optional[str], typer.Option(  # calibrate and bench: every form runtime.loading reads

@@ -10,7 +10,7 @@ import typer
 from specbatch.perfmodel.errors import UsageError
 from specbatch.runtime.assembly import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET
 
-from .options import DeviceOpt, DraftOpt, DtypeOpt, TargetOpt, read_prompts_file
+from .options import DeviceOpt, DraftOpt, DtypeOpt, ForceOpt, TargetOpt, read_prompts_file
 
 
 def serve_command(
@@ -58,6 +58,7 @@ def serve_command(
         "--drain-s", help="Seconds in-flight requests get at SIGINT/SIGTERM before they are cancelled.")] = 30.0,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
+    force: ForceOpt = False,
 ):
     """Serve the pair over an OpenAI-compatible HTTP API with continuous batching; the table picks k every step."""
     from specbatch.serve.server import ServeOptions, serve
@@ -67,7 +68,7 @@ def serve_command(
                        max_batch_size=max_batch_size, kv_budget_tokens=kv_budget_tokens, max_waiting=max_waiting,
                        max_model_len=max_model_len, kv_cache_gb=kv_cache_gb, cuda_graphs=cuda_graphs,
                        max_tokens_limit=max_tokens_limit, device=device, dtype=dtype, profile=profile,
-                       threads=threads, model_name=model_name, drain_s=drain_s))
+                       threads=threads, model_name=model_name, drain_s=drain_s, force=force))
 
 
 def loadtest_command(

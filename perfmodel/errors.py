@@ -19,3 +19,8 @@ class PerfModelError(SpecbatchError):
 
 class UsageError(SpecbatchError):
     """A bad command-line option or combination of options, found by whichever layer owns the value."""
+
+
+class WriteError(SpecbatchError):
+    """A file or folder the operating system would not let us write (disk full, read-only, permission
+    denied); the message names the path and the system's reason."""

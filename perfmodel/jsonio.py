@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from .errors import PerfModelError
+from .errors import PerfModelError, WriteError
 
 
 def writable_path(path: str | os.PathLike, option: str = "output") -> Path:
@@ -53,6 +53,9 @@ def writable_dir(path: str | os.PathLike, option: str = "--out") -> Path:
     parent = next((p for p in path.absolute().parents if p.exists()), None)
     if parent is not None and not parent.is_dir():
         raise PerfModelError(f"{option} {path}: cannot create it, {parent} is not a folder")
+    nearest = path if path.exists() else parent
+    if nearest is not None and not os.access(nearest, os.W_OK | os.X_OK):
+        raise WriteError(f"{_named(option, path)}: cannot write into {nearest} (Permission denied)")
     return path
 
 
@@ -61,17 +64,19 @@ def exclusive_lock(path: str | os.PathLike, option: str = "--out", what: str = "
     """Hold an exclusive, non-blocking lock on `path` for the block: `<path>.lock` beside it, holding the
     pid of the run that writes `path`. A second run on the same path fails at once with a one-line error
     naming the first (two runs writing one profile would each report success, and the last one wins).
+    The lock sits beside the file `path` resolves to, so a symlink to it and the file itself are one path.
     The lock file is removed on exit; a lock file whose inode changed under us (removed by the holder
     between our open and our lock) is opened again, so two runs never hold locks on different inodes."""
     import fcntl
 
-    lock_path = Path(path).with_name(Path(path).name + ".lock")
+    resolved = Path(path).resolve()  # a link and its target: one lock
+    lock_path = resolved.with_name(resolved.name + ".lock")
     while True:
         try:
             handle = open(lock_path, "a+")
         except OSError as error:  # e.g. a folder we may not write into
-            raise PerfModelError(f"{option} {path}: cannot create the lock file {lock_path} "
-                                 f"({error.strerror})") from None
+            raise WriteError(f"{_named(option, path)}: cannot create the lock file {lock_path} "
+                             f"({os_reason(error)})") from None
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -84,37 +89,68 @@ def exclusive_lock(path: str | os.PathLike, option: str = "--out", what: str = "
             break
         handle.close()
     try:
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"pid {os.getpid()}")
-        handle.flush()
+        try:
+            os.ftruncate(handle.fileno(), 0)  # unbuffered: nothing left to fail again when the handle closes
+            os.write(handle.fileno(), f"pid {os.getpid()}".encode())
+        except OSError as error:  # a full disk: the run could not write its output either
+            raise WriteError(f"{_named(option, path)}: cannot write the lock file {lock_path} "
+                             f"({os_reason(error)})") from None
         yield
     finally:
         lock_path.unlink(missing_ok=True)
         handle.close()
 
 
+def _named(option: str, path: str | os.PathLike) -> str:
+    """'--out x.json' for an option, plain 'x.json' for a library write without one."""
+    return f"{option} {path}" if option.startswith("-") else str(path)
+
+
 @contextlib.contextmanager
 def atomic_output(path: str | os.PathLike, option: str = "output") -> Iterator[Path]:
     """Yield a temporary path beside `path`; when the block ends without an exception, the temporary
     file becomes `path` (mode 0644, fsynced, renamed), so `path` holds either the old file or the
-    complete new one. On an exception the temporary file is removed and `path` is untouched.
+    complete new one. On an exception the temporary file is removed and `path` is untouched; an OSError
+    (disk full, read-only file system, permission denied) becomes a one-line WriteError naming `path`
+    and the system's reason.
 
     The one way specbatch writes a file. The temporary file lives in the destination directory because
     `os.replace` is only atomic within one filesystem; fsync before the rename so a crash cannot leave
     an empty file behind.
     """
     target = writable_path(path, option)
-    handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    os.close(handle)
+    existed = target.exists()
+    temporary = None
     try:
+        handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+        os.close(handle)
         yield Path(temporary)
         os.chmod(temporary, 0o644)  # mkstemp makes 0600; these files are meant to be shared
         with open(temporary, "rb") as written:
             os.fsync(written.fileno())
         os.replace(temporary, target)
+    except OSError as error:
+        kept = "the existing file is unchanged" if existed else "nothing was written"
+        raise WriteError(f"{_named(option, path)}: cannot write ({os_reason(error)}); {kept}") from None
     finally:
-        Path(temporary).unlink(missing_ok=True)
+        if temporary is not None:
+            Path(temporary).unlink(missing_ok=True)
+
+
+def os_reason(error: OSError) -> str:
+    """The system's words for an OSError ('No space left on device'), without the errno and path."""
+    return error.strerror or str(error)
+
+
+def make_dir(path: str | os.PathLike, option: str = "--out") -> Path:
+    """Create the output folder `path` (and its parents); a file in the way or a folder the system
+    will not create is a one-line error."""
+    path = writable_dir(path, option)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise WriteError(f"{_named(option, path)}: cannot create the folder ({os_reason(error)})") from None
+    return path
 
 
 def write_bytes_atomic(path: str | os.PathLike, data: bytes, option: str = "output") -> None:

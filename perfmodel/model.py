@@ -34,7 +34,7 @@ from .overhead import OverheadModel
 from .profile import ROLES, DeviceInfo, Grid, ModelInfo, Stage2Info
 from .steps import SourceChoice, StepCorrection
 from .strategy import MAX_TREE_NODES, StepModel, StrategyCandidate, StrategyChoice, candidate_strategies
-from .table import ENGINE_FORMATS, Bucket, Table, TableEntry
+from .table import ENGINE_FORMATS, MAX_TABLE_BATCH, Bucket, Table, TableEntry
 from .tree import Strategy
 
 MODEL_SCHEMA = "specbatch.model/1"
@@ -225,6 +225,12 @@ def evaluate_strategy(fitted: FittedModel, strategy: Strategy, batch_size: int, 
     return step_model(fitted, chosen, stage2).evaluate(strategy, batch_size, context_len)
 
 
+def check_max_batch(max_batch: int) -> None:
+    if not 1 <= max_batch <= MAX_TABLE_BATCH:
+        raise PerfModelError(f"--max-batch must be in [1, {MAX_TABLE_BATCH}], found {max_batch} (a table holds an "
+                             "entry per batch size)")
+
+
 def compute_table(fitted: FittedModel, acceptance: AcceptanceModel, max_batch: int,
                   context_lens: Sequence[int] | None = None, max_k: int | None = None, *,
                   strategies: str = "all", max_tree_nodes: int = MAX_TREE_NODES) -> Table:
@@ -233,8 +239,7 @@ def compute_table(fitted: FittedModel, acceptance: AcceptanceModel, max_batch: i
     restricts the family ("chain" gives the chain-only table of old); each entry's k is its strategy's k
     (a tree's depth). The table's max_k covers every entry's k."""
     max_k = fitted.grid.max_k if max_k is None else max_k
-    if max_batch < 1:
-        raise PerfModelError(f"--max-batch must be >= 1, found {max_batch}")
+    check_max_batch(max_batch)
     lengths = sorted(set(context_lens)) if context_lens else fitted.table_context_lens()
     for context_len in lengths:
         fitted.check_context_len(context_len)

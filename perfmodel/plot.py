@@ -16,7 +16,7 @@ import numpy as np
 
 from .acceptance import AcceptanceModel
 from .errors import PerfModelError
-from .model import FittedModel, query_strategies
+from .model import FittedModel, check_max_batch, query_strategies
 
 
 def _pyplot():
@@ -33,8 +33,7 @@ def _pyplot():
 def goodput_grid(fitted: FittedModel, acceptance: AcceptanceModel, max_batch: int, context_len: int,
                  max_k: int) -> tuple[np.ndarray, np.ndarray]:
     """(relative goodput of shape (max_k + 1, max_batch), best k per batch size of shape (max_batch,))."""
-    if max_batch < 1:
-        raise PerfModelError(f"--max-batch must be >= 1, found {max_batch}")
+    check_max_batch(max_batch)
     choices = [query_strategies(fitted, acceptance, b, context_len, max_k, strategies="chain")
                for b in range(1, max_batch + 1)]
     goodput = np.array([[c.tokens_per_s for c in sorted(choice.ranked, key=lambda candidate: candidate.k)]

@@ -41,6 +41,9 @@ from .jsonio import read_json, rounded, write_json_atomic, write_text_atomic
 from .tree import Strategy
 
 TABLE_SCHEMA = "specbatch.table/1"
+# A table holds an entry per batch size and context bucket (a few kB each, milliseconds each to compute):
+# 4096 keeps the largest within a minute and some MB. Engines reuse the last entry's k beyond the table.
+MAX_TABLE_BATCH = 4096
 
 
 class TableRangeWarning(UserWarning):

@@ -19,6 +19,14 @@ DEMO_DRAFT = DATA_DIR / "models" / "demo-draft"
 DEMO_NGRAM = DATA_DIR / "models" / "demo-ngram.safetensors"
 DEMO_PROMPTS = DATA_DIR / "prompts" / "heldout.jsonl"
 LOW_ACCEPTANCE_PROMPTS = DATA_DIR / "prompts" / "base64.jsonl"  # data/make_base64_prompts.py: the draft agrees less
+MAX_SEED = 2**63 - 1  # a seed is a signed 64-bit integer (torch's generators take it, and bench's seed + round)
+
+
+def check_seed(seed: int, option: str = "--seed") -> None:
+    if not 0 <= seed <= MAX_SEED:
+        raise UsageError(f"{option} must be an integer in [0, {MAX_SEED}], got {seed}")
+
+
 DEFAULT_K_WITH_DRAFT = 4  # generate's k when neither --k, --table nor --tree is given
 
 
@@ -193,7 +201,11 @@ class GenerationRequest:
             raise UsageError("give at least one --prompt or a --prompts-file")
         if self.max_new_tokens <= 0:  # checked here, before a model is loaded
             raise UsageError(f"--max-new-tokens must be positive, got {self.max_new_tokens}")
-        for text in self.prompts:
+        check_seed(self.seed)
+        for number, text in enumerate(self.prompts, start=1):
+            if text == "":  # the same rule as the server's: a model continues text, and there is none
+                raise UsageError(f"prompt {number} of {len(self.prompts)} is empty: give text for the model to "
+                                 "continue")
             try:
                 text.encode("utf-8")
             except UnicodeEncodeError as error:  # a command-line argument with bytes that are not UTF-8

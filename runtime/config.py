@@ -88,9 +88,13 @@ class ModelConfig:
 
 
 def _require(raw: dict, source: str, *names: str):
+    """The sizes `names`, each present and a positive integer."""
     missing = [n for n in names if n not in raw or raw[n] is None]
     if missing:
         raise ConfigError(f"{source}: missing field(s) {', '.join(missing)}")
+    for name in names:
+        if isinstance(raw[name], bool) or not isinstance(raw[name], int) or raw[name] < 1:
+            raise ConfigError(f"{source}: {name} must be a positive integer, found {raw[name]!r}")
     return [raw[n] for n in names]
 
 
@@ -118,7 +122,35 @@ def _rope(raw: dict) -> tuple[float, dict | None]:
     return theta, scaling
 
 
+SIZE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+               "intermediate_size", "max_position_embeddings")
+
+
+def _check_sizes(config: ModelConfig, raw: dict, source: str) -> ModelConfig:
+    """Every size a positive integer and the heads consistent: a negative or fractional size would fail
+    deep inside torch (a tensor of negative dimension), or build a model of another shape."""
+    names = {"num_layers": ("num_hidden_layers", "n_layer"), "num_heads": ("num_attention_heads", "n_head"),
+             "num_kv_heads": ("num_key_value_heads",), "hidden_size": ("hidden_size", "n_embd"),
+             "intermediate_size": ("intermediate_size", "ffn_dim", "n_inner"),
+             "max_position_embeddings": ("max_position_embeddings", "n_positions")}
+    for name in SIZE_FIELDS:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            written = next((key for key in names.get(name, (name,)) if key in raw), name)
+            raise ConfigError(f"{source}: {written} must be a positive integer, found {value!r}")
+    if config.num_heads % config.num_kv_heads:
+        raise ConfigError(f"{source}: {config.num_heads} attention heads cannot be shared by {config.num_kv_heads} "
+                          "key-value heads (the first must be a multiple of the second)")
+    return config
+
+
 def config_from_dict(raw: dict, source: str = "config.json") -> ModelConfig:
+    """A ModelConfig from a config.json's fields; a missing, negative or inconsistent size is a
+    ConfigError naming the file and the field."""
+    return _check_sizes(_config_from_dict(raw, source), raw, source)
+
+
+def _config_from_dict(raw: dict, source: str) -> ModelConfig:
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(
@@ -199,9 +231,13 @@ def load_config(path: str | Path) -> ModelConfig:
     if not path.is_file():
         raise ConfigError(f"{path}: no such file")
     try:
-        raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise ConfigError(f"{path}: not readable JSON ({error})") from None
+        text = path.read_text()
+    except OSError as error:
+        raise ConfigError(f"{path}: cannot read ({error.strerror or error})") from None
+    try:
+        raw = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ConfigError(f"{path}: not valid JSON ({error})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a JSON object")
     return config_from_dict(raw, str(path))

@@ -17,8 +17,17 @@ class SamplingError(UsageError):
     """A --sampling option that does not parse; the message is one line naming the option."""
 
 
+# Below these, sampling is greedy: the limit T -> 0 (or top_p -> 0) samples the argmax, and computing it
+# would divide float32 logits by a temperature that rounds to 0 (or keep a nucleus of mass that rounds to
+# 0): inf and NaN probabilities. vLLM treats temperatures below 1e-5 as greedy too.
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True)
 class Sampling:
+    """temperature 0 is greedy; 0 < temperature < GREEDY_BELOW or top_p < GREEDY_BELOW is greedy too (the
+    settings become temperature 0, top_k 0, top_p 1: their limit)."""
+
     temperature: float = 0.0  # 0 means greedy (argmax)
     top_k: int = 0  # 0 means no top-k filter
     top_p: float = 1.0  # 1.0 means no nucleus filter
@@ -30,6 +39,9 @@ class Sampling:
             raise UsageError(f"--top-k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:  # also refuses NaN
             raise UsageError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if 0.0 < self.temperature < GREEDY_BELOW or self.top_p < GREEDY_BELOW:
+            for name, limit in (("temperature", 0.0), ("top_k", 0), ("top_p", 1.0)):
+                object.__setattr__(self, name, limit)
 
     @property
     def greedy(self) -> bool:
@@ -63,9 +75,13 @@ def parse_sampling(text: str) -> Sampling:
     if not 0.0 < fields.get("temperature", 0.0) < math.inf:
         raise SamplingError(f"--sampling {text!r}: give T > 0 (or 'greedy')")
     try:
-        return Sampling(**fields)
+        sampling = Sampling(**fields)
     except ValueError as error:
         raise SamplingError(f"--sampling {text!r}: {error}") from None
+    if sampling.greedy:  # a measurement labelled T=1e-9 would be a greedy one
+        raise SamplingError(f"--sampling {text!r}: T and top_p below {GREEDY_BELOW:g} sample the argmax; write "
+                            f"'greedy', or give T and top_p in [{GREEDY_BELOW:g}, ...]")
+    return sampling
 
 
 class RowSampling:

@@ -36,7 +36,7 @@ README = ROOT / "README.md"
 PLOT_NAME = "img/best-k.png"
 README_BEGIN, README_END = "<!-- results:begin -->", "<!-- results:end -->"
 
-FULL = {"calibrate": [], "batch_sizes": "1,2,4,8,16,32", "ks": "0,1,2,3,4,5,6,7,8", "bench": []}
+FULL = {"calibrate": [], "batch_sizes": "1,2,4,8,16,32", "ks": "0,1,2,3,4,5,6,7,8", "bench": ["--full"]}
 QUICK = {"calibrate": ["--quick"], "batch_sizes": "1,4,16", "ks": "0,2,4",
          "bench": ["--rounds", "2", "--resolve-rounds", "2", "--max-new-tokens", "32"]}
 

@@ -359,7 +359,7 @@ def run_loadtest(config: LoadtestConfig, out: Path, on_run=None) -> dict:
     """Every policy against the same traces; writes loadtest.json, loadtest.csv and latency.png in `out`."""
     import torch
 
-    from specbatch.perfmodel.jsonio import write_json_atomic, write_text_atomic
+    from specbatch.perfmodel.jsonio import make_dir, write_json_atomic, write_text_atomic
 
     from .loadtest_report import plot_latency, to_csv
 
@@ -367,7 +367,7 @@ def run_loadtest(config: LoadtestConfig, out: Path, on_run=None) -> dict:
         raise LoadtestError("no prompts")
     check_vllm_policies(config)
     notes = candidate_set_notes(config)
-    out.mkdir(parents=True, exist_ok=True)
+    make_dir(out, "--out")
     torch.set_num_threads(1)  # this process shares the machine with the server it measures
     traces = {(rate, cv): make_trace(config.requests, rate, cv, config.seed, len(config.prompts), config.max_tokens)
               for cv in config.cvs for rate in config.rates_per_s}

@@ -46,16 +46,38 @@ class CompletionParams:
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    add_special_tokens: bool = True  # False for a chat template's text, which holds its own (transformers' rule)
 
 
 MAX_STOP_STRINGS = 4  # as OpenAI
 
 
+MAX_BODY_BYTES = 4 << 20  # a request body larger than this gets 413: far above any prompt a context holds
+
+
+def _not_a_number(constant: str):
+    raise RequestError(f"the request body is not valid JSON ({constant} is not a JSON number)", code="invalid_json")
+
+
+def check_content_type(content_type: str | None) -> None:
+    """A body sent as something else than JSON (a form, plain text) is refused; no header is taken as JSON."""
+    if content_type is None:
+        return
+    media = content_type.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise RequestError(f"content-type must be application/json, got {content_type!r}", code="invalid_content_type",
+                           status=415)
+
+
 def parse_json_object(body: bytes) -> dict:
+    """The body as a JSON object; NaN and Infinity (which Python's reader accepts) and nesting deeper than
+    the reader's recursion are 400s, not a value that breaks a step or a 500."""
     try:
-        value = json.loads(body)
+        value = json.loads(body, parse_constant=_not_a_number)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise RequestError(f"the request body is not valid JSON ({error})", code="invalid_json") from None
+    except RecursionError:
+        raise RequestError("the request body nests JSON too deeply", code="invalid_json") from None
     if not isinstance(value, dict):
         raise RequestError("the request body must be a JSON object", code="invalid_json")
     return value
@@ -82,9 +104,13 @@ def _number(value: dict, name: str, default, low: float, high: float, low_open: 
         raise RequestError(f"{name} must be {'an integer' if integer else 'a number'}, got {json.dumps(got)}",
                            param=name, code="invalid_type")
     if got < low or got > high or (low_open and got == low):
-        interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+        interval = f"{'(' if low_open else '['}{_text(low)}, {_text(high)}]"
         raise RequestError(f"{name} must be in {interval}, got {got}", param=name, code="invalid_value")
     return got
+
+
+def _text(number) -> str:
+    return str(number) if isinstance(number, int) else f"{number:g}"
 
 
 def _prompt(value: dict):
@@ -94,6 +120,9 @@ def _prompt(value: dict):
         raise RequestError("you must provide a prompt parameter", param="prompt", code="missing_required_parameter")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
+    if prompt == "":
+        raise RequestError("the prompt is empty: give text for the model to continue", param="prompt",
+                           code="invalid_value")
     if isinstance(prompt, str):
         return prompt, None
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -105,10 +134,14 @@ def _prompt(value: dict):
                        param="prompt", code="invalid_type")
 
 
-def _refuse_unsupported(value: dict) -> None:
-    neutral = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logprobs": (None,),
-               "suffix": (None, ""), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-               "logit_bias": (None, {})}
+# Fields this server cannot honour, with the values that ask for nothing (accepted): anything else is a 400
+# naming the field, never a silent ignore.
+COMPLETION_NEUTRAL = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logprobs": (None,),
+                      "suffix": (None, ""), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+                      "logit_bias": (None, {})}
+
+
+def refuse_unsupported(value: dict, neutral: dict) -> None:
     for name, accepted in neutral.items():
         if name in value and not any(value[name] == a and type(value[name]) is type(a) for a in accepted):
             raise RequestError(f"{name}={json.dumps(value[name])} is not supported by this server",
@@ -119,11 +152,14 @@ def parse_completion(value: dict, served_model: str, max_tokens_limit: int) -> C
     """Validate a /v1/completions body (already a JSON object); raises RequestError naming the field."""
     model = check_model(value, served_model)
     text, ids = _prompt(value)
-    _refuse_unsupported(value)
-    max_tokens = _number(value, "max_tokens", 16, 1, 10**9, integer=True)
-    if max_tokens > max_tokens_limit:
-        raise RequestError(f"max_tokens is {max_tokens}, above this server's limit of {max_tokens_limit}",
-                           param="max_tokens", code="invalid_value")
+    refuse_unsupported(value, COMPLETION_NEUTRAL)
+    return generation_params(value, model, text, ids, max_tokens_limit)
+
+
+def generation_params(value: dict, model: str, text: str | None, ids: tuple[int, ...] | None, max_tokens_limit: int,
+                      max_tokens_field: str = "max_tokens", add_special_tokens: bool = True) -> CompletionParams:
+    """The fields completions and chat share: length, sampling, seed, stop strings, streaming."""
+    max_tokens = _number(value, max_tokens_field, 16, 1, max_tokens_limit, integer=True)
     temperature = _number(value, "temperature", 1.0, 0.0, 2.0)
     top_p = _number(value, "top_p", 1.0, 0.0, 1.0, low_open=True)
     seed = _number(value, "seed", None, -(2**63), 2**63 - 1, integer=True)
@@ -156,21 +192,27 @@ def parse_completion(value: dict, served_model: str, max_tokens_limit: int) -> C
                            code="invalid_value")
     return CompletionParams(model, text, ids, max_tokens, float(temperature), float(top_p),
                             None if seed is None else int(seed), stop, flags["stream"],
-                            bool(options and options.get("include_usage")), flags["return_token_ids"])
+                            bool(options and options.get("include_usage")), flags["return_token_ids"],
+                            add_special_tokens)
 
 
-def new_completion_id() -> str:
-    return f"cmpl-{uuid.uuid4().hex}"
+def new_completion_id(prefix: str = "cmpl") -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def completion_body(completion_id: str, created: int, model: str, text: str, finish_reason: str | None,
                     token_ids: list[int] | None, usage: dict | None) -> dict:
     """A completion object, or (usage None, text a delta) one streamed chunk of one."""
     choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return response_object(completion_id, "text_completion", created, model, choice, token_ids, usage)
+
+
+def response_object(completion_id: str, object_name: str, created: int, model: str, choice: dict,
+                    token_ids: list[int] | None, usage: dict | None) -> dict:
+    """An OpenAI response object (or chunk) with its one choice; the extension's token ids go in the choice."""
     if token_ids is not None:
-        choice["token_ids"] = token_ids
-    body = {"id": completion_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [choice]}
+        choice = {**choice, "token_ids": token_ids}
+    body = {"id": completion_id, "object": object_name, "created": created, "model": model, "choices": [choice]}
     if usage is not None:
         body["usage"] = usage
     return body

@@ -38,6 +38,15 @@ class EngineRunner:
         self._drain_timer: threading.Timer | None = None
 
     @property
+    def draining(self) -> bool:
+        """Shutting down: no new requests, in-flight ones finish (or are cancelled after the drain time)."""
+        return self._drain_timer is not None
+
+    @property
+    def idle(self) -> bool:
+        return self.engine.running == 0 and self.engine.waiting == 0
+
+    @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 

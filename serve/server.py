@@ -4,14 +4,16 @@ The policy: --table FILE, --k K, --tree SPEC, or (none of them) a chain table co
 a quick calibration profile of this machine (`calibrate --quick`), cached under --profile or in the user
 cache directory so the next start reuses it. Which one runs is logged.
 
-Shutdown: SIGINT/SIGTERM stop new requests (503), give in-flight ones `drain_s` seconds, then cancel
-what is left with a final event (streams end with a finish_reason and [DONE]); uvicorn then closes.
+Shutdown: SIGINT/SIGTERM stop new requests (503, the port stays open meanwhile), give in-flight ones
+`drain_s` seconds, then cancel what is left with a final event (streams end with a finish_reason and
+[DONE]); uvicorn then closes and the process exits 0. A second SIGINT quits at once.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
 import os
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +51,26 @@ class ServeOptions:
     threads: int | None = None  # torch intra-op threads (None: torch's default)
     model_name: str | None = None  # what clients send as "model" (default: the target directory's name)
     drain_s: float = 30.0
+    force: bool = False  # serve a --table or --adaptive model made for another pair anyway
+
+
+def check_options(options: ServeOptions) -> None:
+    """What can be checked before a model loads or a quick profile is measured (a minute on a CPU)."""
+    from specbatch.perfmodel.jsonio import writable_path
+
+    if not 0 <= options.port <= 65535:
+        raise ServeError(f"--port must be in [0, 65535], got {options.port}")
+    for option, value, minimum in (("--max-batch-size", options.max_batch_size, 1),
+                                   ("--max-tokens-limit", options.max_tokens_limit, 1),
+                                   ("--max-waiting", options.max_waiting, 0),
+                                   ("--kv-budget-tokens", options.kv_budget_tokens, 1),
+                                   ("--threads", options.threads, 1)):
+        if value is not None and value < minimum:
+            raise ServeError(f"{option} must be >= {minimum}, got {value}")
+    if not options.drain_s >= 0:  # also refuses nan
+        raise ServeError(f"--drain-s must be >= 0 seconds, got {options.drain_s}")
+    if options.profile is not None and not options.profile.is_file():
+        writable_path(options.profile, "--profile")  # the quick profile is measured into it
 
 
 def default_profile_path(target: Path, draft: Path, device: str, dtype: str, threads: int) -> Path:
@@ -65,6 +87,7 @@ def quick_table(target: Path, draft: Path, device: str, dtype: str | None, threa
     """A chain table for b = 1..max_batch from a quick profile of this machine (measured once, cached)."""
     from specbatch.calibrate.run import CalibrationRequest, calibrate
     from specbatch.perfmodel.fit import fit_profile
+    from specbatch.perfmodel.jsonio import make_dir
     from specbatch.perfmodel.model import choose_acceptance, compute_table
     from specbatch.perfmodel.profile import load_profile
     from specbatch.runtime.checkpoint import parse_dtype
@@ -76,29 +99,38 @@ def quick_table(target: Path, draft: Path, device: str, dtype: str | None, threa
     else:
         log.info("no --table/--k/--tree: measuring a quick calibration profile of this machine into %s "
                  "(once; about a minute on a CPU), then computing the table from it", path)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_dir(path.parent, "--profile")
         # acceptance is measured on the bundled held-out prompts whatever the pair: generic text and code
-        calibrate(CalibrationRequest(target=str(target), draft=str(draft), out=path, device=device, dtype=dtype,
-                                     prompts=DEMO_PROMPTS, quick=True))
+        try:
+            calibrate(CalibrationRequest(target=str(target), draft=str(draft), out=path, device=device, dtype=dtype,
+                                         prompts=DEMO_PROMPTS, quick=True))
+        except SpecbatchError as error:  # calibrate names its own option, --out: here the file is --profile's
+            raise ServeError(str(error).replace("--out ", "--profile ", 1)) from None
     fitted = fit_profile(load_profile(path))
     return compute_table(fitted, choose_acceptance(fitted, None, str(path)), max_batch, strategies="chain")
 
 
-def choose_policy(options: ServeOptions, target_dir: Path, draft_dir: Path | None, device: str, threads: int):
+def choose_policy(options: ServeOptions, target_dir: Path, draft_dir: Path | None, device: str, threads: int,
+                  running: dict | None = None):
+    """The policy the options ask for; a --table or --adaptive model made for another pair than `running`
+    (role -> (source, fingerprint), runtime.loading.LoadedPair.running) is refused without --force."""
     from specbatch.perfmodel.tree import Strategy, parse_tree
+    from specbatch.runtime.assembly import check_made_for, table_made_for
     from specbatch.runtime.policy import FixedK, FixedStrategy, TableK
 
     if sum(x is not None for x in (options.table, options.k, options.tree, options.adaptive)) > 1:
         raise ServeError("--table, --k, --tree and --adaptive are mutually exclusive")
-    if options.adaptive is not None:
+    if running is None:
         from specbatch.perfmodel.jsonio import directory_fingerprint
+
+        running = {role: (str(path), directory_fingerprint(path)) for role, path in
+                   (("target", target_dir), ("draft", draft_dir)) if path is not None}
+    if options.adaptive is not None:
         from specbatch.runtime.assembly import adaptive_for_pair
 
         if draft_dir is None:
             raise ServeError("--adaptive speculates: it needs a draft model (--draft DIR)")
-        running = {role: (str(path), directory_fingerprint(path)) for role, path in
-                   (("target", target_dir), ("draft", draft_dir))}
-        policy = adaptive_for_pair(options.adaptive, running, force=False)
+        policy = adaptive_for_pair(options.adaptive, running, force=options.force)
     elif options.k is not None:
         if options.k < 0:
             raise ServeError(f"--k must be >= 0, got {options.k}")
@@ -109,6 +141,7 @@ def choose_policy(options: ServeOptions, target_dir: Path, draft_dir: Path | Non
         if not options.table.is_file():
             raise ServeError(f"--table {options.table}: no such file")
         policy = TableK(options.table)
+        check_made_for(f"--table {options.table}", table_made_for(policy.table), running, options.force)
     elif draft_dir is None:
         policy = FixedK(0)
     else:
@@ -162,7 +195,7 @@ def build(options: ServeOptions):
     if options.max_model_len is not None and options.max_model_len >= positions:
         raise ServeError(f"--max-model-len {options.max_model_len}: the models hold {positions} positions, and a "
                          "step needs room for its draft tokens beyond a request's; give a smaller value")
-    policy = choose_policy(options, target_dir, draft_dir, device, torch.get_num_threads())
+    policy = choose_policy(options, target_dir, draft_dir, device, torch.get_num_threads(), pair.running())
     stage2 = second_stage_for(policy, None, target_spec)  # a table's staged entries: the n-gram it names (by sha256)
     if options.cuda_graphs and not device.startswith("cuda"):
         raise ServeError(f"--cuda-graphs needs a CUDA device, got --device {device}")
@@ -180,20 +213,49 @@ def build(options: ServeOptions):
     log.info("serving %s (draft %s) as model %r with %s; max batch %d (%d KV slots of %d tokens fit in %.3g GiB), "
              "KV budget %d tokens", target_dir, draft_dir, name, policy.describe(), engine.max_batch_size,
              engine.max_batch_size, engine.max_context_tokens, config.kv_cache_bytes / 2**30, engine.kv_budget_tokens)
-    template = _chat_template(target_dir)
-    served = ServedModel(name, pair.tokenizer.encode, pair.tokenizer.decode,
-                         min(options.max_tokens_limit, engine.max_context_tokens - 1), template)
+    template, special_tokens = _chat_settings(target_dir)
+    served = ServedModel(name, _encoder(pair.tokenizer.backend), pair.tokenizer.decode,
+                         min(options.max_tokens_limit, engine.max_context_tokens - 1), template,
+                         max_prompt_chars=engine.max_context_tokens * _longest_token_chars(pair.tokenizer.backend),
+                         special_tokens=special_tokens)
     return EngineRunner(engine), served
 
 
-def _chat_template(directory: Path) -> str | None:
+def _encoder(backend):
+    """The tokenizer's encode, through encode_batch: the same ids, and unlike encode it releases the GIL, so
+    a long prompt tokenized in a worker thread leaves the event loop running."""
+    def encode(text: str, add_special_tokens: bool = True) -> list[int]:
+        return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    return encode
+
+
+def _longest_token_chars(backend) -> int:
+    """The most characters one token can stand for: the longest vocabulary entry (byte-level entries have
+    a character per byte, so this bounds characters too), doubled for normalizers that drop characters."""
+    return 2 * max(len(token) for token in backend.get_vocab(with_added_tokens=True))
+
+
+def _chat_settings(directory: Path) -> tuple[str | None, dict[str, str]]:
+    """tokenizer_config.json's chat template (None without one) and the special tokens templates use
+    (bos_token, eos_token, ...: strings, or objects with a "content")."""
     import json
 
     config = directory / "tokenizer_config.json"
     try:
-        return json.loads(config.read_text()).get("chat_template") if config.is_file() else None
+        settings = json.loads(config.read_text()) if config.is_file() else {}
     except (OSError, ValueError):
-        return None
+        return None, {}
+    template = settings.get("chat_template")
+    if isinstance(template, list):  # several named templates: the default one
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    tokens = {}
+    for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        value = settings.get(name)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str):
+            tokens[name] = value
+    return (template if isinstance(template, str) else None), tokens
 
 
 def configure_logging() -> None:
@@ -207,25 +269,50 @@ def serve(options: ServeOptions) -> None:
     configure_logging()
     from .app import create_app
 
+    check_options(options)
     if options.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("binding %s: the server has no authentication; anyone who can reach it can use it", options.host)
     runner, served = build(options)
     app = create_app(runner, served)
 
-    class DrainingServer(uvicorn.Server):
-        def handle_exit(self, sig, frame) -> None:
-            runner.begin_shutdown(options.drain_s)
-            super().handle_exit(sig, frame)
-
     config = uvicorn.Config(app, host=options.host, port=options.port, log_level="info",
                             timeout_graceful_shutdown=int(options.drain_s) + 5)
-    DrainingServer(config).run()
+    draining_server(config, runner, options.drain_s).run()
+
+
+def draining_server(config, runner, drain_s: float):
+    """A uvicorn.Server that drains before it closes: the first SIGINT/SIGTERM closes the engine to new
+    requests (they get 503 while the port stays open) and lets in-flight ones finish for `drain_s` seconds
+    (then they are cancelled); uvicorn shuts down once the engine is idle. The signal is not raised again
+    after the shutdown (uvicorn's default, which exits 128 + signal): a drained server exits 0. A second
+    signal shuts down now, a second SIGINT without waiting for open connections."""
+    import threading
+    import time
+
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if runner.draining:
+                self.should_exit = True
+                self.force_exit = sig == signal.SIGINT
+                return
+            runner.begin_shutdown(drain_s)
+            threading.Thread(target=self._exit_when_idle, name="specbatch-drain", daemon=True).start()
+
+        def _exit_when_idle(self) -> None:
+            while not runner.idle:
+                time.sleep(0.05)
+            self.should_exit = True
+
+    return Server(config)
 
 
 class BackgroundServer:
-    """uvicorn in a thread of this process, on a loopback port (tests, the in-process load test)."""
+    """uvicorn in a thread of this process, on a loopback port (tests, the in-process load test); it drains
+    as `serve` does when `server.handle_exit(signal, None)` is called (a thread gets no signals)."""
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, drain_s: float = 5.0):
         import socket
         import threading
 
@@ -234,7 +321,8 @@ class BackgroundServer:
         self._socket = socket.socket()
         self._socket.bind((host, port))  # port 0: the OS picks a free one, and nobody takes it meanwhile
         self.host, self.port = host, self._socket.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
+        self.server = draining_server(config, app.state.runner, drain_s)
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._socket]}, daemon=True)
 
     @property

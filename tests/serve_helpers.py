@@ -18,8 +18,9 @@ def demo_server(**options):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        runner, served = build(ServeOptions(**{"k": 3, "max_batch_size": 4, **options}))
-        with BackgroundServer(create_app(runner, served)) as server:
+        serve_options = ServeOptions(**{"k": 3, "max_batch_size": 4, **options})
+        runner, served = build(serve_options)
+        with BackgroundServer(create_app(runner, served), drain_s=serve_options.drain_s) as server:
             server.runner, server.served = runner, served
             yield server
     finally:

@@ -88,6 +88,23 @@ def test_a_second_lock_on_one_output_fails_at_once_naming_the_first(tmp_path):
         pass
 
 
+def test_a_symlink_and_its_target_share_one_lock(tmp_path):
+    from specbatch.perfmodel.jsonio import exclusive_lock
+
+    out, link = tmp_path / "a.json", tmp_path / "elsewhere" / "link-to-a.json"
+    link.parent.mkdir()
+    link.symlink_to(out)  # dangling until a run writes a.json: still the same file
+    with exclusive_lock(out, "--out", "calibration"):
+        with pytest.raises(PerfModelError, match=r"--out .*link-to-a.json: another calibration is writing it"):
+            with exclusive_lock(link, "--out", "calibration"):
+                pass
+    with exclusive_lock(link, "--out", "calibration"):
+        assert (tmp_path / "a.json.lock").is_file()  # beside the file the link resolves to
+        with pytest.raises(PerfModelError, match="another calibration is writing it"):
+            with exclusive_lock(out, "--out", "calibration"):
+                pass
+
+
 @pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
 def test_non_finite_numbers_are_refused_on_read_naming_the_field(tmp_path, constant):
     from specbatch.perfmodel.jsonio import read_json

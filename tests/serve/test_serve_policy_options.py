@@ -18,3 +18,40 @@ def test_policy_options_are_refused_in_one_line(options, message):
     with pytest.raises(ServeError, match=message) as refused:
         choose_policy(options, TARGET, None, "cpu", 1)
     assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--port", "99999"], "error: --port must be in [0, 65535], got 99999"),
+    (["--port", "-1"], "error: --port must be in [0, 65535], got -1"),
+    (["--max-batch-size", "0"], "error: --max-batch-size must be >= 1, got 0"),
+    (["--profile", "/dev/null"], "error: --profile /dev/null: not a regular file; give the path of a file to write"),
+    (["--drain-s", "nan"], "error: --drain-s must be >= 0 seconds, got nan"),
+])
+def test_serve_options_are_one_line_before_anything_loads(args, message, monkeypatch):
+    from specbatch.serve import server
+    from cli_helpers import invoke
+
+    monkeypatch.setattr(server, "build", lambda options: pytest.fail("serve built a server before checking options"))
+    result = invoke("serve", *args)
+    assert result.exit_code == 2 and result.stderr.strip() == message, result.output
+
+
+def test_a_table_made_for_another_pair_is_refused_unless_forced(tmp_path, write_table):
+    import json
+
+    from specbatch.perfmodel.errors import UsageError
+    from specbatch.runtime.assembly import DEMO_DRAFT
+    from specbatch.runtime.policy import TableK
+    from specbatch.serve.server import build
+
+    path = tmp_path / "other-pair.json"
+    table = json.loads(open(write_table({1: 2, 2: 1})).read())
+    path.write_text(json.dumps(table | {"target": "/models/opt-6.7b", "draft": "/models/opt-125m",
+                                        "fingerprints": {"target": "a" * 64, "draft": "b" * 64}}))
+    expected = (rf"--table {path} was made for another pair: target /models/opt-6.7b \(aaaaaaaaaaaa\) there, "
+                r".*demo-target \(.*\) here; .* pass --force")
+    with pytest.raises(UsageError, match=expected) as error:
+        choose_policy(ServeOptions(table=path), TARGET, DEMO_DRAFT, "cpu", 1)
+    assert "\n" not in str(error.value)
+    runner, _ = build(ServeOptions(table=path, force=True, max_batch_size=2))
+    assert isinstance(runner.engine.policy, TableK)

@@ -1,0 +1,51 @@
+"""Options a newcomer trips on: flags shown as flags, errors naming the option that was given, the
+documented forms of --target, `-o` wherever `--out` is."""
+from __future__ import annotations
+
+import pytest
+from typer.main import get_command
+
+from cli_helpers import assert_one_line_error, invoke
+from specbatch import cli
+
+
+def _commands():
+    group = get_command(cli.app)
+    return sorted(group.commands)
+
+
+@pytest.mark.parametrize("command", _commands())
+def test_help_shows_flags_without_a_value_type(command):
+    result = invoke(command, "--help")
+    assert result.exit_code == 0
+    assert "<bool>" not in result.stdout, command
+    assert "--help" in result.stdout
+
+
+def test_the_top_level_help_has_no_bool_either():
+    assert "<bool>" not in invoke("--help").stdout
+
+
+def test_a_flag_given_a_value_is_refused():
+    result = invoke("generate", "--force", "true", "--prompt", "x")
+    assert result.exit_code == 2 and "unexpected extra argument" in result.output.lower()
+
+
+def test_explain_names_the_option_it_was_given():
+    assert_one_line_error(invoke("explain", "model.json", "--batch-size", "1", "--k", "-2"), "--k must be >= 0, got -2")
+
+
+@pytest.mark.parametrize("command", ["bench", "calibrate", "fit", "table", "plot"])
+def test_o_is_a_short_form_wherever_an_output_is_written(command):
+    assert "-o" in invoke(command, "--help").stdout.replace("--out", "").replace("--output", "")
+
+
+def test_generate_needs_a_directory_with_a_tokenizer_as_the_readme_says():
+    from specbatch.runtime.assembly import DEMO_TARGET
+
+    readme = (DEMO_TARGET.parents[2] / "README.md").read_text()
+    assert "`generate` and `serve` need" in readme and "tokenizer.json" in readme
+    assert_one_line_error(invoke("generate", "--target", "llama-68m", "--prompt", "x", "--k", "0"),
+                          "--target llama-68m: no tokenizer.json")
+    assert_one_line_error(invoke("generate", "--target", DEMO_TARGET / "config.json", "--prompt", "x", "--k", "0"),
+                          "no tokenizer.json")
