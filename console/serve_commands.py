@@ -93,6 +93,10 @@ def loadtest_command(
         "--in-process", help="Also replay each trace on the engine in this process (HTTP overhead).")] = False,
     check_greedy: Annotated[bool, typer.Option(
         "--check-greedy", help="Compare every response with its solo greedy output.")] = False,
+    adversarial: Annotated[float, typer.Option(
+        "--adversarial", help="Share of the arrivals sent as hostile requests (NaN or tiny temperatures, huge "
+                              "bodies and prompts, bad JSON, clients that hang up...), each judged by the answer "
+                              "the server must give; the figures are the well-formed requests'.")] = 0.0,
     target: TargetOpt = None,
     draft: DraftOpt = None,
     table: Annotated[Optional[Path], typer.Option(
@@ -122,7 +126,7 @@ def loadtest_command(
         requests=requests, max_duration_s=max_duration_s, max_tokens=(int(low), int(high)), seed=seed,
         slo=Slo(slo_ttft_ms, slo_tpot_ms, slo_e2e_ms),
         prompts=tuple(read_prompts_file(prompts_file or DEMO_PROMPTS)), server_args=tuple(server_args),
-        in_process=in_process, check_greedy=check_greedy,
+        in_process=in_process, check_greedy=check_greedy, adversarial_share=adversarial,
         vllm_target=Path(target) if target else DEMO_TARGET, vllm_draft=Path(draft) if draft else DEMO_DRAFT,
         vllm_table=table, vllm_max_num_seqs=max_batch_size)
     report = run_loadtest(config, out)

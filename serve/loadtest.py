@@ -29,6 +29,7 @@ class TraceItem:
     arrival_s: float
     prompt_index: int
     max_tokens: int
+    adversarial: str | None = None  # a kind of serve.adversarial sent instead of a well-formed request
 
 
 def arrival_times(count: int, rate_per_s: float, cv: float, seed: int) -> np.ndarray:
@@ -41,10 +42,15 @@ def arrival_times(count: int, rate_per_s: float, cv: float, seed: int) -> np.nda
 
 
 def make_trace(count: int, rate_per_s: float, cv: float, seed: int, prompts: int,
-               max_tokens: tuple[int, int]) -> list[TraceItem]:
+               max_tokens: tuple[int, int], adversarial_share: float = 0.0) -> list[TraceItem]:
+    """The arrivals; a seeded `adversarial_share` of them send serve.adversarial's kinds instead, in turn."""
+    from .adversarial import KINDS
+
     times = arrival_times(count, rate_per_s, cv, seed)
     lengths = np.random.default_rng(seed + 1).integers(max_tokens[0], max_tokens[1] + 1, size=count)
-    return [TraceItem(float(t), i % prompts, int(n)) for i, (t, n) in enumerate(zip(times, lengths))]
+    hostile = np.flatnonzero(np.random.default_rng(seed + 2).random(count) < adversarial_share)
+    kinds = {int(i): KINDS[j % len(KINDS)] for j, i in enumerate(hostile)}
+    return [TraceItem(float(t), i % prompts, int(n), kinds.get(i)) for i, (t, n) in enumerate(zip(times, lengths))]
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,7 @@ class LoadtestConfig:
     server_args: tuple[str, ...] = ()  # passed to every `specbatch serve` (--target, --table, --threads, ...)
     in_process: bool = False  # also replay each trace on the engine in this process
     check_greedy: bool = False  # compare every response with its prompt's solo greedy output
+    adversarial_share: float = 0.0  # share of the arrivals that are hostile requests (serve.adversarial)
     startup_timeout_s: float = 600.0  # a server without --table measures a quick profile first
     # vllm:* policies: the pair's directories, the table to export, vLLM's max_num_seqs
     vllm_target: Path | None = None
@@ -139,8 +146,11 @@ def server_command_args(server_args: tuple[str, ...], policy: str) -> list[str]:
 
 async def replay_http(url: str, model: str, trace: list[TraceItem], prompts: tuple[str, ...],
                       max_duration_s: float, want_ids: bool) -> list[RequestRecord]:
-    """Send the trace open-loop (streaming completions) and time each request."""
+    """Send the trace open-loop (streaming completions) and time each request; a hostile arrival is sent
+    as its kind and judged by the answer the server must give."""
     import httpx
+
+    from .adversarial import send_adversarial
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(max_duration_s + 60), limits=limits) as client:
@@ -149,6 +159,13 @@ async def replay_http(url: str, model: str, trace: list[TraceItem], prompts: tup
         async def one(item: TraceItem, record: RequestRecord) -> None:
             await asyncio.sleep(max(0.0, start + item.arrival_s - time.perf_counter()))
             record.sent_s = time.perf_counter() - start
+            if item.adversarial is not None:
+                outcome = await send_adversarial(client, url, item.adversarial, model, prompts[item.prompt_index],
+                                                 item.max_tokens)
+                record.adversarial, record.as_expected = item.adversarial, outcome.as_expected
+                record.finished_s = time.perf_counter() - start
+                record.error = None if outcome.as_expected else outcome.detail
+                return
             body = {"model": model, "prompt": prompts[item.prompt_index], "max_tokens": item.max_tokens,
                     "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
                     "return_token_ids": want_ids}
@@ -200,9 +217,11 @@ async def _run_all(trace, one, start: float, max_duration_s: float) -> list[Requ
 
 async def replay_engine(runner, encode, trace: list[TraceItem], prompts: tuple[str, ...],
                         max_duration_s: float) -> list[RequestRecord]:
-    """The same trace straight into an engine in this process (no HTTP): the HTTP layer's cost."""
+    """The same trace straight into an engine in this process (no HTTP): the HTTP layer's cost. Hostile
+    arrivals are HTTP requests: not sent here."""
     from specbatch.runtime.engine import Request
 
+    trace = [item for item in trace if item.adversarial is None]
     loop = asyncio.get_running_loop()
     encoded = {i: tuple(encode(p)) for i, p in enumerate(prompts)}
     start = time.perf_counter()
@@ -300,7 +319,7 @@ def _serve_options(server_args: tuple[str, ...], policy: str):
 def _summary(policy, mode, rate, cv, trace, records, config, references) -> dict:
     mismatched = None
     if references is not None:
-        mismatched = sum(1 for r in records if r.ok and r.token_ids !=
+        mismatched = sum(1 for r in records if r.ok and r.adversarial is None and r.token_ids !=
                          references(trace[r.index].prompt_index, trace[r.index].max_tokens))
     return {"policy": policy, "mode": mode, "rate_per_s": rate, "cv": cv,
             **summarize(records, len(trace), config.slo, mismatched)}
@@ -369,7 +388,10 @@ def run_loadtest(config: LoadtestConfig, out: Path, on_run=None) -> dict:
     notes = candidate_set_notes(config)
     make_dir(out, "--out")
     torch.set_num_threads(1)  # this process shares the machine with the server it measures
-    traces = {(rate, cv): make_trace(config.requests, rate, cv, config.seed, len(config.prompts), config.max_tokens)
+    if not 0.0 <= config.adversarial_share <= 0.5:
+        raise LoadtestError(f"--adversarial {config.adversarial_share}: give a share in [0, 0.5]")
+    traces = {(rate, cv): make_trace(config.requests, rate, cv, config.seed, len(config.prompts), config.max_tokens,
+                                     config.adversarial_share)
               for cv in config.cvs for rate in config.rates_per_s}
     references = solo_references(config) if config.check_greedy else None
     machine_before = machine_note()
@@ -382,6 +404,7 @@ def run_loadtest(config: LoadtestConfig, out: Path, on_run=None) -> dict:
               "config": {"policies": list(config.policies), "rates_per_s": list(config.rates_per_s),
                          "cvs": list(config.cvs), "requests": config.requests, "max_duration_s": config.max_duration_s,
                          "max_tokens": list(config.max_tokens), "seed": config.seed, "slo": config.slo.describe(),
+                         "adversarial_share": config.adversarial_share,
                          "server_args": list(config.server_args), "torch_threads_client": 1},
               "runs": runs, "notes": notes}
     write_json_atomic(out / "loadtest.json", report, "--out")

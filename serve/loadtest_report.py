@@ -25,6 +25,8 @@ class RequestRecord:
     token_ids: list[int] | None = None
     finish_reason: str | None = None
     error: str | None = None  # an HTTP status or exception; None when the request succeeded
+    adversarial: str | None = None  # the hostile kind it was (serve.adversarial), None: well-formed
+    as_expected: bool | None = None  # a hostile request: the server gave the answer it must
 
     @property
     def ok(self) -> bool:
@@ -70,6 +72,10 @@ def distribution(values: list[float]) -> dict:
 
 
 def summarize(records: list[RequestRecord], trace_len: int, slo: Slo, mismatched: int | None) -> dict:
+    """The run's figures over its well-formed requests; hostile ones (serve.adversarial) counted apart."""
+    hostile = [r for r in records if r.adversarial is not None]
+    records = [r for r in records if r.adversarial is None]
+    trace_len -= len(hostile)
     ok = [r for r in records if r.ok]
     sent = [r for r in records if r.sent_s is not None]
     span_s = (max(r.finished_s for r in ok) - min(r.sent_s for r in sent)) if ok else None
@@ -88,6 +94,8 @@ def summarize(records: list[RequestRecord], trace_len: int, slo: Slo, mismatched
         "goodput_requests_per_s": len(good) / span_s if span_s else None,
         "goodput_tokens_per_s": sum(r.completion_tokens for r in good) / span_s if span_s else None,
         "slo": slo.describe(),
+        "adversarial": {"sent": len(hostile), "as_expected": sum(1 for r in hostile if r.as_expected),
+                        "unexpected": sorted({f"{r.adversarial}: {r.error}" for r in hostile if not r.as_expected})},
     }
 
 
@@ -151,14 +159,21 @@ def plot_latency(runs: list[dict], path) -> None:
     plt.close(figure)
 
 
+def _hostile(adversarial: dict | None) -> str:
+    """'4/5': hostile requests answered as they must be, of those sent; '-' without any."""
+    if not adversarial or not adversarial["sent"]:
+        return "-"
+    return f"{adversarial['as_expected']}/{adversarial['sent']}"
+
+
 def render_runs(runs: list[dict]) -> None:
     """One row per run on the terminal (the CLI's view; the files hold every figure)."""
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title="load test: latencies in ms (means; E2E p99), throughput in tokens/s")
-    for column in ("policy", "mode", "rate/s", "CV", "ok", "failed", "mismatch", "TTFT", "TPOT", "E2E", "E2E p99",
-                   "tok/s", "goodput/s"):
+    for column in ("policy", "mode", "rate/s", "CV", "ok", "failed", "mismatch", "hostile ok", "TTFT", "TPOT",
+                   "E2E", "E2E p99", "tok/s", "goodput/s"):
         table.add_column(column, justify="right", no_wrap=True)
     table.add_column("steps ran (share, step time, tokens a step)", justify="left")
 
@@ -168,7 +183,8 @@ def render_runs(runs: list[dict]) -> None:
     for run in runs:
         table.add_row(run["policy"], run["mode"], f"{run['rate_per_s']:g}", f"{run['cv']:g}", str(run["ok"]),
                       str(run["errors"] + run["unfinished"]), number(run["mismatched"], "{}"),
-                      number(run["ttft_ms"]["mean"]), number(run["tpot_ms"]["mean"], "{:.1f}"),
+                      _hostile(run.get("adversarial")), number(run["ttft_ms"]["mean"]),
+                      number(run["tpot_ms"]["mean"], "{:.1f}"),
                       number(run["e2e_ms"]["mean"]), number(run["e2e_ms"]["p99"]),
                       number(run["throughput_tokens_per_s"]), number(run["goodput_requests_per_s"], "{:.2f}"),
                       describe_mix(run.get("strategy_mix")))

@@ -28,6 +28,18 @@ def test_trace_is_the_same_for_every_policy_and_within_bounds():
     assert [item.prompt_index for item in trace[:9]] == [0, 1, 2, 3, 4, 5, 6, 0, 1]
 
 
+def test_a_share_of_the_trace_is_hostile_every_kind_in_turn():
+    from specbatch.serve.adversarial import KINDS
+
+    trace = make_trace(2000, 3.0, 1.0, seed=5, prompts=7, max_tokens=(64, 128), adversarial_share=0.05)
+    hostile = [item.adversarial for item in trace if item.adversarial is not None]
+    assert 70 <= len(hostile) <= 130  # 5 % of 2000, binomial
+    assert hostile[:len(KINDS)] == list(KINDS)
+    plain = make_trace(2000, 3.0, 1.0, seed=5, prompts=7, max_tokens=(64, 128))
+    assert [(i.arrival_s, i.prompt_index, i.max_tokens) for i in trace] == [
+        (i.arrival_s, i.prompt_index, i.max_tokens) for i in plain]  # the same arrivals, some of them hostile
+
+
 def test_a_run_is_bounded_in_time():
     from serve_helpers import demo_server
 
@@ -61,6 +73,22 @@ def test_short_loadtest_over_http_and_in_process(tmp_path):
     assert json.loads((tmp_path / "loadtest.json").read_text())["schema"] == "specbatch.loadtest/1"
     assert (tmp_path / "loadtest.csv").read_text().startswith("policy,mode,rate_per_s")
     assert (tmp_path / "latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_a_poisson_trace_with_hostile_requests_leaves_every_well_formed_one_its_greedy_output(tmp_path):
+    """13 hostile requests of every kind (NaN and tiny temperatures, huge bodies and prompts, bad JSON,
+    clients that hang up...) among 27 well-formed ones: each hostile one gets the answer it must, every
+    well-formed one completes with its solo greedy output."""
+    prompts = ("def eggs(b):\n    return", "import os\n", "class A:\n")
+    config = LoadtestConfig(policies=("k=2",), rates_per_s=(8.0,), requests=40, max_duration_s=120,
+                            max_tokens=(4, 12), prompts=prompts, server_args=("--max-batch-size", "8"),
+                            check_greedy=True, adversarial_share=0.35, seed=3)
+    (run,) = run_loadtest(config, tmp_path)["runs"]
+    hostile = run["adversarial"]
+    assert hostile["sent"] >= 13 and hostile["as_expected"] == hostile["sent"], hostile["unexpected"]
+    assert run["ok"] == run["requests"] == 40 - hostile["sent"]
+    assert run["errors"] == run["unfinished"] == run["mismatched"] == 0
 
 
 # ---------------------------------------------------------------------------------------------- vLLM as the peer
