@@ -1,6 +1,6 @@
 """Latency of one forward pass, T(b, n, L), fitted per model role to the profile's timing rows.
 
-Two model kinds, chosen per role by grouped k-fold cross-validation (`select_kind`):
+Three model kinds, chosen per role by grouped k-fold cross-validation (`select_kind`):
 
 - "roofline": T = overhead_ms + smooth_max(memory_ms, compute_ms), four parameters. Physically
   grounded, so it extrapolates sensibly to batch sizes beyond the measured grid.
@@ -9,6 +9,10 @@ Two model kinds, chosen per role by grouped k-fold cross-validation (`select_kin
   pass), refit by nonnegative least squares with scikit-learn. It follows the steps real hardware
   has (thread scheduling on CPUs, tile quantization on GPUs) and stays monotone in b, n and L by
   construction. Its coefficients are plain numbers: the model is saved as JSON, never pickled.
+- "roofline+staircase": the roofline's work term plus the kernel steps found in the data, in tokens per
+  pass (GEMM tiles) and in rows (attention waves), sharp where neighbouring measurements resolve them
+  and ramped across gaps they do not (`perfmodel.staircase`). Signed: it follows data that are not
+  monotone, and a measured step is kept, not smoothed over a grid gap.
 
 Why not gradient-boosted trees (even with monotonic constraints): trees are piecewise constant, so a
 held-out batch size between two measured ones snaps to a neighbour's time, and batch sizes beyond
@@ -27,15 +31,18 @@ import numpy as np
 from .errors import PerfModelError
 from .jsonio import rounded
 from .profile import ModelInfo, TimingRow
+from .staircase import Staircase, fit_staircase
 
 ROOFLINE = "roofline"
 MONOTONE = "roofline+monotone"
-KINDS = (ROOFLINE, MONOTONE)
+STAIRCASE = "roofline+staircase"
+KINDS = (ROOFLINE, MONOTONE, STAIRCASE)
+REFINED = (MONOTONE, STAIRCASE)
 MIN_POINTS = 8  # twice the roofline's four parameters: fewer cannot tell fit from noise
 CV_FOLDS = 5
-# The data-driven kind must beat the roofline's cross-validated MAPE by this factor to be chosen:
+# A data-driven kind must beat the roofline's cross-validated MAPE by this factor to be chosen:
 # a 1% relative gain is noise, and the roofline extrapolates more safely.
-MONOTONE_MIN_GAIN = 0.95
+REFINED_MIN_GAIN = 0.95
 MAX_TOKEN_KNOTS = 10  # ramps in tokens per pass; more knots than this overfit small grids
 
 
@@ -312,14 +319,18 @@ class LatencyModel:
     invented. The roofline kind is the roofline everywhere.
     """
 
-    kind: str  # "roofline" | "roofline+monotone"
+    kind: str  # one of KINDS
     shape: RoleShape
     roofline: RooflineParams
     correction: MonotoneCorrection | None  # present for "roofline+monotone"
     box: Box | None = None  # the measured range the refinement holds in; None: the fit everywhere
+    staircase: Staircase | None = None  # present for "roofline+staircase"
 
     def fitted_ms(self, b, n, L):
         """The fit itself, with no regard to the measured range (arrays in, array out)."""
+        if self.staircase is not None:
+            work, compute = self.roofline.work_ms(self.shape, b, n, L), self.roofline.compute_ms(self.shape, b, n, L)
+            return self.staircase.latency_ms(work, compute, b, n, L).reshape(np.broadcast(b, n, L).shape)
         if self.correction is None:
             return np.asarray(self.roofline.latency_ms(self.shape, b, n, L), dtype=float)
         return np.asarray(self.correction.latency_ms(self.shape, self.roofline, b, n, L), dtype=float)
@@ -327,7 +338,7 @@ class LatencyModel:
     def latency_ms(self, b, n, L):
         """Predicted milliseconds of one pass; scalars in, float out; arrays in (broadcast), array out."""
         scalar = np.ndim(b) == np.ndim(n) == np.ndim(L) == 0
-        if self.correction is None or self.box is None:
+        if self.kind == ROOFLINE or self.box is None:
             value = self.fitted_ms(b, n, L)
         else:
             b, n, L = np.broadcast_arrays(*(np.asarray(v, dtype=float) for v in (b, n, L)))
@@ -345,7 +356,13 @@ def fit_latency_model(shape: RoleShape, points: Points, kind: str, start: Roofli
         raise PerfModelError(f"unknown latency model kind {kind!r}; valid kinds: {', '.join(KINDS)}")
     roofline = fit_roofline(shape, points, start)
     correction = fit_monotone(shape, roofline, points) if kind == MONOTONE else None
-    return LatencyModel(kind, shape, roofline, correction, Box.of(points))
+    staircase = None
+    if kind == STAIRCASE:  # the steps around the roofline fitted through them: it keeps the average slopes
+        require_points(points, MIN_POINTS, "the staircase fit")
+        b, n, L = points.batch_size, points.new_tokens, points.context_len
+        staircase = fit_staircase(roofline.work_ms(shape, b, n, L), roofline.compute_ms(shape, b, n, L), b, n, L,
+                                  points.latency_ms)
+    return LatencyModel(kind, shape, roofline, correction, Box.of(points), staircase)
 
 
 def require_points(points: Points, needed: int, purpose: str) -> None:
@@ -392,10 +409,12 @@ def cross_validate(shape: RoleShape, points: Points, folds: int = CV_FOLDS) -> d
 
 
 def select_kind(cv_mape: dict[str, float]) -> str:
-    """The roofline unless the monotone model's cross-validated MAPE is clearly lower."""
+    """The roofline unless a refined kind's cross-validated MAPE is clearly lower: then the lowest of them
+    (ties keep the earlier in REFINED)."""
     if not cv_mape:
         return ROOFLINE
-    return MONOTONE if cv_mape[MONOTONE] < MONOTONE_MIN_GAIN * cv_mape[ROOFLINE] else ROOFLINE
+    best = min((kind for kind in REFINED if kind in cv_mape), key=lambda kind: cv_mape[kind], default=None)
+    return best if best is not None and cv_mape[best] < REFINED_MIN_GAIN * cv_mape[ROOFLINE] else ROOFLINE
 
 
 # ---------------------------------------------------------------- held-out evaluation

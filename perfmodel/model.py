@@ -32,6 +32,7 @@ from .jsonio import read_json, rounded, write_json_atomic
 from .profile.noise import NoiseFigure
 from .overhead import OverheadModel
 from .profile import ROLES, DeviceInfo, Grid, ModelInfo, Stage2Info
+from .staircase import Staircase
 from .steps import SourceChoice, StepCorrection
 from .strategy import MAX_TREE_NODES, StepModel, StrategyCandidate, StrategyChoice, candidate_strategies
 from .table import ENGINE_FORMATS, Bucket, Table, TableEntry
@@ -288,6 +289,7 @@ def _role_json(fit: RoleFit) -> dict:
         "shape": asdict(model.shape),
         "roofline": model.roofline.to_json(model.shape),
         "monotone": None if model.correction is None else model.correction.to_json(model.shape, model.roofline),
+        **({} if model.staircase is None else {"staircase": model.staircase.to_json()}),
         "validation": {
             "in_sample_mape_pct": rounded(fit.in_sample_mape_pct),
             "cv_mape_pct": {kind: rounded(value) for kind, value in fit.cv_mape_pct.items()},
@@ -342,14 +344,16 @@ def _role_from_json(role: str, obj: dict, where: str) -> RoleFit:
     kind = obj["kind"]
     if kind not in lat.KINDS:
         raise PerfModelError(f"{where}: roles.{role}.kind: {kind!r} is not one of {', '.join(lat.KINDS)}")
-    correction = None
+    correction = staircase = None
     if kind == lat.MONOTONE:
         correction = lat.MonotoneCorrection.from_json(obj["monotone"], shape, roofline, f"{where}: roles.{role}")
+    if kind == lat.STAIRCASE:
+        staircase = Staircase.from_json(obj["staircase"], f"{where}: roles.{role}")
     rows = np.array(obj["points"]["rows"], dtype=float).reshape(-1, 4)
     points = lat.Points(rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3])
     validation = obj["validation"]
     return RoleFit(
-        role=role, model=lat.LatencyModel(kind, shape, roofline, correction, lat.Box.of(points)),
+        role=role, model=lat.LatencyModel(kind, shape, roofline, correction, lat.Box.of(points), staircase),
         points=points,
         infeasible_rows=int(obj["infeasible_rows"]),
         in_sample_mape_pct=float(validation["in_sample_mape_pct"]),
