@@ -122,10 +122,25 @@ def calibrate_command(
         "Stop cleanly between points after this many seconds; the profile keeps what was measured and "
         "--resume continues."))] = None,
     threads: ThreadsOpt = None,
+    from_vidur: Annotated[Optional[Path], typer.Option("--from-vidur", help=(
+        "Time nothing: compose the target's passes from vidur's per-operation GPU timings in this folder "
+        "(mlp.csv, attention.csv) for the --target/--draft shapes (presets or config.json); needs "
+        "--acceptance. The draft reads the same folder unless --draft-from-vidur."))] = None,
+    draft_from_vidur: Annotated[Optional[Path], typer.Option(
+        "--draft-from-vidur", help="With --from-vidur: the draft's own vidur folder.")] = None,
     json_output: JsonOpt = False,
 ):
     """Time the pair's forward passes over (batch size, new tokens, context) and measure acceptance (per
     position, and per depth and rank for trees) and the n-gram second stage: a profile."""
+    if from_vidur is not None or draft_from_vidur is not None:
+        from specbatch.console.calibration import calibrate_from_vidur
+
+        given = {"--device": device, "--dtype": dtype, "--prompts": prompts, "--sampling": sampling,
+                 "--resume": resume, "--quick": quick, "--stage2": stage2, "--no-stage2": no_stage2,
+                 "--max-seconds": max_seconds, "--threads": threads}
+        calibrate_from_vidur(from_vidur, draft_from_vidur, target, draft, acceptance, batch_sizes, context_lens,
+                             max_k, out, force, [option for option, value in given.items() if value], json_output)
+        return
     from specbatch.calibrate.run import CalibrationRequest
     from specbatch.calibrate.stage2 import stage2_for_calibration
     from specbatch.console.calibration import calibrate_with_progress, render_calibration

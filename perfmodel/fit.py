@@ -249,7 +249,7 @@ def fit_profile(profile: Profile, holdout: bool = False) -> FittedModel:
         profile_created_utc=profile.created_utc,
         device=profile.device, target_info=profile.target, draft_info=profile.draft, grid=profile.grid,
         roles=roles, overhead=overhead, acceptance=acceptance, stage2=profile.stage2, timing_source=choice,
-        noise=profile.noise,
+        noise=profile.noise, composition=profile.composition,
     )
     if not profile.insitu_steps or greedy is None:
         return fitted

@@ -32,6 +32,7 @@ from .jsonio import read_json, rounded, write_json_atomic
 from .profile.noise import NoiseFigure
 from .overhead import OverheadModel
 from .profile import ROLES, DeviceInfo, Grid, ModelInfo, Stage2Info
+from .profile.composition import Composition
 from .staircase import Staircase
 from .steps import SourceChoice, StepCorrection
 from .strategy import MAX_TREE_NODES, StepModel, StrategyCandidate, StrategyChoice, candidate_strategies
@@ -80,6 +81,7 @@ class FittedModel:
     timing_source: SourceChoice | None = None  # which pass timings `roles` were fitted to, when there was a choice
     noise: NoiseFigure | None = None  # the profile's reference-pass checks: bench compares the machine's speed
     step_correction: StepCorrection | None = None  # chains' step ratios from lockstep in-situ steps
+    composition: Composition | None = None  # the profile's pass times were composed from per-operation timings
 
     def fingerprints(self) -> dict | None:
         """{"target", "draft"} content fingerprints of the pair (None when the profile predates them)."""
@@ -125,7 +127,7 @@ class FittedModel:
         return sorted({int(round(lo * (hi / lo) ** (i / steps))) for i in range(steps + 1)} if steps else {lo})
 
     def extrapolation_notes(self, max_batch: int, context_lens: Sequence[int], max_k: int) -> list[str]:
-        """Where a table or query asks the model beyond what the profile measured."""
+        """Where a table or query asks the model beyond what the profile measured, and what its times leave out."""
         notes = []
         if max_batch > max(self.grid.batch_sizes):
             notes.append(f"extrapolating: batch sizes above {max(self.grid.batch_sizes)} were not measured; there the "
@@ -140,6 +142,8 @@ class FittedModel:
             notes.append(f"k above the profiled max_k={self.grid.max_k} is extrapolated")
         if not self.overhead.measured:
             notes.append("the profile has no step-overhead rows: overhead taken as 0 ms")
+        if self.composition is not None:
+            notes.append(self.composition.summary())
         return notes
 
     def timing_source_notes(self) -> list[str]:
@@ -313,7 +317,8 @@ def model_to_json(fitted: FittedModel) -> dict:
                     "models": {"target": asdict(fitted.target_info), "draft": asdict(fitted.draft_info)},
                     "grid": {key: list(value) if isinstance(value, tuple) else value
                              for key, value in asdict(fitted.grid).items()},
-                    **({} if fitted.noise is None else {"noise": fitted.noise.to_json()})},
+                    **({} if fitted.noise is None else {"noise": fitted.noise.to_json()}),
+                    **({} if fitted.composition is None else {"composition": fitted.composition.to_json()})},
         "roles": {role: _role_json(fit) for role, fit in fitted.roles.items()},
         "overheads": [{"batch_size": b, "k": k, "median_ms": rounded(ms)} for b, k, ms in fitted.overhead.rows],
         "tree_overheads": [{"batch_size": b, "tree_nodes": nodes, "stage2": stage2, "median_ms": rounded(ms)}
@@ -393,7 +398,8 @@ def model_from_json(obj: dict, source: str = "model") -> FittedModel:
     # The profile readers want a whole profile; metadata plus empty measurement lists is one.
     stub = profile_from_json({"created_utc": meta.get("created_utc"), "device": meta.get("device"),
                               "models": meta.get("models"), "grid": meta.get("grid"),
-                              "timings": [], "overheads": [], "acceptance": [], "noise": meta.get("noise")},
+                              "timings": [], "overheads": [], "acceptance": [], "noise": meta.get("noise"),
+                              "composition": meta.get("composition")},
                              f"{source}: profile")
     stage2 = None
     if obj.get("stage2") is not None:
@@ -417,7 +423,7 @@ def model_from_json(obj: dict, source: str = "model") -> FittedModel:
             raise
         raise PerfModelError(f"{source}: malformed model file ({type(error).__name__}: {error})") from None
     return FittedModel(created, stub.created_utc, stub.device, stub.target, stub.draft, stub.grid, roles,
-                       overhead, acceptance, stage2, timing_source, stub.noise, correction)
+                       overhead, acceptance, stage2, timing_source, stub.noise, correction, stub.composition)
 
 
 def save_model(path: str | os.PathLike, fitted: FittedModel) -> None:

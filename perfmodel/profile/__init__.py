@@ -14,6 +14,9 @@ profiles without them still load and mean "chains only":
 Optional in-situ timing (the `insitu` section): `insitu_timings`, passes timed inside real speculative
 steps, and `insitu_steps`, those steps' measured times; profiles without them mean "isolated only".
 
+Optional `composition`: the pass times were composed from published per-operation timings (what was
+measured, estimated, left out; `calibrate --from-vidur`); profiles without it were timed whole.
+
 Reading is strict: a missing or mistyped field is a PerfModelError that names the file and the
 field (`profile.json: timings[3].median_ms: expected a number, found 'fast'`).
 """
@@ -26,6 +29,7 @@ from typing import Any
 from ..errors import PerfModelError
 from ..fields import at as _at, boolean as _bool, get as _get, int_list as _int_list, integer as _int
 from ..fields import ROLES, duration_ms as _ms, is_int as _is_int, listed as _list, number as _number, string as _str
+from .composition import Composition, composition_from_json
 from .insitu import InSituPassRow, InSituStepRow, check_unique, rows_json, sections_from_json
 from .noise import NoiseFigure, noise_from_json
 from ..jsonio import read_json, write_json_atomic
@@ -176,6 +180,7 @@ class Profile:
     # optional (the `insitu` section): passes and steps timed inside real speculative generation
     insitu_timings: tuple[InSituPassRow, ...] = ()
     insitu_steps: tuple[InSituStepRow, ...] = ()
+    composition: Composition | None = None  # optional: the timings were composed from per-operation ones
 
     def model(self, role: str) -> ModelInfo:
         if role not in ROLES:
@@ -200,6 +205,7 @@ class Profile:
             **({} if self.noise is None else {"noise": self.noise.to_json()}),
             **({"insitu_timings": rows_json(self.insitu_timings)} if self.insitu_timings else {}),
             **({"insitu_steps": rows_json(self.insitu_steps)} if self.insitu_steps else {}),
+            **({} if self.composition is None else {"composition": self.composition.to_json()}),
         }
 
 
@@ -442,6 +448,8 @@ def profile_from_json(obj: dict, source: str = "profile") -> Profile:
         stage2=None if obj.get("stage2") is None else stage2_from_json(obj["stage2"], f"{top} stage2"),
         noise=None if obj.get("noise") is None else noise_from_json(obj["noise"], f"{top} noise"),
         insitu_timings=insitu_timings, insitu_steps=insitu_steps,
+        composition=None if obj.get("composition") is None else composition_from_json(obj["composition"],
+                                                                                      f"{top} composition"),
     )
     validate(profile, source)
     return profile
