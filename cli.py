@@ -122,6 +122,9 @@ def calibrate_command(
         "Stop cleanly between points after this many seconds; the profile keeps what was measured and "
         "--resume continues."))] = None,
     threads: ThreadsOpt = None,
+    refine: Annotated[Optional[bool], typer.Option("--refine/--no-refine", help=(
+        "After the grid, time more target passes where the fit finds a kernel step between two measured token "
+        "counts it cannot place (default: on CUDA, where passes are cheap; off on CPU)."))] = None,
     from_vidur: Annotated[Optional[Path], typer.Option("--from-vidur", help=(
         "Time nothing: compose the target's passes from vidur's per-operation GPU timings in this folder "
         "(mlp.csv, attention.csv) for the --target/--draft shapes (presets or config.json); needs "
@@ -137,7 +140,7 @@ def calibrate_command(
 
         given = {"--device": device, "--dtype": dtype, "--prompts": prompts, "--sampling": sampling,
                  "--resume": resume, "--quick": quick, "--stage2": stage2, "--no-stage2": no_stage2,
-                 "--max-seconds": max_seconds, "--threads": threads}
+                 "--max-seconds": max_seconds, "--threads": threads, "--refine": refine is not None}
         calibrate_from_vidur(from_vidur, draft_from_vidur, target, draft, acceptance, batch_sizes, context_lens,
                              max_k, out, force, [option for option, value in given.items() if value], json_output)
         return
@@ -151,7 +154,7 @@ def calibrate_command(
         context_lens=tuple(parse_int_list("--context-lens", context_lens) or ()) or None,
         max_k=max_k, prompts=prompts or DEMO_PROMPTS, acceptance=acceptance, samplings=tuple(sampling or ()),
         resume=resume, quick=quick, stage2=stage2_for_calibration(stage2, no_stage2, draft, acceptance),
-        force=force, max_seconds=max_seconds,
+        force=force, max_seconds=max_seconds, refine=refine,
     )
     set_threads(threads, resumed_profile=out if resume else None)  # the profile records torch's thread count
     summary = calibrate_with_progress(request, show=not json_output)
