@@ -317,6 +317,10 @@ class LatencyModel:
     shows; the scaled edge is continuous there and as structure-free as the roofline. Assumption: the
     roofline's growth holds past the grid; a regime the grid never reached is not predicted, only not
     invented. The roofline kind is the roofline everywhere.
+
+    The staircase's ratio to the roofline at the edge is one point of its sawtooth (just past a step, or
+    just before the next), which says nothing about the steps beyond: above the largest measured batch
+    size b_max it fades to the roofline alone by 2 b_max (the ratio raised to 1 - log2(b / b_max)).
     """
 
     kind: str  # one of KINDS
@@ -345,9 +349,11 @@ class LatencyModel:
             edge = self.box.clip(b, n, L)
             inside = (edge[0] == b) & (edge[1] == n) & (edge[2] == L)
             # inside the box the scale is exactly 1: the point is its own edge
-            scale = np.where(inside, 1.0, self.roofline.latency_ms(self.shape, b, n, L)
-                             / self.roofline.latency_ms(self.shape, *edge))
-            value = self.fitted_ms(*edge) * scale
+            roofline = self.roofline.latency_ms(self.shape, b, n, L)
+            ratio = self.fitted_ms(*edge) / self.roofline.latency_ms(self.shape, *edge)
+            if self.kind == STAIRCASE:
+                ratio = ratio ** np.clip(1.0 - np.log2(b / edge[0]), 0.0, 1.0)
+            value = np.where(inside, self.fitted_ms(*edge), roofline * ratio)
         return float(value.reshape(-1)[0]) if scalar else value
 
 

@@ -119,3 +119,16 @@ def test_the_model_file_keeps_the_staircase():
     for role in ("target", "draft"):
         assert np.allclose(again.roles[role].model.latency_ms(b, n, L), fitted.roles[role].model.latency_ms(b, n, L),
                            rtol=1e-6)
+
+
+def test_beyond_the_largest_batch_size_the_steps_fade_to_the_roofline():
+    """No step is known past the grid: continuous at its edge, the roofline alone from twice its batch size."""
+    model = lat.fit_latency_model(SHAPE, points(stepped_ms, range(1, 33), 0.005, 10), lat.STAIRCASE)
+    n, L = np.arange(1, 10.0), 512.0
+    at_edge = model.latency_ms(32.0, n, L)
+    assert np.allclose(model.latency_ms(32.0 + 1e-6, n, L), at_edge, rtol=1e-5)
+    for b in (64.0, 100.0):
+        assert np.allclose(model.latency_ms(b, n, L), model.roofline.latency_ms(SHAPE, b, n, L), rtol=1e-12)
+    ratio_edge = at_edge / model.roofline.latency_ms(SHAPE, 32.0, n, L)
+    ratio_mid = model.latency_ms(45.0, n, L) / model.roofline.latency_ms(SHAPE, 45.0, n, L)
+    assert np.allclose(ratio_mid, ratio_edge ** (1 - np.log2(45 / 32)), rtol=1e-9)
