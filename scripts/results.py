@@ -32,6 +32,8 @@ DOCS = ROOT / "docs"
 README = ROOT / "README.md"
 PLOT_NAME = "img/best-k.png"
 README_BEGIN, README_END = "<!-- results:begin -->", "<!-- results:end -->"
+# results.md's section written by scripts/gpu_results.py: kept as it is when this script rewrites the page
+GPU_BEGIN, GPU_END = "<!-- gpu-data:begin -->", "<!-- gpu-data:end -->"
 
 FULL = {"calibrate": [], "batch_sizes": "1,2,4,8,16,32", "ks": "0,1,2,3,4,5,6,7,8", "bench": []}
 QUICK = {"calibrate": ["--quick"], "batch_sizes": "1,4,16", "ks": "0,2,4",
@@ -214,16 +216,27 @@ resolved: it straddles it):
 """
 
 
-def replace_block(text: str, block: str) -> str:
-    """`text` with what lies between the results markers replaced by `block`.
+def replace_block(text: str, block: str, begin: str = README_BEGIN, end: str = README_END,
+                  where: str = "README.md") -> str:
+    """`text` with what lies between the markers `begin` and `end` replaced by `block`.
 
     >>> replace_block("a\\n<!-- results:begin -->\\nold\\n<!-- results:end -->\\nb", "new")
     'a\\n<!-- results:begin -->\\nnew\\n<!-- results:end -->\\nb'
     """
-    pattern = re.compile(re.escape(README_BEGIN) + r".*?" + re.escape(README_END), re.DOTALL)
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.DOTALL)
     if not pattern.search(text):
-        raise ResultsError(f"README.md: no {README_BEGIN} ... {README_END} block to replace")
-    return pattern.sub(lambda _: f"{README_BEGIN}\n{block}\n{README_END}", text, count=1)
+        raise ResultsError(f"{where}: no {begin} ... {end} block to replace")
+    return pattern.sub(lambda _: f"{begin}\n{block}\n{end}", text, count=1)
+
+
+def kept_gpu_section(old_text: str) -> str:
+    """The GPU section of the results.md being replaced (markers included), or "" when it has none.
+
+    >>> kept_gpu_section("# Results\\n<!-- gpu-data:begin -->\\nA100\\n<!-- gpu-data:end -->\\n")
+    '<!-- gpu-data:begin -->\\nA100\\n<!-- gpu-data:end -->'
+    """
+    found = re.search(re.escape(GPU_BEGIN) + r".*?" + re.escape(GPU_END), old_text, re.DOTALL)
+    return found.group(0) if found else ""
 
 
 # ---------------------------------------------------------------- running the loop
@@ -314,6 +327,9 @@ def _main(args: argparse.Namespace) -> int:
     conditions = conditions_line(profile, bench["config"], cpu_model(), os.cpu_count() or 1, args.quick)
     text = render_results(conditions, commands, table, regret_details(rows),
                           fit_figures(fit, model.get("profile", {}).get("noise")))
+    old = (out / "results.md").read_text() if (out / "results.md").is_file() else ""
+    if kept_gpu_section(old):
+        text = text.rstrip() + "\n\n" + kept_gpu_section(old) + "\n"
     write_text_atomic(out / "results.md", text)
     print(f"\n{conditions}\n\n{table}\n\nwrote {out / 'results.md'} and {plot}; the run's files are in {work}")
     if out == DOCS.resolve():
