@@ -54,10 +54,6 @@ BEFORE, NOW = (lat.ROOFLINE, lat.MONOTONE), lat.KINDS  # the kinds `fit` chose a
 GOALS = {"mape": 3.0, "worst": 8.0, "loss": 1.0}  # percent
 
 
-class ScriptError(Exception):
-    """A one-line reason the run cannot go on."""
-
-
 # ---------------------------------------------------------------- fitting as `fit` does, with a choice of kinds
 
 def fitted(shape: lat.RoleShape, points: lat.Points, kinds: Sequence[str], cv: dict | None = None) -> lat.LatencyModel:
@@ -280,9 +276,7 @@ def compose(vidur: Path, acceptance: str, max_batch: int, work: Path) -> tuple[P
     """The imported profile, through the installed command as a user runs it; (its path, the command)."""
     draft = work / "draft-one-layer.json"
     draft.write_text(json.dumps(dict(PRESETS["llama-2-7b"], num_hidden_layers=1)))
-    command = Path(sys.executable).parent / "specbatch"
-    if not command.is_file():
-        raise ScriptError(f"no specbatch command beside {sys.executable}: install the package first (pip install -e .)")
+    command = results.specbatch_command()
     args = ["calibrate", "--from-vidur", str(vidur), "--target", "llama-2-7b", "--draft", str(draft),
             "--acceptance", acceptance, "-o", str(work / "profile.json"), "--force"]
     shown = ["<vidur folder>" if a == str(vidur) else "draft.json" if a == str(draft) else
@@ -292,7 +286,7 @@ def compose(vidur: Path, acceptance: str, max_batch: int, work: Path) -> tuple[P
         shown += ["--batch-sizes", f"1,2,...,{max_batch}"]
     done = subprocess.run([str(command), *args], capture_output=True, text=True)
     if done.returncode != 0:
-        raise ScriptError(f"`specbatch {shlex.join(args)}` failed: {done.stderr.strip()}")
+        raise results.ResultsError(f"`specbatch {shlex.join(args)}` failed: {done.stderr.strip()}")
     return work / "profile.json", "specbatch " + shlex.join(shown)
 
 
@@ -321,21 +315,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return _main(args)
-    except ScriptError as error:
+    except results.ResultsError as error:
         print(f"scripts/gpu_results.py: {error}", file=sys.stderr)
         return 1
 
 
 def _main(args: argparse.Namespace) -> int:
     if not (args.vidur / "mlp.csv").is_file():
-        raise ScriptError(f"--vidur {args.vidur}: no mlp.csv there")
+        raise results.ResultsError(f"--vidur {args.vidur}: no mlp.csv there")
     if not args.cpu_profile.is_file():
-        raise ScriptError(f"--cpu-profile {args.cpu_profile}: no such file")
+        raise results.ResultsError(f"--cpu-profile {args.cpu_profile}: no such file")
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="specbatch-gpu-")) if args.work is None else args.work
     work.mkdir(parents=True, exist_ok=True)
     if not 33 <= args.max_batch <= 128:
-        raise ScriptError(f"--max-batch {args.max_batch}: between 33 (past the b <= 32 fits) and 128 (vidur's)")
+        raise results.ResultsError(f"--max-batch {args.max_batch}: from 33 (past the b <= 32 fits) to 128 (vidur's)")
     path, command = compose(args.vidur, args.acceptance, args.max_batch, work)
     profile = load_profile(path)
     gpu = gpu_held_out(profile)
