@@ -252,8 +252,11 @@ class VidurImport:
     missing_rows: int  # (b, n, L) asked for that vidur's data cannot compose
 
 
-def _device() -> DeviceInfo:
-    return DeviceInfo(kind="cuda", name="vidur profile", memory_bytes=0, dtype="float16",
+def _device(folder: Path) -> DeviceInfo:
+    """The GPU is the folder's: vidur keeps compute/<gpu>/<organisation>/<model>; a copy may drop a level."""
+    parts = Path(folder).resolve().parts
+    gpu = parts[parts.index("compute") + 1] if "compute" in parts[:-1] else Path(folder).resolve().parent.name
+    return DeviceInfo(kind="cuda", name=f"{gpu} (vidur's per-operation timings)", memory_bytes=0, dtype="float16",
                       torch_version="n/a (composed)", cpu_threads=1, git_revision=None)
 
 
@@ -306,7 +309,7 @@ def compose_profile(request: VidurRequest) -> VidurImport:
         raise CalibrationError(f"--from-vidur {request.folder}: no pass could be composed at the chosen grid")
     infos = {role: model_info(spec, torch.float16) for role, spec in specs.items()}
     alphas = parse_acceptance(request.acceptance, grid.max_k)
-    profile = new_profile(_device(), infos["target"], infos["draft"], grid)
+    profile = new_profile(_device(request.folder), infos["target"], infos["draft"], grid)
     profile = replace(profile, timings=tuple(rows), acceptance=(user_entry(Sampling(), alphas),),
                       composition=composition(timings, padded))
     return VidurImport(profile, len(rows), padded, missing)

@@ -143,3 +143,9 @@ def test_acceptance_is_required_and_an_existing_profile_is_kept(tmp_path, draft_
     assert_one_line_error(invoke("calibrate", "--from-vidur", A100, "--target", "llama-2-7b", "--draft",
                                  draft_config, "--acceptance", "0.8", "-o", out), "--force")
     assert out.read_text() == "{}"
+
+
+def test_the_device_is_named_after_vidur_s_gpu_folder(composed):
+    _, profile = composed
+    assert profile.device.name == "a100 (vidur's per-operation timings)"
+    assert profile.device.kind == "cuda"
