@@ -332,12 +332,13 @@ def table(
                            max_tree_nodes=max_tree_nodes)
     export_notes = write_table(output, result, fmt, draft=draft, clamp=clamp)
     from specbatch.console.model import render_table
-    from specbatch.perfmodel.kernel_notes import table_step_notes
+    from specbatch.perfmodel.kernel_notes import row_gap_notes, table_step_notes
     from specbatch.perfmodel.model import step_model
     from specbatch.perfmodel.uncertainty import table_tie_notes
 
     notes = fitted.extrapolation_notes(max_batch, [b.context_len for b in result.buckets], result.max_k)
     notes += table_tie_notes(result, chosen) + table_step_notes(fitted, result, step_model(fitted, chosen))
+    notes += row_gap_notes(fitted)
     render_table(result, notes + export_notes, output)
 
 

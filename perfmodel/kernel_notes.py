@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .staircase import KernelStep, TOKENS
+from .staircase import ROWS, ROWS_CONTEXT, TOKENS, KernelStep
 from .tree import Strategy, chain
 
 MIN_STEP_SHARE = 0.03  # a step up by less than 3 % of the pass is within a calibration's noise
@@ -46,9 +46,9 @@ def step_edge(fitted, model, strategy: Strategy, batch_size: int, context_len: i
     box = fitted.roles["target"].model.box
     if box is not None and not box.batch_size[0] <= b <= box.batch_size[1]:
         return None  # beyond the measured batch sizes no step is known
-    gap = staircase.interpolating_gap(tokens, b)
+    gap = staircase.interpolating_gap(tokens, b, axes=(TOKENS,))
     found = None
-    if gap is not None and gap.axis == TOKENS:
+    if gap is not None:
         found = (gap, 0.0, True)
     else:
         before = float(fitted.latency_ms("target", b, k, context_len))
@@ -111,3 +111,19 @@ def table_step_notes(fitted, table, model) -> list[str]:
         notes = notes[:MAX_NOTES] + [f"... and {len(notes) - MAX_NOTES} more choices at a kernel step's edge "
                                      "(query --batch-size B --context-len L says which)"]
     return notes
+
+
+def row_gap_notes(fitted, batch_size: int | None = None) -> list[str]:
+    """The target's steps in the batch size (attention waves) that the fit could only ramp across a gap: every
+    such gap (a table), or the one holding `batch_size` (a query)."""
+    staircase = fitted.roles["target"].model.staircase
+    if staircase is None:
+        return []
+    gaps = sorted({(s.after, s.until) for s in staircase.steps if s.axis in (ROWS, ROWS_CONTEXT) and not s.sharp})
+    if batch_size is not None:
+        gaps = [(a, z) for a, z in gaps if a < batch_size < z]
+    if not gaps:
+        return []
+    spans = ", ".join(f"{a:g} and {z:g}" for a, z in gaps)
+    return [f"the target's fit found a step in the batch size it cannot place between the measured {spans}: batch "
+            "sizes inside are interpolated (calibrate --refine measures there)"]

@@ -17,7 +17,7 @@ from pathlib import Path
 from .acceptance import AcceptanceModel, expected_tokens
 from .errors import PerfModelError
 from .jsonio import file_sha256
-from .kernel_notes import describe, step_edge
+from .kernel_notes import describe, row_gap_notes, step_edge
 from .model import FittedModel, query_strategies, step_model
 from .strategy import StrategyCandidate, StrategyChoice
 from .table import Table
@@ -97,7 +97,7 @@ def kernel_step_notes(fitted: FittedModel, acceptance: AcceptanceModel, strategy
     """The kernel step the choice's verify pass sits just past, or the unresolved gap it lies in
     (`perfmodel.kernel_notes`); none for fits without steps."""
     edge = step_edge(fitted, step_model(fitted, acceptance), strategy, batch_size, context_len)
-    return [] if edge is None else [describe(edge)]
+    return ([] if edge is None else [describe(edge)]) + row_gap_notes(fitted, batch_size)
 
 
 def check_stage2_file(fitted: FittedModel, path: str | os.PathLike, source: str = "model") -> None:

@@ -111,22 +111,12 @@ class Staircase:
             value = value + _columns(self.steps, b, n, L) @ np.array([s.coefficient for s in self.steps])
         return value
 
-    def token_steps(self, min_share: float, level_ms) -> list[tuple[KernelStep, float]]:
-        """The sharp token steps up by at least `min_share` of the time `level_ms(t)` just before them,
-        with that share, in token order."""
-        found = []
-        for step in self.steps:
-            if step.axis == TOKENS and step.sharp and step.coefficient > 0:
-                share = step.coefficient / float(level_ms(step.after))
-                if share >= min_share:
-                    found.append((step, share))
-        return sorted(found, key=lambda pair: pair[0].after)
-
-    def interpolating_gap(self, tokens: float, rows: float) -> KernelStep | None:
-        """A ramp whose gap holds this pass strictly inside: no measurement says where its step lies."""
+    def interpolating_gap(self, tokens: float, rows: float, axes: Sequence[str] = AXES) -> KernelStep | None:
+        """A ramp (on one of `axes`) whose gap holds this pass strictly inside: no measurement says where its
+        step lies."""
         for step in self.steps:
             x = tokens if step.axis == TOKENS else rows
-            if not step.sharp and step.after < x < step.until:
+            if step.axis in axes and not step.sharp and step.after < x < step.until:
                 return step
         return None
 

@@ -88,3 +88,17 @@ def _chain(k: int):
     from specbatch.perfmodel.tree import Strategy
 
     return Strategy.from_k(k)
+
+
+def test_a_batch_size_inside_an_unresolved_attention_step_is_said_to_be_interpolated():
+    """Powers of two and a wave past 6 rows: the fit ramps across 4-8, and a query at b = 6 says so."""
+    def latency(role, b, n, L):
+        return ROOFLINE(role, b, n, L) + (0.8 * (L + n) / 1000 * (b > 6) if role == "target" else 0.0)
+
+    profile = profile_from_json(build_profile(latency, batch_sizes=(1, 2, 4, 8, 16, 32), context_lens=(256, 1024),
+                                              max_k=8, noise=0.003, seed=2, acceptance=[0.8] * 8))
+    fitted = fit_profile(profile)
+    acceptance = choose_acceptance(fitted, None)
+    at_6 = chain_answer(fitted, acceptance, 6, 256).notes
+    assert any("between the measured 4 and 8: batch sizes inside are interpolated" in note for note in at_6), at_6
+    assert not any("interpolated" in note for note in chain_answer(fitted, acceptance, 8, 256).notes)
