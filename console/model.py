@@ -97,6 +97,10 @@ def render_fit(fitted, output: Path, holdout: bool = False, noise=None) -> None:
                       f"near that is the machine's, not the model's")
     if not fitted.overhead.measured:
         console.print("[yellow]note:[/] the profile has no step-overhead rows: overhead taken as 0 ms")
+    if fitted.composition is not None:
+        from rich.markup import escape
+
+        console.print(f"[yellow]note:[/] {escape(fitted.composition.summary())}", highlight=False)
     if not fitted.acceptance:
         console.print("[yellow]note:[/] the profile has no acceptance: `table` and `query` will need --acceptance")
     console.print(f"wrote {output}")
