@@ -38,6 +38,15 @@ MONOTONE = "roofline+monotone"
 STAIRCASE = "roofline+staircase"
 KINDS = (ROOFLINE, MONOTONE, STAIRCASE)
 REFINED = (MONOTONE, STAIRCASE)
+# The staircase is offered for GPU profiles: on a shared CPU, slow spells last a grid cell's points and look
+# like steps to its selection (a 28 % "step" between 12 and 14 tokens per pass on a calibration of the demo
+# pair whose reference pass moved 50 %), and the thread-partitioning steps CPUs have are smaller than that.
+KINDS_BY_DEVICE = {"cuda": KINDS, "cpu": (ROOFLINE, MONOTONE)}
+
+
+def kinds_for(device_kind: str) -> tuple[str, ...]:
+    """The kinds cross-validation chooses among for a profile measured on `device_kind` (cpu | cuda)."""
+    return KINDS_BY_DEVICE.get(device_kind, KINDS)
 MIN_POINTS = 8  # twice the roofline's four parameters: fewer cannot tell fit from noise
 CV_FOLDS = 5
 # A data-driven kind must beat the roofline's cross-validated MAPE by this factor to be chosen:
@@ -319,8 +328,9 @@ class LatencyModel:
     invented. The roofline kind is the roofline everywhere.
 
     The staircase's ratio to the roofline at the edge is one point of its sawtooth (just past a step, or
-    just before the next), which says nothing about the steps beyond: above the largest measured batch
-    size b_max it fades to the roofline alone by 2 b_max (the ratio raised to 1 - log2(b / b_max)).
+    just before the next), which says nothing about the steps beyond: outside the box it keeps the edge's
+    time and adds what the roofline adds, T_fit(b', n', L') + R(b, n, L) - R(b', n', L'), which grows at the
+    roofline's average slope (steps included on average) and never falls below the edge.
     """
 
     kind: str  # one of KINDS
@@ -349,11 +359,13 @@ class LatencyModel:
             edge = self.box.clip(b, n, L)
             inside = (edge[0] == b) & (edge[1] == n) & (edge[2] == L)
             # inside the box the scale is exactly 1: the point is its own edge
-            roofline = self.roofline.latency_ms(self.shape, b, n, L)
-            ratio = self.fitted_ms(*edge) / self.roofline.latency_ms(self.shape, *edge)
+            at_edge, roofline = self.fitted_ms(*edge), self.roofline.latency_ms(self.shape, b, n, L)
+            roofline_at_edge = self.roofline.latency_ms(self.shape, *edge)
             if self.kind == STAIRCASE:
-                ratio = ratio ** np.clip(1.0 - np.log2(b / edge[0]), 0.0, 1.0)
-            value = np.where(inside, self.fitted_ms(*edge), roofline * ratio)
+                outside = at_edge + roofline - roofline_at_edge
+            else:
+                outside = at_edge * roofline / roofline_at_edge
+            value = np.where(inside, at_edge, outside)
         return float(value.reshape(-1)[0]) if scalar else value
 
 
@@ -394,24 +406,34 @@ def _cells(points: Points) -> np.ndarray:
     return groups.reshape(-1)
 
 
-def cross_validate(shape: RoleShape, points: Points, folds: int = CV_FOLDS) -> dict[str, float]:
-    """Out-of-fold MAPE (percent) of each kind, grouped k-fold over (b, L) cells; deterministic."""
+def has_steps(shape: RoleShape, points: Points) -> bool:
+    """Whether the staircase fitted to all `points` finds a step: without one it is a linear refinement with
+    signed terms, which the monotone kind does safely, and it is no candidate."""
+    return bool(fit_latency_model(shape, points, STAIRCASE).staircase.steps)
+
+
+def cross_validate(shape: RoleShape, points: Points, folds: int = CV_FOLDS,
+                   kinds: Sequence[str] = KINDS) -> dict[str, float]:
+    """Out-of-fold MAPE (percent) of each of `kinds`, grouped k-fold over (b, L) cells; deterministic. The
+    staircase only where it finds a step (`has_steps`)."""
     from sklearn.model_selection import GroupKFold
 
     groups = _cells(points)
     splits = min(folds, len(np.unique(groups)))
-    if splits < 2:
+    if splits < 2 or len(points) < MIN_POINTS:
         return {}
-    predicted = {kind: np.empty(len(points)) for kind in KINDS}
+    if STAIRCASE in kinds and not has_steps(shape, points):
+        kinds = tuple(k for k in kinds if k != STAIRCASE)
+    predicted = {kind: np.empty(len(points)) for kind in kinds}
     for train, test in GroupKFold(n_splits=splits).split(points.latency_ms, groups=groups):
         part = points.subset(train)
         if len(part) < MIN_POINTS:
             return {}
-        for kind in KINDS:
+        for kind in kinds:
             model = fit_latency_model(shape, part, kind)
             held = points.subset(test)
             predicted[kind][test] = model.latency_ms(held.batch_size, held.new_tokens, held.context_len)
-    return {kind: mape_pct(predicted[kind], points.latency_ms) for kind in KINDS}
+    return {kind: mape_pct(predicted[kind], points.latency_ms) for kind in kinds}
 
 
 def select_kind(cv_mape: dict[str, float]) -> str:
@@ -463,7 +485,7 @@ class HoldoutReport:
     worst: tuple[PointError, ...]
 
 
-def evaluate_holdout(shape: RoleShape, points: Points, role: str) -> HoldoutReport:
+def evaluate_holdout(shape: RoleShape, points: Points, role: str, kinds: Sequence[str] = KINDS) -> HoldoutReport:
     """Leave out every other interior batch size and context length (all their rows), select and fit
     on the rest, and measure the error on what was left out."""
     held_b = every_other_interior(points.batch_size)
@@ -478,11 +500,11 @@ def evaluate_holdout(shape: RoleShape, points: Points, role: str) -> HoldoutRepo
                              f"held-out batch sizes and context lengths, found {len(train_points)}")
     by_kind = {}
     models = {}
-    for kind in KINDS:
+    for kind in kinds:
         models[kind] = fit_latency_model(shape, train_points, kind)
         predicted = models[kind].latency_ms(test_points.batch_size, test_points.new_tokens, test_points.context_len)
         by_kind[kind] = mape_pct(predicted, test_points.latency_ms)
-    kind = select_kind(cross_validate(shape, train_points))
+    kind = select_kind(cross_validate(shape, train_points, kinds=kinds))
     worst = worst_points(models[kind], test_points)
     return HoldoutReport(held_b, held_L, len(train_points), len(test_points), kind, by_kind[kind],
                          abs(worst[0].error_pct), by_kind, worst)

@@ -24,11 +24,12 @@ and says so (`interpolating_gap`).
 The steps are chosen by forward selection among every gap between neighbouring measured values on each
 axis: the candidate that removes the most squared relative error enters while its gain exceeds what the
 best of that many candidates would reach on noise alone (2 ln(candidates) + ln(points) times the residual
-variance); coefficients are then refit by least squares on relative error. On smooth data no step
-enters. Coefficients are signed: measured data are not monotone (a library may switch to a faster
-kernel at larger t). The tile of the token steps, the spacing most of their size sits at multiples of,
-is reported as `tile_tokens`; when there is one, the selection runs again with every sparse token gap
-that holds exactly one multiple of the tile made a sharp step right after it.
+variance); coefficients are then refit by least squares on relative error (the roofline's weight and the
+per-row cost bounded at 0). On smooth data no step enters. The steps are signed: measured data are not
+monotone (a library may switch to a faster kernel at larger t). The tile of the token steps, the spacing
+most of their size sits at multiples of, is reported as `tile_tokens`; when there is one, the selection
+runs again with every sparse token gap that holds exactly one multiple of the tile made a sharp step
+right after it.
 
 Assumes: steps in t (the GEMMs, the per-token operations) independent of b, and steps in b (attention
 waves) whose size is affine in the context. Breaks where a step's place moves with the context (a
@@ -77,6 +78,11 @@ class KernelStep:
 
 
 BASE = ("roofline_work", "compute", "fixed_ms", "per_row", "kv_read")
+# The roofline's weight and the per-row cost stay >= 0: on noisy data an unconstrained fit trades a negative
+# roofline against a positive compute term, or a negative cost per row against the KV reads', and predicts
+# passes that get cheaper with more rows. The compute, fixed and KV-read terms correct the roofline either
+# way (it may over- or under-count the KV reads), and the steps are signed.
+BASE_LOWER = (0.0, -np.inf, -np.inf, 0.0, -np.inf)
 
 
 def _base_columns(work_ms, compute_ms, b, n, L) -> np.ndarray:
@@ -148,12 +154,14 @@ class Staircase:
         return cls(tuple(float(obj["base"][name]) for name in BASE), tuple(steps))
 
 
-def candidate_steps(b: np.ndarray, n: np.ndarray, tile_tokens: int | None = None) -> list[KernelStep]:
-    """Every gap between neighbouring measured values of t = b * n and of b (two row columns per gap): sharp
-    when the gap is within the axis's resolution; a token gap [lo, hi) holding one multiple m of
-    `tile_tokens` is a sharp step right after m (tiles pad upwards); any other gap is a ramp."""
+def candidate_steps(b: np.ndarray, n: np.ndarray, tile_tokens: int | None = None,
+                    contexts: bool = True) -> list[KernelStep]:
+    """Every gap between neighbouring measured values of t = b * n and of b (two row columns per gap, one
+    without `contexts`): sharp when the gap is within the axis's resolution; a token gap [lo, hi) holding one
+    multiple m of `tile_tokens` is a sharp step right after m (tiles pad upwards); any other gap is a ramp."""
     candidates = []
-    for axis, values in ((TOKENS, b * n), (ROWS, b), (ROWS_CONTEXT, b)):
+    axes = ((TOKENS, b * n), (ROWS, b)) + (((ROWS_CONTEXT, b),) if contexts else ())
+    for axis, values in axes:
         distinct = np.unique(values)
         for lo, hi in zip(distinct[:-1].tolist(), distinct[1:].tolist()):
             if hi - lo <= RESOLUTION[axis]:
@@ -238,6 +246,17 @@ def _select(base: np.ndarray, candidates: _Candidates, target: np.ndarray, max_s
     return chosen
 
 
+def _bounded_least_squares(design: np.ndarray, target: np.ndarray, base_lower: np.ndarray) -> np.ndarray:
+    """Least squares with the base's lower bounds (its first columns), the steps free; columns scaled to unit
+    range."""
+    from scipy.optimize import lsq_linear
+
+    scale = np.maximum(np.abs(design).max(axis=0), 1e-300)
+    lower = np.concatenate([base_lower, np.full(design.shape[1] - len(base_lower), -np.inf)])
+    found = lsq_linear(design / scale, target, bounds=(lower, np.inf), method="bvls")
+    return found.x / scale
+
+
 def fit_staircase(work_ms: np.ndarray, compute_ms: np.ndarray, b: np.ndarray, n: np.ndarray, L: np.ndarray,
                   latency_ms: np.ndarray) -> Staircase:
     """Select the steps and fit every coefficient by least squares on relative error; where the resolved token
@@ -248,13 +267,19 @@ def fit_staircase(work_ms: np.ndarray, compute_ms: np.ndarray, b: np.ndarray, n:
 
 
 def _fit(work_ms, compute_ms, b, n, L, latency_ms, tile_tokens: int | None) -> Staircase:
-    candidates = candidate_steps(b, n, tile_tokens)
+    # one context: b (L + n) is b times nearly a constant, and a fit trading the two terms would make both any
+    # size; then the KV-read term stays 0 and the row steps have no context part
+    contexts = len(np.unique(L)) > 1
+    used = np.array([contexts or name != "kv_read" for name in BASE])
+    candidates = candidate_steps(b, n, tile_tokens, contexts)
     weight = 1.0 / latency_ms  # relative errors
-    base = _base_columns(work_ms, compute_ms, b, n, L) * weight[:, None]
+    base = _base_columns(work_ms, compute_ms, b, n, L)[:, used] * weight[:, None]
     target = latency_ms * weight
     chosen = _select(base, _Candidates(candidates, b, n, L, weight), target, int(MAX_STEP_SHARE * len(latency_ms)))
     design = np.column_stack([base, _columns([candidates[i] for i in chosen], b, n, L) * weight[:, None]])
-    coefficients, *_ = np.linalg.lstsq(design, target, rcond=None)
+    coefficients = _bounded_least_squares(design, target, np.array(BASE_LOWER)[used])
+    base_coefficients = np.zeros(len(BASE))
+    base_coefficients[used] = coefficients[:used.sum()]
     steps = tuple(KernelStep(candidates[i].axis, candidates[i].after, candidates[i].until, float(c),
-                             candidates[i].sharp) for i, c in zip(chosen, coefficients[len(BASE):]))
-    return Staircase(tuple(float(c) for c in coefficients[:len(BASE)]), steps)
+                             candidates[i].sharp) for i, c in zip(chosen, coefficients[used.sum():]))
+    return Staircase(tuple(float(c) for c in base_coefficients), steps)

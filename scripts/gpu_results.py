@@ -50,7 +50,7 @@ VIDUR = ROOT.parent / "shared" / "gpu_data" / "vidur" / "a100" / "Llama-2-7b-hf"
 CPU_PROFILE = ROOT / "data" / "profiles" / "demo-cpu.json"
 TRAIN_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 SU_ET_AL = {1: 7, 2: 6, 4: 4, 8: 4, 16: 3, 32: 1}  # OPT-6.7B with OPT-125M, arXiv:2310.18813
-BEFORE, NOW = (lat.ROOFLINE, lat.MONOTONE), lat.KINDS  # the kinds `fit` chose among before the staircase, and now
+BEFORE = (lat.ROOFLINE, lat.MONOTONE)  # the kinds `fit` chose among before the staircase; now: lat.kinds_for
 GOALS = {"mape": 3.0, "worst": 8.0, "loss": 1.0}  # percent
 
 
@@ -75,13 +75,14 @@ class HeldOut:
     chosen: dict  # "before" / "now" -> the kind chosen
 
 
-def held_out(label: str, role: str, shape: lat.RoleShape, train: lat.Points, test: lat.Points) -> HeldOut:
+def held_out(label: str, role: str, shape: lat.RoleShape, train: lat.Points, test: lat.Points,
+             now: Sequence[str]) -> HeldOut:
     cv = lat.cross_validate(shape, train)
     by_kind, chosen = {}, {}
     for kind in lat.KINDS:
         e = errors_pct(lat.fit_latency_model(shape, train, kind), test)
         by_kind[kind] = (float(e.mean()), float(e.max()))
-    for name, kinds in (("before", BEFORE), ("now", NOW)):
+    for name, kinds in (("before", BEFORE), ("now", now)):
         chosen[name] = lat.select_kind({k: v for k, v in cv.items() if k in kinds})
         by_kind[name] = by_kind[chosen[name]]
     return HeldOut(label, role, by_kind, chosen)
@@ -97,12 +98,13 @@ def gpu_held_out(profile: Profile) -> list[HeldOut]:
         shape, points = role_points(profile, role)
         train = np.isin(points.batch_size, TRAIN_BATCH_SIZES)
         inside = ~train & (points.batch_size <= max(TRAIN_BATCH_SIZES))
-        found.append(held_out("b inside the grid", role, shape, points.subset(train), points.subset(inside)))
+        now = lat.kinds_for(profile.device.kind)
+        found.append(held_out("b inside the grid", role, shape, points.subset(train), points.subset(inside), now))
         found.append(held_out("b beyond the grid", role, shape, points.subset(train),
-                              points.subset(points.batch_size > max(TRAIN_BATCH_SIZES))))
+                              points.subset(points.batch_size > max(TRAIN_BATCH_SIZES)), now))
         for L in sorted(set(points.context_len.astype(int))):
             left = points.context_len == L
-            found.append(held_out(f"L = {L} left out", role, shape, points.subset(~left), points.subset(left)))
+            found.append(held_out(f"L = {L} left out", role, shape, points.subset(~left), points.subset(left), now))
     return found
 
 
@@ -113,7 +115,8 @@ def cpu_held_out(profile: Profile) -> list[HeldOut]:
         shape, points = role_points(profile, role)
         test = (np.isin(points.batch_size, lat.every_other_interior(points.batch_size))
                 | np.isin(points.context_len, lat.every_other_interior(points.context_len)))
-        found.append(held_out("every other interior b, L", role, shape, points.subset(~test), points.subset(test)))
+        found.append(held_out("every other interior b, L", role, shape, points.subset(~test), points.subset(test),
+                              lat.kinds_for(profile.device.kind)))
     return found
 
 
@@ -249,7 +252,8 @@ def differences(profile: Profile, target: lat.LatencyModel, now: Sequence[Loss])
             f"against {at_32[0]:.1f} ms at {short}), "
             f"so that verify pass adds only {verify_32:.0f} % to a pass of one token. The fitted target's steps of "
             f"10 % or more are past {', '.join(f'{a:g}' for a in big) or 'none'} tokens; beyond the measured "
-            "batch sizes none is known and the fit fades to the roofline (the rows beyond the grid above).")
+            "batch sizes none is known and the fit grows from the grid's edge as the roofline does (the rows beyond "
+            "the grid above).")
 
 
 def render(conditions: str, command: str, seconds: float, gpu: Sequence[HeldOut], before: Sequence[Loss],
@@ -264,7 +268,7 @@ Written by `python scripts/gpu_results.py` ({seconds:.0f} s here): {conditions}
 ```
 
 **Held-out pass MAPE / worst point, percent** (the kind `fit` chooses by cross-validation in the last two
-columns: among the roofline and the monotone refinement before, with the staircase now):
+columns: among the roofline and the monotone refinement before, with the staircase now on a GPU profile):
 
 {held_out_table(gpu)}
 
@@ -284,7 +288,8 @@ Against the goals:
 {differences}
 
 **The same on a CPU calibration** ({cpu_conditions}): held-out pass MAPE / worst, and the goodput given
-up at the measured batch sizes:
+up at the measured batch sizes. On a CPU `fit` does not offer the staircase (a shared CPU's slow spells
+last a grid cell's points and look like steps), so its choices are the ones it made before:
 
 {held_out_table(cpu)}
 
@@ -358,14 +363,15 @@ def _main(args: argparse.Namespace) -> int:
     cv = {role: lat.cross_validate(*role_points(profile, role)) for role in ("target", "draft")}
     batch_sizes = range(1, args.max_batch + 1)
     before = goodput_losses(profile, full_fits(profile, BEFORE, cv), batch_sizes)
-    fits_now = full_fits(profile, NOW, cv)
+    fits_now = full_fits(profile, lat.kinds_for(profile.device.kind), cv)
     now = goodput_losses(profile, fits_now, batch_sizes)
     cpu_profile = load_profile(args.cpu_profile)
     cpu_cv = {role: lat.cross_validate(*role_points(cpu_profile, role)) for role in ("target", "draft")}
     cpu = cpu_held_out(cpu_profile)
     cpu_sizes = cpu_profile.grid.batch_sizes
     cpu_before = goodput_losses(cpu_profile, full_fits(cpu_profile, BEFORE, cpu_cv), cpu_sizes)
-    cpu_now = goodput_losses(cpu_profile, full_fits(cpu_profile, NOW, cpu_cv), cpu_sizes)
+    cpu_now = goodput_losses(cpu_profile, full_fits(cpu_profile, lat.kinds_for(cpu_profile.device.kind), cpu_cv),
+                             cpu_sizes)
     grid = profile.grid
     conditions = (f"vidur's per-operation A100 timings of Llama-2-7B (fp16, one GPU), composed by `calibrate "
                   f"--from-vidur` into {len(profile.timings)} passes (batch sizes {grid.batch_sizes[0]}-"

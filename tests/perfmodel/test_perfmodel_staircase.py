@@ -121,14 +121,31 @@ def test_the_model_file_keeps_the_staircase():
                            rtol=1e-6)
 
 
-def test_beyond_the_largest_batch_size_the_steps_fade_to_the_roofline():
-    """No step is known past the grid: continuous at its edge, the roofline alone from twice its batch size."""
+def test_beyond_the_grid_the_time_grows_as_the_roofline_grows_from_the_edge():
+    """No step is known past the grid: the edge's time plus what the roofline adds, continuous at the edge
+    and never below it (a ratio to the roofline taken at one point of the sawtooth would carry that point's
+    phase, and fading it could make a pass cheaper past the edge)."""
     model = lat.fit_latency_model(SHAPE, points(stepped_ms, range(1, 33), 0.005, 10), lat.STAIRCASE)
     n, L = np.arange(1, 10.0), 512.0
     at_edge = model.latency_ms(32.0, n, L)
     assert np.allclose(model.latency_ms(32.0 + 1e-6, n, L), at_edge, rtol=1e-5)
-    for b in (64.0, 100.0):
-        assert np.allclose(model.latency_ms(b, n, L), model.roofline.latency_ms(SHAPE, b, n, L), rtol=1e-12)
-    ratio_edge = at_edge / model.roofline.latency_ms(SHAPE, 32.0, n, L)
-    ratio_mid = model.latency_ms(45.0, n, L) / model.roofline.latency_ms(SHAPE, 45.0, n, L)
-    assert np.allclose(ratio_mid, ratio_edge ** (1 - np.log2(45 / 32)), rtol=1e-9)
+    roofline = model.roofline.latency_ms
+    for b in (33.0, 64.0, 100.0):
+        assert np.allclose(model.latency_ms(b, n, L), at_edge + roofline(SHAPE, b, n, L) - roofline(SHAPE, 32.0, n, L))
+    beyond = model.latency_ms(np.arange(32.0, 129.0)[:, None], n[None, :], L)  # (b, n)
+    assert np.all(np.diff(beyond, axis=0) > 0)
+
+
+def test_fit_offers_the_staircase_on_gpu_profiles_only():
+    """The same stepped data: a CUDA profile gets the staircase, a CPU one chooses among the smooth kinds (a
+    shared CPU's slow spells look like steps)."""
+    def latency(role, b, n, L):
+        return float(stepped_ms(b, n, L)) * (1.0 if role == "target" else 0.1)
+
+    kinds = {}
+    for device in ("cuda", "cpu"):
+        profile = profile_from_json(build_profile(latency, batch_sizes=tuple(range(1, 25)), context_lens=(256, 1024),
+                                                  max_k=8, noise=0.01, seed=11, device_kind=device))
+        kinds[device] = fit_profile(profile).roles["target"]
+    assert kinds["cuda"].kind == lat.STAIRCASE
+    assert kinds["cpu"].kind in (lat.ROOFLINE, lat.MONOTONE) and lat.STAIRCASE not in kinds["cpu"].cv_mape_pct
