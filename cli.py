@@ -123,10 +123,28 @@ def calibrate_command(
         "Stop cleanly between points after this many seconds; the profile keeps what was measured and "
         "--resume continues."))] = None,
     threads: ThreadsOpt = None,
+    refine: Annotated[Optional[bool], typer.Option("--refine/--no-refine", help=(
+        "After the grid, time more target passes where the fit finds a kernel step between two measured token "
+        "counts it cannot place (default: on CUDA, where passes are cheap; off on CPU)."))] = None,
+    from_vidur: Annotated[Optional[Path], typer.Option("--from-vidur", help=(
+        "Time nothing: compose the target's passes from vidur's per-operation GPU timings in this folder "
+        "(mlp.csv, attention.csv) for the --target/--draft shapes (presets or config.json); needs "
+        "--acceptance. The draft reads the same folder unless --draft-from-vidur."))] = None,
+    draft_from_vidur: Annotated[Optional[Path], typer.Option(
+        "--draft-from-vidur", help="With --from-vidur: the draft's own vidur folder.")] = None,
     json_output: JsonOpt = False,
 ):
     """Time the pair's forward passes over (batch size, new tokens, context) and measure acceptance (per
     position, and per depth and rank for trees) and the n-gram second stage: a profile."""
+    if from_vidur is not None or draft_from_vidur is not None:
+        from specbatch.console.calibration import calibrate_from_vidur
+
+        given = {"--device": device, "--dtype": dtype, "--prompts": prompts, "--sampling": sampling,
+                 "--resume": resume, "--quick": quick, "--stage2": stage2, "--no-stage2": no_stage2,
+                 "--max-seconds": max_seconds, "--threads": threads, "--refine": refine is not None}
+        calibrate_from_vidur(from_vidur, draft_from_vidur, target, draft, acceptance, batch_sizes, context_lens,
+                             max_k, out, force, [option for option, value in given.items() if value], json_output)
+        return
     from specbatch.calibrate.run import CalibrationRequest
     from specbatch.calibrate.stage2 import stage2_for_calibration
     from specbatch.console.calibration import calibrate_with_progress, render_calibration
@@ -137,7 +155,7 @@ def calibrate_command(
         context_lens=tuple(parse_int_list("--context-lens", context_lens) or ()) or None,
         max_k=max_k, prompts=prompts or DEMO_PROMPTS, acceptance=acceptance, samplings=tuple(sampling or ()),
         resume=resume, quick=quick, stage2=stage2_for_calibration(stage2, no_stage2, draft, acceptance),
-        force=force, max_seconds=max_seconds,
+        force=force, max_seconds=max_seconds, refine=refine,
     )
     set_threads(threads, resumed_profile=out if resume else None)  # the profile records torch's thread count
     summary = calibrate_with_progress(request, show=not json_output)
@@ -329,10 +347,14 @@ def table(
                            max_tree_nodes=max_tree_nodes)
     export_notes = write_table(output, result, fmt, draft=draft, clamp=clamp)
     from specbatch.console.model import render_table
+    from specbatch.perfmodel.kernel_notes import row_gap_notes, table_step_notes
+    from specbatch.perfmodel.model import step_model
     from specbatch.perfmodel.uncertainty import table_tie_notes
 
     notes = fitted.extrapolation_notes(max_batch, [b.context_len for b in result.buckets], result.max_k)
-    render_table(result, notes + table_tie_notes(result, chosen) + export_notes, output)
+    notes += table_tie_notes(result, chosen) + table_step_notes(fitted, result, step_model(fitted, chosen))
+    notes += row_gap_notes(fitted)
+    render_table(result, notes + export_notes, output)
 
 
 @app.command()

@@ -36,6 +36,7 @@ from .insitu import InSituPoint, insitu_groups, insitu_points, measure_insitu, r
 from .memory import MemoryPlan, memory_budget, plan_memory, reference_bytes
 from .models import model_info
 from .noise import MachineWatch, NoiseMonitor, reference_sampler
+from .refine import refinement_rounds
 from .store import (check_resumable, csv_path_for, load_for_resume, measured_insitu_points, measured_overhead_points,
                     measured_timing_points, measured_tree_overhead_points, new_profile, overhead_row,
                     tree_overhead_row, with_row, write_profile)
@@ -100,6 +101,7 @@ class CalibrationRequest:
     stage2: Path | None = None  # an n-gram file (specbatch.ngram/1): measure the second stage with it
     force: bool = False  # replace an existing --out (without --resume); it is kept until a point is measured
     max_seconds: float | None = None  # stop cleanly between points after this long; --resume continues
+    refine: bool | None = None  # time more passes where the fit cannot place a kernel step; None: on CUDA only
 
 
 @dataclass(frozen=True)
@@ -483,6 +485,10 @@ def _measure(pair: LoadedPair, plan: _Plan, grid: Grid, todo: _Todo, request: Ca
     for point in todo.timings:
         advance(f"{point.model} b={point.batch_size} n={point.new_tokens} L={point.context_len}",
                 time_point(timer, point))
+    if request.refine or (request.refine is None and plan.device.startswith("cuda")):  # CPU passes are not cheap
+        for point in refinement_rounds(current):  # calibrate/refine.py: where the fit cannot place a step
+            advance(f"refine: {point.model} b={point.batch_size} n={point.new_tokens} L={point.context_len}",
+                    time_point(timer, point))
     timer.forget()
     release_memory(plan.device)  # the timer's caches were of every size: let the next stages start from free memory
 

@@ -93,3 +93,46 @@ def render_calibration(summary) -> None:
     for warning in summary.warnings:
         console.print(warning, style="bold yellow", markup=False, highlight=False)
     console.print(f"wrote {summary.profile_path} and {summary.csv_path}", markup=False, highlight=False)
+
+
+def calibrate_from_vidur(folder, draft_folder, target, draft, acceptance, batch_sizes, context_lens, max_k, out,
+                         force, ignored: list[str], json_output: bool) -> None:
+    """`calibrate --from-vidur`: check what does not apply to composing (nothing is timed), compose, report."""
+    import json
+
+    from specbatch.calibrate.vidur import VidurRequest, import_vidur
+    from specbatch.console.options import parse_int_list
+    from specbatch.perfmodel.errors import UsageError
+
+    if folder is None:
+        raise UsageError("--draft-from-vidur needs --from-vidur (the target's folder)")
+    if ignored:
+        raise UsageError(f"--from-vidur times nothing: {', '.join(ignored)} do(es) not apply")
+    if target is None or draft is None or acceptance is None:
+        raise UsageError("--from-vidur needs --target and --draft (presets or config.json: the shapes vidur's "
+                         "block times are composed for) and --acceptance (nothing measures it)")
+    request = VidurRequest(folder=folder, target=target, draft=draft, acceptance=acceptance, out=out,
+                           draft_folder=draft_folder,
+                           batch_sizes=tuple(parse_int_list("--batch-sizes", batch_sizes) or ()) or None,
+                           context_lens=tuple(parse_int_list("--context-lens", context_lens) or ()) or None,
+                           max_k=max_k, force=force)
+    result = import_vidur(request)
+    grid = result.profile.grid
+    summary = {"profile_path": str(out), "rows": result.rows, "padded_rows": result.padded_rows,
+               "missing_rows": result.missing_rows, "batch_sizes": [min(grid.batch_sizes), max(grid.batch_sizes)],
+               "context_lens": list(grid.context_lens), "composition": result.profile.composition.to_json()}
+    if json_output:
+        typer.echo(json.dumps(summary))
+        return
+    composition = result.profile.composition
+    files = ", ".join(f.path for f in composition.files)
+    typer.echo(f"composed {result.rows} passes from {composition.source} ({files}): batch sizes "
+               f"{grid.batch_sizes[0]}-{grid.batch_sizes[-1]}, contexts "
+               f"{', '.join(map(str, grid.context_lens))}")
+    if result.padded_rows:
+        typer.echo(f"{result.padded_rows} of them at a token count vidur did not profile: linear operations read at "
+                   "the next profiled count")
+    if result.missing_rows:
+        typer.echo(f"{result.missing_rows} (b, n, L) points have no vidur data (not in the profile)")
+    typer.echo(f"left out: {'; '.join(composition.left_out)}")
+    typer.echo(f"wrote {out} and {out.with_suffix('.csv')}")

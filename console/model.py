@@ -60,6 +60,12 @@ def render_fit(fitted, output: Path, holdout: bool = False, noise=None) -> None:
         params.add_row("overlap_exponent", f"{model.roofline.overlap_exponent:.3g}")
         params.add_row("ridge_tokens (b*n)", f"{model.roofline.ridge_tokens(shape):.4g}")
         params.add_row("memory-bound share of points", f"{fit.memory_bound_share:.0%}")
+        if model.staircase is not None:  # the kernel steps found (perfmodel.staircase)
+            steps = model.staircase.steps
+            tokens = sum(s.axis == "tokens" for s in steps)
+            params.add_row("kernel steps: in tokens, in rows", f"{tokens}, {len(steps) - tokens} "
+                           f"({sum(not s.sharp for s in steps)} across unresolved gaps)")
+            params.add_row("tile_tokens", str(model.staircase.tile_tokens() or "-"))
         for kind, value in fit.cv_mape_pct.items():
             params.add_row(f"cross-validated MAPE, {kind}", f"{value:.2f}%")
         params.add_row("in-sample MAPE (chosen)", f"{fit.in_sample_mape_pct:.2f}%")
@@ -91,6 +97,10 @@ def render_fit(fitted, output: Path, holdout: bool = False, noise=None) -> None:
                       f"near that is the machine's, not the model's")
     if not fitted.overhead.measured:
         console.print("[yellow]note:[/] the profile has no step-overhead rows: overhead taken as 0 ms")
+    if fitted.composition is not None:
+        from rich.markup import escape
+
+        console.print(f"[yellow]note:[/] {escape(fitted.composition.summary())}", highlight=False)
     if not fitted.acceptance:
         console.print("[yellow]note:[/] the profile has no acceptance: `table` and `query` will need --acceptance")
     console.print(f"wrote {output}")

@@ -1,7 +1,7 @@
 """`fit`: one pipeline from a profile to a `FittedModel`.
 
-1. Latency per role: the roofline, refined by monotone terms when grouped cross-validation prefers it
-   (`latency.select_kind`), fitted to one timing source's rows.
+1. Latency per role: the roofline, refined by monotone terms or, on a GPU, by the kernel steps found in the
+   data when grouped cross-validation prefers it (`latency.select_kind`), fitted to one timing source's rows.
 2. The step stage, when the profile has in-situ steps (measured greedily, so judged with the greedy
    acceptance). Default, and the only rule:
    a. timing source: the grid of isolated passes, the passes timed inside real steps, or both; each is
@@ -75,11 +75,12 @@ def _role_notes(memory_bound_points: int, total_points: int) -> tuple[str, ...]:
     return tuple(notes)
 
 
-def _role_holdout(shape: lat.RoleShape, points: lat.Points, role: str, source: str) -> lat.HoldoutReport | None:
+def _role_holdout(shape: lat.RoleShape, points: lat.Points, role: str, source: str,
+                  kinds: tuple[str, ...] = lat.KINDS) -> lat.HoldoutReport | None:
     """Every other interior batch size and context left out; the in-situ rows' many contexts may leave too
     few to fit (None then: their held-out errors per batch size are in the source report instead)."""
     try:
-        return lat.evaluate_holdout(shape, points, role)
+        return lat.evaluate_holdout(shape, points, role, kinds)
     except PerfModelError:
         if source == ISOLATED:
             raise
@@ -87,14 +88,16 @@ def _role_holdout(shape: lat.RoleShape, points: lat.Points, role: str, source: s
 
 
 def fit_role(profile: Profile, role: str, holdout: bool, source: str = ISOLATED) -> RoleFit:
-    """Cross-validate both kinds, fit the chosen one on every point of `source`, optionally evaluate a holdout."""
+    """Cross-validate the kinds offered for the profile's device (`latency.kinds_for`), fit the chosen one on every
+    point of `source`, optionally evaluate a holdout."""
     rows = profile.timings_of(role, feasible_only=False)
     points = source_points(profile, role, source)
     if len(points) < lat.MIN_POINTS:
         raise PerfModelError(f"{role}: the latency fit needs at least {lat.MIN_POINTS} feasible timing rows, "
                              f"the profile has {len(points)} ({source})")
     shape = lat.RoleShape.from_model_info(profile.model(role))
-    cv = lat.cross_validate(shape, points)
+    kinds = lat.kinds_for(profile.device.kind)
+    cv = lat.cross_validate(shape, points, kinds=kinds)
     model = lat.fit_latency_model(shape, points, lat.select_kind(cv))
     b, n, L = points.batch_size, points.new_tokens, points.context_len
     predicted = model.latency_ms(b, n, L)
@@ -108,7 +111,7 @@ def fit_role(profile: Profile, role: str, holdout: bool, source: str = ISOLATED)
         role=role, model=model, points=points, infeasible_rows=sum(not row.feasible for row in rows),
         in_sample_mape_pct=lat.mape_pct(predicted, points.latency_ms), cv_mape_pct=cv,
         worst=lat.worst_points(model, points),
-        holdout=_role_holdout(shape, points, role, source) if holdout else None,
+        holdout=_role_holdout(shape, points, role, source, kinds) if holdout else None,
         memory_bound_share=memory_share, notes=notes,
     )
 
@@ -233,7 +236,8 @@ def fit_sources(profile: Profile, holdout: bool, overhead: OverheadModel,
                             for source, role_fits in fits.items()])
     chosen = fits[choice.chosen]
     if holdout and choice.chosen != ISOLATED:
-        chosen = {role: replace(fit, holdout=_role_holdout(fit.model.shape, fit.points, role, choice.chosen))
+        kinds = lat.kinds_for(profile.device.kind)
+        chosen = {role: replace(fit, holdout=_role_holdout(fit.model.shape, fit.points, role, choice.chosen, kinds))
                   for role, fit in chosen.items()}
     return chosen, choice
 
@@ -249,7 +253,7 @@ def fit_profile(profile: Profile, holdout: bool = False) -> FittedModel:
         profile_created_utc=profile.created_utc,
         device=profile.device, target_info=profile.target, draft_info=profile.draft, grid=profile.grid,
         roles=roles, overhead=overhead, acceptance=acceptance, stage2=profile.stage2, timing_source=choice,
-        noise=profile.noise,
+        noise=profile.noise, composition=profile.composition,
     )
     if not profile.insitu_steps or greedy is None:
         return fitted

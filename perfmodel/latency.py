@@ -1,6 +1,6 @@
 """Latency of one forward pass, T(b, n, L), fitted per model role to the profile's timing rows.
 
-Two model kinds, chosen per role by grouped k-fold cross-validation (`select_kind`):
+Three model kinds, chosen per role by grouped k-fold cross-validation (`select_kind`):
 
 - "roofline": T = overhead_ms + smooth_max(memory_ms, compute_ms), four parameters. Physically
   grounded, so it extrapolates sensibly to batch sizes beyond the measured grid.
@@ -9,6 +9,10 @@ Two model kinds, chosen per role by grouped k-fold cross-validation (`select_kin
   pass), refit by nonnegative least squares with scikit-learn. It follows the steps real hardware
   has (thread scheduling on CPUs, tile quantization on GPUs) and stays monotone in b, n and L by
   construction. Its coefficients are plain numbers: the model is saved as JSON, never pickled.
+- "roofline+staircase": the roofline's work term plus the kernel steps found in the data, in tokens per
+  pass (GEMM tiles) and in rows (attention waves), sharp where neighbouring measurements resolve them
+  and ramped across gaps they do not (`perfmodel.staircase`). Signed: it follows data that are not
+  monotone, and a measured step is kept, not smoothed over a grid gap.
 
 Why not gradient-boosted trees (even with monotonic constraints): trees are piecewise constant, so a
 held-out batch size between two measured ones snaps to a neighbour's time, and batch sizes beyond
@@ -27,15 +31,27 @@ import numpy as np
 from .errors import PerfModelError
 from .jsonio import rounded
 from .profile import ModelInfo, TimingRow
+from .staircase import Staircase, fit_staircase
 
 ROOFLINE = "roofline"
 MONOTONE = "roofline+monotone"
-KINDS = (ROOFLINE, MONOTONE)
+STAIRCASE = "roofline+staircase"
+KINDS = (ROOFLINE, MONOTONE, STAIRCASE)
+REFINED = (MONOTONE, STAIRCASE)
+# The staircase is offered for GPU profiles: on a shared CPU, slow spells last a grid cell's points and look
+# like steps to its selection (a 28 % "step" between 12 and 14 tokens per pass on a calibration of the demo
+# pair whose reference pass moved 50 %), and the thread-partitioning steps CPUs have are smaller than that.
+KINDS_BY_DEVICE = {"cuda": KINDS, "cpu": (ROOFLINE, MONOTONE)}
+
+
+def kinds_for(device_kind: str) -> tuple[str, ...]:
+    """The kinds cross-validation chooses among for a profile measured on `device_kind` (cpu | cuda)."""
+    return KINDS_BY_DEVICE.get(device_kind, KINDS)
 MIN_POINTS = 8  # twice the roofline's four parameters: fewer cannot tell fit from noise
 CV_FOLDS = 5
-# The data-driven kind must beat the roofline's cross-validated MAPE by this factor to be chosen:
+# A data-driven kind must beat the roofline's cross-validated MAPE by this factor to be chosen:
 # a 1% relative gain is noise, and the roofline extrapolates more safely.
-MONOTONE_MIN_GAIN = 0.95
+REFINED_MIN_GAIN = 0.95
 MAX_TOKEN_KNOTS = 10  # ramps in tokens per pass; more knots than this overfit small grids
 
 
@@ -310,16 +326,25 @@ class LatencyModel:
     shows; the scaled edge is continuous there and as structure-free as the roofline. Assumption: the
     roofline's growth holds past the grid; a regime the grid never reached is not predicted, only not
     invented. The roofline kind is the roofline everywhere.
+
+    The staircase's ratio to the roofline at the edge is one point of its sawtooth (just past a step, or
+    just before the next), which says nothing about the steps beyond: outside the box it keeps the edge's
+    time and adds what the roofline adds, T_fit(b', n', L') + R(b, n, L) - R(b', n', L'), which grows at the
+    roofline's average slope (steps included on average) and never falls below the edge.
     """
 
-    kind: str  # "roofline" | "roofline+monotone"
+    kind: str  # one of KINDS
     shape: RoleShape
     roofline: RooflineParams
     correction: MonotoneCorrection | None  # present for "roofline+monotone"
     box: Box | None = None  # the measured range the refinement holds in; None: the fit everywhere
+    staircase: Staircase | None = None  # present for "roofline+staircase"
 
     def fitted_ms(self, b, n, L):
         """The fit itself, with no regard to the measured range (arrays in, array out)."""
+        if self.staircase is not None:
+            work, compute = self.roofline.work_ms(self.shape, b, n, L), self.roofline.compute_ms(self.shape, b, n, L)
+            return self.staircase.latency_ms(work, compute, b, n, L).reshape(np.broadcast(b, n, L).shape)
         if self.correction is None:
             return np.asarray(self.roofline.latency_ms(self.shape, b, n, L), dtype=float)
         return np.asarray(self.correction.latency_ms(self.shape, self.roofline, b, n, L), dtype=float)
@@ -327,16 +352,20 @@ class LatencyModel:
     def latency_ms(self, b, n, L):
         """Predicted milliseconds of one pass; scalars in, float out; arrays in (broadcast), array out."""
         scalar = np.ndim(b) == np.ndim(n) == np.ndim(L) == 0
-        if self.correction is None or self.box is None:
+        if self.kind == ROOFLINE or self.box is None:
             value = self.fitted_ms(b, n, L)
         else:
             b, n, L = np.broadcast_arrays(*(np.asarray(v, dtype=float) for v in (b, n, L)))
             edge = self.box.clip(b, n, L)
             inside = (edge[0] == b) & (edge[1] == n) & (edge[2] == L)
             # inside the box the scale is exactly 1: the point is its own edge
-            scale = np.where(inside, 1.0, self.roofline.latency_ms(self.shape, b, n, L)
-                             / self.roofline.latency_ms(self.shape, *edge))
-            value = self.fitted_ms(*edge) * scale
+            at_edge, roofline = self.fitted_ms(*edge), self.roofline.latency_ms(self.shape, b, n, L)
+            roofline_at_edge = self.roofline.latency_ms(self.shape, *edge)
+            if self.kind == STAIRCASE:
+                outside = at_edge + roofline - roofline_at_edge
+            else:
+                outside = at_edge * roofline / roofline_at_edge
+            value = np.where(inside, at_edge, outside)
         return float(value.reshape(-1)[0]) if scalar else value
 
 
@@ -345,7 +374,13 @@ def fit_latency_model(shape: RoleShape, points: Points, kind: str, start: Roofli
         raise PerfModelError(f"unknown latency model kind {kind!r}; valid kinds: {', '.join(KINDS)}")
     roofline = fit_roofline(shape, points, start)
     correction = fit_monotone(shape, roofline, points) if kind == MONOTONE else None
-    return LatencyModel(kind, shape, roofline, correction, Box.of(points))
+    staircase = None
+    if kind == STAIRCASE:  # the steps around the roofline fitted through them: it keeps the average slopes
+        require_points(points, MIN_POINTS, "the staircase fit")
+        b, n, L = points.batch_size, points.new_tokens, points.context_len
+        staircase = fit_staircase(roofline.work_ms(shape, b, n, L), roofline.compute_ms(shape, b, n, L), b, n, L,
+                                  points.latency_ms)
+    return LatencyModel(kind, shape, roofline, correction, Box.of(points), staircase)
 
 
 def require_points(points: Points, needed: int, purpose: str) -> None:
@@ -371,31 +406,43 @@ def _cells(points: Points) -> np.ndarray:
     return groups.reshape(-1)
 
 
-def cross_validate(shape: RoleShape, points: Points, folds: int = CV_FOLDS) -> dict[str, float]:
-    """Out-of-fold MAPE (percent) of each kind, grouped k-fold over (b, L) cells; deterministic."""
+def has_steps(shape: RoleShape, points: Points) -> bool:
+    """Whether the staircase fitted to all `points` finds a step: without one it is a linear refinement with
+    signed terms, which the monotone kind does safely, and it is no candidate."""
+    return bool(fit_latency_model(shape, points, STAIRCASE).staircase.steps)
+
+
+def cross_validate(shape: RoleShape, points: Points, folds: int = CV_FOLDS,
+                   kinds: Sequence[str] = KINDS) -> dict[str, float]:
+    """Out-of-fold MAPE (percent) of each of `kinds`, grouped k-fold over (b, L) cells; deterministic. The
+    staircase only where it finds a step (`has_steps`)."""
     from sklearn.model_selection import GroupKFold
 
     groups = _cells(points)
     splits = min(folds, len(np.unique(groups)))
-    if splits < 2:
+    if splits < 2 or len(points) < MIN_POINTS:
         return {}
-    predicted = {kind: np.empty(len(points)) for kind in KINDS}
+    if STAIRCASE in kinds and not has_steps(shape, points):
+        kinds = tuple(k for k in kinds if k != STAIRCASE)
+    predicted = {kind: np.empty(len(points)) for kind in kinds}
     for train, test in GroupKFold(n_splits=splits).split(points.latency_ms, groups=groups):
         part = points.subset(train)
         if len(part) < MIN_POINTS:
             return {}
-        for kind in KINDS:
+        for kind in kinds:
             model = fit_latency_model(shape, part, kind)
             held = points.subset(test)
             predicted[kind][test] = model.latency_ms(held.batch_size, held.new_tokens, held.context_len)
-    return {kind: mape_pct(predicted[kind], points.latency_ms) for kind in KINDS}
+    return {kind: mape_pct(predicted[kind], points.latency_ms) for kind in kinds}
 
 
 def select_kind(cv_mape: dict[str, float]) -> str:
-    """The roofline unless the monotone model's cross-validated MAPE is clearly lower."""
+    """The roofline unless a refined kind's cross-validated MAPE is clearly lower: then the lowest of them
+    (ties keep the earlier in REFINED)."""
     if not cv_mape:
         return ROOFLINE
-    return MONOTONE if cv_mape[MONOTONE] < MONOTONE_MIN_GAIN * cv_mape[ROOFLINE] else ROOFLINE
+    best = min((kind for kind in REFINED if kind in cv_mape), key=lambda kind: cv_mape[kind], default=None)
+    return best if best is not None and cv_mape[best] < REFINED_MIN_GAIN * cv_mape[ROOFLINE] else ROOFLINE
 
 
 # ---------------------------------------------------------------- held-out evaluation
@@ -438,7 +485,7 @@ class HoldoutReport:
     worst: tuple[PointError, ...]
 
 
-def evaluate_holdout(shape: RoleShape, points: Points, role: str) -> HoldoutReport:
+def evaluate_holdout(shape: RoleShape, points: Points, role: str, kinds: Sequence[str] = KINDS) -> HoldoutReport:
     """Leave out every other interior batch size and context length (all their rows), select and fit
     on the rest, and measure the error on what was left out."""
     held_b = every_other_interior(points.batch_size)
@@ -453,11 +500,11 @@ def evaluate_holdout(shape: RoleShape, points: Points, role: str) -> HoldoutRepo
                              f"held-out batch sizes and context lengths, found {len(train_points)}")
     by_kind = {}
     models = {}
-    for kind in KINDS:
+    for kind in kinds:
         models[kind] = fit_latency_model(shape, train_points, kind)
         predicted = models[kind].latency_ms(test_points.batch_size, test_points.new_tokens, test_points.context_len)
         by_kind[kind] = mape_pct(predicted, test_points.latency_ms)
-    kind = select_kind(cross_validate(shape, train_points))
+    kind = select_kind(cross_validate(shape, train_points, kinds=kinds))
     worst = worst_points(models[kind], test_points)
     return HoldoutReport(held_b, held_L, len(train_points), len(test_points), kind, by_kind[kind],
                          abs(worst[0].error_pct), by_kind, worst)

@@ -32,6 +32,8 @@ from .jsonio import read_json, rounded, write_json_atomic
 from .profile.noise import NoiseFigure
 from .overhead import OverheadModel
 from .profile import ROLES, DeviceInfo, Grid, ModelInfo, Stage2Info
+from .profile.composition import Composition
+from .staircase import Staircase
 from .steps import SourceChoice, StepCorrection
 from .strategy import MAX_TREE_NODES, StepModel, StrategyCandidate, StrategyChoice, candidate_strategies
 from .table import ENGINE_FORMATS, MAX_TABLE_BATCH, Bucket, Table, TableEntry
@@ -79,6 +81,7 @@ class FittedModel:
     timing_source: SourceChoice | None = None  # which pass timings `roles` were fitted to, when there was a choice
     noise: NoiseFigure | None = None  # the profile's reference-pass checks: bench compares the machine's speed
     step_correction: StepCorrection | None = None  # chains' step ratios from lockstep in-situ steps
+    composition: Composition | None = None  # the profile's pass times were composed from per-operation timings
 
     def fingerprints(self) -> dict | None:
         """{"target", "draft"} content fingerprints of the pair (None when the profile predates them)."""
@@ -124,7 +127,7 @@ class FittedModel:
         return sorted({int(round(lo * (hi / lo) ** (i / steps))) for i in range(steps + 1)} if steps else {lo})
 
     def extrapolation_notes(self, max_batch: int, context_lens: Sequence[int], max_k: int) -> list[str]:
-        """Where a table or query asks the model beyond what the profile measured."""
+        """Where a table or query asks the model beyond what the profile measured, and what its times leave out."""
         notes = []
         if max_batch > max(self.grid.batch_sizes):
             notes.append(f"extrapolating: batch sizes above {max(self.grid.batch_sizes)} were not measured; there the "
@@ -139,6 +142,8 @@ class FittedModel:
             notes.append(f"k above the profiled max_k={self.grid.max_k} is extrapolated")
         if not self.overhead.measured:
             notes.append("the profile has no step-overhead rows: overhead taken as 0 ms")
+        if self.composition is not None:
+            notes.append(self.composition.summary())
         return notes
 
     def timing_source_notes(self) -> list[str]:
@@ -293,6 +298,7 @@ def _role_json(fit: RoleFit) -> dict:
         "shape": asdict(model.shape),
         "roofline": model.roofline.to_json(model.shape),
         "monotone": None if model.correction is None else model.correction.to_json(model.shape, model.roofline),
+        **({} if model.staircase is None else {"staircase": model.staircase.to_json()}),
         "validation": {
             "in_sample_mape_pct": rounded(fit.in_sample_mape_pct),
             "cv_mape_pct": {kind: rounded(value) for kind, value in fit.cv_mape_pct.items()},
@@ -316,7 +322,8 @@ def model_to_json(fitted: FittedModel) -> dict:
                     "models": {"target": asdict(fitted.target_info), "draft": asdict(fitted.draft_info)},
                     "grid": {key: list(value) if isinstance(value, tuple) else value
                              for key, value in asdict(fitted.grid).items()},
-                    **({} if fitted.noise is None else {"noise": fitted.noise.to_json()})},
+                    **({} if fitted.noise is None else {"noise": fitted.noise.to_json()}),
+                    **({} if fitted.composition is None else {"composition": fitted.composition.to_json()})},
         "roles": {role: _role_json(fit) for role, fit in fitted.roles.items()},
         "overheads": [{"batch_size": b, "k": k, "median_ms": rounded(ms)} for b, k, ms in fitted.overhead.rows],
         "tree_overheads": [{"batch_size": b, "tree_nodes": nodes, "stage2": stage2, "median_ms": rounded(ms)}
@@ -347,14 +354,16 @@ def _role_from_json(role: str, obj: dict, where: str) -> RoleFit:
     kind = obj["kind"]
     if kind not in lat.KINDS:
         raise PerfModelError(f"{where}: roles.{role}.kind: {kind!r} is not one of {', '.join(lat.KINDS)}")
-    correction = None
+    correction = staircase = None
     if kind == lat.MONOTONE:
         correction = lat.MonotoneCorrection.from_json(obj["monotone"], shape, roofline, f"{where}: roles.{role}")
+    if kind == lat.STAIRCASE:
+        staircase = Staircase.from_json(obj["staircase"], f"{where}: roles.{role}")
     rows = np.array(obj["points"]["rows"], dtype=float).reshape(-1, 4)
     points = lat.Points(rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3])
     validation = obj["validation"]
     return RoleFit(
-        role=role, model=lat.LatencyModel(kind, shape, roofline, correction, lat.Box.of(points)),
+        role=role, model=lat.LatencyModel(kind, shape, roofline, correction, lat.Box.of(points), staircase),
         points=points,
         infeasible_rows=int(obj["infeasible_rows"]),
         in_sample_mape_pct=float(validation["in_sample_mape_pct"]),
@@ -394,7 +403,8 @@ def model_from_json(obj: dict, source: str = "model") -> FittedModel:
     # The profile readers want a whole profile; metadata plus empty measurement lists is one.
     stub = profile_from_json({"created_utc": meta.get("created_utc"), "device": meta.get("device"),
                               "models": meta.get("models"), "grid": meta.get("grid"),
-                              "timings": [], "overheads": [], "acceptance": [], "noise": meta.get("noise")},
+                              "timings": [], "overheads": [], "acceptance": [], "noise": meta.get("noise"),
+                              "composition": meta.get("composition")},
                              f"{source}: profile")
     stage2 = None
     if obj.get("stage2") is not None:
@@ -418,7 +428,7 @@ def model_from_json(obj: dict, source: str = "model") -> FittedModel:
             raise
         raise PerfModelError(f"{source}: malformed model file ({type(error).__name__}: {error})") from None
     return FittedModel(created, stub.created_utc, stub.device, stub.target, stub.draft, stub.grid, roles,
-                       overhead, acceptance, stage2, timing_source, stub.noise, correction)
+                       overhead, acceptance, stage2, timing_source, stub.noise, correction, stub.composition)
 
 
 def save_model(path: str | os.PathLike, fitted: FittedModel) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from .acceptance import AcceptanceModel, expected_tokens
 from .errors import PerfModelError
 from .jsonio import file_sha256
+from .kernel_notes import describe, row_gap_notes, step_edge
 from .model import FittedModel, query_strategies, step_model
 from .strategy import StrategyCandidate, StrategyChoice
 from .table import Table
@@ -87,7 +88,16 @@ def chain_answer(fitted: FittedModel, acceptance: AcceptanceModel, batch_size: i
     return QueryAnswer("chains", batch_size, context, choice.best.strategy,
                        tuple(QueryCandidate.predicted(c) for c in by_k),
                        tuple(fitted.extrapolation_notes(batch_size, [context], max_k)
-                             + choice_tie_notes(choice, acceptance)))
+                             + choice_tie_notes(choice, acceptance)
+                             + kernel_step_notes(fitted, acceptance, choice.best.strategy, batch_size, context)))
+
+
+def kernel_step_notes(fitted: FittedModel, acceptance: AcceptanceModel, strategy: Strategy, batch_size: int,
+                      context_len: int) -> list[str]:
+    """The kernel step the choice's verify pass sits just past, or the unresolved gap it lies in
+    (`perfmodel.kernel_notes`); none for fits without steps."""
+    edge = step_edge(fitted, step_model(fitted, acceptance), strategy, batch_size, context_len)
+    return ([] if edge is None else [describe(edge)]) + row_gap_notes(fitted, batch_size)
 
 
 def check_stage2_file(fitted: FittedModel, path: str | os.PathLike, source: str = "model") -> None:
@@ -121,7 +131,9 @@ def strategy_answer(fitted: FittedModel, acceptance: AcceptanceModel, batch_size
         by_goodput = tuple(sorted(ranked, key=lambda c: -c.tokens_per_s))  # stable: equals keep their order
         choice = StrategyChoice(batch_size, context, by_goodput, ranked[0].tokens_per_s)
     best = max(ranked, key=lambda c: c.tokens_per_s)  # the first of equals: the simpler strategy
-    notes = fitted.strategy_notes([c.strategy for c in ranked]) + choice_tie_notes(choice, acceptance)
+    notes = (fitted.strategy_notes([c.strategy for c in ranked]) + choice_tie_notes(choice, acceptance)
+             + kernel_step_notes(fitted, acceptance, best.strategy, batch_size, context)
+             + ([] if fitted.composition is None else [fitted.composition.summary()]))
     return QueryAnswer("strategies", batch_size, context, best.strategy,
                        tuple(QueryCandidate.predicted(c) for c in ranked), tuple(notes))
 

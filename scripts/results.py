@@ -183,8 +183,9 @@ def render_results(conditions: str, commands: Sequence[tuple[str, float]], table
     return f"""# Results
 
 Written by `python scripts/results.py`: every figure on this page (and in the README's results table)
-comes from the run below. Rerun it to get this machine's figures; [validation.md](validation.md) says
-how each figure is measured.
+comes from the run below, except the last section's, which `python scripts/gpu_results.py` writes from
+published GPU timings. Rerun it to get this machine's figures; [validation.md](validation.md) says how
+each figure is measured.
 
 {conditions}
 

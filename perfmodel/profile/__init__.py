@@ -18,6 +18,9 @@ Optional device state: `device_state` (profile/device_state.py: the full-load wa
 power and temperature at the start and end of timing) and `noise_large_batch`, a second drift reference
 at the grid's largest batch size beside `noise`'s smallest one (power capping slows large passes first).
 
+Optional `composition`: the pass times were composed from published per-operation timings (what was
+measured, estimated, left out; `calibrate --from-vidur`); profiles without it were timed whole.
+
 Reading is strict: a missing or mistyped field is a PerfModelError that names the file and the
 field (`profile.json: timings[3].median_ms: expected a number, found 'fast'`).
 """
@@ -30,6 +33,7 @@ from typing import Any
 from ..errors import PerfModelError
 from ..fields import at as _at, boolean as _bool, get as _get, int_list as _int_list, integer as _int
 from ..fields import ROLES, duration_ms as _ms, is_int as _is_int, listed as _list, number as _number, string as _str
+from .composition import Composition, composition_from_json
 from .insitu import InSituPassRow, InSituStepRow, check_unique, rows_json, sections_from_json
 from .device_state import DeviceState, device_state_from_json
 from .noise import NoiseFigure, noise_from_json
@@ -188,6 +192,7 @@ class Profile:
         """One line for each figure of the machine's state that exceeds its rule."""
         figures = (self.noise, self.noise_large_batch, self.device_state)
         return tuple(line for line in (None if f is None else f.warning() for f in figures) if line)
+    composition: Composition | None = None  # optional: the timings were composed from per-operation ones
 
     def model(self, role: str) -> ModelInfo:
         if role not in ROLES:
@@ -214,6 +219,7 @@ class Profile:
             **({"insitu_steps": rows_json(self.insitu_steps)} if self.insitu_steps else {}),
             **({} if self.device_state is None else {"device_state": self.device_state.to_json()}),
             **({} if self.noise_large_batch is None else {"noise_large_batch": self.noise_large_batch.to_json()}),
+            **({} if self.composition is None else {"composition": self.composition.to_json()}),
         }
 
 
@@ -460,6 +466,8 @@ def profile_from_json(obj: dict, source: str = "profile") -> Profile:
                                                                                         f"{top} device_state"),
         noise_large_batch=None if obj.get("noise_large_batch") is None else noise_from_json(
             obj["noise_large_batch"], f"{top} noise_large_batch"),
+        composition=None if obj.get("composition") is None else composition_from_json(obj["composition"],
+                                                                                      f"{top} composition"),
     )
     validate(profile, source)
     return profile

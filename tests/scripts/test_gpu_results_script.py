@@ -1,0 +1,77 @@
+"""scripts/gpu_results.py end to end on the committed vidur fixture: the section it writes, its place in
+results.md, and what its figures must show (the staircase's table gives up no more than the smooth fits')."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURE = ROOT / "tests" / "calibrate" / "fixtures" / "vidur" / "a100" / "Llama-2-7b-hf"
+_spec = importlib.util.spec_from_file_location("gpu_results_script", ROOT / "scripts" / "gpu_results.py")
+gpu_results = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = gpu_results  # its dataclasses look their module up by name
+_spec.loader.exec_module(gpu_results)
+pytestmark = pytest.mark.slow
+
+
+def run(out: Path, work: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_results.py"), "--vidur", str(FIXTURE),
+                           "--max-batch", "40", "--out", str(out), "--work", str(work), *args], capture_output=True,
+                          text=True, timeout=900, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gpu_results")
+    out = root / "results.md"
+    out.write_text("# Results\n\nThe CPU figures.\n")
+    done = run(out, root / "work")
+    assert done.returncode == 0, done.stderr
+    return out, root, done.stdout
+
+
+def test_the_section_is_appended_between_its_markers_and_replaced_on_a_rerun(written):
+    out, root, _ = written
+    text = out.read_text()
+    assert text.startswith("# Results\n\nThe CPU figures.\n")
+    begin, end = "<!-- gpu-data:begin -->", "<!-- gpu-data:end -->"
+    assert text.count(begin) == 1 and text.count(end) == 1
+    again = run(out, root / "again")
+    assert again.returncode == 0, again.stderr
+    assert out.read_text().count(begin) == 1  # replaced, not appended twice
+    # and scripts/results.py, rewriting the page, keeps it
+    kept = gpu_results.results.with_other_sections("# Results\n", out.read_text())
+    assert kept.count(begin) == 1 and kept.startswith("# Results\n")
+
+
+def _loss_rows(section: str) -> list[tuple[float, float]]:
+    """(before's worst, now's worst) per context of the goodput tables: the GPU's, then the CPU's."""
+    rows = re.findall(r"^\| (\d+) \| \d+ \| ([\d.]+) % \(.*?\) \| [\d.]+ % \| ([\d.]+) % \(", section, re.MULTILINE)
+    return [(float(before), float(now)) for _, before, now in rows]
+
+
+def test_the_figures_are_there_and_the_staircase_table_gives_up_no_more(written):
+    _, _, section = written
+    losses = _loss_rows(section)
+    assert len(losses) == 4 + 2  # the GPU's contexts 256, 512, 1024, 2048; the CPU profile's 128 and 512
+    assert all(now <= before for before, now in losses[:4])
+    held = re.findall(r"^\| (target|draft) \| (.+?) \|", section, re.MULTILINE)
+    labels = {label for role, label in held if role == "target"}
+    assert {"b inside the grid", "b beyond the grid", "L = 256 left out", "L = 2048 left out"} <= labels
+    assert "(+staircase)" in section  # what fit chooses on these data now
+    k_rows = re.findall(r"^\| (\d+) \| (\d+|-) \| (\d) \| (\d) \| (\d) \| (\d) \|$", section, re.MULTILINE)
+    assert [int(row[0]) for row in k_rows][:6] == [1, 2, 4, 8, 16, 32]
+    assert "goal <= 1 %" in section and "CPU calibration" in section
+
+
+def test_bad_input_is_one_line(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_results.py"), "--vidur", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 1
+    assert done.stderr.strip() == f"scripts/gpu_results.py: --vidur {tmp_path}: no mlp.csv there"
