@@ -12,7 +12,8 @@ Three model kinds, chosen per role by grouped k-fold cross-validation (`select_k
 - "roofline+staircase": the roofline's work term plus the kernel steps found in the data, in tokens per
   pass (GEMM tiles) and in rows (attention waves), sharp where neighbouring measurements resolve them
   and ramped across gaps they do not (`perfmodel.staircase`). Signed: it follows data that are not
-  monotone, and a measured step is kept, not smoothed over a grid gap.
+  monotone, and a measured step is kept, not smoothed over a grid gap. Past the measured range its
+  learnt tile and wave width put the steps there (the roofline in padded token counts, waves of rows).
 
 Why not gradient-boosted trees (even with monotonic constraints): trees are piecewise constant, so a
 held-out batch size between two measured ones snaps to a neighbour's time, and batch sizes beyond
@@ -141,6 +142,15 @@ class RooflineParams:
     def work_ms(self, shape: RoleShape, b, n, L):
         """The roofline term without the fixed overhead."""
         return smooth_max(self.memory_ms(shape, b, n, L), self.compute_ms(shape, b, n, L), self.overlap_exponent)
+
+    def gemm_ms(self, shape: RoleShape, tokens, tile_tokens: int | None):
+        """The roofline in padded token counts: the weights read against the GEMMs' FLOPs over `tokens` rounded
+        up to whole tiles (a GEMM runs whole tiles of token rows); no KV cache, no attention."""
+        tokens = np.asarray(tokens, dtype=float)
+        padded = tokens if tile_tokens is None else np.ceil(tokens / tile_tokens) * tile_tokens
+        weights_ms = shape.weight_bytes / (self.bandwidth_GBps * 1e9) * 1e3
+        return smooth_max(weights_ms, 2.0 * shape.parameters * padded / (self.flops_TFLOPs * 1e12) * 1e3,
+                          self.overlap_exponent)
 
     def latency_ms(self, shape: RoleShape, b, n, L):
         return self.overhead_ms + self.work_ms(shape, b, n, L)
@@ -316,7 +326,7 @@ class Box:
 class LatencyModel:
     """One role's T(b, n, L), over the whole (b, n, L) space.
 
-    Inside the measured box the fit itself. Outside it (refined kind only) the fitted time at the box's
+    Inside the measured box the fit itself. Outside it the monotone kind takes the fitted time at the box's
     edge, scaled by the roofline alone:
 
         T(b, n, L) = T_fit(b', n', L') * R(b, n, L) / R(b', n', L'),   (b', n', L') = the point clipped to the box.
@@ -327,10 +337,10 @@ class LatencyModel:
     roofline's growth holds past the grid; a regime the grid never reached is not predicted, only not
     invented. The roofline kind is the roofline everywhere.
 
-    The staircase's ratio to the roofline at the edge is one point of its sawtooth (just past a step, or
-    just before the next), which says nothing about the steps beyond: outside the box it keeps the edge's
-    time and adds what the roofline adds, T_fit(b', n', L') + R(b, n, L) - R(b', n', L'), which grows at the
-    roofline's average slope (steps included on average) and never falls below the edge.
+    The staircase knows what quantizes a pass (GEMM tiles in tokens, attention waves in rows) and is continued
+    past its box by them (`Staircase.continued_ms`): the token steps it measured at the pass's own token count,
+    the roofline in padded token counts past the measured ones, and past the largest batch size the cost of a
+    row read over the last measured octaves, in whole waves where the steps show their width.
     """
 
     kind: str  # one of KINDS
@@ -354,19 +364,21 @@ class LatencyModel:
         scalar = np.ndim(b) == np.ndim(n) == np.ndim(L) == 0
         if self.kind == ROOFLINE or self.box is None:
             value = self.fitted_ms(b, n, L)
+        elif self.kind == STAIRCASE:
+            shape = np.broadcast(b, n, L).shape
+            tile = self.staircase.tile_tokens()
+            value = self.staircase.continued_ms(
+                self.fitted_ms, lambda tokens: self.roofline.gemm_ms(self.shape, tokens, tile),
+                lambda *point: self.roofline.latency_ms(self.shape, *point),
+                (self.box.batch_size, self.box.new_tokens, self.box.context_len), b, n, L).reshape(shape)
         else:
             b, n, L = np.broadcast_arrays(*(np.asarray(v, dtype=float) for v in (b, n, L)))
             edge = self.box.clip(b, n, L)
             inside = (edge[0] == b) & (edge[1] == n) & (edge[2] == L)
             # inside the box the scale is exactly 1: the point is its own edge
             at_edge, roofline = self.fitted_ms(*edge), self.roofline.latency_ms(self.shape, b, n, L)
-            roofline_at_edge = self.roofline.latency_ms(self.shape, *edge)
-            if self.kind == STAIRCASE:
-                outside = at_edge + roofline - roofline_at_edge
-            else:
-                outside = at_edge * roofline / roofline_at_edge
-            value = np.where(inside, at_edge, outside)
-        return float(value.reshape(-1)[0]) if scalar else value
+            value = np.where(inside, at_edge, at_edge * roofline / self.roofline.latency_ms(self.shape, *edge))
+        return float(np.reshape(value, -1)[0]) if scalar else value
 
 
 def fit_latency_model(shape: RoleShape, points: Points, kind: str, start: RooflineParams | None = None) -> LatencyModel:

@@ -31,15 +31,34 @@ most of their size sits at multiples of, is reported as `tile_tokens`; when ther
 runs again with every sparse token gap that holds exactly one multiple of the tile made a sharp step
 right after it.
 
+Past the measured box the fit is continued from its edge, each axis by what quantizes it (`continued_ms`):
+
+    T(b, n, L) = T_fit(b', t' / b', L) + G(t) - G(t') + rows(b) - rows(b')
+
+b' is b clipped to the measured batch sizes and t' the token count clipped to what b' rows were measured
+with (b' n_lo .. b' n_hi), so a pass past the largest b keeps the token steps the fit knows at its own
+token count. G(t) is the roofline in padded token counts: the weights read against the GEMMs' FLOPs over t
+rounded up to whole tiles (`tile_tokens`), in the roofline's own bandwidth, FLOP rate and overlap, so every
+tile past the measured token counts adds what an average tile costs, at its multiple. Past the largest
+measured b, a row costs what a row cost over the last two octaves of the measured batch sizes
+(`row_cost_from` up to the largest, read from the fit at equal tokens so that the token part cancels); the
+first rows of a small batch run alone on the GPU (a partial wave, split KV) and say nothing of that. When
+the row steps' places show a wave width W (`wave_rows`: the steps sit after floor(k W) for consecutive k),
+that cost is split into whole waves, ceil(b / W) times the waves' mean height, and a smooth rest, so the
+waves continue at their places. Past the measured contexts the fit's own context terms continue (the
+attention reads every cached token: affine in the context), never cheaper past the largest context nor
+dearer below the smallest. Below the smallest measured b the roofline's change at equal tokens.
+
 Assumes: steps in t (the GEMMs, the per-token operations) independent of b, and steps in b (attention
 waves) whose size is affine in the context. Breaks where a step's place moves with the context (a
-split-KV heuristic) or with n at fixed t, and beyond the measured range, where no step is known (the
-latency model scales the edge by the roofline there).
+split-KV heuristic) or with n at fixed t; past the measured range where the library changes its tiles
+(sub-tile steps past the measured token counts are not predicted) or where the cost of a row keeps
+falling with the batch (the attention kernel's efficiency still rising past the grid).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -54,6 +73,13 @@ RESOLUTION = {TOKENS: 16.0, ROWS: 1.0, ROWS_CONTEXT: 1.0}
 CONTEXT_UNIT = 1000.0  # row steps grow per 1000 cached tokens: keeps the columns' scales comparable
 MAX_STEP_SHARE = 0.5  # at most one step per two measured points: a staircase, not a lookup table
 TILE_CANDIDATES = (16, 32, 64, 128, 256)
+# A wave width is learnt when at least this many of its boundaries fall where neighbouring batch sizes are
+# measured, at least this share of them holds an upward row step, and those steps hold at least half the
+# upward row steps' height: a period seen three times, not a coincidence of two steps.
+MIN_WAVES_SEEN, MIN_WAVE_HIT_SHARE = 3, 0.75
+MIN_WAVE_ROWS = 2.0  # a "wave" of one row is every batch size, no staircase
+ROW_COST_OCTAVES = 2  # the cost of a row past the grid is read over the measured b from b_max / 2**this up
+Fitted = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]  # (b, n, L) -> ms, flat arrays
 
 
 @dataclass(frozen=True)
@@ -100,6 +126,8 @@ class Staircase:
 
     base: tuple[float, ...]  # aligned with BASE: w, v, fixed_ms, p, r
     steps: tuple[KernelStep, ...]
+    wave_rows: float | None = None  # W: the rows one wave of attention blocks holds (None: not seen)
+    row_cost_from: float | None = None  # past the grid a row costs what one cost from this measured b up
 
     def latency_ms(self, work_ms, compute_ms, b, n, L):
         """Arrays in (broadcast), flat array out."""
@@ -127,18 +155,79 @@ class Staircase:
         return None
 
     def tile_tokens(self) -> int | None:
-        """The largest candidate tile at whose multiples at least half the upward token steps' size sits."""
+        """The largest candidate tile at whose multiples at least half the upward token steps' size sits, at two
+        multiples at least (a period seen once is any step's place)."""
         ups = [(s.after, s.coefficient) for s in self.steps if s.axis == TOKENS and s.sharp and s.coefficient > 0]
         total = sum(size for _, size in ups)
         if not ups or total <= 0:
             return None
         tiles = [tile for tile in TILE_CANDIDATES
-                 if sum(size for after, size in ups if after % tile == 0) >= 0.5 * total]
+                 if sum(size for after, size in ups if after % tile == 0) >= 0.5 * total
+                 and sum(after % tile == 0 for after, _ in ups) >= 2]
         return max(tiles) if tiles else None
+
+    def row_step_ms(self, after: float, context) -> np.ndarray:
+        """The height of the row steps right after `after` rows at `context` cached tokens (arrays)."""
+        height = np.zeros(np.shape(context))
+        for step in self.steps:
+            if step.axis != TOKENS and step.sharp and step.after == after:
+                height = height + step.coefficient * (context / CONTEXT_UNIT if step.axis == ROWS_CONTEXT else 1.0)
+        return height
+
+    def wave_places(self) -> list[float]:
+        """Where the learnt waves' steps sit among the sharp row steps (empty without a wave width)."""
+        if self.wave_rows is None:
+            return []
+        places = sorted({s.after for s in self.steps if s.axis != TOKENS and s.sharp})
+        return [x for x in places if x == np.floor(np.ceil(x / self.wave_rows - 1e-9) * self.wave_rows + 1e-9)]
+
+    def waves(self, rows) -> np.ndarray:
+        """ceil(b / W): the waves of attention blocks b rows launch."""
+        return np.ceil(np.asarray(rows, dtype=float) / self.wave_rows - 1e-9)
+
+    def continued_ms(self, fitted: Fitted, gemm_ms: Callable[[np.ndarray], np.ndarray], roofline_ms: Fitted,
+                     box: tuple, b, n, L) -> np.ndarray:
+        """The fit inside its measured box ((b_lo, b_hi), (n_lo, n_hi), (L_lo, L_hi)) and continued past it
+        (module docstring): `fitted` is the fit itself, `gemm_ms(t)` the roofline in padded token counts,
+        `roofline_ms` the roofline. Arrays in (broadcast), flat array out."""
+        (b_lo, b_hi), (n_lo, n_hi), (L_lo, L_hi) = box
+        b, n, L = (array.reshape(-1) for array in np.broadcast_arrays(*(np.asarray(v, dtype=float)
+                                                                        for v in (b, n, L))))
+
+        def in_context(rows, width, context):  # the fit's own context terms, monotone past the measured ones
+            value, edge = fitted(rows, width, context), fitted(rows, width, np.clip(context, L_lo, L_hi))
+            return np.where(context > L_hi, np.maximum(value, edge), np.where(context < L_lo, np.minimum(value, edge),
+                                                                               value))
+
+        rows = np.clip(b, b_lo, b_hi)
+        tokens = b * n
+        edge_tokens = np.clip(tokens, rows * n_lo, rows * n_hi)
+        value = in_context(rows, edge_tokens / rows, L) + gemm_ms(tokens) - gemm_ms(edge_tokens)
+        by_roofline = (b < b_lo) | ((b > b_hi) & (self.row_cost_from is None))
+        if by_roofline.any():  # the roofline's change at equal tokens
+            value = value + np.where(by_roofline, roofline_ms(b, edge_tokens / b, L)
+                                     - roofline_ms(rows, edge_tokens / rows, L), 0.0)
+        above = (b > b_hi) & (self.row_cost_from is not None)
+        if above.any():
+            start = self.row_cost_from
+            reference = b_hi * n_lo  # tokens both ends of the stretch were measured with
+            rise = in_context(np.full_like(L, b_hi), reference / b_hi, L) - in_context(np.full_like(L, start),
+                                                                                        reference / start, L)
+            per_row, extra = np.maximum(rise / (b_hi - start), 0.0), np.zeros_like(L)
+            if self.wave_rows is not None:  # the same cost per row on average, in whole waves at their places
+                places = self.wave_places()
+                last = [x for x in places if start <= x < b_hi] or places
+                height = np.minimum(np.maximum(np.mean([self.row_step_ms(x, L + 1) for x in last], axis=0), 0.0),
+                                    per_row * self.wave_rows)
+                per_row = per_row - height / self.wave_rows
+                extra = height * (self.waves(b) - self.waves(b_hi))
+            value = value + np.where(above, per_row * (b - b_hi) + extra, 0.0)
+        return np.maximum(value, 1e-9)
 
     def to_json(self) -> dict:
         return {"base": {name: rounded(value, 12) for name, value in zip(BASE, self.base)},
-                "tile_tokens": self.tile_tokens(), "steps": [step.to_json() for step in self.steps]}
+                "tile_tokens": self.tile_tokens(), "wave_rows": rounded(self.wave_rows),
+                "row_cost_from": rounded(self.row_cost_from), "steps": [step.to_json() for step in self.steps]}
 
     @classmethod
     def from_json(cls, obj: dict, where: str) -> "Staircase":
@@ -151,7 +240,14 @@ class Staircase:
                                     float(item["coefficient"]), bool(item["sharp"])))
         if sorted(obj["base"]) != sorted(BASE):
             raise PerfModelError(f"{where}: staircase.base: expected the terms {', '.join(BASE)}")
-        return cls(tuple(float(obj["base"][name]) for name in BASE), tuple(steps))
+        # absent from a file written before the staircase was continued past its grid: the roofline's growth there
+        wave_rows, row_cost_from = obj.get("wave_rows"), obj.get("row_cost_from")
+        for name, value in (("wave_rows", wave_rows), ("row_cost_from", row_cost_from)):
+            if value is not None and not float(value) >= 1:
+                raise PerfModelError(f"{where}: staircase.{name}: must be at least 1 row or null, got {value!r}")
+        return cls(tuple(float(obj["base"][name]) for name in BASE), tuple(steps),
+                   None if wave_rows is None else float(wave_rows),
+                   None if row_cost_from is None else float(row_cost_from))
 
 
 def candidate_steps(b: np.ndarray, n: np.ndarray, tile_tokens: int | None = None,
@@ -260,10 +356,54 @@ def _bounded_least_squares(design: np.ndarray, target: np.ndarray, base_lower: n
 def fit_staircase(work_ms: np.ndarray, compute_ms: np.ndarray, b: np.ndarray, n: np.ndarray, L: np.ndarray,
                   latency_ms: np.ndarray) -> Staircase:
     """Select the steps and fit every coefficient by least squares on relative error; where the resolved token
-    steps show a tile, fit again with the unresolved gaps that hold one multiple of it made sharp there."""
+    steps show a tile, fit again with the unresolved gaps that hold one multiple of it made sharp there. Then
+    what continues it past the grid: the wave width its row steps show, and where the cost of a row is read."""
     first = _fit(work_ms, compute_ms, b, n, L, latency_ms, None)
     tile = first.tile_tokens()
-    return first if tile is None else _fit(work_ms, compute_ms, b, n, L, latency_ms, tile)
+    fitted = first if tile is None else _fit(work_ms, compute_ms, b, n, L, latency_ms, tile)
+    return Staircase(fitted.base, fitted.steps, learn_wave_rows(fitted.steps, b, float(L.max())),
+                     row_cost_from(b, n))
+
+
+def row_cost_from(b: np.ndarray, n: np.ndarray) -> float | None:
+    """The smallest measured batch size in the last ROW_COST_OCTAVES octaves below the largest that shares a
+    token count with it (b' n_hi >= b_max n_lo): the cost of a row past the grid is read from there up, at
+    equal tokens. None where no measured b shares one (one width per pass): the roofline continues the rows."""
+    measured = np.unique(b)
+    largest, widths = measured[-1], (float(n.min()), float(n.max()))
+    shared = [float(x) for x in measured[:-1]
+              if x >= largest / 2 ** ROW_COST_OCTAVES and x * widths[1] >= largest * widths[0]]
+    return shared[0] if shared else None
+
+
+def learn_wave_rows(steps: Sequence[KernelStep], b: np.ndarray, context_len: float) -> float | None:
+    """The wave width W whose boundaries (a step right after floor(k W) rows: ceil(b / W) waves) hold the row
+    steps (module docstring). Candidates W = p / k for every place p of a sharp upward row step (height at
+    `context_len`); a candidate counts where at least MIN_WAVES_SEEN of its boundaries lie between measured
+    neighbours, MIN_WAVE_HIT_SHARE of those hold an upward step, and those steps hold half the upward height.
+    The most height wins; among widths with the same boundaries, the smallest (b H / slots, the blocks of H heads
+    on a GPU's slots, reaches its boundaries exactly at k slots / H)."""
+    probe = Staircase((0.0,) * len(BASE), tuple(steps))
+    places = sorted({s.after for s in steps if s.axis != TOKENS and s.sharp})
+    heights = {x: float(probe.row_step_ms(x, np.array(context_len + 1.0))) for x in places}
+    ups = {x: h for x, h in heights.items() if h > 0}
+    total = sum(ups.values())
+    measured = set(np.unique(b).tolist())
+    resolved = sorted(x for x in measured if x + 1 in measured)  # a boundary after x is seen where x + 1 is measured
+    if len(ups) < MIN_WAVES_SEEN or not resolved:
+        return None
+    best: tuple[float, float] | None = None  # (height held, -W)
+    for place in ups:
+        for k in range(1, int(place / MIN_WAVE_ROWS) + 1):
+            width = place / k
+            boundaries = {float(np.floor(j * width + 1e-9)) for j in range(1, int(resolved[-1] / width) + 2)}
+            seen = [x for x in boundaries if x in resolved]
+            hit = [x for x in seen if x in ups]
+            height = sum(ups[x] for x in hit)
+            if (len(seen) >= MIN_WAVES_SEEN and len(hit) >= MIN_WAVE_HIT_SHARE * len(seen)
+                    and height >= 0.5 * total and (best is None or (height, -width) > best)):
+                best = (height, -width)
+    return None if best is None else -best[1]
 
 
 def _fit(work_ms, compute_ms, b, n, L, latency_ms, tile_tokens: int | None) -> Staircase:

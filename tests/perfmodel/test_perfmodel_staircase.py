@@ -1,4 +1,5 @@
-"""The staircase kind: kernel steps found where the data have them, at the right place, and nowhere else."""
+"""The staircase kind: kernel steps found where the data have them, at the right place, and nowhere else; past
+the grid, the steps its learnt tile and wave width put there."""
 from __future__ import annotations
 
 import numpy as np
@@ -114,24 +115,98 @@ def test_the_model_file_keeps_the_staircase():
         noise=0.01, seed=9))
     fitted = fit_profile(profile)
     assert fitted.roles["target"].kind == lat.STAIRCASE
-    again = model_from_json(model_to_json(fitted), "model.json")
+    written = model_to_json(fitted)
+    again = model_from_json(written, "model.json")
     b, n, L = np.meshgrid(np.arange(1, 40), np.arange(1, 10), [256.0, 700.0], indexing="ij")
     for role in ("target", "draft"):
         assert np.allclose(again.roles[role].model.latency_ms(b, n, L), fitted.roles[role].model.latency_ms(b, n, L),
                            rtol=1e-6)
+    assert written["roles"]["target"]["staircase"]["row_cost_from"] == 6  # the smallest b >= 24 / 4
+    # a file written before the continuation knew its quantization still loads: the roofline continues its rows
+    for key in ("wave_rows", "row_cost_from"):
+        del written["roles"]["target"]["staircase"][key]
+    older = model_from_json(written, "model.json").roles["target"].model
+    assert older.staircase.row_cost_from is None
+    assert older.latency_ms(40.0, 1.0, 256.0) == pytest.approx(
+        float(older.fitted_ms(24.0, 40 / 24, 256.0) + older.roofline.latency_ms(older.shape, 40.0, 1.0, 256.0)
+              - older.roofline.latency_ms(older.shape, 24.0, 40 / 24, 256.0)))
 
 
-def test_beyond_the_grid_the_time_grows_as_the_roofline_grows_from_the_edge():
-    """No step is known past the grid: the edge's time plus what the roofline adds, continuous at the edge
-    and never below it (a ratio to the roofline taken at one point of the sawtooth would carry that point's
-    phase, and fading it could make a pass cheaper past the edge)."""
+def _old_rule_ms(model: lat.LatencyModel, b, n, L):
+    """How the staircase was continued before it knew its quantization: the time at the box's edge (the point
+    clipped to it) plus what the smooth roofline adds."""
+    edge = model.box.clip(b, n, L)
+    return model.fitted_ms(*edge) + model.roofline.latency_ms(SHAPE, b, n, L) - model.roofline.latency_ms(SHAPE, *edge)
+
+
+def test_past_the_grid_a_pass_keeps_the_token_steps_measured_at_its_token_count():
+    """b = 33 rows of 4 tokens feed 132 tokens, past the 128-token step every b <= 32 measured (b = 32, n = 5 is
+    160 tokens): the continuation keeps that step; clipping b at 32 with n = 4 left the pass at 128 tokens,
+    before it."""
+    model = lat.fit_latency_model(SHAPE, points(stepped_ms, range(1, 33), 0.005, 10), lat.STAIRCASE)
+    for b, n in ((33, 4), (40, 3), (60, 2)):  # 132, 120 and 120 tokens: the first past the step, the others not
+        truth = float(stepped_ms(b, n, 512.0))
+        assert model.latency_ms(b, n, 512.0) == pytest.approx(truth, rel=0.03)
+    assert float(_old_rule_ms(model, 33.0, 4.0, 512.0)) < 0.9 * float(stepped_ms(33, 4, 512.0))
+
+
+# A GPU-like pass with a known quantization: the GEMMs' roofline over whole 128-token tiles, then the attention
+# reading every row's cache and launching a wave of blocks per 6 rows, its time growing with the context.
+TILE, WAVE_ROWS, WAVE_MS = 128, 6, 0.5
+
+
+def quantized_ms(b, n, L):
+    b, n, L = np.broadcast_arrays(*(np.asarray(v, dtype=float) for v in (b, n, L)))
+    gemm = ROOF.overhead_ms + ROOF.gemm_ms(SHAPE, b * n, TILE)
+    kv_read = SHAPE.kv_bytes_per_token * b * (L + n) / (ROOF.bandwidth_GBps * 1e9) * 1e3
+    return gemm + kv_read + WAVE_MS * (L + n) / 1000 * np.ceil(b / WAVE_ROWS)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_past_the_grid_the_learnt_tile_and_wave_width_give_the_steps(seed):
+    """Fitted on b = 1..32 (at most 288 tokens), the staircase learns the 128-token tile and the 6-row wave and,
+    for b = 33..128, puts a step where the data have one: past every multiple of 128 tokens (up to 1152) and
+    every 6th row, of about the measured height, and nothing between them. The old continuation, smooth past
+    the edge, has none of them."""
+    model = lat.fit_latency_model(SHAPE, points(quantized_ms, range(1, 33), 0.005, seed), lat.STAIRCASE)
+    assert model.staircase.tile_tokens() == TILE and model.staircase.wave_rows == WAVE_ROWS
+    b = np.arange(32.0, 129.0)
+    for n in (1, 5, 9):
+        for L in (256.0, 1024.0):
+            true, predicted = np.diff(quantized_ms(b, n, L)), np.diff(model.latency_ms(b, n, L))
+            old = np.diff(_old_rule_ms(model, b, n, L))
+            # where one more row crosses a tile or a wave boundary: the increments that stand out
+            crossed = (np.ceil(b[1:] * n / TILE) > np.ceil(b[:-1] * n / TILE)) | (b[:-1] % WAVE_ROWS == 0)
+            for increments, has_steps in ((true, True), (predicted, True), (old, False)):
+                stands_out = increments > 2.5 * np.median(increments)
+                assert np.array_equal(stands_out, crossed) == has_steps and (has_steps or not stands_out.any())
+            ratio = predicted[crossed] / true[crossed]
+            assert np.all((ratio > 0.6) & (ratio < 1.6)), (n, L, ratio)
+
+
+def test_a_geometric_grid_shows_no_wave_width():
+    """b = 1, 2, 4, ..., 32 measures no two neighbouring batch sizes past 2: no wave boundary can be seen, and the
+    cost of a row past the grid is read from b = 8 (two octaves below 32) up."""
+    staircase = lat.fit_latency_model(SHAPE, points(quantized_ms, (1, 2, 4, 8, 16, 32), 0.005, 3),
+                                      lat.STAIRCASE).staircase
+    assert staircase.wave_rows is None and staircase.row_cost_from == 8.0
+
+
+def test_past_the_largest_context_the_fits_own_context_terms_continue():
+    """Fitted at 256, 512 and 1024 cached tokens, the pass at 2048 follows the attention's cost per cached token
+    the fit learnt (within 3 %), and is never cheaper than at 1024."""
+    model = lat.fit_latency_model(SHAPE, points(stepped_ms, range(1, 33), 0.005, 12, contexts=(256, 512, 1024)),
+                                  lat.STAIRCASE)
+    b, n = np.meshgrid(np.arange(1.0, 41.0), np.arange(1.0, 10.0), indexing="ij")
+    predicted = model.latency_ms(b, n, 2048.0)
+    assert np.max(np.abs(predicted / stepped_ms(b, n, 2048.0) - 1)) < 0.03
+    assert np.all(predicted >= model.latency_ms(b, n, 1024.0))
+
+
+def test_past_the_grid_the_time_never_falls_with_more_rows():
     model = lat.fit_latency_model(SHAPE, points(stepped_ms, range(1, 33), 0.005, 10), lat.STAIRCASE)
     n, L = np.arange(1, 10.0), 512.0
-    at_edge = model.latency_ms(32.0, n, L)
-    assert np.allclose(model.latency_ms(32.0 + 1e-6, n, L), at_edge, rtol=1e-5)
-    roofline = model.roofline.latency_ms
-    for b in (33.0, 64.0, 100.0):
-        assert np.allclose(model.latency_ms(b, n, L), at_edge + roofline(SHAPE, b, n, L) - roofline(SHAPE, 32.0, n, L))
+    assert np.allclose(model.latency_ms(32.0, n, L), model.fitted_ms(32.0, n, L))  # the edge is the fit
     beyond = model.latency_ms(np.arange(32.0, 129.0)[:, None], n[None, :], L)  # (b, n)
     assert np.all(np.diff(beyond, axis=0) > 0)
 
