@@ -63,7 +63,15 @@ def test_the_figures_are_there_and_the_staircase_table_gives_up_no_more(written)
     assert all(now <= before for before, now in losses[:4])
     held = re.findall(r"^\| (target|draft) \| (.+?) \|", section, re.MULTILINE)
     labels = {label for role, label in held if role == "target"}
-    assert {"b inside the grid", "b beyond the grid", "L = 256 left out", "L = 2048 left out"} <= labels
+    assert {"every b not fitted", "b inside the grid", "b beyond the grid", "L = 256 left out",
+            "L = 2048 left out"} <= labels
+    # the combined protocol's figure is the goal, reported beside the split
+    assert re.search(r"^- target, every b not fitted: MAPE [\d.]+ % \(goal <= 3 %: (not )?met\), worst", section,
+                     re.MULTILINE)
+    # where the data step past b = 32 and where the fit on b <= 32 puts its steps, per role, context and width
+    steps = re.findall(r"^\| (target|draft) \| (\d+) \| (\d+) \| (.+?) \| (.+?) \|$", section, re.MULTILINE)
+    assert {(role, int(n)) for role, _, n, _, _ in steps} == {("target", 1), ("target", 9), ("draft", 1), ("draft", 2)}
+    assert "Where the steps fall" in section
     assert "(+staircase)" in section  # what fit chooses on these data now
     k_rows = re.findall(r"^\| (\d+) \| (\d+|-) \| (\d) \| (\d) \| (\d) \| (\d) \|$", section, re.MULTILINE)
     assert [int(row[0]) for row in k_rows][:6] == [1, 2, 4, 8, 16, 32]
