@@ -63,6 +63,7 @@ class _Cell:
     square_sum: float = 0.0
     settle_sum: float = 0.0  # log ratios of the first SETTLE_STEPS steps
     baseline: float | None = None  # their mean
+    run: tuple[int, int, float] = (-1, 0, 0.0)  # (run id, steps, deviation sum) in the pooled mean's current run
 
     @property
     def log_ratio(self) -> float:
@@ -89,6 +90,8 @@ class LiveFidelity:
     _cells: dict = field(default_factory=dict, repr=False)  # (strategy, bucket) -> _Cell
     _pooled: list = field(default_factory=lambda: [0.0, 0.0], repr=False)  # fading [weight, deviation sum]
     _run: int = 0  # steps in a row on the other side of the band from the current state
+    _run_sum: float = 0.0  # their deviations from the baselines, summed
+    _run_id: int = 0  # which run the cells' own sums belong to
     _drift: dict | None = field(default=None, repr=False)  # the episode /health reports
     _mismatched: list = field(default_factory=list, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -119,13 +122,13 @@ class LiveFidelity:
                     cell.baseline = cell.settle_sum / SETTLE_STEPS
                     self._check_mismatch(key, cell)
                 return
-            self._track_drift(x - cell.baseline)
+            self._track_drift(cell, x - cell.baseline)
 
     # ------------------------------------------------------------------ drift (under the lock)
     def _limit(self) -> float:
         return math.log1p(self.band)
 
-    def _track_drift(self, deviation: float) -> None:
+    def _track_drift(self, cell: _Cell, deviation: float) -> None:
         keep = 1.0 - 1.0 / DRIFT_MEMORY_STEPS
         pooled = self._pooled
         pooled[0] = pooled[0] * keep + 1.0
@@ -133,35 +136,42 @@ class LiveFidelity:
         change = pooled[1] / pooled[0]
         # into drift: outside the band; out of it: back within half of it (no flapping on the edge)
         crossing = abs(change) > self._limit() if not self.drifting else abs(change) < self._limit() / 2
-        self._run = self._run + 1 if crossing else 0
-        if self._run < PERSIST_STEPS:
+        if not crossing:
+            self._run, self._run_sum, self._run_id = 0, 0.0, self._run_id + 1
             if self.drifting:
                 self._drift["change"] = math.exp(change)
             return
-        self._run, self.drifting = 0, not self.drifting
+        self._run, self._run_sum = self._run + 1, self._run_sum + deviation
+        run_id, steps, total = cell.run
+        cell.run = (self._run_id, 1, deviation) if run_id != self._run_id else (run_id, steps + 1, total + deviation)
+        if self._run < PERSIST_STEPS:
+            return
+        # the state changes: the change is the mean deviation over the run (steps all past the crossing)
+        level = math.exp(self._run_sum / self._run)
+        self._run, self._run_sum, self.drifting = 0, 0.0, not self.drifting
         if self.drifting:
             self.drift_warnings += 1
             cells = self._drifted_cells()
-            self._drift = {"since_step": self.steps, "change": math.exp(change), "cells": cells}
+            self._drift = {"since_step": self.steps, "change": level, "cells": cells}
             where = ", ".join(f"{c['strategy']} at batch sizes {c['batch_sizes']} x{c['change']:.2f}" for c in cells)
             remedy = ("--refit is re-fitting the step costs" if self.refit is not None else
                       "the policy chooses from costs that no longer hold: recalibrate, or serve with --refit")
-            log.warning("step times drifted: over the last ~%d steps they ran x%.2f their first-served level, "
+            log.warning("step times drifted: over the last %d steps they ran x%.2f their first-served level, "
                         "outside the band of ±%.0f %% (the profile's noise figure): %s; %s",
-                        DRIFT_MEMORY_STEPS, math.exp(change), 100 * self.band, where or "(cells not yet settled)",
-                        remedy)
+                        PERSIST_STEPS, level, 100 * self.band, where, remedy)
         else:
-            log.info("step times back within ±%.0f %% of their first-served level (x%.2f)", 100 * self.band / 2,
-                     math.exp(change))
+            log.info("step times back within ±%.0f %% of their first-served level (x%.2f)", 100 * self.band / 2, level)
             self._drift = None
+        self._run_id += 1
 
     def _drifted_cells(self) -> list[dict]:
-        """Settled cells whose own running ratio left their baseline by more than the band, largest first."""
+        """The cells of the run that moved their steps beyond the band, by their mean deviation in it, largest first."""
         out = []
         for (strategy, bucket), cell in self._cells.items():
-            if cell.baseline is not None and abs(cell.log_ratio - cell.baseline) > self._limit():
-                out.append({"strategy": strategy, "batch_sizes": bucket,
-                            "change": math.exp(cell.log_ratio - cell.baseline), "ratio": math.exp(cell.log_ratio)})
+            run_id, steps, total = cell.run
+            if run_id == self._run_id and steps and abs(total / steps) > self._limit():
+                out.append({"strategy": strategy, "batch_sizes": bucket, "steps": steps,
+                            "change": math.exp(total / steps), "ratio": math.exp(cell.log_ratio)})
         return sorted(out, key=lambda c: -abs(math.log(c["change"])))
 
     def _check_mismatch(self, key: tuple[str, str], cell: _Cell) -> None:

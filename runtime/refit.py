@@ -25,14 +25,16 @@ HOST = "host"  # the step overhead and the n-gram's queries: one part, whatever 
 # the parts of a step, in order: (role, width label); the last one is the host's
 PARTS = tuple((role, width) for role in PASS_ROLES for width in WIDTH_LABELS) + ((HOST, "all"),)
 HOST_PART = len(PARTS) - 1
+ROLES = len(PASS_ROLES) + 1  # the parameters begin with one factor per role, the host's last
 
-ROLE_PRIOR_STEPS = 8.0  # a role's factor 1 is worth this many steps made only of that role's passes
-WIDTH_PRIOR_STEPS = 32.0  # a width's departure from its role's factor 0: widths move with their role unless shown
+ROLE_PRIOR_STEPS = 8.0  # the calibration's factors 1 are worth this many served steps (`StepCostRefit`)
+WIDTH_PRIOR_STEPS = 64.0
 MEMORY_STEPS = 256.0  # evidence fades by (1 - 1/256) per step: the correction follows a machine that drifts
 PRIOR_FLOOR = 1.0 / 16  # the priors' weights fade alike, down to this share of their start
 SOLVE_EVERY = 8  # steps between solves of the ridge system (a 19 x 19 solve)
 MOVE_TOLERANCE = 0.002  # factors published anew only when one moved by more (the policy re-evaluates then)
 RESIDUAL_PRIOR = (4.0, 0.05)  # the residual spread starts at 5 % of a step, worth 4 steps
+SHARE_FLOOR = 0.01  # a role's mean share of a step is taken as at least 1 %: no zero prior
 RATIO_CLIP = 4.0  # a step measured beyond 4x (or below 1/4 of) its prediction counts as 4x: a stall, not a cost
 
 
@@ -66,26 +68,30 @@ def _design() -> np.ndarray:
     """M (parts x parameters): c = M theta, theta = (one factor per role: draft, target, host; one departure per
     pass part). The host part has its role's factor alone."""
     roles = PASS_ROLES + (HOST,)
-    pass_parts = len(PARTS) - 1
-    design = np.zeros((len(PARTS), len(roles) + pass_parts))
+    design = np.zeros((len(PARTS), ROLES + HOST_PART))
     for j, (role, _width) in enumerate(PARTS):
         design[j, roles.index(role)] = 1.0
-        if j < pass_parts:
-            design[j, len(roles) + j] = 1.0
+        if j < HOST_PART:
+            design[j, ROLES + j] = 1.0
     return design
 
 
 class StepCostRefit:
     """c per part, from (parts x, measured ms) pairs: a ridge regression in ratio space with fading evidence.
 
-    Parameters theta (`_design`): a factor g_r per role (draft, target, host) with prior mean 1 worth
-    `role_prior_steps`, and a departure h_j per pass part with prior mean 0 worth `width_prior_steps`, so
-    c_j = g_role(j) + h_j and a width never served takes its role's factor. A step with shares u and ratio y
-    adds z z^T to the precision and z y to the evidence, z = M^T u; evidence fades by (1 - 1/`memory_steps`)
-    per step, the priors' weights alike down to `prior_floor` of their start (the calibration keeps a
-    say only where the served steps are silent). theta = (A + P)^{-1} (b + P theta_0); the interval of c_j
-    is the Gaussian 95 % one with the residual variance of the steps (prequential: each step's residual
-    against the factors before it)."""
+    Parameters theta (`_design`): a factor g_r per role (draft, target, host) with prior mean 1, and a departure
+    h_j per pass part with prior mean 0, so c_j = g_role(j) + h_j and a width never served takes its role's
+    factor. A step with shares u and ratio y adds z z^T to the precision A and z y to the evidence b,
+    z = M^T u (each role's share of the step, then each part's). The roles' prior precision is n times their
+    mean share of the served steps (n = `role_prior_steps`): where the steps cannot tell the roles apart a change
+    is shared alike by every role (the machine got slower), and a step's total is held by n steps' worth
+    (sum_r z_r^2 / (n z_r) = 1 / n). A departure's prior precision is `width_prior_steps` steps made only of
+    that width: widths move with their role unless the evidence is specific. Evidence fades by
+    (1 - 1/`memory_steps`) per step, the priors' weights alike down to `prior_floor` of their start (the
+    calibration keeps a say only where the served steps are silent). theta = (A + P)^{-1} (b + P theta_0); the
+    interval of c_j is the Gaussian 95 % one with the residual variance of the steps (prequential: each step's
+    residual against the factors before it). Chains confound a step's draft passes with its target width; steps
+    of one k at several batch sizes are what tells them apart."""
 
     def __init__(self, role_prior_steps: float = ROLE_PRIOR_STEPS, width_prior_steps: float = WIDTH_PRIOR_STEPS,
                  memory_steps: float = MEMORY_STEPS, prior_floor: float = PRIOR_FLOOR, solve_every: int = SOLVE_EVERY):
@@ -96,12 +102,13 @@ class StepCostRefit:
         self.role_prior_steps, self.width_prior_steps = role_prior_steps, width_prior_steps
         self.memory_steps, self.prior_floor, self.solve_every = memory_steps, prior_floor, solve_every
         self.design = _design()
-        roles = self.design.shape[1] - (len(PARTS) - 1)
-        self._prior_weight = np.array([role_prior_steps] * roles + [width_prior_steps] * (len(PARTS) - 1))
-        self._prior_mean = np.array([1.0] * roles + [0.0] * (len(PARTS) - 1))
+        self._prior_weight = np.array([role_prior_steps] * ROLES + [width_prior_steps] * (len(PARTS) - 1))
+        self._prior_mean = np.array([1.0] * ROLES + [0.0] * (len(PARTS) - 1))
         self._keep = 1.0 - 1.0 / memory_steps
         self._fade = 1.0  # the priors' weights now, relative to their start
+        self._steps_weight = 0.0  # the fading count of steps in the evidence
         size = self.design.shape[1]
+        self._share_sum = np.zeros(ROLES)  # the fading sum of each role's share of a step
         self._precision, self._evidence = np.zeros((size, size)), np.zeros(size)
         weight, spread = RESIDUAL_PRIOR
         self._residual = [weight, weight * spread ** 2]  # fading [steps, sum of squared residuals]
@@ -111,7 +118,7 @@ class StepCostRefit:
         self._theta = self._prior_mean.copy()
         # (theta, its covariance per unit residual variance, the residual spread) at the last solve, replaced
         # whole, so another thread's `snapshot` reads one consistent state
-        self._solved = (self._theta, np.diag(1.0 / self._prior_weight), self.residual_spread)
+        self._solved = (self._theta, np.diag(1.0 / (self._prior_weight * SHARE_FLOOR)), self.residual_spread)
 
     def observe(self, parts: np.ndarray, measured_ms: float) -> bool:
         """One served step: the model's parts (ms, calibrated) and the measured time. True when the
@@ -129,12 +136,22 @@ class StepCostRefit:
         self._precision += np.outer(z, z)
         self._evidence *= keep
         self._evidence += z * ratio
+        self._steps_weight = self._steps_weight * keep + 1.0
+        self._share_sum *= keep
+        self._share_sum += z[:ROLES]
         self._fade = max(self.prior_floor, self._fade * keep)
         self.steps += 1
         return self.steps % self.solve_every == 0 and self._solve()
 
+    def _prior_precision(self) -> np.ndarray:
+        """Roles: n times their mean share of the served steps; departures: n_j; times the prior's remaining weight."""
+        scale = np.ones(len(self._prior_weight))
+        if self._steps_weight:
+            scale[:ROLES] = np.maximum(self._share_sum / self._steps_weight, SHARE_FLOOR)
+        return self._prior_weight * self._fade * scale
+
     def _solve(self) -> bool:
-        prior = self._prior_weight * self._fade
+        prior = self._prior_precision()
         covariance = np.linalg.inv(self._precision + np.diag(prior))
         self._theta = covariance @ (self._evidence + prior * self._prior_mean)
         self._solved = (self._theta, covariance, self.residual_spread)
