@@ -80,7 +80,9 @@ def create_app(runner: EngineRunner, served: ServedModel) -> FastAPI:
         engine = runner.engine
         if not runner.alive:
             return JSONResponse({"status": "engine not running"}, status_code=503)
-        return {"status": "ok", "running": engine.running, "waiting": engine.waiting}
+        fidelity = engine.metrics.fidelity  # the policy's step model beside the measured steps (runtime.fidelity)
+        return {"status": "ok", "running": engine.running, "waiting": engine.waiting,
+                "step_model": None if fidelity is None else fidelity.health()}
 
     @app.get("/v1/models")
     async def models():

@@ -34,6 +34,7 @@ class ServeOptions:
     k: int | None = None
     tree: str | None = None
     adaptive: Path | None = None  # a specbatch.model/1 file: the adaptive policy (runtime.adaptive)
+    refit: bool = False  # the adaptive policy re-fits its step costs from the served steps (runtime.refit)
     host: str = "127.0.0.1"
     port: int = 8000
     max_batch_size: int = 32
@@ -90,6 +91,8 @@ def choose_policy(options: ServeOptions, target_dir: Path, draft_dir: Path | Non
 
     if sum(x is not None for x in (options.table, options.k, options.tree, options.adaptive)) > 1:
         raise ServeError("--table, --k, --tree and --adaptive are mutually exclusive")
+    if options.refit and options.adaptive is None:
+        raise ServeError("--refit re-fits the adaptive policy's step costs: it needs --adaptive MODEL.json")
     if options.adaptive is not None:
         from specbatch.perfmodel.jsonio import directory_fingerprint
         from specbatch.runtime.assembly import adaptive_for_pair
@@ -98,7 +101,7 @@ def choose_policy(options: ServeOptions, target_dir: Path, draft_dir: Path | Non
             raise ServeError("--adaptive speculates: it needs a draft model (--draft DIR)")
         running = {role: (str(path), directory_fingerprint(path)) for role, path in
                    (("target", target_dir), ("draft", draft_dir))}
-        policy = adaptive_for_pair(options.adaptive, running, force=False)
+        policy = adaptive_for_pair(options.adaptive, running, force=False, refit=options.refit)
     elif options.k is not None:
         if options.k < 0:
             raise ServeError(f"--k must be >= 0, got {options.k}")
