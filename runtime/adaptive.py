@@ -231,6 +231,7 @@ class AdaptivePolicy:
         self._step_ms: dict[tuple[int, int, int], np.ndarray] = {}  # (b, L bucket, guess level)
         # the candidates' step times split into runtime.refit.PARTS (ms, calibrated), per (b, L bucket, level)
         self._parts: dict[tuple[int, int, int], np.ndarray] = {}
+        self._calibrated_ms: dict[tuple[int, int, int], list[float]] = {}  # their sums: the model's step times
         self._plain_parts: dict[tuple[int, int], list] = {}  # (b, L bucket): the unstaged candidates' (None: staged)
         self.refit = refit
         self.fidelity = fidelity if fidelity is not None else LiveFidelity(refit=refit)
@@ -286,14 +287,16 @@ class AdaptivePolicy:
         """The step answered in `choose` took until `ended`: record it beside the prediction; re-fit."""
         current, b, bucket, level, started = self._in_flight
         self._in_flight = None
-        parts = self._parts_at(b, bucket, level)[current]
+        parts = self._parts_at(b, bucket, level)
+        predicted_ms = cached(self._calibrated_ms, (b, bucket, level), lambda: parts.sum(axis=1).tolist())[current]
+        parts = parts[current]
         measured_ms, refit_ms = (ended - started) * 1e3, None
         if self.refit is not None:
             refit_ms = float(self._step_times(b, bucket)[current])  # what the choice was made with
             if self.refit.observe(parts, measured_ms):  # new factors: every step time is evaluated again
                 self._step_ms.clear()
                 self._line_cache.clear()
-        self.fidelity.observe(self._labels[current], b, float(parts.sum()) / 1e3, measured_ms / 1e3,
+        self.fidelity.observe(self._labels[current], b, predicted_ms / 1e3, measured_ms / 1e3,
                               None if refit_ms is None else refit_ms / 1e3)
 
     def observe_draft_passes(self, batch_size: int, passes: int) -> None:

@@ -16,6 +16,7 @@ import logging
 import math
 import threading
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from specbatch.perfmodel.profile.noise import NOISE_RULE, NoiseFigure
 
@@ -30,6 +31,7 @@ LOG_RATIO_CLIP = math.log(4.0)  # a stalled step (swapped out, descheduled) coun
 BATCH_BOUNDS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
+@lru_cache(maxsize=1024)  # asked every step
 def batch_bucket(batch_size: int) -> str:
     """'1', '2', '3-4', '5-8', ..., '257+': the batch sizes a cell pools.
 

@@ -1,0 +1,318 @@
+"""Serving that checks its own model, measured: a mis-calibrated profile with and without --refit, --refit's cost,
+and the drift warning, on the demo pair, one torch thread.
+
+    OMP_NUM_THREADS=1 python scripts/serving_fidelity.py [--out DIR] [--profile P] [--rounds 3] [--write-docs]
+
+1. Profiles. A quick calibration of the demo pair on one thread (`specbatch calibrate --quick --threads 1
+   --no-stage2`, or --profile), and the same profile with every target pass time scaled by --factor and by its
+   inverse (isolated and in-situ pass rows; each in-situ step gains the difference of its own target pass): a
+   profile "measured while the target ran 1.5x slower (faster)". All three fitted (`specbatch fit`).
+2. Load test (serve/loadtest.py: HTTP, one `specbatch serve --threads 1` per policy, Poisson arrivals): the
+   adaptive policy on each model, with and without --refit, the same traces. --rounds rounds, each with its own
+   trace seed and the policies' order rotated; per (rate, round) each policy's mean TPOT over the correct
+   profile's without --refit, then the geometric mean over rounds and the range. Also each policy's steps
+   measured over predicted (and over the re-fitted prediction) from the server's /metrics.
+3. --refit's own cost: the policy's decision time per step (choice and learning, which holds the re-fit's
+   update and the re-evaluation after it) with and without --refit, in-process runs of the same Poisson trace
+   alternating, --cost-s seconds each.
+4. Drift: the correct model in-process under Poisson load; after --warmup-steps steps every step is slowed to
+   1.5x (the engine's step followed by a host sleep of half its time); the steps until the warning. Then
+   --quiet-minutes of the same load without a change: the warnings counted.
+--write-docs puts the figures in docs/results.md's "serving-fidelity" section (scripts/docs_sections.py).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from docs_sections import replace_section  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results.md"
+SPECBATCH = [sys.executable, "-c", "from specbatch.cli import app; app()"]
+
+
+def specbatch(*args) -> None:
+    subprocess.run([*SPECBATCH, *map(str, args)], check=True, stdout=subprocess.DEVNULL)
+
+
+def scaled_profile(profile: dict, factor: float) -> dict:
+    """The profile with every target pass `factor` times as long; an in-situ step gains its own target pass's
+    difference (its draft passes and overhead unchanged)."""
+    out = json.loads(json.dumps(profile))
+    target_ms = {(r["batch_size"], r["k"], r["sweep"]): r["median_ms"] for r in out.get("insitu_timings") or []
+                 if r["model"] == "target"}
+    for key in ("timings", "insitu_timings"):
+        for row in out.get(key) or []:
+            if row["model"] == "target":
+                for stat in ("median_ms", "p10_ms", "p90_ms"):
+                    row[stat] *= factor
+    for row in out.get("insitu_steps") or []:
+        extra_ms = (factor - 1.0) * target_ms[(row["batch_size"], row["k"], row["sweep"])]
+        for stat in ("median_ms", "p10_ms", "p90_ms"):
+            row[stat] += extra_ms
+    return out
+
+
+def make_models(out: Path, profile: Path | None, factor: float) -> dict[str, Path]:
+    """{"correct", "slower", "faster"} -> model files (slower: the profile's target passes x factor)."""
+    if profile is None:
+        profile = out / "profile.json"
+        if not profile.is_file():
+            specbatch("calibrate", "--quick", "--threads", "1", "--no-stage2", "-o", profile)
+    profiles = {"correct": profile}
+    data = json.loads(profile.read_text())
+    for name, scale in (("slower", factor), ("faster", 1.0 / factor)):
+        profiles[name] = out / f"profile-target-x{scale:.3g}.json"
+        profiles[name].write_text(json.dumps(scaled_profile(data, scale)))
+    models = {}
+    for name, path in profiles.items():
+        models[name] = out / f"model-{name}.json"
+        specbatch("fit", path, "-o", models[name])
+    return models
+
+
+def policy_names(models: dict[str, Path]) -> dict[str, str]:
+    names = {}
+    for name, path in models.items():
+        names[name] = f"adaptive={path}"
+        names[f"{name} --refit"] = f"adaptive+refit={path}"
+    return names
+
+
+def load_test(models, out: Path, args) -> list[dict]:
+    """Every policy over the same traces, --rounds times (own seed, order rotated); one record per run."""
+    from specbatch.runtime.assembly import DEMO_PROMPTS
+    from specbatch.serve.loadtest import LoadtestConfig, run_loadtest
+
+    from specbatch.console.options import read_prompts_file
+
+    names = policy_names(models)
+    labels = list(names)
+    runs = []
+    for r in range(args.rounds):
+        order = labels[r % len(labels):] + labels[:r % len(labels)]
+        config = LoadtestConfig(policies=tuple(names[label] for label in order), rates_per_s=args.rates,
+                                requests=args.requests, max_duration_s=args.max_duration_s,
+                                max_tokens=args.max_tokens, seed=r, prompts=tuple(read_prompts_file(DEMO_PROMPTS)),
+                                server_args=("--max-batch-size", str(args.max_batch_size), "--threads", "1"))
+        report = run_loadtest(config, out / f"loadtest-round{r}")
+        by_policy = {policy: label for label, policy in names.items()}
+        for run in report["runs"]:
+            runs.append({"label": by_policy[run["policy"]], "rate": run["rate_per_s"], "round": r,
+                         "tpot_ms": run["tpot_ms"]["mean"], "ok": run["ok"], "requests": run["requests"],
+                         "step_model": run["step_model"]})
+    return runs
+
+
+def paired_tpot(runs: list[dict]) -> dict:
+    """(label, rate) -> geometric mean over rounds of TPOT / the correct profile's TPOT (same round, same
+    trace), with the rounds' range, and the steps' measured / predicted seconds over the rounds."""
+    table = {}
+    for (label, rate) in sorted({(run["label"], run["rate"]) for run in runs}):
+        ratios, measured, predicted, refit_predicted = [], 0.0, 0.0, 0.0
+        for run in (x for x in runs if (x["label"], x["rate"]) == (label, rate)):
+            base = next(x for x in runs if (x["label"], x["rate"], x["round"]) == ("correct", rate, run["round"]))
+            if run["tpot_ms"] and base["tpot_ms"]:
+                ratios.append(run["tpot_ms"] / base["tpot_ms"])
+            model = run["step_model"] or {}
+            measured += model.get("measured_s") or 0.0
+            predicted += model.get("predicted_s") or 0.0
+            if model.get("measured_over_refit"):
+                refit_predicted += model["measured_s"] / model["measured_over_refit"]
+        table[(label, rate)] = {
+            "ratio": math.exp(np.mean(np.log(ratios))) if ratios else None,
+            "low": min(ratios, default=None), "high": max(ratios, default=None), "rounds": len(ratios),
+            "measured_over_predicted": measured / predicted if predicted else None,
+            "measured_over_refit": measured / refit_predicted if refit_predicted else None}
+    return table
+
+
+# ---------------------------------------------------------------------- in-process runs (no HTTP)
+def in_process(model: Path, refit: bool, max_batch_size: int):
+    from specbatch.serve.server import ServeOptions, build
+
+    runner, served = build(ServeOptions(adaptive=model, refit=refit, threads=1, max_batch_size=max_batch_size))
+    runner.start()
+    return runner, served
+
+
+async def poisson_load(runner, served, rate_per_s: float, max_tokens: tuple[int, int], seed: int, done) -> int:
+    """Requests at Poisson times (held-out prompts in turn) until `done()`; then the rest are cancelled.
+    Returns the requests sent."""
+    from specbatch.console.options import read_prompts_file
+    from specbatch.runtime.assembly import DEMO_PROMPTS
+    from specbatch.runtime.engine import Request
+
+    prompts = [tuple(served.encode(p)) for p in read_prompts_file(DEMO_PROMPTS)]
+    rng, loop = np.random.default_rng(seed), asyncio.get_running_loop()
+    tasks, sent = [], 0
+
+    async def one(index: int) -> None:
+        stream = runner.submit(Request(f"q{index}", prompts[index % len(prompts)],
+                                       int(rng.integers(max_tokens[0], max_tokens[1] + 1))), loop)
+        while not (await stream.next()).finish_reason:
+            pass
+
+    while not done():
+        tasks.append(asyncio.create_task(one(sent)))
+        sent += 1
+        deadline = time.perf_counter() + float(rng.exponential(1.0 / rate_per_s))
+        while time.perf_counter() < deadline and not done():
+            await asyncio.sleep(0.01)
+    runner.engine.cancel_all_soon()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return sent
+
+
+def refit_cost(model: Path, args) -> dict:
+    """Decision time per step (ms) with and without --refit: the same Poisson trace, in-process, alternating."""
+    figures = {False: [], True: []}
+    for refit in (False, True, True, False):
+        runner, served = in_process(model, refit, args.max_batch_size)
+        end = time.perf_counter() + args.cost_s
+        asyncio.run(poisson_load(runner, served, args.rates[0], args.max_tokens, 7, lambda: time.perf_counter() > end))
+        snapshot = runner.engine.metrics.snapshot()
+        runner.stop()
+        figures[refit].append((snapshot["decision_seconds_sum"], snapshot["step_seconds_sum"], snapshot["steps_total"]))
+    out = {}
+    for refit, rows in figures.items():
+        decision_s, step_s, steps = (sum(x) for x in zip(*rows))
+        out["refit" if refit else "plain"] = {"decision_us_per_step": 1e6 * decision_s / steps,
+                                              "step_ms": 1e3 * step_s / steps, "steps": steps}
+    return out
+
+
+def drift(model: Path, args) -> dict:
+    """Steps from a 1.5x slowdown of every step to the warning; then warnings over --quiet-minutes unchanged."""
+    runner, served = in_process(model, False, args.max_batch_size)
+    fidelity, engine = runner.engine.metrics.fidelity, runner.engine
+    step = engine.generator.step
+    slowed = {"from": None}
+
+    def slow_step(*a, **kw):
+        started = time.perf_counter()
+        result = step(*a, **kw)
+        if slowed["from"] is not None:
+            time.sleep(0.5 * (time.perf_counter() - started))
+        return result
+
+    engine.generator.step = slow_step
+
+    def done() -> bool:
+        if slowed["from"] is None and fidelity.steps >= args.warmup_steps:
+            slowed["from"] = fidelity.steps
+        return fidelity.drifting or (slowed["from"] is not None and fidelity.steps - slowed["from"] > 1000)
+
+    asyncio.run(poisson_load(runner, served, args.rates[0], args.max_tokens, 11, done))
+    detected = fidelity.snapshot()["drift"]
+    runner.stop()
+    out = {"band": fidelity.band, "slowed_from_step": slowed["from"],
+           "steps_to_warning": None if detected is None else detected["since_step"] - slowed["from"],
+           "change": None if detected is None else detected["change"]}
+    runner, served = in_process(model, False, args.max_batch_size)
+    fidelity = runner.engine.metrics.fidelity
+    end = time.perf_counter() + 60 * args.quiet_minutes
+    asyncio.run(poisson_load(runner, served, args.rates[0], args.max_tokens, 13, lambda: time.perf_counter() > end))
+    health = fidelity.health()
+    runner.stop()
+    out.update(quiet_steps=health["steps"], quiet_warnings=fidelity.drift_warnings,
+               quiet_mismatch_warnings=fidelity.mismatch_warnings, quiet_ratio=health["measured_over_predicted"])
+    return out
+
+
+# ---------------------------------------------------------------------- the page
+def render(figures: dict, args) -> str:
+    import torch
+
+    table, cost, found = figures["load_test"], figures["refit_cost"], figures["drift"]
+    rates = ", ".join(f"{r:g}" for r in args.rates)
+    lines = [
+        f"Demo pair, greedy, {platform.processor() or platform.machine()}, torch {torch.__version__}, one torch "
+        f"thread per server; Poisson arrivals at {rates} requests/s, {args.requests} requests of "
+        f"{args.max_tokens[0]}-{args.max_tokens[1]} tokens, batch size up to {args.max_batch_size}; {args.rounds} "
+        f"rounds, each its own trace, the policies' order rotated. Mis-calibrated: the profile's target pass times "
+        f"x{args.factor:g} (slower) or /{args.factor:g} (faster), refitted.",
+        "",
+        "| adaptive on the profile | rate /s | TPOT / correct profile's [range] | measured / predicted step "
+        "seconds | with --refit: TPOT / correct [range] | measured / re-fitted |",
+        "|---|---:|---|---:|---|---:|"]
+
+    def cell(entry) -> str:
+        if entry["ratio"] is None:
+            return "-"
+        return f"{entry['ratio']:.3f} [{entry['low']:.3f}, {entry['high']:.3f}]"
+
+    def number(value, fmt="{:.2f}") -> str:
+        return "-" if value is None else fmt.format(value)
+
+    for name in ("correct", "slower", "faster"):
+        for rate in args.rates:
+            plain, refit = table[(name, rate)], table[(f"{name} --refit", rate)]
+            lines.append(f"| {name} | {rate:g} | {cell(plain)} | {number(plain['measured_over_predicted'])} | "
+                         f"{cell(refit)} | {number(refit['measured_over_refit'])} |")
+    plain, refit = cost["plain"], cost["refit"]
+    extra_us = refit["decision_us_per_step"] - plain["decision_us_per_step"]
+    lines += [
+        "",
+        f"--refit's own cost (in-process, {args.cost_s:g} s of each, alternating): the policy's decision time "
+        f"{plain['decision_us_per_step']:.0f} µs per step without it, {refit['decision_us_per_step']:.0f} µs with "
+        f"it: {extra_us:+.0f} µs, {100 * extra_us / 1e3 / plain['step_ms']:+.2f} % of a {plain['step_ms']:.1f} ms "
+        "step.",
+        "",
+        f"Drift (in-process, the correct profile, band ±{100 * found['band']:.0f} % from its noise figure): every "
+        f"step slowed to 1.5x from step {found['slowed_from_step']}: "
+        + (f"warned {found['steps_to_warning']} steps later (x{found['change']:.2f})."
+           if found["steps_to_warning"] is not None else "no warning within 1000 steps.")
+        + f" {args.quiet_minutes:g} minutes without a change: {found['quiet_steps']} steps, "
+        f"{found['quiet_warnings']} drift warnings, {found['quiet_mismatch_warnings']} mismatch warnings "
+        f"(measured / predicted {number(found['quiet_ratio'])}).",
+        "",
+        "```bash",
+        f"OMP_NUM_THREADS=1 python scripts/serving_fidelity.py --rounds {args.rounds} --rates {rates.replace(' ', '')} "
+        f"--requests {args.requests} --write-docs",
+        "```"]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--out", type=Path, default=Path("specbatch-fidelity"))
+    parser.add_argument("--profile", type=Path, help="a demo-pair profile to use (default: calibrate one)")
+    parser.add_argument("--factor", type=float, default=1.5, help="the mis-calibration of the target's passes")
+    parser.add_argument("--rates", type=lambda s: tuple(float(x) for x in s.split(",")), default=(2.0, 6.0))
+    parser.add_argument("--requests", type=int, default=48)
+    parser.add_argument("--max-tokens", type=lambda s: tuple(int(x) for x in s.split("-")), default=(32, 64))
+    parser.add_argument("--max-batch-size", type=int, default=8)
+    parser.add_argument("--max-duration-s", type=float, default=90.0)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--cost-s", type=float, default=60.0)
+    parser.add_argument("--warmup-steps", type=int, default=400)
+    parser.add_argument("--quiet-minutes", type=float, default=10.0)
+    parser.add_argument("--write-docs", action="store_true")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    models = make_models(args.out, args.profile, args.factor)
+    figures = {"refit_cost": refit_cost(models["correct"], args), "drift": drift(models["correct"], args)}
+    figures["load_test"] = paired_tpot(load_test(models, args.out, args))
+    (args.out / "figures.json").write_text(json.dumps(
+        {**figures, "load_test": [{"policy": k[0], "rate": k[1], **v} for k, v in figures["load_test"].items()]},
+        indent=1))
+    text = render(figures, args)
+    print(text)
+    if args.write_docs:
+        RESULTS.write_text(replace_section(RESULTS.read_text(), "serving-fidelity", text))
+
+
+if __name__ == "__main__":
+    main()
