@@ -287,9 +287,9 @@ class AdaptivePolicy:
         """The step answered in `choose` took until `ended`: record it beside the prediction; re-fit."""
         current, b, bucket, level, started = self._in_flight
         self._in_flight = None
-        parts = self._parts_at(b, bucket, level)
-        predicted_ms = cached(self._calibrated_ms, (b, bucket, level), lambda: parts.sum(axis=1).tolist())[current]
-        parts = parts[current]
+        table = self._parts_at(b, bucket, level)
+        predicted_ms = cached(self._calibrated_ms, (b, bucket, level), lambda: table.sum(axis=1).tolist())[current]
+        parts = table[current]
         measured_ms, refit_ms = (ended - started) * 1e3, None
         if self.refit is not None:
             refit_ms = float(self._step_times(b, bucket)[current])  # what the choice was made with

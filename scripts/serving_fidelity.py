@@ -73,11 +73,13 @@ def make_models(out: Path, profile: Path | None, factor: float) -> dict[str, Pat
     data = json.loads(profile.read_text())
     for name, scale in (("slower", factor), ("faster", 1.0 / factor)):
         profiles[name] = out / f"profile-target-x{scale:.3g}.json"
-        profiles[name].write_text(json.dumps(scaled_profile(data, scale)))
+        if not profiles[name].is_file():
+            profiles[name].write_text(json.dumps(scaled_profile(data, scale)))
     models = {}
     for name, path in profiles.items():
         models[name] = out / f"model-{name}.json"
-        specbatch("fit", path, "-o", models[name])
+        if not models[name].is_file():  # a rerun of some parts keeps the models the others were measured with
+            specbatch("fit", path, "-o", models[name])
     return models
 
 
@@ -192,10 +194,34 @@ def refit_cost(model: Path, args) -> dict:
     return out
 
 
+class _Tee:
+    """The policy's step records made by several LiveFidelity at once: the same steps judged at several bands."""
+
+    def __init__(self, records):
+        self.records = records
+
+    def observe(self, *args) -> None:
+        for record in self.records:
+            record.observe(*args)
+
+
+def recorders(runner, bands) -> dict:
+    """"profile" (the policy's own record, its band the profile's noise figure) and one per extra band."""
+    from specbatch.runtime.fidelity import LiveFidelity
+
+    policy = runner.engine.policy
+    own = policy.fidelity
+    records = {"profile": own, **{f"{b:g}": LiveFidelity(band=b, model_error=own.model_error) for b in bands}}
+    policy.fidelity = _Tee(list(records.values()))
+    return records
+
+
 def drift(model: Path, args) -> dict:
-    """Steps from a 1.5x slowdown of every step to the warning; then warnings over --quiet-minutes unchanged."""
+    """Steps from a 1.5x slowdown of every step to the warning; then warnings over --quiet-minutes unchanged;
+    at the profile's band and at each of --bands, on the same steps."""
     runner, served = in_process(model, False, args.max_batch_size)
-    fidelity, engine = runner.engine.metrics.fidelity, runner.engine
+    records, engine = recorders(runner, args.bands), runner.engine
+    count = records["profile"]
     step = engine.generator.step
     slowed = {"from": None}
 
@@ -209,24 +235,30 @@ def drift(model: Path, args) -> dict:
     engine.generator.step = slow_step
 
     def done() -> bool:
-        if slowed["from"] is None and fidelity.steps >= args.warmup_steps:
-            slowed["from"] = fidelity.steps
-        return fidelity.drifting or (slowed["from"] is not None and fidelity.steps - slowed["from"] > 1000)
+        if slowed["from"] is None and count.steps >= args.warmup_steps:
+            slowed["from"] = count.steps
+        return slowed["from"] is not None and (all(r.drifting for r in records.values())
+                                               or count.steps - slowed["from"] > 1000)
 
     asyncio.run(poisson_load(runner, served, args.rates[0], args.max_tokens, 11, done))
-    detected = fidelity.snapshot()["drift"]
     runner.stop()
-    out = {"band": fidelity.band, "slowed_from_step": slowed["from"],
-           "steps_to_warning": None if detected is None else detected["since_step"] - slowed["from"],
-           "change": None if detected is None else detected["change"]}
+    out = {"slowed_from_step": slowed["from"], "bands": {}}
+    for label, record in records.items():
+        found = record.snapshot()["drift"]
+        out["bands"][label] = {"band": record.band,
+                               "steps_to_warning": None if found is None else found["since_step"] - slowed["from"],
+                               "change": None if found is None else found["change"],
+                               "warnings_before_the_change": record.drift_warnings - (found is not None)}
     runner, served = in_process(model, False, args.max_batch_size)
-    fidelity = runner.engine.metrics.fidelity
+    records = recorders(runner, args.bands)
     end = time.perf_counter() + 60 * args.quiet_minutes
     asyncio.run(poisson_load(runner, served, args.rates[0], args.max_tokens, 13, lambda: time.perf_counter() > end))
-    health = fidelity.health()
     runner.stop()
-    out.update(quiet_steps=health["steps"], quiet_warnings=fidelity.drift_warnings,
-               quiet_mismatch_warnings=fidelity.mismatch_warnings, quiet_ratio=health["measured_over_predicted"])
+    health = records["profile"].health()
+    out.update(quiet_steps=health["steps"], quiet_ratio=health["measured_over_predicted"])
+    for label, record in records.items():
+        out["bands"][label].update(quiet_warnings=record.drift_warnings,
+                                   quiet_mismatch_warnings=record.mismatch_warnings)
     return out
 
 
@@ -269,13 +301,23 @@ def render(figures: dict, args) -> str:
         f"it: {extra_us:+.0f} µs, {100 * extra_us / 1e3 / plain['step_ms']:+.2f} % of a {plain['step_ms']:.1f} ms "
         "step.",
         "",
-        f"Drift (in-process, the correct profile, band ±{100 * found['band']:.0f} % from its noise figure): every "
-        f"step slowed to 1.5x from step {found['slowed_from_step']}: "
-        + (f"warned {found['steps_to_warning']} steps later (x{found['change']:.2f})."
-           if found["steps_to_warning"] is not None else "no warning within 1000 steps.")
-        + f" {args.quiet_minutes:g} minutes without a change: {found['quiet_steps']} steps, "
-        f"{found['quiet_warnings']} drift warnings, {found['quiet_mismatch_warnings']} mismatch warnings "
-        f"(measured / predicted {number(found['quiet_ratio'])}).",
+        f"Drift (in-process, the correct profile, Poisson load at {args.rates[0]:g} requests/s): every step slowed "
+        f"to 1.5x from step {found['slowed_from_step']} (a host sleep of half its time after it); then "
+        f"{args.quiet_minutes:g} minutes of the same load without a change ({found['quiet_steps']} steps, "
+        f"measured / predicted {number(found['quiet_ratio'])}). The same steps judged at the profile's band and "
+        "at fixed ones:",
+        "",
+        "| band | warned after the 1.5x change | its change | drift warnings without a change | mismatch "
+        "warnings without a change |",
+        "|---|---:|---:|---:|---:|"]
+    for label, band in found["bands"].items():
+        name = f"±{100 * band['band']:.0f} % (the profile's noise figure)" if label == "profile" else \
+            f"±{100 * band['band']:.0f} %"
+        warned = "none in 1000 steps" if band["steps_to_warning"] is None else f"{band['steps_to_warning']} steps"
+        lines.append(f"| {name} | {warned} | "
+                     f"{number(band['change'], 'x{:.2f}')} | {band['quiet_warnings']} | "
+                     f"{band['quiet_mismatch_warnings']} |")
+    lines += [
         "",
         "```bash",
         f"OMP_NUM_THREADS=1 python scripts/serving_fidelity.py --rounds {args.rounds} --rates {rates.replace(' ', '')} "
@@ -299,15 +341,26 @@ def main(argv=None) -> None:
     parser.add_argument("--cost-s", type=float, default=60.0)
     parser.add_argument("--warmup-steps", type=int, default=400)
     parser.add_argument("--quiet-minutes", type=float, default=10.0)
+    parser.add_argument("--bands", type=lambda s: tuple(float(x) for x in s.split(",")), default=(0.1, 0.25),
+                        help="fixed drift bands to judge the same steps at, beside the profile's")
+    parser.add_argument("--parts", default="cost,drift,load", help="which measurements to (re)run; the others "
+                        "are read from OUT/figures.json")
     parser.add_argument("--write-docs", action="store_true")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     models = make_models(args.out, args.profile, args.factor)
-    figures = {"refit_cost": refit_cost(models["correct"], args), "drift": drift(models["correct"], args)}
-    figures["load_test"] = paired_tpot(load_test(models, args.out, args))
-    (args.out / "figures.json").write_text(json.dumps(
-        {**figures, "load_test": [{"policy": k[0], "rate": k[1], **v} for k, v in figures["load_test"].items()]},
-        indent=1))
+    saved = args.out / "figures.json"
+    figures = json.loads(saved.read_text()) if saved.is_file() else {}
+    parts = set(args.parts.split(","))
+    if "cost" in parts:
+        figures["refit_cost"] = refit_cost(models["correct"], args)
+    if "drift" in parts:
+        figures["drift"] = drift(models["correct"], args)
+    if "load" in parts:
+        figures["load_test"] = [{"policy": label, "rate": rate, **entry} for (label, rate), entry in
+                                paired_tpot(load_test(models, args.out, args)).items()]
+    saved.write_text(json.dumps(figures, indent=1))
+    figures["load_test"] = {(entry["policy"], entry["rate"]): entry for entry in figures["load_test"]}
     text = render(figures, args)
     print(text)
     if args.write_docs:
