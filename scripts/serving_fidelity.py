@@ -1,17 +1,19 @@
 """Serving that checks its own model, measured: a mis-calibrated profile with and without --refit, --refit's cost,
 and the drift warning, on the demo pair, one torch thread.
 
-    OMP_NUM_THREADS=1 python scripts/serving_fidelity.py [--out DIR] [--profile P] [--rounds 3] [--write-docs]
+    OMP_NUM_THREADS=1 python scripts/serving_fidelity.py [--out DIR] [--profile P] [--rounds 12] [--write-docs]
 
 1. Profiles. A quick calibration of the demo pair on one thread (`specbatch calibrate --quick --threads 1
    --no-stage2`, or --profile), and the same profile with every target pass time scaled by --factor and by its
    inverse (isolated and in-situ pass rows; each in-situ step gains the difference of its own target pass): a
    profile "measured while the target ran 1.5x slower (faster)". All three fitted (`specbatch fit`).
-2. Load test (serve/loadtest.py: HTTP, one `specbatch serve --threads 1` per policy, Poisson arrivals): the
-   adaptive policy on each model, with and without --refit, the same traces. --rounds rounds, each with its own
-   trace seed and the policies' order rotated; per (rate, round) each policy's mean TPOT over the correct
-   profile's without --refit, then the geometric mean over rounds and the range. Also each policy's steps
-   measured over predicted (and over the re-fitted prediction) from the server's /metrics.
+2. Load test, in short interleaved segments (the machine is shared: minutes apart it is another machine): the
+   adaptive policy on each model, with and without --refit, each an engine built as `serve` builds it and kept
+   for the whole run. Per round and rate one Poisson trace of --requests requests, replayed by every policy in
+   turn (the load test's in-process replay, serve/loadtest.py, without HTTP), the order rotated each round;
+   per (rate, round) each policy's mean TPOT over the correct profile's without --refit, then the geometric
+   mean over the rounds (after --warmup-rounds) and the range. Also each policy's steps measured over
+   predicted (and over the re-fitted prediction).
 3. --refit's own cost: the policy's decision time per step (choice and learning, which holds the re-fit's
    update and the re-evaluation after it) with and without --refit, in-process runs of the same Poisson trace
    alternating, --cost-s seconds each.
@@ -92,27 +94,37 @@ def policy_names(models: dict[str, Path]) -> dict[str, str]:
 
 
 def load_test(models, out: Path, args) -> list[dict]:
-    """Every policy over the same traces, --rounds times (own seed, order rotated); one record per run."""
-    from specbatch.runtime.assembly import DEMO_PROMPTS
-    from specbatch.serve.loadtest import LoadtestConfig, run_loadtest
-
+    """Every policy replays the same Poisson trace, one after another, in short segments: per round and rate one
+    trace (its own seed), the policies' order rotated; the load test's in-process replay (serve.loadtest:
+    the engine as `serve` builds it, no HTTP), every policy's engine kept across rounds like a running server.
+    The first --warmup-rounds are not counted. One record per (policy, rate, round)."""
     from specbatch.console.options import read_prompts_file
+    from specbatch.runtime.assembly import DEMO_PROMPTS
+    from specbatch.serve.loadtest import make_trace, replay_engine
+    from specbatch.serve.loadtest_report import Slo, step_model_counters, step_model_use, summarize
 
-    names = policy_names(models)
-    labels = list(names)
+    prompts = tuple(read_prompts_file(DEMO_PROMPTS))
+    labels = list(policy_names(models))
+    runners = {label: in_process(models[label.split()[0]], label.endswith("--refit"), args.max_batch_size)
+               for label in labels}
     runs = []
-    for r in range(args.rounds):
-        order = labels[r % len(labels):] + labels[:r % len(labels)]
-        config = LoadtestConfig(policies=tuple(names[label] for label in order), rates_per_s=args.rates,
-                                requests=args.requests, max_duration_s=args.max_duration_s,
-                                max_tokens=args.max_tokens, seed=r, prompts=tuple(read_prompts_file(DEMO_PROMPTS)),
-                                server_args=("--max-batch-size", str(args.max_batch_size), "--threads", "1"))
-        report = run_loadtest(config, out / f"loadtest-round{r}")
-        by_policy = {policy: label for label, policy in names.items()}
-        for run in report["runs"]:
-            runs.append({"label": by_policy[run["policy"]], "rate": run["rate_per_s"], "round": r,
-                         "tpot_ms": run["tpot_ms"]["mean"], "ok": run["ok"], "requests": run["requests"],
-                         "step_model": run["step_model"]})
+    for r in range(args.warmup_rounds + args.rounds):
+        for rate in args.rates:
+            trace = make_trace(args.requests, rate, 1.0, 1000 * r + int(10 * rate), len(prompts), args.max_tokens)
+            order = labels[r % len(labels):] + labels[:r % len(labels)]
+            for label in order:
+                runner, served = runners[label]
+                before = step_model_counters(runner.engine.metrics.snapshot()["fidelity"])
+                records = asyncio.run(replay_engine(runner, served.encode, trace, prompts, args.max_duration_s))
+                summary = summarize(records, len(trace), Slo(), None)
+                after = step_model_counters(runner.engine.metrics.snapshot()["fidelity"])
+                if r >= args.warmup_rounds:
+                    runs.append({"label": label, "rate": rate, "round": r, "tpot_ms": summary["tpot_ms"]["mean"],
+                                 "ok": summary["ok"], "requests": summary["requests"],
+                                 "step_model": step_model_use(before, after)})
+    for runner, _served in runners.values():
+        runner.stop()
+    (out / "load-runs.json").write_text(json.dumps(runs, indent=1))
     return runs
 
 
@@ -177,21 +189,51 @@ async def poisson_load(runner, served, rate_per_s: float, max_tokens: tuple[int,
 
 
 def refit_cost(model: Path, args) -> dict:
-    """Decision time per step (ms) with and without --refit: the same Poisson trace, in-process, alternating."""
-    figures = {False: [], True: []}
-    for refit in (False, True, True, False):
-        runner, served = in_process(model, refit, args.max_batch_size)
-        end = time.perf_counter() + args.cost_s
-        asyncio.run(poisson_load(runner, served, args.rates[0], args.max_tokens, 7, lambda: time.perf_counter() > end))
-        snapshot = runner.engine.metrics.snapshot()
-        runner.stop()
-        figures[refit].append((snapshot["decision_seconds_sum"], snapshot["step_seconds_sum"], snapshot["steps_total"]))
-    out = {}
-    for refit, rows in figures.items():
-        decision_s, step_s, steps = (sum(x) for x in zip(*rows))
-        out["refit" if refit else "plain"] = {"decision_us_per_step": 1e6 * decision_s / steps,
-                                              "step_ms": 1e3 * step_s / steps, "steps": steps}
-    return out
+    """The policy's own time per step (its choice and its learning, the re-fit's update and re-evaluation
+    included), with and without --refit: the steps of --cost-s seconds of served load recorded (request ids,
+    context, accepted tokens, step time), then replayed through fresh policies in this thread alone (no engine,
+    no client holding the interpreter), alternating, three times each; beside the served steps' mean time."""
+    import logging
+
+    from specbatch.runtime.adaptive import adaptive_policy
+
+    runner, served = in_process(model, False, args.max_batch_size)
+    policy, steps = runner.engine.policy, []
+    choose, observe = policy.choose, policy.observe
+
+    def recording_choose(ids, context):
+        steps.append([list(ids), context, None, time.perf_counter()])
+        return choose(ids, context)
+
+    def recording_observe(ids, proposed, accepted):
+        steps[-1][2], steps[-1][3] = list(accepted), time.perf_counter() - steps[-1][3]
+        observe(ids, proposed, accepted)
+
+    policy.choose, policy.observe = recording_choose, recording_observe
+    end = time.perf_counter() + args.cost_s
+    asyncio.run(poisson_load(runner, served, args.rates[0], args.max_tokens, 7, lambda: time.perf_counter() > end))
+    snapshot = runner.engine.metrics.snapshot()
+    runner.stop()
+    steps = [s for s in steps if s[2] is not None]
+
+    def replay(refit: bool) -> float:
+        fresh, now = adaptive_policy(model, refit=refit), [0.0]
+        fresh._clock = lambda: now[0]
+        started = time.perf_counter()
+        for ids, context, accepted, step_s in steps:
+            answer = fresh.choose(ids, context)
+            k = answer if isinstance(answer, int) else answer.k
+            now[0] += step_s
+            fresh.observe(ids, k, [min(a, k) for a in accepted])
+        return (time.perf_counter() - started) / len(steps)
+
+    logging.getLogger("specbatch.fidelity").disabled = True  # the replays' own warnings say nothing new
+    times = {False: [], True: []}
+    for refit in (False, True) * 3:
+        times[refit].append(replay(refit))
+    logging.getLogger("specbatch.fidelity").disabled = False
+    return {"steps": len(steps), "served_step_ms": 1e3 * snapshot["step_seconds_sum"] / snapshot["steps_total"],
+            "plain_us": 1e6 * min(times[False]), "refit_us": 1e6 * min(times[True])}
 
 
 class _Tee:
@@ -234,21 +276,28 @@ def drift(model: Path, args) -> dict:
 
     engine.generator.step = slow_step
 
+    at_change, warned = {}, {}  # per band: (warnings, drifting) when the slowdown began; its first warning after
+
     def done() -> bool:
         if slowed["from"] is None and count.steps >= args.warmup_steps:
             slowed["from"] = count.steps
-        return slowed["from"] is not None and (all(r.drifting for r in records.values())
-                                               or count.steps - slowed["from"] > 1000)
+            at_change.update({label: (r.drift_warnings, r.drifting) for label, r in records.items()})
+        if slowed["from"] is None:
+            return False
+        for label, record in records.items():
+            if label not in warned and record.drift_warnings > at_change[label][0]:
+                warned[label] = record.snapshot()["drift"]
+        return len(warned) == len(records) or count.steps - slowed["from"] > 1000
 
     asyncio.run(poisson_load(runner, served, args.rates[0], args.max_tokens, 11, done))
     runner.stop()
     out = {"slowed_from_step": slowed["from"], "bands": {}}
     for label, record in records.items():
-        found = record.snapshot()["drift"]
-        out["bands"][label] = {"band": record.band,
+        found = warned.get(label)
+        out["bands"][label] = {"band": record.band, "drifting_at_the_change": at_change[label][1],
+                               "warnings_before_the_change": at_change[label][0],
                                "steps_to_warning": None if found is None else found["since_step"] - slowed["from"],
-                               "change": None if found is None else found["change"],
-                               "warnings_before_the_change": record.drift_warnings - (found is not None)}
+                               "change": None if found is None else found["change"]}
     runner, served = in_process(model, False, args.max_batch_size)
     records = recorders(runner, args.bands)
     end = time.perf_counter() + 60 * args.quiet_minutes
@@ -269,11 +318,18 @@ def render(figures: dict, args) -> str:
     table, cost, found = figures["load_test"], figures["refit_cost"], figures["drift"]
     rates = ", ".join(f"{r:g}" for r in args.rates)
     lines = [
+        "## Serving fidelity",
+        "",
+        "The step model beside the served steps, a mis-calibrated profile with and without `--refit`, and the drift "
+        "warning ([serving.md](serving.md#the-model-beside-the-served-steps), [adaptive.md](adaptive.md)).",
+        "",
         f"Demo pair, greedy, {platform.processor() or platform.machine()}, torch {torch.__version__}, one torch "
-        f"thread per server; Poisson arrivals at {rates} requests/s, {args.requests} requests of "
-        f"{args.max_tokens[0]}-{args.max_tokens[1]} tokens, batch size up to {args.max_batch_size}; {args.rounds} "
-        f"rounds, each its own trace, the policies' order rotated. Mis-calibrated: the profile's target pass times "
-        f"x{args.factor:g} (slower) or /{args.factor:g} (faster), refitted.",
+        f"thread; Poisson arrivals at {rates} requests/s, {args.requests} requests of "
+        f"{args.max_tokens[0]}-{args.max_tokens[1]} tokens per trace, batch size up to {args.max_batch_size}; "
+        f"{args.rounds} rounds after {args.warmup_rounds} warm-up, each a new trace per rate replayed by every policy "
+        "in turn (the order rotated; in-process, no HTTP; each policy's engine kept across rounds). "
+        f"Mis-calibrated: the profile's target pass times x{args.factor:g} (slower) or /{args.factor:g} (faster), "
+        "refitted.",
         "",
         "| adaptive on the profile | rate /s | TPOT / correct profile's [range] | measured / predicted step "
         "seconds | with --refit: TPOT / correct [range] | measured / re-fitted |",
@@ -292,14 +348,14 @@ def render(figures: dict, args) -> str:
             plain, refit = table[(name, rate)], table[(f"{name} --refit", rate)]
             lines.append(f"| {name} | {rate:g} | {cell(plain)} | {number(plain['measured_over_predicted'])} | "
                          f"{cell(refit)} | {number(refit['measured_over_refit'])} |")
-    plain, refit = cost["plain"], cost["refit"]
-    extra_us = refit["decision_us_per_step"] - plain["decision_us_per_step"]
+    extra_us = cost["refit_us"] - cost["plain_us"]
     lines += [
         "",
-        f"--refit's own cost (in-process, {args.cost_s:g} s of each, alternating): the policy's decision time "
-        f"{plain['decision_us_per_step']:.0f} µs per step without it, {refit['decision_us_per_step']:.0f} µs with "
-        f"it: {extra_us:+.0f} µs, {100 * extra_us / 1e3 / plain['step_ms']:+.2f} % of a {plain['step_ms']:.1f} ms "
-        "step.",
+        f"--refit's own cost: the policy's time per step (its choice and learning), {cost['plain_us']:.0f} µs "
+        f"without it and {cost['refit_us']:.0f} µs with it, on {cost['steps']} served steps replayed through it "
+        f"alone (fastest of three, alternating): {extra_us:+.0f} µs, "
+        f"{100 * extra_us / 1e3 / cost['served_step_ms']:+.2f} % of the served steps' mean "
+        f"{cost['served_step_ms']:.1f} ms.",
         "",
         f"Drift (in-process, the correct profile, Poisson load at {args.rates[0]:g} requests/s): every step slowed "
         f"to 1.5x from step {found['slowed_from_step']} (a host sleep of half its time after it); then "
@@ -313,7 +369,8 @@ def render(figures: dict, args) -> str:
     for label, band in found["bands"].items():
         name = f"±{100 * band['band']:.0f} % (the profile's noise figure)" if label == "profile" else \
             f"±{100 * band['band']:.0f} %"
-        warned = "none in 1000 steps" if band["steps_to_warning"] is None else f"{band['steps_to_warning']} steps"
+        warned = f"{band['steps_to_warning']} steps" if band["steps_to_warning"] is not None else \
+            "none: drifting already (the machine)" if band["drifting_at_the_change"] else "none in 1000 steps"
         lines.append(f"| {name} | {warned} | "
                      f"{number(band['change'], 'x{:.2f}')} | {band['quiet_warnings']} | "
                      f"{band['quiet_mismatch_warnings']} |")
@@ -321,7 +378,7 @@ def render(figures: dict, args) -> str:
         "",
         "```bash",
         f"OMP_NUM_THREADS=1 python scripts/serving_fidelity.py --rounds {args.rounds} --rates {rates.replace(' ', '')} "
-        f"--requests {args.requests} --write-docs",
+        f"--requests {args.requests} --quiet-minutes {args.quiet_minutes:g} --write-docs",
         "```"]
     return "\n".join(lines)
 
@@ -332,12 +389,13 @@ def main(argv=None) -> None:
     parser.add_argument("--out", type=Path, default=Path("specbatch-fidelity"))
     parser.add_argument("--profile", type=Path, help="a demo-pair profile to use (default: calibrate one)")
     parser.add_argument("--factor", type=float, default=1.5, help="the mis-calibration of the target's passes")
-    parser.add_argument("--rates", type=lambda s: tuple(float(x) for x in s.split(",")), default=(2.0, 6.0))
-    parser.add_argument("--requests", type=int, default=48)
+    parser.add_argument("--rates", type=lambda s: tuple(float(x) for x in s.split(",")), default=(3.0, 8.0))
+    parser.add_argument("--requests", type=int, default=24, help="per trace (one per round and rate)")
     parser.add_argument("--max-tokens", type=lambda s: tuple(int(x) for x in s.split("-")), default=(32, 64))
     parser.add_argument("--max-batch-size", type=int, default=8)
-    parser.add_argument("--max-duration-s", type=float, default=90.0)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-duration-s", type=float, default=60.0)
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--warmup-rounds", type=int, default=1)
     parser.add_argument("--cost-s", type=float, default=60.0)
     parser.add_argument("--warmup-steps", type=int, default=400)
     parser.add_argument("--quiet-minutes", type=float, default=10.0)
