@@ -7,13 +7,14 @@ and the drift warning, on the demo pair, one torch thread.
    --no-stage2`, or --profile), and the same profile with every target pass time scaled by --factor and by its
    inverse (isolated and in-situ pass rows; each in-situ step gains the difference of its own target pass): a
    profile "measured while the target ran 1.5x slower (faster)". All three fitted (`specbatch fit`).
-2. Load test, in short interleaved segments (the machine is shared: minutes apart it is another machine): the
-   adaptive policy on each model, with and without --refit, each an engine built as `serve` builds it and kept
-   for the whole run. Per round and rate one Poisson trace of --requests requests, replayed by every policy in
-   turn (the load test's in-process replay, serve/loadtest.py, without HTTP), the order rotated each round;
-   per (rate, round) each policy's mean TPOT over the correct profile's without --refit, then the geometric
-   mean over the rounds (after --warmup-rounds) and the range. Also each policy's steps measured over
-   predicted (and over the re-fitted prediction).
+2. Load test in lockstep (the machine is shared: seconds apart it is another machine): the adaptive policy on
+   each model, with and without --refit, each an engine built as `serve` builds it and kept for the whole run.
+   Per round and rate one Poisson trace of --requests requests served by all of them one step of each in turn,
+   each in its own virtual time (its clock advances by its own steps' host time; a request joins when that
+   clock passes its arrival), so each meets the load as if alone and all meet the same moments of the machine;
+   the order of turns rotated each round. Per (rate, round) each policy's mean TPOT over the correct profile's
+   without --refit, then the geometric mean over the rounds (after --warmup-rounds) and the range. Also each
+   policy's steps measured over predicted (and over the re-fitted prediction).
 3. --refit's own cost: the policy's decision time per step (choice and learning, which holds the re-fit's
    update and the re-evaluation after it) with and without --refit, in-process runs of the same Poisson trace
    alternating, --cost-s seconds each.
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import platform
@@ -93,37 +95,86 @@ def policy_names(models: dict[str, Path]) -> dict[str, str]:
     return names
 
 
+def lockstep(engines: dict, order: list[str], trace, prompts) -> dict:
+    """Every engine serves the same arrival trace in its own virtual time, one step of each in turn: an engine's
+    clock advances by the host time of its own steps (each ends with its read-back) and jumps to the next
+    arrival when it is idle, and a request joins when the engine's clock passes its arrival. Each engine meets
+    the load as if it were alone, and all of them meet the same moments of the machine (a shared machine is
+    another machine minutes apart). Returns label -> the requests' records in that virtual time."""
+    from specbatch.runtime.engine import Request
+    from specbatch.serve.loadtest_report import RequestRecord
+
+    serial = itertools.count()
+    state = {label: {"now": 0.0, "next": 0, "pending": [],
+                     "records": [RequestRecord(i, item.arrival_s) for i, item in enumerate(trace)]} for label in order}
+
+    def listener(pending, index):
+        return lambda event: pending.append((index, event))
+
+    active = set(order)
+    while active:
+        for label in order:
+            if label not in active:
+                continue
+            engine, st = engines[label], state[label]
+            while st["next"] < len(trace) and trace[st["next"]].arrival_s <= st["now"]:
+                item, index = trace[st["next"]], st["next"]
+                engine.submit(Request(f"r{next(serial)}", prompts[item.prompt_index], item.max_tokens,
+                                      on_event=listener(st["pending"], index)))
+                st["next"] += 1
+            if not engine.running and not engine.waiting:
+                if st["next"] == len(trace):
+                    active.discard(label)
+                else:
+                    st["now"] = trace[st["next"]].arrival_s  # idle until the next arrival
+                continue
+            started = time.perf_counter()
+            engine.step()
+            st["now"] += time.perf_counter() - started
+            for index, event in st["pending"]:
+                record = st["records"][index]
+                if event.token_ids and record.first_token_s is None:
+                    record.first_token_s = st["now"]
+                record.completion_tokens = event.completion_tokens
+                if event.finish_reason:
+                    record.finished_s, record.finish_reason = st["now"], event.finish_reason
+            st["pending"].clear()
+    return {label: st["records"] for label, st in state.items()}
+
+
 def load_test(models, out: Path, args) -> list[dict]:
-    """Every policy replays the same Poisson trace, one after another, in short segments: per round and rate one
-    trace (its own seed), the policies' order rotated; the load test's in-process replay (serve.loadtest:
-    the engine as `serve` builds it, no HTTP), every policy's engine kept across rounds like a running server.
-    The first --warmup-rounds are not counted. One record per (policy, rate, round)."""
+    """Per round and rate one Poisson trace (its own seed) served by every policy in lockstep (`lockstep`), the
+    order of their turns rotated each round; every policy's engine built as `serve` builds it and kept for the
+    whole run, like a running server. The first --warmup-rounds are not counted. One record per (policy, rate,
+    round): its mean TPOT and its steps measured over predicted."""
     from specbatch.console.options import read_prompts_file
     from specbatch.runtime.assembly import DEMO_PROMPTS
-    from specbatch.serve.loadtest import make_trace, replay_engine
+    from specbatch.serve.loadtest import make_trace
     from specbatch.serve.loadtest_report import Slo, step_model_counters, step_model_use, summarize
+    from specbatch.serve.server import ServeOptions, build
 
-    prompts = tuple(read_prompts_file(DEMO_PROMPTS))
     labels = list(policy_names(models))
-    runners = {label: in_process(models[label.split()[0]], label.endswith("--refit"), args.max_batch_size)
-               for label in labels}
+    engines, encode = {}, None
+    for label in labels:
+        runner, served = build(ServeOptions(adaptive=models[label.split()[0]], refit=label.endswith("--refit"),
+                                            threads=1, max_batch_size=args.max_batch_size))
+        engines[label], encode = runner.engine, served.encode
+    prompts = [tuple(encode(p)) for p in read_prompts_file(DEMO_PROMPTS)]
     runs = []
     for r in range(args.warmup_rounds + args.rounds):
         for rate in args.rates:
             trace = make_trace(args.requests, rate, 1.0, 1000 * r + int(10 * rate), len(prompts), args.max_tokens)
             order = labels[r % len(labels):] + labels[:r % len(labels)]
-            for label in order:
-                runner, served = runners[label]
-                before = step_model_counters(runner.engine.metrics.snapshot()["fidelity"])
-                records = asyncio.run(replay_engine(runner, served.encode, trace, prompts, args.max_duration_s))
-                summary = summarize(records, len(trace), Slo(), None)
-                after = step_model_counters(runner.engine.metrics.snapshot()["fidelity"])
-                if r >= args.warmup_rounds:
-                    runs.append({"label": label, "rate": rate, "round": r, "tpot_ms": summary["tpot_ms"]["mean"],
-                                 "ok": summary["ok"], "requests": summary["requests"],
-                                 "step_model": step_model_use(before, after)})
-    for runner, _served in runners.values():
-        runner.stop()
+            before = {label: step_model_counters(engines[label].metrics.snapshot()["fidelity"]) for label in labels}
+            served_records = lockstep(engines, order, trace, prompts)
+            if r < args.warmup_rounds:
+                continue
+            for label in labels:
+                summary = summarize(served_records[label], len(trace), Slo(), None)
+                after = step_model_counters(engines[label].metrics.snapshot()["fidelity"])
+                runs.append({"label": label, "rate": rate, "round": r, "tpot_ms": summary["tpot_ms"]["mean"],
+                             "ok": summary["ok"], "requests": summary["requests"],
+                             "step_model": step_model_use(before[label], after)})
     (out / "load-runs.json").write_text(json.dumps(runs, indent=1))
     return runs
 
@@ -326,8 +377,9 @@ def render(figures: dict, args) -> str:
         f"Demo pair, greedy, {platform.processor() or platform.machine()}, torch {torch.__version__}, one torch "
         f"thread; Poisson arrivals at {rates} requests/s, {args.requests} requests of "
         f"{args.max_tokens[0]}-{args.max_tokens[1]} tokens per trace, batch size up to {args.max_batch_size}; "
-        f"{args.rounds} rounds after {args.warmup_rounds} warm-up, each a new trace per rate replayed by every policy "
-        "in turn (the order rotated; in-process, no HTTP; each policy's engine kept across rounds). "
+        f"{args.rounds} rounds after {args.warmup_rounds} warm-up, each a new trace per rate served by every policy "
+        "in lockstep, one step of each in turn, each in its own virtual time (in-process, no HTTP; each policy's "
+        "engine kept across rounds). "
         f"Mis-calibrated: the profile's target pass times x{args.factor:g} (slower) or /{args.factor:g} (faster), "
         "refitted.",
         "",
@@ -390,11 +442,10 @@ def main(argv=None) -> None:
     parser.add_argument("--profile", type=Path, help="a demo-pair profile to use (default: calibrate one)")
     parser.add_argument("--factor", type=float, default=1.5, help="the mis-calibration of the target's passes")
     parser.add_argument("--rates", type=lambda s: tuple(float(x) for x in s.split(",")), default=(3.0, 8.0))
-    parser.add_argument("--requests", type=int, default=24, help="per trace (one per round and rate)")
+    parser.add_argument("--requests", type=int, default=32, help="per trace (one per round and rate)")
     parser.add_argument("--max-tokens", type=lambda s: tuple(int(x) for x in s.split("-")), default=(32, 64))
     parser.add_argument("--max-batch-size", type=int, default=8)
-    parser.add_argument("--max-duration-s", type=float, default=60.0)
-    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--warmup-rounds", type=int, default=1)
     parser.add_argument("--cost-s", type=float, default=60.0)
     parser.add_argument("--warmup-steps", type=int, default=400)

@@ -6,10 +6,15 @@ model's (drafting 30x dearer), so the re-fitted step costs change which k it run
 """
 from __future__ import annotations
 
+import pytest
+
+from specbatch.bench.config import BenchConfig, BenchError
 from specbatch.perfmodel.acceptance import acceptance_from_user
 from specbatch.perfmodel.overhead import OverheadModel
+from specbatch.perfmodel.errors import UsageError
 from specbatch.perfmodel.strategy import StepModel
 from specbatch.runtime.adaptive import AdaptivePolicy
+from specbatch.runtime.assembly import GenerationRequest
 from specbatch.runtime.engine import Engine, EngineConfig, Request
 from specbatch.runtime.generator import SpeculativeGenerator
 from specbatch.runtime.policy import FixedK
@@ -71,3 +76,10 @@ def test_engine_with_refit_under_staggered_arrivals_equals_solo_greedy(greedy_ta
     fidelity = snapshot["fidelity"]
     assert fidelity["steps"] == snapshot["steps_total"] and policy.refit.version > 0
     assert len({c["strategy"] for c in fidelity["cells"]}) > 1
+
+
+def test_refit_needs_the_adaptive_policy_in_generate_and_bench():
+    with pytest.raises(UsageError, match="--refit .* needs --adaptive"):
+        GenerationRequest(prompts=("def f(x):",), refit=True)
+    with pytest.raises(BenchError, match="--refit .* needs --adaptive"):
+        BenchConfig(adaptive_refit=True)
