@@ -410,7 +410,8 @@ def adaptive_policy(model_file: Path, max_k: int | None = None, staged: bool = F
     acceptance = next((a for a in fitted.acceptance if a.mode == mode), None) or \
         choose_acceptance(fitted, None, str(model_file))
     correction = StepCostRefit() if refit else None
-    fidelity = LiveFidelity(noise_band(fitted.noise), model_step_error(fitted), refit=correction)
+    fidelity = LiveFidelity(noise_band(fitted.noise), model_step_error(fitted), refit=correction,
+                            **({} if fitted.noise is None else {"band_source": "the profile's noise figure"}))
     policy = AdaptivePolicy(step_model(fitted, acceptance), fitted.grid.max_k if max_k is None else max_k,
                             staged=staged and fitted.stage2 is not None,
                             name=f"adaptive {Path(model_file).name}" + (" --refit" if refit else ""),

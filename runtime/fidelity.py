@@ -83,6 +83,7 @@ class LiveFidelity:
     engine's thread; `snapshot` (the HTTP thread) takes the same lock."""
 
     band: float = DEFAULT_BAND  # relative: see noise_band
+    band_source: str = "no noise figure in the profile: the default"  # where the band came from, for the warnings
     model_error: float = 0.0  # the model's own relative step error at calibration (a baseline may be off by it)
     refit: object | None = None  # runtime.refit.StepCostRefit whose factors the snapshot shows
     steps: int = 0
@@ -159,8 +160,8 @@ class LiveFidelity:
             remedy = ("--refit is re-fitting the step costs" if self.refit is not None else
                       "the policy chooses from costs that no longer hold: recalibrate, or serve with --refit")
             log.warning("step times drifted: over the last %d steps they ran x%.2f their first-served level, "
-                        "outside the band of ±%.0f %% (the profile's noise figure): %s; %s",
-                        PERSIST_STEPS, level, 100 * self.band, where, remedy)
+                        "outside the band of ±%.0f %% (%s): %s; %s",
+                        PERSIST_STEPS, level, 100 * self.band, self.band_source, where, remedy)
         else:
             log.info("step times back within ±%.0f %% of their first-served level (x%.2f)", 100 * self.band / 2, level)
             self._drift = None
@@ -185,7 +186,7 @@ class LiveFidelity:
         if len(self._mismatched) == 1:
             self.mismatch_warnings += 1
             log.warning("served steps do not match the profile: %s at batch sizes %s ran x%.2f the model's "
-                        "prediction over its first %d steps, beyond ±%.0f %% (the profile's noise ±%.0f %% and the "
+                        "prediction over its first %d steps, beyond ±%.0f %% (the band ±%.0f %% and the "
                         "model's own step error %.0f %%); was the profile measured with other threads, another "
                         "device or another load? Recalibrate, or serve with --refit", key[0], key[1],
                         found["ratio"], SETTLE_STEPS, 100 * (self.band + self.model_error), 100 * self.band,
