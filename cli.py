@@ -19,7 +19,7 @@ from specbatch.console import bench as _bench
 from specbatch.console.explain_command import explain
 from specbatch.console.options import (
     AcceptanceOpt, AdaptiveOpt, App, AnyDraftOpt, AnyTargetOpt, DeviceOpt, DraftOpt, DtypeOpt, ForceOpt, JsonOpt,
-    MaxBatchOpt, MaxKOpt, ModelFileArg, Stage2Opt, TargetOpt, ThreadsOpt, TreeOpt, acceptance_override,
+    MaxBatchOpt, MaxKOpt, ModelFileArg, RefitOpt, Stage2Opt, TargetOpt, ThreadsOpt, TreeOpt, acceptance_override,
     check_counts, check_query_options, ints_text, one_line_errors, parse_int_list, read_prompts_file, set_threads,
 )
 from specbatch.console.serve_commands import loadtest_command, serve_command
@@ -52,6 +52,7 @@ def generate(
     stage2: Stage2Opt = None,
     model: Annotated[Optional[Path], typer.Option("--model", help="specbatch.model/1 file, for --tree auto.")] = None,
     adaptive: AdaptiveOpt = None,
+    refit: RefitOpt = False,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 64,
     temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy.")] = 0.0,
     top_k: Annotated[int, typer.Option("--top-k", help="0 = no top-k filter.")] = 0,
@@ -71,7 +72,7 @@ def generate(
     texts = list(prompt or []) + (read_prompts_file(prompts_file) if prompts_file is not None else [])
     request = GenerationRequest(
         prompts=tuple(texts), target=target, draft=draft, k=k, table=table, tree=tree, stage2=stage2, model=model,
-        adaptive=adaptive, max_new_tokens=max_new_tokens, temperature=temperature,
+        adaptive=adaptive, refit=refit, max_new_tokens=max_new_tokens, temperature=temperature,
         top_k=top_k, top_p=top_p, seed=seed, device=device, dtype=dtype, force=force)
     set_threads(threads)
     generation = generate_texts(request)
@@ -182,6 +183,7 @@ def bench(
     adaptive: Annotated[Optional[Path], typer.Option(
         "--adaptive", help="specbatch.model/1 file: also run the adaptive policy (online acceptance per "
                            "request).")] = None,
+    refit: RefitOpt = False,
     workload: Annotated[str, typer.Option(
         "--workload", help="heldout (--prompts alone) | mixed (half --prompts, half --second-prompts in every "
                            "batch) | switch (the second population from half-way through the rounds).")] = "heldout",
@@ -244,7 +246,7 @@ def bench(
         sampling=parse_sampling(sampling),
         synthetic_acceptance=synthetic_acceptance, seed=seed, table_path=table, model_path=model,
         peers=tuple(name.strip() for name in peers.split(",") if name.strip()) if peers else (),
-        trees=tuple(tree or ()), stage2_path=stage2, adaptive_path=adaptive, workload=workload,
+        trees=tuple(tree or ()), stage2_path=stage2, adaptive_path=adaptive, adaptive_refit=refit, workload=workload,
         second_prompts_path=second_prompts, interleave=interleave)
     check_input_files(table=table, model=model, prompts=prompts, stage2=stage2, adaptive=adaptive,
                       second_prompts=second_prompts)

@@ -51,6 +51,7 @@ class BenchConfig:
     trees: tuple[str, ...] = ()  # parse_tree specs ("0,1,0.0", "chain:8") or "auto": adds tree:SPEC policies
     stage2_path: Path | None = None  # specbatch.ngram/1 file (loaded into BenchModels.stage2): adds +ngram policies
     adaptive_path: Path | None = None  # specbatch.model/1: adds the "adaptive" policy (runtime.adaptive)
+    adaptive_refit: bool = False  # the adaptive policy re-fits its step costs from the steps it runs (--refit)
     workload: str = "heldout"  # heldout | mixed | switch (bench.workload)
     second_prompts_path: Path | None = None  # mixed / switch: the other population (default data/prompts/base64.jsonl)
     # steps: a round's policies of ours advance in lockstep, a step of each in turn (bench.timing: why);
@@ -81,6 +82,8 @@ def check_config(config: BenchConfig) -> None:
     if config.rounds <= 0:
         raise BenchError(f"--rounds must be positive, got {config.rounds}")
     check_seed(config.seed)
+    if config.adaptive_refit and config.adaptive_path is None:
+        raise BenchError("--refit re-fits the adaptive policy's step costs: it needs --adaptive MODEL.json")
     if config.interleave not in INTERLEAVE_MODES:
         raise BenchError(f"--interleave {config.interleave!r}: expected one of {', '.join(INTERLEAVE_MODES)}")
     if config.resolve_rounds < 0:

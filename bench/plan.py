@@ -151,11 +151,12 @@ def adaptive_policy(config: BenchConfig, models: BenchModels):
 
     if models.draft is None:
         raise BenchError("--adaptive needs a draft model (--draft)")
-    policy = load_adaptive(config.adaptive_path, staged=models.stage2 is not None,
-                           mode="greedy" if config.sampling.greedy else "sampling")
+    mode = "greedy" if config.sampling.greedy else "sampling"
+    policy = load_adaptive(config.adaptive_path, staged=models.stage2 is not None, mode=mode,
+                           refit=config.adaptive_refit)
     if policy.needs_stage2:
         if config.stage2_path is None:
-            return load_adaptive(config.adaptive_path, staged=False)
+            return load_adaptive(config.adaptive_path, staged=False, mode=mode, refit=config.adaptive_refit)
         check_stage2_file(config.stage2_path, policy.stage2_record["sha256"], "--adaptive's model measured")
     return policy
 

@@ -238,6 +238,9 @@ TreeOpt = Annotated[Optional[str], typer.Option(
 AdaptiveOpt = Annotated[Optional[Path], typer.Option(
     "--adaptive", help="specbatch.model/1 file: choose the strategy every step from the fitted model and each "
                        "request's acceptance learned online (runtime/adaptive.py).")]
+RefitOpt = Annotated[bool, typer.Option(
+    "--refit", help="With --adaptive: re-fit the step costs per role and pass width from the steps it runs, the "
+                    "calibration as the prior (docs/adaptive.md).")]
 Stage2Opt = Annotated[Optional[Path], typer.Option(
     "--stage2", help="n-gram file (specbatch.ngram/1) that speeds up the draft model's own drafting.")]
 AcceptanceOpt = Annotated[Optional[str], typer.Option(

@@ -10,7 +10,7 @@ import typer
 from specbatch.perfmodel.errors import UsageError
 from specbatch.runtime.assembly import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET
 
-from .options import DeviceOpt, DraftOpt, DtypeOpt, ForceOpt, TargetOpt, read_prompts_file
+from .options import DeviceOpt, DraftOpt, DtypeOpt, ForceOpt, RefitOpt, TargetOpt, read_prompts_file
 
 
 def serve_command(
@@ -25,6 +25,7 @@ def serve_command(
     adaptive: Annotated[Optional[Path], typer.Option(
         "--adaptive", help="specbatch.model/1 file: choose k every step from the model and each request's "
                            "acceptance learned online, instead of a table.")] = None,
+    refit: RefitOpt = False,
     host: Annotated[str, typer.Option(
         "--host", help="Address to bind (loopback by default; there is no authentication).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port")] = 8000,
@@ -63,7 +64,7 @@ def serve_command(
     """Serve the pair over an OpenAI-compatible HTTP API with continuous batching; the table picks k every step."""
     from specbatch.serve.server import ServeOptions, serve
 
-    serve(ServeOptions(target=target, draft=draft, table=table, k=k, tree=tree, adaptive=adaptive,
+    serve(ServeOptions(target=target, draft=draft, table=table, k=k, tree=tree, adaptive=adaptive, refit=refit,
                        host=host, port=port,
                        max_batch_size=max_batch_size, kv_budget_tokens=kv_budget_tokens, max_waiting=max_waiting,
                        max_model_len=max_model_len, kv_cache_gb=kv_cache_gb, cuda_graphs=cuda_graphs,
@@ -73,8 +74,9 @@ def serve_command(
 
 def loadtest_command(
     policies: Annotated[str, typer.Option("--policies", help=(
-        "Comma list: table, k=K, tree=SPEC, adaptive=MODEL.json; vllm:table, vllm:k=K (vLLM's own server on the "
-        "pair, our table exported; bash bench/vllm/setup.sh first)."))] = "table,k=0",
+        "Comma list: table, k=K, tree=SPEC, adaptive=MODEL.json, adaptive+refit=MODEL.json (serve --refit); "
+        "vllm:table, vllm:k=K (vLLM's own server on the pair, our table exported; bash bench/vllm/setup.sh "
+        "first)."))] = "table,k=0",
     rates: Annotated[str, typer.Option("--rates", help="Arrival rates, requests/s, comma list.")] = "1,2,4",
     cvs: Annotated[str, typer.Option("--cvs", help="Coefficients of variation of the Gamma gaps (1 = Poisson).")] = "1",
     requests: Annotated[int, typer.Option("--requests", help="Requests per (policy, rate, CV).")] = 100,

@@ -8,9 +8,13 @@ Assumes a row's extra tokens per step scale by one factor rho_r at every depth k
 E_r(s) = min(k + 1, 1 + rho_r (E_cal(s) - 1)), E_cal the calibrated step-aligned expectation, so with
 rho = 1 the policy predicts what the table did. Rows are stable request ids, told through the optional
 hooks of `runtime.policy`; docs/adaptive.md describes the estimator, the hysteresis and the guess rate.
+Every step is also a measurement of the model: the policy times it from its answer to its outcome (the step's
+one read-back ends it) and records it beside the prediction (`runtime.fidelity`); with a `runtime.refit`
+correction, the measured steps re-fit the step costs it chooses from.
 """
 from __future__ import annotations
 
+import time
 from bisect import bisect_right
 from dataclasses import replace
 from itertools import accumulate
@@ -23,6 +27,9 @@ from specbatch.perfmodel.errors import UsageError
 from specbatch.perfmodel.schedule import staged_rounds
 from specbatch.perfmodel.strategy import StepModel
 from specbatch.perfmodel.tree import Strategy, chain
+
+from .fidelity import LiveFidelity, noise_band
+from .refit import StepCostRefit, step_parts
 
 
 PRIOR_TOKENS = 4.0  # the prior rho = 1 is worth this many expected accepted tokens
@@ -190,12 +197,16 @@ class AdaptivePolicy:
     `switch_margin` on `persist_steps` consecutive steps at one batch size (after a change of batch size the
     margin alone decides). The KV margin is allocated once for max_k, so a switch costs nothing there; after
     steps at k = 0 every chain candidate pays the draft's wider catch-up pass, spread over `horizon_steps`.
-    The state resets when the last request is released."""
+    The state resets when the last request is released (the fidelity and the re-fit, about the machine, stay).
+    `fidelity` records every step's measured time (by `clock`, from `choose` to `observe`) beside the
+    prediction; with `refit` the step times are the model's parts times its re-fitted factors."""
 
     def __init__(self, model: StepModel, max_k: int = 8, *, staged: bool = False,
                  prior_tokens: float = PRIOR_TOKENS, memory_tokens: float = MEMORY_TOKENS,
                  switch_margin: float = SWITCH_MARGIN, persist_steps: int = PERSIST_STEPS,
-                 horizon_steps: int = HORIZON_STEPS, context_bucket: int = CONTEXT_BUCKET, name: str = "adaptive"):
+                 horizon_steps: int = HORIZON_STEPS, context_bucket: int = CONTEXT_BUCKET, name: str = "adaptive",
+                 fidelity: LiveFidelity | None = None, refit: StepCostRefit | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
         if max_k < 0 or switch_margin < 0 or persist_steps < 1 or horizon_steps < 1 or context_bucket < 1:
             raise UsageError("adaptive: need max_k >= 0, switch_margin >= 0, persist_steps, horizon_steps and "
                              "context_bucket >= 1")
@@ -218,7 +229,15 @@ class AdaptivePolicy:
         self.guess = GuessRate(model.stage2.guess_accuracy) if staged else None
         self._staged_models: dict[int, StepModel] = {}
         self._step_ms: dict[tuple[int, int, int], np.ndarray] = {}  # (b, L bucket, guess level)
-        self._plain_ms: dict[tuple[int, int], list] = {}  # (b, L bucket): the unstaged candidates' (None: staged)
+        # the candidates' step times split into runtime.refit.PARTS (ms, calibrated), per (b, L bucket, level)
+        self._parts: dict[tuple[int, int, int], np.ndarray] = {}
+        self._calibrated_ms: dict[tuple[int, int, int], list[float]] = {}  # their sums: the model's step times
+        self._plain_parts: dict[tuple[int, int], list] = {}  # (b, L bucket): the unstaged candidates' (None: staged)
+        self.refit = refit
+        self.fidelity = fidelity if fidelity is not None else LiveFidelity(refit=refit)
+        self._clock = clock
+        self._labels = [s.describe(60) for s in self.candidates]  # as the engine's metrics name them
+        self._in_flight = None  # (candidate, b, L bucket, guess level, clock at the answer) of the step running
         self._line_cache: dict[tuple[int, int, int], list[tuple[float, float]]] = {}
         self._catch_up_cache: dict[tuple[int, int, int], float] = {}
         # what `choose` returns per candidate: a Strategy only where the generator needs more than k
@@ -254,11 +273,31 @@ class AdaptivePolicy:
             self._streak = 0
         self._current, self._batch_size = current, b
         self._lag_steps = self._lag_steps + 1 if self._depths[current] == 0 else 0
+        self._in_flight = (current, b, self._bucket(context_len), self._guess_level(), self._clock())
         return self._answers[current]
 
     def observe(self, request_ids: Sequence[Hashable], proposed: int, accepted: Sequence[int]) -> None:
         """After a chain step: each row was shown `proposed` draft tokens and accepted `accepted[i]`."""
+        ended = self._clock()  # the step ended with its read-back, just before the caller reports it
         self.acceptance.observe(request_ids, proposed, accepted)
+        if self._in_flight is not None:
+            self._measured(ended)
+
+    def _measured(self, ended: float) -> None:
+        """The step answered in `choose` took until `ended`: record it beside the prediction; re-fit."""
+        current, b, bucket, level, started = self._in_flight
+        self._in_flight = None
+        table = self._parts_at(b, bucket, level)
+        predicted_ms = cached(self._calibrated_ms, (b, bucket, level), lambda: table.sum(axis=1).tolist())[current]
+        parts = table[current]
+        measured_ms, refit_ms = (ended - started) * 1e3, None
+        if self.refit is not None:
+            refit_ms = float(self._step_times(b, bucket)[current])  # what the choice was made with
+            if self.refit.observe(parts, measured_ms):  # new factors: every step time is evaluated again
+                self._step_ms.clear()
+                self._line_cache.clear()
+        self.fidelity.observe(self._labels[current], b, predicted_ms / 1e3, measured_ms / 1e3,
+                              None if refit_ms is None else refit_ms / 1e3)
 
     def observe_draft_passes(self, batch_size: int, passes: int) -> None:
         """After a chain step: the draft passes it took (a staged chain's rounds teach the guess rate)."""
@@ -314,18 +353,26 @@ class AdaptivePolicy:
         return cached(self._line_cache, (batch_size, bucket, self._guess_level()), make)
 
     def _step_times(self, batch_size: int, bucket: int) -> np.ndarray:
+        """Every candidate's step time (ms): the model's, or its parts times the re-fitted factors."""
         level = self._guess_level()
 
+        def make():
+            parts = self._parts_at(batch_size, bucket, level)
+            return parts.sum(axis=1) if self.refit is None else parts @ self.refit.factors
+        return cached(self._step_ms, (batch_size, bucket, level), make)
+
+    def _parts_at(self, batch_size: int, bucket: int, level: int) -> np.ndarray:
+        """(candidates, parts) ms: the model's step times split by role and width (runtime.refit.step_parts)."""
         def plain():
             self.model.prefetch(batch_size, bucket, self.max_k + 2)  # every pass width a candidate runs, at once
-            return [self.model.evaluate(s, batch_size, bucket).step_ms if not s.stage2 else None
-                    for s in self.candidates]
+            return [step_parts(self.model, s, batch_size, bucket) if not s.stage2 else None for s in self.candidates]
 
         def make():  # at a new guess level only the staged candidates are evaluated again
             staged = self._staged_model(level)
-            return np.array([ms if ms is not None else staged.evaluate(s, batch_size, bucket).step_ms
-                             for s, ms in zip(self.candidates, cached(self._plain_ms, (batch_size, bucket), plain))])
-        return cached(self._step_ms, (batch_size, bucket, level), make)
+            return np.array([parts if parts is not None else step_parts(staged, s, batch_size, bucket)
+                             for s, parts in zip(self.candidates, cached(self._plain_parts, (batch_size, bucket),
+                                                                         plain))])
+        return cached(self._parts, (batch_size, bucket, level), make)
 
     def _guess_level(self) -> int:
         return 0 if self.guess is None else self.guess.level()
@@ -352,20 +399,32 @@ class AdaptivePolicy:
 
 
 def adaptive_policy(model_file: Path, max_k: int | None = None, staged: bool = False,
-                    mode: str = "greedy") -> AdaptivePolicy:
+                    mode: str = "greedy", refit: bool = False) -> AdaptivePolicy:
     """The adaptive policy from a specbatch.model/1 file: its latency fit, its overhead and, as the prior,
     its acceptance measured in `mode` (greedy | sampling; else its first entry). `max_k` defaults to the
-    profile's; `staged` adds the second-stage chains (needs the profile's stage2 measurements)."""
+    profile's; `staged` adds the second-stage chains (needs the profile's stage2 measurements); `refit`
+    re-fits the step costs from the served steps. Its fidelity's band is the profile's noise figure."""
     from specbatch.perfmodel.model import choose_acceptance, load_model, step_model
 
     fitted = load_model(model_file)
     acceptance = next((a for a in fitted.acceptance if a.mode == mode), None) or \
         choose_acceptance(fitted, None, str(model_file))
+    correction = StepCostRefit() if refit else None
+    fidelity = LiveFidelity(band=noise_band(fitted.noise), model_error=model_step_error(fitted), refit=correction,
+                            **({} if fitted.noise is None else {"band_source": "the profile's noise figure"}))
     policy = AdaptivePolicy(step_model(fitted, acceptance), fitted.grid.max_k if max_k is None else max_k,
                             staged=staged and fitted.stage2 is not None,
-                            name=f"adaptive {Path(model_file).name}")
+                            name=f"adaptive {Path(model_file).name}" + (" --refit" if refit else ""),
+                            fidelity=fidelity, refit=correction)
     policy.stage2_record = {"file": fitted.stage2.file, "sha256": fitted.stage2.sha256} \
         if policy.needs_stage2 else None
     policy.made_for = {"target": (fitted.target_info.source, fitted.target_info.fingerprint),
                        "draft": (fitted.draft_info.source, fitted.draft_info.fingerprint)}
     return policy
+
+
+def model_step_error(fitted) -> float:
+    """The model's own relative error on calibrate's measured steps (the chosen timing source's in-sample step
+    MAPE), 0 when the model has no measured steps."""
+    source = fitted.timing_source
+    return 0.0 if source is None else source.report(source.chosen).step_mape_pct / 100.0

@@ -156,14 +156,16 @@ def second_stage_for(policy, stage2: Path | None, target):
     return load_ngram(stage2, "--stage2", target)
 
 
-def adaptive_for_pair(model_file: Path, running: dict, force: bool, mode: str = "greedy", staged: bool = True):
+def adaptive_for_pair(model_file: Path, running: dict, force: bool, mode: str = "greedy", staged: bool = True,
+                      refit: bool = False):
     """`--adaptive MODEL.json`: the adaptive policy (runtime.adaptive) from a model made for the `running`
-    pair (`check_made_for`); its second-stage chains only when the model measured the second stage."""
+    pair (`check_made_for`); its second-stage chains only when the model measured the second stage; `refit`
+    (--refit): its step costs re-fitted from the steps it runs (runtime.refit)."""
     from specbatch.runtime.adaptive import adaptive_policy
 
     if not Path(model_file).is_file():
         raise UsageError(f"--adaptive {model_file}: no such file")
-    policy = adaptive_policy(Path(model_file), staged=staged, mode=mode)
+    policy = adaptive_policy(Path(model_file), staged=staged, mode=mode, refit=refit)
     check_made_for(f"--adaptive {model_file}", policy.made_for, running, force)
     return policy
 
@@ -181,6 +183,7 @@ class GenerationRequest:
     stage2: Path | None = None
     model: Path | None = None  # for --tree auto
     adaptive: Path | None = None  # a specbatch.model/1 file: the adaptive policy (runtime.adaptive)
+    refit: bool = False  # the adaptive policy re-fits its step costs from the steps it runs (runtime.refit)
     force: bool = False  # use a table or model made for another pair
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -197,6 +200,8 @@ class GenerationRequest:
             raise UsageError("--k, --table, --tree and --adaptive are mutually exclusive")
         if self.adaptive is not None and not self.adaptive.is_file():
             raise UsageError(f"--adaptive {self.adaptive}: no such file")
+        if self.refit and self.adaptive is None:
+            raise UsageError("--refit re-fits the adaptive policy's step costs: it needs --adaptive MODEL.json")
         if not self.prompts:
             raise UsageError("give at least one --prompt or a --prompts-file")
         if self.max_new_tokens <= 0:  # checked here, before a model is loaded
@@ -254,7 +259,7 @@ def generate_texts(request: GenerationRequest, loaded_pair=None) -> Generation:
     running = pair.running()
     if request.adaptive is not None:
         policy = adaptive_for_pair(request.adaptive, running, request.force,
-                                   "greedy" if sampling.greedy else "sampling")
+                                   "greedy" if sampling.greedy else "sampling", refit=request.refit)
     elif request.tree is not None:
         policy = strategy_policy(request.tree, request.stage2, request.model, len(request.prompts))
     elif request.table is not None:

@@ -152,7 +152,8 @@ class Engine:
         self._wake = threading.Event()
         self._closed = False
         self._cancel_everything = False
-        self.metrics = EngineMetrics()
+        # a policy with a step model (runtime.adaptive) records each step beside its prediction: /metrics shows it
+        self.metrics = EngineMetrics(fidelity=getattr(policy, "fidelity", None))
 
     def kv_bytes_per_token(self) -> int:
         """Both models' KV-cache bytes per token (in the models' dtype)."""

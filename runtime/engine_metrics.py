@@ -41,6 +41,9 @@ class EngineMetrics:
     # per strategy label (describe_choice): steps, their seconds, the tokens they committed over all rows, and
     # the rows they ran on; a policy's mix over time is the difference of two snapshots
     by_strategy: dict[str, dict[str, float]] = field(default_factory=dict)
+    # the policy's runtime.fidelity.LiveFidelity (its step model's predictions beside the measured steps), or None:
+    # it keeps its own lock
+    fidelity: object | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def observe_step(self, strategy: str, k: int, nodes: int, counts: list[int], seconds: float,
@@ -76,6 +79,7 @@ class EngineMetrics:
             self.finished_total[reason] = self.finished_total.get(reason, 0) + 1
 
     def snapshot(self) -> dict:
+        fidelity = None if self.fidelity is None else self.fidelity.snapshot()  # its own lock, not held with ours
         with self._lock:
             return {
                 "steps_total": self.steps_total, "prefill_passes_total": self.prefill_passes_total,
@@ -88,4 +92,5 @@ class EngineMetrics:
                 "batch_size": self.batch_size, "step_bucket_counts": list(self.step_bucket_counts),
                 "step_seconds_sum": self.step_seconds_sum, "decision_seconds_sum": self.decision_seconds_sum,
                 "by_strategy": {name: dict(mix) for name, mix in self.by_strategy.items()},
+                "fidelity": fidelity,
             }

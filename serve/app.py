@@ -127,10 +127,12 @@ def create_app(runner: EngineRunner, served: ServedModel) -> FastAPI:
         engine = runner.engine
         if not runner.alive:
             return JSONResponse({"status": "engine not running"}, status_code=503)
+        fidelity = engine.metrics.fidelity  # the policy's step model beside the measured steps (runtime.fidelity)
+        step_model = None if fidelity is None else fidelity.health()
         if runner.draining:
-            return JSONResponse({"status": "shutting down", "running": engine.running, "waiting": engine.waiting},
-                                status_code=503)
-        return {"status": "ok", "running": engine.running, "waiting": engine.waiting}
+            return JSONResponse({"status": "shutting down", "running": engine.running, "waiting": engine.waiting,
+                                 "step_model": step_model}, status_code=503)
+        return {"status": "ok", "running": engine.running, "waiting": engine.waiting, "step_model": step_model}
 
     @app.get("/v1/models")
     async def models():

@@ -22,6 +22,7 @@ from .loadtest_servers import (LoadtestError, ServerProcess, VllmServerProcess, 
                                machine_note, own_cpu_s, scrape_counters)
 
 VLLM_PREFIX = "vllm:"
+REFIT_PREFIX = "adaptive+refit="  # the adaptive policy with its step costs re-fitted online (serve --refit)
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ def make_trace(count: int, rate_per_s: float, cv: float, seed: int, prompts: int
 
 @dataclass(frozen=True)
 class LoadtestConfig:
-    policies: tuple[str, ...]  # 'table', 'k=K', 'tree=SPEC', 'adaptive=MODEL.json'
+    policies: tuple[str, ...]  # 'table', 'k=K', 'tree=SPEC', 'adaptive=MODEL.json', 'adaptive+refit=MODEL.json'
     rates_per_s: tuple[float, ...]
     cvs: tuple[float, ...] = (1.0,)
     requests: int = 100
@@ -133,7 +134,10 @@ def policy_args(policy: str) -> list[str]:
         return ["--tree", policy[5:]]
     if policy.startswith("adaptive="):
         return ["--adaptive", policy[9:]]
-    raise LoadtestError(f"policy {policy!r}: expected table, k=K, tree=SPEC or adaptive=MODEL.json")
+    if policy.startswith(REFIT_PREFIX):
+        return ["--adaptive", policy.removeprefix(REFIT_PREFIX), "--refit"]
+    raise LoadtestError(f"policy {policy!r}: expected table, k=K, tree=SPEC, adaptive=MODEL.json or "
+                        "adaptive+refit=MODEL.json")
 
 
 def server_command_args(server_args: tuple[str, ...], policy: str) -> list[str]:
@@ -308,6 +312,9 @@ def _serve_options(server_args: tuple[str, ...], policy: str):
              "--max-waiting": ("max_waiting", int), "--adaptive": ("adaptive", Path)}
     args = server_command_args(server_args, policy)
     values = {}
+    if "--refit" in args:  # the one flag without a value
+        args.remove("--refit")
+        values["refit"] = True
     for flag, value in zip(args[::2], args[1::2]):
         if flag not in names:
             raise LoadtestError(f"{flag} is not passed on to the in-process engine")
@@ -360,7 +367,7 @@ def candidate_set_notes(config: LoadtestConfig) -> list[str]:
     entries against a model that measured the second stage: adaptive then runs staged chains the table
     never does, and the comparison is of candidate sets, not of adapting."""
     table_args = dict(zip(config.server_args[::2], config.server_args[1::2]))
-    adaptive = [p.split("=", 1)[1] for p in config.policies if p.startswith("adaptive=")]
+    adaptive = [p.split("=", 1)[1] for p in config.policies if p.startswith(("adaptive=", REFIT_PREFIX))]
     if "table" not in config.policies or "--table" not in table_args or not adaptive:
         return []
     from specbatch.perfmodel.model import load_model

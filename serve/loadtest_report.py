@@ -4,12 +4,14 @@ their JSON, CSV and PNG. No HTTP, no torch: the numbers of a run can be recomput
 Definitions (per request): TTFT = first token's arrival - send time; TPOT = (last - first token's
 arrival) / (completion tokens - 1), for requests of 2+ tokens; end-to-end = last arrival - send time.
 Per run: throughput = completion tokens / (last finish - first send); goodput = requests that met every
-SLO given (and their tokens) per second of the same span (DistServe's definition).
+SLO given (and their tokens) per second of the same span (DistServe's definition). With a step model
+(--adaptive): its predicted seconds beside the measured ones over the run's steps (`step_model_use`).
 """
 from __future__ import annotations
 
 import csv
 import io
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -104,7 +106,7 @@ CSV_COLUMNS = ["policy", "mode", "rate_per_s", "cv", "requests", "ok", "errors",
                "tpot_ms_p90", "tpot_ms_p99", "e2e_ms_mean", "e2e_ms_p50", "e2e_ms_p90", "e2e_ms_p99",
                "throughput_tokens_per_s", "goodput_requests_per_s", "goodput_tokens_per_s", "rss_before_mb",
                "rss_after_mb", "engine_steps", "engine_step_ms_mean", "engine_busy_fraction", "server_cpu_s",
-               "client_cpu_s", "strategy_mix"]
+               "client_cpu_s", "strategy_mix", "measured_over_predicted", "measured_over_refit", "drift_warnings"]
 
 
 def describe_mix(mix: dict | None, top: int = 3) -> str:
@@ -122,6 +124,8 @@ def to_csv(runs: list[dict]) -> str:
     writer.writeheader()
     for run in runs:
         row = dict(run, strategy_mix=describe_mix(run.get("strategy_mix"), top=len(run.get("strategy_mix") or ())))
+        row.update({key: (run.get("step_model") or {}).get(key)
+                    for key in ("measured_over_predicted", "measured_over_refit", "drift_warnings")})
         for name in ("ttft_ms", "tpot_ms", "e2e_ms"):
             for stat, value in run[name].items():
                 row[f"{name}_{stat}"] = value
@@ -175,6 +179,7 @@ def render_runs(runs: list[dict]) -> None:
     for column in ("policy", "mode", "rate/s", "CV", "ok", "failed", "mismatch", "hostile ok", "TTFT", "TPOT",
                    "E2E", "E2E p99", "tok/s", "goodput/s"):
         table.add_column(column, justify="right", no_wrap=True)
+    table.add_column("meas/pred", justify="right", no_wrap=True)
     table.add_column("steps ran (share, step time, tokens a step)", justify="left")
 
     def number(value, fmt="{:.0f}") -> str:
@@ -187,5 +192,72 @@ def render_runs(runs: list[dict]) -> None:
                       number(run["tpot_ms"]["mean"], "{:.1f}"),
                       number(run["e2e_ms"]["mean"]), number(run["e2e_ms"]["p99"]),
                       number(run["throughput_tokens_per_s"]), number(run["goodput_requests_per_s"], "{:.2f}"),
-                      describe_mix(run.get("strategy_mix")))
+                      describe_fidelity(run.get("step_model")), describe_mix(run.get("strategy_mix")))
     Console(width=200).print(table)
+
+
+# ---------------------------------------------------------------------- the step model beside the measured steps
+_STEP_MODEL_SERIES = {"specbatch_step_model_steps_total": "steps",
+                      "specbatch_step_model_predicted_seconds_total": "predicted_s",
+                      "specbatch_step_model_measured_seconds_total": "measured_s",
+                      "specbatch_step_model_refit_predicted_seconds_total": "refit_predicted_s"}
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def step_model_counters(fidelity: dict | None) -> dict | None:
+    """The counters a run's step-model figures are the difference of, from an engine's fidelity snapshot
+    (runtime.fidelity; None: the policy has no step model)."""
+    if fidelity is None:
+        return None
+    return {"cells": {(c["strategy"], c["batch_sizes"]): {"steps": c["steps"], "predicted_s": c["predicted_s"],
+                                                          "measured_s": c["measured_s"],
+                                                          "refit_predicted_s": c["refit_predicted_s"] or 0.0}
+                      for c in fidelity["cells"]},
+            "drift_warnings": fidelity["drift_warnings"], "refit": fidelity["refit"] is not None}
+
+
+def parse_step_model(samples: dict[str, str]) -> dict | None:
+    """The same counters from a /metrics page's samples (series -> value; serve.metrics)."""
+    if "specbatch_step_model_drift_warnings_total" not in samples:
+        return None
+    cells: dict[tuple[str, str], dict[str, float]] = {}
+    for series, value in samples.items():
+        name, _, labels = series.partition("{")
+        if name in _STEP_MODEL_SERIES:
+            found = {key: re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), text)
+                     for key, text in _LABEL.findall(labels)}
+            cell = cells.setdefault((found["strategy"], found["batch_sizes"]), dict.fromkeys(
+                ("steps", "predicted_s", "measured_s", "refit_predicted_s"), 0.0))
+            cell[_STEP_MODEL_SERIES[name]] = float(value)
+    return {"cells": cells, "drift_warnings": float(samples["specbatch_step_model_drift_warnings_total"]),
+            "refit": any(series.startswith("specbatch_step_refit_factor{") for series in samples)}
+
+
+def step_model_use(before: dict | None, after: dict | None) -> dict | None:
+    """A run's steps as the step model predicted them: predicted and measured seconds, their ratio (and the
+    re-fitted prediction's with --refit), drift warnings, per (strategy, batch sizes) cell, most steps first."""
+    if before is None or after is None:
+        return None
+    cells = []
+    for (strategy, batch_sizes), counts in after["cells"].items():
+        prior = before["cells"].get((strategy, batch_sizes), {})
+        delta = {key: value - prior.get(key, 0.0) for key, value in counts.items()}
+        if delta["steps"] > 0:
+            cells.append({"strategy": strategy, "batch_sizes": batch_sizes, **delta})
+    predicted, measured = sum(c["predicted_s"] for c in cells), sum(c["measured_s"] for c in cells)
+    refit_predicted = sum(c["refit_predicted_s"] for c in cells)
+    return {"steps": sum(c["steps"] for c in cells), "predicted_s": predicted, "measured_s": measured,
+            "measured_over_predicted": measured / predicted if predicted else None,
+            "measured_over_refit": measured / refit_predicted if after["refit"] and refit_predicted else None,
+            "drift_warnings": after["drift_warnings"] - before["drift_warnings"],
+            "cells": sorted(cells, key=lambda c: -c["steps"])}
+
+
+def describe_fidelity(step_model: dict | None) -> str:
+    """'1.52 (refit 1.01)': measured over predicted seconds of a run's steps; '-' without a step model."""
+    if not step_model or step_model["measured_over_predicted"] is None:
+        return "-"
+    text = f"{step_model['measured_over_predicted']:.2f}"
+    if step_model["measured_over_refit"] is not None:
+        text += f" (refit {step_model['measured_over_refit']:.2f})"
+    return text + (f", {step_model['drift_warnings']:.0f} drift" if step_model["drift_warnings"] else "")

@@ -15,6 +15,8 @@ from pathlib import Path
 
 from specbatch.perfmodel.errors import SpecbatchError
 
+from .loadtest_report import parse_step_model, step_model_counters, step_model_use
+
 LOOPBACK = "127.0.0.1"
 
 
@@ -116,7 +118,8 @@ def own_cpu_s() -> float:
 
 def engine_counters(snapshot: dict) -> dict:
     return {"steps": snapshot["steps_total"], "step_s": snapshot["step_seconds_sum"],
-            "by_strategy": {name: dict(mix) for name, mix in snapshot["by_strategy"].items()}}
+            "by_strategy": {name: dict(mix) for name, mix in snapshot["by_strategy"].items()},
+            "step_model": step_model_counters(snapshot["fidelity"])}
 
 
 _MIX_SERIES = {"specbatch_strategy_steps_total": "steps", "specbatch_strategy_step_seconds_total": "seconds",
@@ -142,7 +145,7 @@ def parse_counters(text: str) -> dict | None:
             label = re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), labels[:-2])
             by_strategy.setdefault(label, {})[_MIX_SERIES[name]] = float(value)
     return {"steps": float(samples["specbatch_steps_total"]), "step_s": float(samples["specbatch_step_seconds_sum"]),
-            "by_strategy": by_strategy}
+            "by_strategy": by_strategy, "step_model": parse_step_model(samples)}
 
 
 def strategy_mix(before: dict, after: dict) -> dict:
@@ -167,11 +170,13 @@ def engine_use(before: dict | None, after: dict | None, run: dict) -> dict:
     (below 1 at saturation: time lost between steps, to prefill, or to the HTTP side holding the GIL),
     and the strategies its steps ran."""
     if before is None or after is None:
-        return {"engine_steps": None, "engine_step_ms_mean": None, "engine_busy_fraction": None, "strategy_mix": None}
+        return {"engine_steps": None, "engine_step_ms_mean": None, "engine_busy_fraction": None, "strategy_mix": None,
+                "step_model": None}
     steps, step_s = after["steps"] - before["steps"], after["step_s"] - before["step_s"]
     return {"engine_steps": steps, "engine_step_ms_mean": 1000 * step_s / steps if steps else None,
             "engine_busy_fraction": step_s / run["span_s"] if run["span_s"] else None,
-            "strategy_mix": strategy_mix(before, after) if steps else {}}
+            "strategy_mix": strategy_mix(before, after) if steps else {},
+            "step_model": step_model_use(before.get("step_model"), after.get("step_model"))}
 
 
 def machine_note() -> dict:

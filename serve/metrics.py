@@ -63,4 +63,32 @@ def render_metrics(snapshot: dict, running: int, waiting: int, reserved_tokens: 
         lines.append(f'specbatch_step_seconds_bucket{{le="{le}"}} {cumulative}')
     lines.append(f"specbatch_step_seconds_sum {snapshot['step_seconds_sum']:.10g}")
     lines.append(f"specbatch_step_seconds_count {cumulative}")
+    if snapshot.get("fidelity") is not None:
+        _fidelity(metric, snapshot["fidelity"])
     return "\n".join(lines) + "\n"
+
+
+def _fidelity(metric, fidelity: dict) -> None:
+    """The step model beside the measured steps (runtime.fidelity), per strategy and batch-size bucket."""
+    cells = [(f'{{strategy="{_label(c["strategy"])}",batch_sizes="{c["batch_sizes"]}"}}', c) for c in fidelity["cells"]]
+    series = [("step_model_steps_total", "counter", "steps", "Steps the step model predicted."),
+              ("step_model_predicted_seconds_total", "counter", "predicted_s", "The step model's predicted seconds."),
+              ("step_model_measured_seconds_total", "counter", "measured_s", "Measured seconds of the same steps."),
+              ("step_model_ratio", "gauge", "ratio", "Measured / predicted, geometric, over the last ~32 steps."),
+              ("step_model_ratio_spread", "gauge", "spread", "Std. deviation of log(measured / predicted).")]
+    if fidelity["refit"] is not None:
+        series.append(("step_model_refit_predicted_seconds_total", "counter", "refit_predicted_s",
+                       "The re-fitted step costs' predicted seconds (--refit)."))
+    for name, kind, key, help_text in series:
+        metric(name, kind, help_text, [(labels, cell[key]) for labels, cell in cells])
+    metric("step_model_band", "gauge", "Relative band the ratio may move in (the profile's noise figure).",
+           [("", fidelity["band"])])
+    metric("step_model_drift", "gauge", "1 while the step times have drifted out of the band.",
+           [("", 0 if fidelity["drift"] is None else 1)])
+    metric("step_model_drift_warnings_total", "counter", "Drift warnings logged.", [("", fidelity["drift_warnings"])])
+    if fidelity["refit"] is not None:
+        rows = fidelity["refit"]["factors"]
+        for name, key, help_text in (("step_refit_factor", "factor", "Re-fitted step-cost factor per role and width."),
+                                     ("step_refit_factor_low", "low", "Its 95 % interval, low end."),
+                                     ("step_refit_factor_high", "high", "Its 95 % interval, high end.")):
+            metric(name, "gauge", help_text, [(f'{{role="{r["role"]}",width="{r["width"]}"}}', r[key]) for r in rows])

@@ -36,6 +36,7 @@ class ServeOptions:
     k: int | None = None
     tree: str | None = None
     adaptive: Path | None = None  # a specbatch.model/1 file: the adaptive policy (runtime.adaptive)
+    refit: bool = False  # the adaptive policy re-fits its step costs from the served steps (runtime.refit)
     host: str = "127.0.0.1"
     port: int = 8000
     max_batch_size: int = 32
@@ -120,6 +121,8 @@ def choose_policy(options: ServeOptions, target_dir: Path, draft_dir: Path | Non
 
     if sum(x is not None for x in (options.table, options.k, options.tree, options.adaptive)) > 1:
         raise ServeError("--table, --k, --tree and --adaptive are mutually exclusive")
+    if options.refit and options.adaptive is None:
+        raise ServeError("--refit re-fits the adaptive policy's step costs: it needs --adaptive MODEL.json")
     if running is None:
         from specbatch.perfmodel.jsonio import directory_fingerprint
 
@@ -130,7 +133,7 @@ def choose_policy(options: ServeOptions, target_dir: Path, draft_dir: Path | Non
 
         if draft_dir is None:
             raise ServeError("--adaptive speculates: it needs a draft model (--draft DIR)")
-        policy = adaptive_for_pair(options.adaptive, running, force=options.force)
+        policy = adaptive_for_pair(options.adaptive, running, force=options.force, refit=options.refit)
     elif options.k is not None:
         if options.k < 0:
             raise ServeError(f"--k must be >= 0, got {options.k}")

@@ -1,0 +1,97 @@
+"""Drift and mismatch warnings (runtime.fidelity) on constructed step-time sequences: steps measured at a known
+ratio to their prediction with seeded log-normal noise; a constructed 1.5x change must be warned about within
+200 steps (and only once), noise and a level inside the band never.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import re
+
+import numpy as np
+import pytest
+
+from specbatch.perfmodel.profile.noise import NoiseCheck, NoiseFigure
+from specbatch.runtime.fidelity import PERSIST_STEPS, SETTLE_STEPS, LiveFidelity, batch_bucket, noise_band
+
+CELLS = [("chain k=3", 3), ("chain k=4", 1), ("none", 12)]  # the mix the steps cycle through
+BAND = 0.10
+
+
+def run(fidelity, steps, level, rng, noise=0.05):
+    """`steps` steps, cycling through CELLS, each measured at `level` x its prediction x log-normal noise."""
+    for _ in range(steps):
+        strategy, b = CELLS[fidelity.steps % len(CELLS)]
+        predicted_s = 0.01 * (1 + b / 8)
+        fidelity.observe(strategy, b, predicted_s, predicted_s * level * math.exp(rng.normal(0.0, noise)))
+
+
+def warnings_of(caplog):
+    return [r for r in caplog.records if r.name == "specbatch.fidelity" and r.levelno >= logging.WARNING]
+
+
+def test_band_from_the_profiles_noise_figure():
+    """drift = (max - min) / 2 / median of the checks' medians; jitter = median of (p90 - p10) / 2 / median."""
+    checks = (NoiseCheck(0, 10.0, 9.8, 10.2), NoiseCheck(5, 11.0, 10.78, 11.22), NoiseCheck(9, 10.5, 10.29, 10.71))
+    figure = NoiseFigure("target b=1 n=1 L=64", checks)
+    assert noise_band(figure) == pytest.approx(0.5 / 10.5 + 0.02)
+    quiet = NoiseFigure("target b=1 n=1 L=64", (NoiseCheck(0, 10.0, 9.99, 10.01),))
+    assert noise_band(quiet) == pytest.approx(0.03)  # the +-3 % rule is the floor
+
+
+def test_noise_and_a_level_inside_the_band_never_warn(caplog):
+    """5 % noise per step for 6000 steps, then a 6 % change of level (inside the 10 % band) for 6000 more."""
+    fidelity, rng = LiveFidelity(band=BAND), np.random.default_rng(1)
+    run(fidelity, 6000, 1.0, rng)
+    run(fidelity, 6000, 1.06, rng)
+    assert warnings_of(caplog) == [] and not fidelity.drifting
+    assert fidelity.health()["drift"] is None and fidelity.health()["mismatched"] is None
+
+
+@pytest.mark.parametrize("change", [1.5, 1 / 1.5])
+def test_a_constructed_drift_warns_once_within_200_steps_and_clears(caplog, change):
+    fidelity, rng = LiveFidelity(band=BAND), np.random.default_rng(2)
+    run(fidelity, 600, 1.0, rng)
+    assert not fidelity.drifting
+    for step in range(1, 1001):
+        run(fidelity, 1, change, rng)
+        if fidelity.drifting:
+            break
+    assert step <= 200, step
+    records = warnings_of(caplog)
+    assert len(records) == 1
+    message = records[0].getMessage()
+    assert "chain k=3 at batch sizes 3-4" in message and "none at batch sizes 9-16" in message and "±10 %" in message
+    assert float(re.search(r"they ran x([0-9.]+)", message).group(1)) == pytest.approx(change, rel=0.05)
+    drift = fidelity.health()["drift"]
+    assert drift["change"] == pytest.approx(change, rel=0.1)
+    assert {(c["strategy"], c["batch_sizes"]) for c in drift["cells"]} == {(s, batch_bucket(b)) for s, b in CELLS}
+    run(fidelity, 1000, change, rng)  # still drifting: no second warning
+    assert len(warnings_of(caplog)) == 1 and fidelity.drifting
+    run(fidelity, 300, 1.0, rng)  # back: the state clears
+    assert not fidelity.drifting and fidelity.health()["drift"] is None and len(warnings_of(caplog)) == 1
+
+
+def test_a_profile_that_does_not_describe_the_machine_warns_once(caplog):
+    """Steps 1.5x their prediction from the start: beyond the band + the model's own error (10 % + 5 %), once;
+    no drift (the level does not change)."""
+    fidelity, rng = LiveFidelity(band=BAND, model_error=0.05), np.random.default_rng(3)
+    run(fidelity, 3000, 1.5, rng)
+    records = warnings_of(caplog)
+    assert len(records) == 1 and "do not match the profile" in records[0].getMessage()
+    assert "ran x1.4" in records[0].getMessage() or "ran x1.5" in records[0].getMessage()
+    assert not fidelity.drifting
+    assert len(fidelity.health()["mismatched"]) == len(CELLS)
+    # within the band + the model's error: nothing
+    caplog.clear()
+    run(LiveFidelity(band=BAND, model_error=0.05), 3000, 1.12, rng)
+    assert warnings_of(caplog) == []
+
+
+def test_the_first_steps_of_a_cell_set_its_baseline():
+    fidelity = LiveFidelity(band=BAND)
+    for i in range(SETTLE_STEPS):
+        fidelity.observe("chain k=2", 2, 0.01, 0.013 if i % 2 else 0.011)
+    cell = fidelity.snapshot()["cells"][0]
+    assert cell["baseline_ratio"] == pytest.approx(math.sqrt(1.3 * 1.1))
+    assert PERSIST_STEPS <= 200 - 40  # room, within the goal's 200 steps, for the running mean to cross the band
