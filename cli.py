@@ -122,10 +122,28 @@ def calibrate_command(
         "Stop cleanly between points after this many seconds; the profile keeps what was measured and "
         "--resume continues."))] = None,
     threads: ThreadsOpt = None,
+    engine: Annotated[str, typer.Option("--engine", help=(
+        "specbatch: time our runtime | vllm: time vLLM's own steps (its CPU build; bash bench/vllm/setup.sh "
+        "first), for the table an export to vLLM carries."))] = "specbatch",
     json_output: JsonOpt = False,
 ):
     """Time the pair's forward passes over (batch size, new tokens, context) and measure acceptance (per
-    position, and per depth and rank for trees) and the n-gram second stage: a profile."""
+    position, and per depth and rank for trees) and the n-gram second stage: a profile. With --engine vllm,
+    vLLM's steps over (batch size, K, context) and the acceptance its counters saw: vLLM's profile."""
+    if engine not in ("specbatch", "vllm"):
+        raise UsageError(f"--engine: {engine!r} is not one of specbatch, vllm")
+    if engine == "vllm":
+        from specbatch.console.calibration import calibrate_vllm
+
+        given = [name for name, value in (("--device", device), ("--dtype", dtype), ("--acceptance", acceptance),
+                                          ("--sampling", sampling), ("--stage2", stage2)) if value]
+        if given:
+            raise UsageError(f"--engine vllm: {', '.join(given)} do not apply (vLLM runs float32 on this CPU and "
+                             "its acceptance is measured on the prompts)")
+        calibrate_vllm(target or str(DEMO_TARGET), draft or str(DEMO_DRAFT), out, prompts or DEMO_PROMPTS,
+                       parse_int_list("--batch-sizes", batch_sizes), parse_int_list("--context-lens", context_lens),
+                       max_k, quick, threads, resume, force, max_seconds, json_output)
+        return
     from specbatch.calibrate.run import CalibrationRequest
     from specbatch.calibrate.stage2 import stage2_for_calibration
     from specbatch.console.calibration import calibrate_with_progress, render_calibration

@@ -81,6 +81,8 @@ def render_fit(fitted, output: Path, holdout: bool = False, noise=None) -> None:
         console.print(points)
         for note in fit.notes:
             console.print(f"[yellow]note:[/] {role}: {note}")
+    for line in [] if fitted.engine is None else fitted.engine.report_lines():
+        console.print(line, markup=False, highlight=False)
     if fitted.timing_source is not None:
         render_sources(console, fitted.timing_source, holdout)
     if fitted.step_correction is not None:
@@ -89,7 +91,7 @@ def render_fit(fitted, output: Path, holdout: bool = False, noise=None) -> None:
         console.print(f"noise floor: the reference pass ({noise.reference}), timed {len(noise.checks)} times during "
                       f"calibration, lay {100 * noise.floor_mape:.1f} % from its own median on average: a MAPE "
                       f"near that is the machine's, not the model's")
-    if not fitted.overhead.measured:
+    if not fitted.overhead.measured and fitted.engine is None:
         console.print("[yellow]note:[/] the profile has no step-overhead rows: overhead taken as 0 ms")
     if not fitted.acceptance:
         console.print("[yellow]note:[/] the profile has no acceptance: `table` and `query` will need --acceptance")

