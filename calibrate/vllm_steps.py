@@ -44,7 +44,7 @@ from .summary import CalibrationSummary, ProgressEvent, summarize
 
 ENGINE = "vllm"
 MAX_MODEL_LEN = 1024  # vllm_worker.py's max_model_len: a prompt and its generation must fit
-DEFAULT_SWEEPS = 3  # the median of three sweeps survives one slow spell
+DEFAULT_SWEEPS = 5  # the median of five sweeps survives two slow spells of a shared machine
 DEFAULT_DECODE_STEPS = 8  # decode steps timed per configuration and sweep
 SETTLE_S = 0.4  # idle between two workers when vLLM binds its threads: they spin after their work
 DECODE_STEP_S = 0.02  # a decode step of the demo pair on a 2-core CPU: the estimate's floor per step
@@ -303,8 +303,6 @@ def _measure(request, todo, workers, stream, profile, on_progress, done, total, 
     count, previous = 0, None
     prompts_source = str(Path(request.prompts).resolve())
     for point in todo:
-        if request.max_seconds is not None and clock() - started_s > request.max_seconds:
-            break
         if request.threads is None and previous not in (None, point.mode):
             time.sleep(SETTLE_S)
         prompts = window_prompts(stream, point.batch_size, point.prompt_len, point.sweep)
@@ -318,4 +316,6 @@ def _measure(request, todo, workers, stream, profile, on_progress, done, total, 
         count, done, previous = count + 1, done + 1, point.mode
         if on_progress is not None:
             on_progress(ProgressEvent(done, total, point.label()))
+        if request.max_seconds is not None and clock() - started_s > request.max_seconds:
+            break  # between two configurations, at least one measured: --resume goes on from here
     return profile, count

@@ -39,7 +39,9 @@ def fit_json(fitted, output: Path) -> dict:
              for role, obj in model_to_json(fitted)["roles"].items()}
     source = None if fitted.timing_source is None else fitted.timing_source.to_json()
     correction = None if fitted.step_correction is None else fitted.step_correction.to_json()
-    return {"model": str(output), "roles": roles, "timing_source": source, "step_correction": correction}
+    engine = None if fitted.engine is None else {k: v for k, v in fitted.engine.to_json().items() if k != "points"}
+    return {"model": str(output), "roles": roles, "timing_source": source, "step_correction": correction,
+            "engine_steps": engine}
 
 
 def render_fit(fitted, output: Path, holdout: bool = False, noise=None) -> None:

@@ -13,16 +13,18 @@ processing. The model is a sum of those costs, each a coefficient (ms) times a c
                      + row_ms * b                              per request: scheduling, outputs
                      + target_token_ms * b (K + 1)             tokens the target verifies
                      + draft_token_ms * D                      tokens the drafter reads
-                     + target_kv_ms * b (K + 1) L / 1000       attention of the verified tokens over L cached ones
-                     + draft_kv_ms * D L / 1000
+                     + target_kv_ms * b L / 1000               the target's pass reading each row's cache
+                     + draft_kv_ms * P b L / 1000              the draft's passes reading theirs
 
-    D = [spec] b (K + 1) + b max(K - 1, 0)
+    D = [spec] b (K + 1) + b max(K - 1, 0),   P = [spec] max(K, 1)   (draft passes)
 
 ([spec]: 1 with a speculative configuration, 0 without one; mode none has K = 0.) The coefficients are
 non-negative and fitted by least squares on relative errors (each point weighted by 1 / its time) to the
 median step time of each configuration over calibrate's sweeps. Assumptions: the counts above are linear in
-what they count (no thread-partitioning or kernel steps in the token count beyond what a line captures);
-acceptance changes a step's cost only through its context; the steps of one configuration are alike.
+what they count (no thread-partitioning or kernel steps in the token count beyond what a line captures); a
+pass's attention reads each row's cached keys once, whatever the few tokens it feeds (decode attention is
+bound by reading the cache: per row and pass, not per token); acceptance changes a step's cost only through
+its context; the steps of one configuration are alike.
 
 Validation: every configuration predicted by the model refitted without its K (leave one K out: the schedule's
 rows at that K) and without its batch size (leave one b out), MAPE against the measured medians; beside it the
@@ -58,8 +60,9 @@ def counts(mode: str, batch_size, k, context_len) -> np.ndarray:
     verified = b * (k + 1)
     later = np.maximum(k - 1, 0)
     drafted = spec * verified + b * later
-    return np.stack(np.broadcast_arrays(np.ones_like(b), spec, later, b, verified, drafted, verified * L / 1e3,
-                                        drafted * L / 1e3), axis=-1)
+    draft_passes = spec * np.maximum(k, 1)
+    return np.stack(np.broadcast_arrays(np.ones_like(b), spec, later, b, verified, drafted, b * L / 1e3,
+                                        draft_passes * b * L / 1e3), axis=-1)
 
 
 @dataclass(frozen=True)

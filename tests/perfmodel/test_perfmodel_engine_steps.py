@@ -21,7 +21,7 @@ from specbatch.perfmodel.tree import Strategy, chain
 ENGINE = {"name": "vllm", "version": "0.32.0", "settings": {"threads": "1 OpenMP thread(s), unbound"}}
 # a vLLM-like step on a CPU: ms per unit of what each term counts (perfmodel/engine_steps.py)
 KNOWN = {"step_ms": 7.0, "speculative_step_ms": 2.5, "draft_pass_ms": 1.1, "row_ms": 0.3, "target_token_ms": 0.12,
-         "draft_token_ms": 0.05, "target_kv_ms": 0.4, "draft_kv_ms": 0.1}
+         "draft_token_ms": 0.05, "target_kv_ms": 2.0, "draft_kv_ms": 0.3}
 ALPHAS = (0.8, 0.75, 0.7, 0.7)
 
 
@@ -29,9 +29,10 @@ def known_step_ms(mode: str, b: int, k: int, L: float) -> float:
     """The module docstring's sum, written out term by term."""
     spec = 1.0 if mode == "schedule" else 0.0
     drafted = spec * b * (k + 1) + b * max(k - 1, 0)
+    draft_passes = spec * max(k, 1)
     return (KNOWN["step_ms"] + KNOWN["speculative_step_ms"] * spec + KNOWN["draft_pass_ms"] * max(k - 1, 0)
             + KNOWN["row_ms"] * b + KNOWN["target_token_ms"] * b * (k + 1) + KNOWN["draft_token_ms"] * drafted
-            + KNOWN["target_kv_ms"] * b * (k + 1) * L / 1e3 + KNOWN["draft_kv_ms"] * drafted * L / 1e3)
+            + KNOWN["target_kv_ms"] * b * L / 1e3 + KNOWN["draft_kv_ms"] * draft_passes * b * L / 1e3)
 
 
 def step_rows(step_ms=known_step_ms, batch_sizes=(1, 2, 4, 8, 16, 32), prompt_lens=(128, 512), max_k=4, sweeps=3,

@@ -1,0 +1,82 @@
+"""vLLM's own steps end to end, where its CPU build is set up (bench/vllm/setup.sh; skipped otherwise, as in CI):
+`calibrate --engine vllm` stopped by --max-seconds and resumed, every configuration's row as vLLM ran it (the K
+its scheduler chose, its counters), `fit` and `table --format vllm` on the result, then the round trip in vLLM
+with a schedule from those costs and one from a constructed table."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specbatch.perfmodel.profile import load_profile
+from specbatch.perfmodel.table import Bucket, Table, TableEntry, load_table, save_table
+
+ROOT = Path(__file__).resolve().parents[2]
+RUN = ROOT / "bench" / "vllm" / "run.sh"
+
+
+def vllm_importable() -> bool:
+    probe = subprocess.run(["bash", str(RUN), "-c", "import importlib.util, sys; "
+                            "sys.exit(importlib.util.find_spec('vllm') is None)"], capture_output=True)
+    return probe.returncode == 0
+
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not vllm_importable(), reason="vLLM is not importable: bash bench/vllm/setup.sh")]
+
+
+def specbatch(*args: str) -> subprocess.CompletedProcess:
+    run = subprocess.run([sys.executable, "-m", "specbatch.cli", *args], capture_output=True, text=True, timeout=900,
+                         cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
+def test_vllm_steps_calibrated_resumed_fitted_tabulated_and_run_back_in_vllm(tmp_path):
+    out = tmp_path / "vllm.json"
+    grid = ["--engine", "vllm", "--batch-sizes", "1,2,4,8", "--context-lens", "64", "--max-k", "2", "--quick",
+            "--threads", "1", "-o", str(out)]
+    first = json.loads(specbatch("calibrate", *grid, "--max-seconds", "1", "--json").stdout)
+    assert first["points_measured"] == 1 and first["points_left"] == 2 * 4 * 4 - 1  # 2 sweeps x 4 b x (none, K 0-2)
+    second = json.loads(specbatch("calibrate", *grid, "--resume", "--json").stdout)
+    assert (second["points_resumed"], second["points_measured"], second["points_left"]) == (1, 31, 0)
+    profile = load_profile(out)
+    assert profile.engine.name == "vllm" and profile.engine.settings["threads"] == "1 OpenMP thread(s), unbound"
+    assert profile.timings == () and len(profile.engine_steps) == 32
+    for row in profile.engine_steps:
+        assert row.reps == 8  # every decode step before the abort ran over the full batch
+        assert 64 <= row.context_len <= 64 + 8 * 3 and 1.0 <= row.tokens_per_step <= row.k + 1
+        assert (row.drafts > 0) == (row.mode == "schedule" and row.k > 0)
+        if row.drafts:  # every decode step verified one draft per row (the prefill step's drafts included)
+            assert row.drafts == row.batch_size * 8 and row.draft_tokens == row.drafts * row.k
+    (acceptance,) = profile.acceptance
+    assert len(acceptance.per_position) == 2 and acceptance.tokens_per_step[0] == 1.0
+
+    fitted = json.loads(specbatch("fit", str(out), "-o", str(tmp_path / "m.json"), "--json").stdout)
+    assert fitted["engine_steps"]["engine"]["name"] == "vllm"
+    export = specbatch("table", str(tmp_path / "m.json"), "-o", str(tmp_path / "v.json"), "--max-batch", "8",
+                       "--format", "vllm")
+    assert "own steps" in export.stdout
+    specbatch("table", str(tmp_path / "m.json"), "-o", str(tmp_path / "t.json"), "--max-batch", "8",
+              "--context-lens", "64")
+    assert load_table(tmp_path / "t.json").costs_name() == "vllm"
+
+    entries = tuple(TableEntry(b, k, 100.0 * b, 1.5, None, None) for b, k in enumerate([2, 1, 1, 1], start=1))
+    save_table(tmp_path / "ours.json", Table(str(ROOT / "data" / "models" / "demo-target"),
+                                             str(ROOT / "data" / "models" / "demo-draft"), "cpu",
+                                             "2026-11-30T01:00:00Z", 2, {}, (Bucket(64, entries),)))
+    run = subprocess.run([sys.executable, "-m", "specbatch.bench.vllm.roundtrip", "--vllm-table",
+                          str(tmp_path / "t.json"), "--ours-table", str(tmp_path / "ours.json"), "--batch-sizes", "1,4",
+                          "--max-k", "2", "--rounds", "2", "--max-new-tokens", "12", "--threads", "1", "-o",
+                          str(tmp_path / "rt.json")], capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads((tmp_path / "rt.json").read_text())
+    assert [r["batch_size"] for r in result["results"]] == [1, 4]
+    for r in result["results"]:
+        assert set(r["median_tokens_per_s"]) == {"vllm-costs", "ours-costs", "K=0", "K=1", "K=2"}
+        assert r["lookup_mismatches"] == {"vllm-costs": [], "ours-costs": []}  # vLLM ran our schedules
+        assert r["regret"]["vllm-costs"]["rounds"] == 2 and r["best_fixed"] in ("K=0", "K=1", "K=2")
+    assert len(result["runs"]) == 2 * 3 * 5  # batch sizes x (warm-up + 2 rounds) x contenders
