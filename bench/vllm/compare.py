@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .worker import RUN_SH, VllmError, VllmWorker, vllm_missing  # noqa: F401 - RUN_SH: serve/loadtest_servers.py
+from specbatch.bench.vllm.worker import RUN_SH, VllmError, VllmWorker, vllm_missing  # noqa: F401 (serve uses RUN_SH)
 
 POLICIES = ("k=0", "table")
 SETTLE_S = 0.4

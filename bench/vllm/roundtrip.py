@@ -30,10 +30,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..plan import balanced_order
-from ..regret import paired_regret
-from .compare import check_chains_only
-from .worker import VllmError, VllmWorker, vllm_missing
+from specbatch.bench.plan import balanced_order
+from specbatch.bench.regret import paired_regret
+from specbatch.bench.vllm.compare import check_chains_only
+from specbatch.bench.vllm.worker import VllmError, VllmWorker, vllm_missing
 
 SCHEDULES = ("vllm-costs", "ours-costs")
 PLAIN = "K=0"
