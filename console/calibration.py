@@ -65,7 +65,7 @@ def calibrate_vllm(target: str, draft: str, out, prompts, batch_sizes, context_l
 
     from specbatch.bench.vllm.worker import VllmWorker
     from specbatch.calibrate import grid
-    from specbatch.calibrate.vllm_steps import EngineCalibrationRequest, calibrate_engine
+    from specbatch.calibrate.vllm_steps import DEFAULT_SWEEPS, EngineCalibrationRequest, calibrate_engine
 
     from specbatch.perfmodel.errors import UsageError
 
@@ -75,7 +75,7 @@ def calibrate_vllm(target: str, draft: str, out, prompts, batch_sizes, context_l
         target=target, draft=draft, out=Path(out), prompts=Path(prompts),
         batch_sizes=tuple(batch_sizes or (grid.QUICK_BATCH_SIZES if quick else grid.DEFAULT_BATCH_SIZES)),
         context_lens=tuple(context_lens or (grid.QUICK_CONTEXT_LENS if quick else grid.DEFAULT_CONTEXT_LENS)),
-        max_k=max_k, threads=threads, sweeps=2 if quick else 3, resume=resume, force=force,
+        max_k=max_k, threads=threads, sweeps=2 if quick else DEFAULT_SWEEPS, resume=resume, force=force,
         max_seconds=max_seconds)
     logs = Path(tempfile.mkdtemp(prefix="specbatch-vllm-"))  # kept: an error names the worker's log in it
 

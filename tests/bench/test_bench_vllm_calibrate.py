@@ -7,25 +7,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
-
-import pytest
 
 from specbatch.perfmodel.profile import load_profile
-from specbatch.perfmodel.table import Bucket, Table, TableEntry, load_table, save_table
+from specbatch.perfmodel.table import load_table, save_table
+from vllm_helpers import ROOT, needs_vllm, table_of
 
-ROOT = Path(__file__).resolve().parents[2]
-RUN = ROOT / "bench" / "vllm" / "run.sh"
-
-
-def vllm_importable() -> bool:
-    probe = subprocess.run(["bash", str(RUN), "-c", "import importlib.util, sys; "
-                            "sys.exit(importlib.util.find_spec('vllm') is None)"], capture_output=True)
-    return probe.returncode == 0
-
-
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not vllm_importable(), reason="vLLM is not importable: bash bench/vllm/setup.sh")]
+pytestmark = needs_vllm()
 
 
 def specbatch(*args: str) -> subprocess.CompletedProcess:
@@ -64,10 +51,7 @@ def test_vllm_steps_calibrated_resumed_fitted_tabulated_and_run_back_in_vllm(tmp
               "--context-lens", "64")
     assert load_table(tmp_path / "t.json").costs_name() == "vllm"
 
-    entries = tuple(TableEntry(b, k, 100.0 * b, 1.5, None, None) for b, k in enumerate([2, 1, 1, 1], start=1))
-    save_table(tmp_path / "ours.json", Table(str(ROOT / "data" / "models" / "demo-target"),
-                                             str(ROOT / "data" / "models" / "demo-draft"), "cpu",
-                                             "2026-11-30T01:00:00Z", 2, {}, (Bucket(64, entries),)))
+    save_table(tmp_path / "ours.json", table_of([2, 1, 1, 1], context_len=64))
     run = subprocess.run([sys.executable, "-m", "specbatch.bench.vllm.roundtrip", "--vllm-table",
                           str(tmp_path / "t.json"), "--ours-table", str(tmp_path / "ours.json"), "--batch-sizes", "1,4",
                           "--max-k", "2", "--rounds", "2", "--max-new-tokens", "12", "--threads", "1", "-o",

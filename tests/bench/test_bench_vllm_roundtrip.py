@@ -8,12 +8,7 @@ import math
 import pytest
 
 from specbatch.bench.vllm.roundtrip import Run, decode_rate, summarize
-from specbatch.perfmodel.table import Bucket, Table, TableEntry
-
-
-def table_of(ks: list[int]) -> Table:
-    entries = tuple(TableEntry(b, k, 100.0 * b, 1.5, None, None) for b, k in enumerate(ks, start=1))
-    return Table("t", "d", "cpu", "2026-11-30T01:00:00Z", max(ks), {}, (Bucket(128, entries),))
+from vllm_helpers import table_of
 
 
 def test_decode_phase_goodput_leaves_prefill_and_each_row_s_first_token_out():

@@ -239,3 +239,13 @@ def test_a_table_from_our_runtime_s_costs_exported_to_vllm_says_whose_costs_it_c
 
 def test_terms_cover_the_docstring():
     assert TERMS == tuple(KNOWN)
+
+
+def test_plot_shows_the_engine_s_steps_measured_against_predicted(engine_model, tmp_path):
+    from specbatch.perfmodel.plot import fit_panels, plot_model
+
+    ((measured, predicted, batch_sizes, title),) = fit_panels(engine_model)
+    assert len(measured) == len(engine_model.engine.points) == 2 * 6 * 6 and "vllm 0.32.0 steps" in title
+    assert predicted == pytest.approx(measured, rel=1e-5)  # the known form, fitted exactly
+    plot_model(engine_model, engine_model.acceptance[0], tmp_path / "engine.png", max_batch=8)
+    assert (tmp_path / "engine.png").read_bytes()[:4] == b"\x89PNG"
