@@ -1,17 +1,17 @@
 """vLLM's own step costs in, a schedule vLLM runs best out: the loop measured in vLLM, on the demo pair.
 
-    SPECBATCH_VLLM_VENV=... python scripts/vllm_loop.py [--work DIR] [--ours-model M.json] [--rounds 5]
-        [--batch-sizes 1,8,32] [--max-seconds 900] [--write-docs]
+    SPECBATCH_VLLM_VENV=... python scripts/vllm_loop.py [--work DIR] [--ours-model M.json] [--rounds 3]
+        [--paired-rounds 10] [--batch-sizes 1,8,32] [--max-seconds 900] [--write-docs]
 
 Runs, as a user would, from a work folder: `specbatch calibrate --engine vllm` (vLLM's steps, bounded by
 --max-seconds), `fit` (the step model and its held-out errors), `table` from those costs; our runtime's
 `calibrate`, `fit` and `table --strategies chain` (or --ours-model, a model of ours already fitted); then the
-round trip in vLLM (bench/vllm/roundtrip.py): both schedules beside every fixed K, interleaved by round, and
-each schedule's paired regret against the best fixed K. vLLM runs on one unbound OpenMP thread (--threads 1)
-and ours on one torch thread: on a shared 2-core machine vLLM's own binding makes every thread wait for the
-busiest core. --write-docs puts the figures in docs/results.md's "vllm-loop" section
-(scripts/docs_sections.py); the goals are the calibration within 15 minutes, held-out step MAPE <= 10 % and
-paired regret <= 3 %.
+round trip in vLLM (bench/vllm/roundtrip.py): both schedules beside every fixed K, interleaved by round, then
+in lockstep with the two best fixed K, and each schedule's paired regret against the best fixed K. vLLM runs
+on one unbound OpenMP thread (--threads 1) and ours on one torch thread: on a shared 2-core machine vLLM's own
+binding makes every thread wait for the busiest core. --write-docs puts the figures in docs/results.md's
+"vllm-loop" section (scripts/docs_sections.py); the goals are the calibration within 15 minutes, held-out step
+MAPE <= 10 % and paired regret <= 3 %.
 """
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ MAX_BATCH, CONTEXT = 32, 128  # the tables: batch sizes 1..32 at the profiles' m
 def roundtrip(args: argparse.Namespace, work: Path) -> tuple[dict, str, float]:
     command = [sys.executable, "-m", "specbatch.bench.vllm.roundtrip", "--vllm-table", "vllm.table.json",
                "--ours-table", "ours.table.json", "--batch-sizes", args.batch_sizes, "--max-k", "8",
-               "--rounds", str(args.rounds), "--threads", "1", "-o", "roundtrip.json"]
+               "--rounds", str(args.rounds), "--paired-rounds", str(args.paired_rounds), "--threads", "1",
+               "-o", "roundtrip.json"]
     shown = "python -m specbatch.bench.vllm.roundtrip " + shlex.join(command[3:])
     print(f"$ {shown}", flush=True)
     started = time.monotonic()
@@ -105,10 +106,12 @@ def render(commands: list[tuple[str, float]], calibration: dict, fit: dict, tabl
         f"from our runtime's costs `{schedule_runs(tables['ours'])}`.",
         "",
         "Decode-phase goodput in vLLM (tokens after each row's first, over the steps that scheduled no prompt "
-        f"tokens), {trip['max_new_tokens']} new tokens per row, greedy, EOS ignored, {trip['rounds']} interleaved "
-        "rounds. Regret: 1 - the geometric mean over rounds of schedule / best fixed K in hindsight (K = 1..8 "
-        "through vLLM's schedule, K = 0 without a speculative configuration), with its 95 % bootstrap interval and "
-        f"its verdict against the {100 * REGRET_GOAL:.0f} % goal.",
+        f"tokens), {trip['max_new_tokens']} new tokens per row, greedy, EOS ignored. {trip['rounds']} screening "
+        "rounds rank every fixed K (K = 1..8 through vLLM's schedule, K = 0 without a speculative configuration); "
+        f"then {trip['paired_rounds']} rounds run the two schedules and the two best fixed K in lockstep, one "
+        "engine step of each in turn. Regret: 1 - the geometric mean over the paired rounds of schedule / the "
+        "faster of those fixed K, with its 95 % bootstrap interval and its verdict against the "
+        f"{100 * REGRET_GOAL:.0f} % goal.",
         "",
         "| b | best fixed K | its tok/s | vLLM's-costs k | regret [95 %] | our-costs k | regret [95 %] |",
         "|---:|---|---:|---:|---|---:|---|",
@@ -129,7 +132,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ours-model", type=Path, help="a specbatch.model/1 of our runtime on this machine "
                                                         "(default: calibrate and fit one)")
     parser.add_argument("--batch-sizes", default="1,8,32")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3, help="screening rounds of the round trip")
+    parser.add_argument("--paired-rounds", type=int, default=10, help="its rounds in lockstep")
     parser.add_argument("--max-seconds", type=float, default=CALIBRATION_GOAL_S)
     parser.add_argument("--write-docs", action="store_true", help="write the section of docs/results.md")
     args = parser.parse_args(argv)

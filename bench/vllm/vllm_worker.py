@@ -25,6 +25,10 @@ computed tokens before the step)}, and "metrics": the change of vLLM's spec-deco
 "schedule" [[start, end, K], ...] and "cap": the run's batch size -> K schedule, expanded by vLLM's own
 `build_dynamic_sd_schedule_lookup` with the cap min(cap, the engine's num_speculative_tokens), as the scheduler
 expands an engine's configured schedule; "decode_steps": abort every request after this many decode steps.
+
+The same run one step per request, so that several workers' runs advance in lockstep: {"op": "start", ...the
+options above} adds the requests ({"requests"}), {"op": "step"} runs one engine step ({"step": its record or
+null, "done"}), {"op": "finish"} answers as "steps" does.
 """
 from __future__ import annotations
 
@@ -107,6 +111,7 @@ class Worker:
             self.recorder = self.scheduler.dynamic_sd_lookup = RecordedLookup(self.configured)
         self.step_log = StepLog(self.scheduler)
         self.serial = 0
+        self.run: Run | None = None  # a run driven one step per request ("start", "step", "finish")
 
     def ready(self) -> dict:
         import importlib.metadata
@@ -134,14 +139,29 @@ class Worker:
             self.recorder.seen.clear()
 
     def generate(self, request: dict) -> dict:
+        """One request of the protocol (module docstring)."""
         from vllm import SamplingParams
 
+        op = request.get("op")
+        if op == "step":
+            return self._active().step()
+        if op == "finish":
+            run, self.run = self._active(), None
+            return run.finish()
+        self.use_schedule(request.get("schedule"), request.get("cap"))
         # ignore_eos: every row generates max_new_tokens, as in our bench (the batch stays full)
         greedy = SamplingParams(temperature=0.0, max_tokens=request["max_new_tokens"], ignore_eos=True,
                                 detokenize=False)
-        self.use_schedule(request.get("schedule"), request.get("cap"))
+        if op == "start":
+            if self.run is not None:
+                raise RuntimeError("a run is already in progress: finish it first")
+            self.run = Run(self, request["prompts"], greedy, request.get("decode_steps"))
+            return {"requests": len(request["prompts"])}
         if request.get("steps"):
-            return self._steps(request, greedy)
+            run = Run(self, request["prompts"], greedy, request.get("decode_steps"))
+            while not run.step()["done"]:
+                pass
+            return run.finish()
         prompts = [{"prompt_token_ids": ids} for ids in request["prompts"]]
         start_s = time.perf_counter()
         outputs = self.llm.generate(prompts, greedy, use_tqdm=False)
@@ -149,38 +169,55 @@ class Worker:
         return {"token_ids": [list(out.outputs[0].token_ids) for out in outputs], "wall_s": wall_s,
                 "k_per_step": list(self.recorder.seen) if self.recorder else []}
 
-    def _steps(self, request: dict, greedy) -> dict:
-        engine, log = self.llm.llm_engine, self.step_log
-        ids = []
-        for prompt in request["prompts"]:
-            self.serial += 1
-            ids.append(f"specbatch-{self.serial}")
-            engine.add_request(ids[-1], {"prompt_token_ids": prompt}, greedy)
-        before, tokens = spec_counters(self.llm), {}
-        log.records.clear()
-        steps, decode_steps, limit = [], 0, request.get("decode_steps")
-        start_s = time.perf_counter()
-        while engine.has_unfinished_requests():
-            if limit is not None and decode_steps >= limit:
-                engine.abort_request([rid for rid in ids if rid not in tokens])
-                break
+    def _active(self) -> "Run":
+        if self.run is None:
+            raise RuntimeError("no run in progress: start one first")
+        return self.run
+
+
+class Run:
+    """Requests added to the engine and driven step by step, each `LLMEngine.step` timed alone."""
+
+    def __init__(self, worker: Worker, prompts: list[list[int]], params, decode_steps: int | None):
+        self.worker, self.engine, self.limit = worker, worker.llm.llm_engine, decode_steps
+        self.ids, self.tokens, self.steps, self.decode_steps = [], {}, [], 0
+        for prompt in prompts:
+            worker.serial += 1
+            self.ids.append(f"specbatch-{worker.serial}")
+            self.engine.add_request(self.ids[-1], {"prompt_token_ids": prompt}, params)
+        self.before = spec_counters(worker.llm)
+        worker.step_log.records.clear()
+        self.started_s = time.perf_counter()
+
+    def step(self) -> dict:
+        """One engine step: {"step": its record (None when it scheduled nothing), "done"}; after
+        `decode_steps` decode steps every request still running is aborted."""
+        log = self.worker.step_log
+        record = None
+        if self.engine.has_unfinished_requests():
             step_start_s = time.perf_counter()
-            outputs = engine.step()
+            outputs = self.engine.step()
             step_s = time.perf_counter() - step_start_s
             for out in outputs:
                 if out.finished:
-                    tokens[out.request_id] = list(out.outputs[0].token_ids)
-            if not log.records:  # a step that scheduled nothing
-                continue
-            steps.append({"wall_s": step_s, **log.records.pop()})
+                    self.tokens[out.request_id] = list(out.outputs[0].token_ids)
+            if log.records:  # else a step that scheduled nothing
+                record = {"wall_s": step_s, **log.records.pop()}
+                self.steps.append(record)
+                self.decode_steps += not record["prefill"]
             log.records.clear()
-            decode_steps += not steps[-1]["prefill"]
-        wall_s = time.perf_counter() - start_s
-        if engine.has_unfinished_requests():
+        if self.limit is not None and self.decode_steps >= self.limit and self.engine.has_unfinished_requests():
+            self.engine.abort_request([rid for rid in self.ids if rid not in self.tokens])
+        return {"step": record, "done": not self.engine.has_unfinished_requests()}
+
+    def finish(self) -> dict:
+        if self.engine.has_unfinished_requests():
             raise RuntimeError("requests left unfinished after the run")
-        return {"token_ids": [tokens.get(rid) for rid in ids], "wall_s": wall_s, "steps": steps,
-                "metrics": counter_change(before, spec_counters(self.llm)),
-                "k_per_step": list(self.recorder.seen) if self.recorder else []}
+        recorder = self.worker.recorder
+        return {"token_ids": [self.tokens.get(rid) for rid in self.ids],
+                "wall_s": time.perf_counter() - self.started_s, "steps": self.steps,
+                "metrics": counter_change(self.before, spec_counters(self.worker.llm)),
+                "k_per_step": list(recorder.seen) if recorder else []}
 
 
 def main(target: str, max_num_seqs: str, config_path: str) -> None:

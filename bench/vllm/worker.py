@@ -4,6 +4,7 @@ configuration, answering one run at a time (vllm_worker.py is its other side).
     worker = VllmWorker("spec", target_dir, max_num_seqs, speculative_config, workdir)
     worker.generate(prompts, 64)                                         # LLM.generate, timed whole
     worker.steps(prompts, 64, schedule=[[1, 64, 3]], decode_steps=12)    # step by step, with vLLM's metrics
+    worker.start(prompts, 64); worker.step() ...; worker.finish()         # the same, one step per call (lockstep)
     worker.close()
 
 Everything that can go wrong (not set up, a configuration vLLM refuses, a worker that dies) is a VllmError with
@@ -99,6 +100,19 @@ class VllmWorker:
         "k_per_step"}; `schedule` (inclusive [start, end, K] runs, capped by `cap`) replaces the engine's."""
         return self._run({"prompts": prompts, "max_new_tokens": max_new_tokens, "steps": True,
                           "schedule": schedule, "cap": cap, "decode_steps": decode_steps})
+
+    def start(self, prompts: list[list[int]], max_new_tokens: int, schedule: list | None = None,
+              cap: int | None = None) -> None:
+        """The prompts' requests added; `step` advances them one engine step, `finish` answers as `steps`."""
+        self._run({"op": "start", "prompts": prompts, "max_new_tokens": max_new_tokens, "schedule": schedule,
+                   "cap": cap})
+
+    def step(self) -> dict:
+        """One engine step of the run started: {"step": its record or None, "done"}."""
+        return self._run({"op": "step"})
+
+    def finish(self) -> dict:
+        return self._run({"op": "finish"})
 
     def close(self) -> None:
         try:

@@ -52,15 +52,18 @@ def test_vllm_steps_calibrated_resumed_fitted_tabulated_and_run_back_in_vllm(tmp
     assert load_table(tmp_path / "t.json").costs_name() == "vllm"
 
     save_table(tmp_path / "ours.json", table_of([2, 1, 1, 1], context_len=64))
-    run = subprocess.run([sys.executable, "-m", "specbatch.bench.vllm.roundtrip", "--vllm-table",
-                          str(tmp_path / "t.json"), "--ours-table", str(tmp_path / "ours.json"), "--batch-sizes", "1,4",
-                          "--max-k", "2", "--rounds", "2", "--max-new-tokens", "12", "--threads", "1", "-o",
-                          str(tmp_path / "rt.json")], capture_output=True, text=True, timeout=900, cwd=ROOT)
+    options = ["--vllm-table", tmp_path / "t.json", "--ours-table", tmp_path / "ours.json", "--batch-sizes", "1,4",
+               "--max-k", "2", "--rounds", "2", "--paired-rounds", "2", "--max-new-tokens", "12", "--threads", "1",
+               "-o", tmp_path / "rt.json"]
+    run = subprocess.run([sys.executable, "-m", "specbatch.bench.vllm.roundtrip", *map(str, options)],
+                         capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads((tmp_path / "rt.json").read_text())
     assert [r["batch_size"] for r in result["results"]] == [1, 4]
     for r in result["results"]:
-        assert set(r["median_tokens_per_s"]) == {"vllm-costs", "ours-costs", "K=0", "K=1", "K=2"}
+        assert set(r["screening_tokens_per_s"]) == {"vllm-costs", "ours-costs", "K=0", "K=1", "K=2"}
+        assert len(r["median_tokens_per_s"]) == 4 and r["best_fixed"] in r["median_tokens_per_s"]  # + two fixed K
         assert r["lookup_mismatches"] == {"vllm-costs": [], "ours-costs": []}  # vLLM ran our schedules
-        assert r["regret"]["vllm-costs"]["rounds"] == 2 and r["best_fixed"] in ("K=0", "K=1", "K=2")
-    assert len(result["runs"]) == 2 * 3 * 5  # batch sizes x (warm-up + 2 rounds) x contenders
+        assert r["regret"]["vllm-costs"]["rounds"] == r["regret"]["ours-costs"]["rounds"] == 2
+    # batch sizes x (warm-up + 2 screening rounds) x 5 contenders, then 2 paired rounds x 4 in lockstep
+    assert len(result["runs"]) == 2 * 3 * 5 + 2 * 2 * 4
