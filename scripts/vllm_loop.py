@@ -1,7 +1,7 @@
 """vLLM's own step costs in, a schedule vLLM runs best out: the loop measured in vLLM, on the demo pair.
 
     SPECBATCH_VLLM_VENV=... python scripts/vllm_loop.py [--work DIR] [--ours-model M.json] [--rounds 3]
-        [--paired-rounds 10] [--batch-sizes 1,8,32] [--max-seconds 900] [--write-docs]
+        [--paired-rounds 30] [--batch-sizes 1,8,32] [--max-seconds 900] [--write-docs]
 
 Runs, as a user would, from a work folder: `specbatch calibrate --engine vllm` (vLLM's steps, bounded by
 --max-seconds), `fit` (the step model and its held-out errors), `table` from those costs; our runtime's
@@ -106,7 +106,8 @@ def render(commands: list[tuple[str, float]], calibration: dict, fit: dict, tabl
         f"from our runtime's costs `{schedule_runs(tables['ours'])}`.",
         "",
         "Decode-phase goodput in vLLM (tokens after each row's first, over the steps that scheduled no prompt "
-        f"tokens), {trip['max_new_tokens']} new tokens per row, greedy, EOS ignored. {trip['rounds']} screening "
+        "tokens, each step counted at most 1.5 times its batch size's median step in its run: spikes of other "
+        f"processes), {trip['max_new_tokens']} new tokens per row, greedy, EOS ignored. {trip['rounds']} screening "
         "rounds rank every fixed K (K = 1..8 through vLLM's schedule, K = 0 without a speculative configuration); "
         f"then {trip['paired_rounds']} rounds run the two schedules and the two best fixed K in lockstep, one "
         "engine step of each in turn. Regret: 1 - the geometric mean over the paired rounds of schedule / the "
@@ -133,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                         "(default: calibrate and fit one)")
     parser.add_argument("--batch-sizes", default="1,8,32")
     parser.add_argument("--rounds", type=int, default=3, help="screening rounds of the round trip")
-    parser.add_argument("--paired-rounds", type=int, default=10, help="its rounds in lockstep")
+    parser.add_argument("--paired-rounds", type=int, default=30, help="its rounds in lockstep")
     parser.add_argument("--max-seconds", type=float, default=CALIBRATION_GOAL_S)
     parser.add_argument("--write-docs", action="store_true", help="write the section of docs/results.md")
     args = parser.parse_args(argv)

@@ -23,7 +23,9 @@ Two phases at each batch size, on the same prompts (the held-out prompts, cycled
    of the machine: a shared 2-core machine's slow spells last seconds, longer than a step, shorter than a round.
 
 A contender's goodput is its decode phase's: the tokens after each row's first over the time of the steps that
-scheduled no prompt tokens (prefill is the same work for every contender). The best fixed K in hindsight is the
+scheduled no prompt tokens (prefill is the same work for every contender), each step bounded by 1.5 times the
+median step of its batch size in its run (`bounded_decode_s`: spikes of other processes; the plain sum is kept
+beside it). The best fixed K in hindsight is the
 paired phase's faster one; each schedule's regret is `bench.regret.paired_regret` against it over the paired
 rounds: 1 - the geometric mean of schedule / best fixed K, with a bootstrap interval over rounds.
 """
@@ -57,22 +59,48 @@ class Run:
     round: int  # -1: warm-up, discarded
     contender: str
     phase: str  # screening | paired
-    decode_tokens_per_s: float
+    decode_tokens_per_s: float  # decode steps bounded against spikes (bounded_decode_s): what regret compares
+    raw_decode_tokens_per_s: float  # the same over the decode steps' plain sum
     wall_tokens_per_s: float
     k_per_step: list  # [[batch size, K], ...] as vLLM's scheduler looked them up
+    decode_steps: list = field(default_factory=list)  # [[requests, ms], ...] of every decode step
 
 
-def decode_rate(answer: dict, batch_size: int) -> tuple[float, float]:
-    """(decode-phase tokens/s, whole-generation tokens/s) of a worker's step-by-step answer: every row's tokens
-    but its first over the summed times of the steps that scheduled no prompt tokens.
+SPIKE_BOUND = 1.5  # a decode step counts at most this many times the median step of its batch size in its run
 
-    >>> decode_rate({"token_ids": [[1, 2, 3]] * 2, "wall_s": 1.0, "steps": [
-    ...     {"wall_s": 0.5, "prefill": True}, {"wall_s": 0.2, "prefill": False}, {"wall_s": 0.2, "prefill": False}]}, 2)
-    (10.0, 6.0)
+
+def bounded_decode_s(steps: list[dict]) -> float:
+    """The decode steps' summed time, each step bounded by SPIKE_BOUND x the median of the run's decode steps over
+    as many requests: on a shared machine a step now and then takes two or three times its usual time because
+    another process held the core (the same configuration's steps measured 11-13 ms with spikes of 20-40 ms), and
+    such spikes fall on one contender and not another even in lockstep.
+
+    >>> bounded_decode_s([{"wall_s": 0.010, "requests": 2}, {"wall_s": 0.012, "requests": 2},
+    ...                   {"wall_s": 0.040, "requests": 2}, {"wall_s": 0.005, "requests": 1}])  # 0.040 counts as 0.018
+    0.045
+    """
+    medians: dict[int, list[float]] = {}
+    for step in steps:
+        medians.setdefault(step["requests"], []).append(step["wall_s"])
+    bound = {requests: SPIKE_BOUND * statistics.median(times) for requests, times in medians.items()}
+    return round(sum(min(step["wall_s"], bound[step["requests"]]) for step in steps), 12)
+
+
+def decode_rate(answer: dict, batch_size: int) -> tuple[float, float, float]:
+    """(decode-phase tokens/s, the same with unbounded steps, whole-generation tokens/s) of a worker's step-by-step
+    answer: every row's tokens but its first over the time of the steps that scheduled no prompt tokens, each
+    bounded as `bounded_decode_s` says.
+
+    >>> decode_rate({"token_ids": [[1, 2, 3]] * 2, "wall_s": 1.0, "steps": [{"wall_s": 0.5, "prefill": True,
+    ...     "requests": 2}, {"wall_s": 0.2, "prefill": False, "requests": 2}, {"wall_s": 0.2, "prefill": False,
+    ...     "requests": 2}]}, 2)
+    (10.0, 10.0, 6.0)
     """
     tokens = sum(len(ids) for ids in answer["token_ids"])
-    decode_s = sum(step["wall_s"] for step in answer["steps"] if not step["prefill"])
-    return (tokens - batch_size) / decode_s, tokens / answer["wall_s"]
+    decode = [step for step in answer["steps"] if not step["prefill"]]
+    raw_s = sum(step["wall_s"] for step in decode)
+    return ((tokens - batch_size) / bounded_decode_s(decode), (tokens - batch_size) / raw_s,
+            tokens / answer["wall_s"])
 
 
 @dataclass
@@ -216,8 +244,8 @@ def round_batch(prompts: list[list[int]], batch_size: int, index: int) -> list[l
 
 
 def run_record(batch_size: int, round_index: int, name: str, phase: str, answer: dict) -> Run:
-    decode, wall = decode_rate(answer, batch_size)
-    return Run(batch_size, round_index, name, phase, decode, wall, answer["k_per_step"])
+    steps = [[step["requests"], round(step["wall_s"] * 1e3, 3)] for step in answer["steps"] if not step["prefill"]]
+    return Run(batch_size, round_index, name, phase, *decode_rate(answer, batch_size), answer["k_per_step"], steps)
 
 
 class Engines:

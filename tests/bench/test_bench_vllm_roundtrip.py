@@ -10,10 +10,13 @@ from vllm_helpers import table_of
 
 
 def test_decode_phase_goodput_leaves_prefill_and_each_row_s_first_token_out():
-    answer = {"token_ids": [[1] * 64] * 8, "wall_s": 2.0, "steps": [
-        {"wall_s": 0.4, "prefill": True}] + [{"wall_s": 0.05, "prefill": False}] * 20}
-    decode, wall = decode_rate(answer, 8)
-    assert decode == pytest.approx(8 * 63 / 1.0) and wall == pytest.approx(8 * 64 / 2.0)
+    steps = [{"wall_s": 0.4, "prefill": True, "requests": 8}] + [{"wall_s": 0.05, "prefill": False, "requests": 8}] * 19
+    answer = {"token_ids": [[1] * 64] * 8, "wall_s": 2.0, "steps": steps + [
+        {"wall_s": 0.20, "prefill": False, "requests": 8},  # a spike: counted as 1.5 x the median, 0.075
+        {"wall_s": 0.10, "prefill": False, "requests": 1}]}  # the last row alone: its own median, within bound
+    decode, raw, wall = decode_rate(answer, 8)
+    assert decode == pytest.approx(8 * 63 / (19 * 0.05 + 0.075 + 0.10))
+    assert raw == pytest.approx(8 * 63 / (19 * 0.05 + 0.20 + 0.10)) and wall == pytest.approx(8 * 64 / 2.0)
 
 
 def test_the_screening_s_two_best_fixed_k_go_on_with_the_schedules():
@@ -25,14 +28,14 @@ def runs_of(rates: dict[str, float], phase: str, rounds: int, lookups=None) -> l
     runs = []
     for r in range(rounds):
         machine = 1.0 + 0.3 * r  # the machine's speed moves between rounds: pairing cancels it
-        runs += [Run(8, r, name, phase, rate * machine, rate, (lookups or {}).get(name, [])) for name, rate in
-                 rates.items()]
+        runs += [Run(8, r, name, phase, rate * machine, rate, rate, (lookups or {}).get(name, []))
+                 for name, rate in rates.items()]
     return runs
 
 
 def test_regret_is_paired_against_the_best_fixed_k_of_the_paired_rounds():
     screening = runs_of({"vllm-costs": 150.0, "ours-costs": 120.0, "K=0": 100.0, "K=1": 150.0, "K=2": 160.0,
-                         "K=3": 158.0}, "screening", 3) + [Run(8, -1, "K=0", "screening", 1.0, 1.0, [])]
+                         "K=3": 158.0}, "screening", 3) + [Run(8, -1, "K=0", "screening", 1.0, 1.0, 1.0, [])]
     # paired: K=3 turns out the faster of the two the screening ranked best
     paired = runs_of({"vllm-costs": 152.0, "ours-costs": 120.0, "K=2": 158.0, "K=3": 160.0}, "paired", 4,
                      {"vllm-costs": [[8, 2], [7, 2]], "ours-costs": [[8, 4]]})
@@ -54,6 +57,6 @@ def test_a_lookup_that_is_not_the_table_s_k_is_reported():
     runs = runs_of({"vllm-costs": 100.0, "ours-costs": 100.0, "K=1": 100.0}, "paired", 2,
                    {"vllm-costs": [[4, 3], [3, 1]]})
     tables = {"vllm-costs": table_of([2, 2, 2, 3]), "ours-costs": table_of([1])}
-    result = summarize(4, [Run(4, r.round, r.contender, r.phase, 1.0, 1.0, r.k_per_step) for r in runs], tables)
+    result = summarize(4, [Run(4, r.round, r.contender, r.phase, 1.0, 1.0, 1.0, r.k_per_step) for r in runs], tables)
     assert result.lookup_mismatches["vllm-costs"] == [[3, 1, 2], [3, 1, 2]]  # b = 3 looked up 1, the table says 2
     assert result.schedule_k["ours-costs"] == 1  # past the table's last entry: its edge, as vLLM carries it on
