@@ -2,6 +2,7 @@
 
     SPECBATCH_VLLM_VENV=... python scripts/vllm_loop.py [--work DIR] [--ours-model M.json] [--rounds 3]
         [--paired-rounds 30] [--batch-sizes 1,8,32] [--max-seconds 900] [--write-docs]
+        [--render-only | --rerun-roundtrip] (with --work: a finished run's folder)
 
 Runs, as a user would, from a work folder: `specbatch calibrate --engine vllm` (vLLM's steps, bounded by
 --max-seconds), `fit` (the step model and its held-out errors), `table` from those costs; our runtime's
@@ -105,9 +106,9 @@ def render(commands: list[tuple[str, float]], calibration: dict, fit: dict, tabl
         f"- **Schedules** (k by batch size, context {CONTEXT}): from vLLM's costs `{schedule_runs(tables['vllm'])}`; "
         f"from our runtime's costs `{schedule_runs(tables['ours'])}`.",
         "",
-        "Decode-phase goodput in vLLM (tokens after each row's first, over the steps that scheduled no prompt "
-        "tokens, each step counted at most 1.5 times its batch size's median step in its run: spikes of other "
-        f"processes), {trip['max_new_tokens']} new tokens per row, greedy, EOS ignored. {trip['rounds']} screening "
+        "Steady-state goodput in vLLM (the tokens the decode steps over the whole batch added, over their time, "
+        "each step counted at most 1.5 times the run's median full-batch step: spikes of other processes), "
+        f"{trip['max_new_tokens']} new tokens per row, greedy, EOS ignored. {trip['rounds']} screening "
         "rounds rank every fixed K (K = 1..8 through vLLM's schedule, K = 0 without a speculative configuration); "
         f"then {trip['paired_rounds']} rounds run the two schedules and the two best fixed K in lockstep, one "
         "engine step of each in turn. Regret: 1 - the geometric mean over the paired rounds of schedule / the "
@@ -140,6 +141,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--results", type=Path, default=RESULTS, help="the page --write-docs writes into")
     parser.add_argument("--render-only", action="store_true",
                         help="run nothing: render (and with --write-docs write) the section from --work's files")
+    parser.add_argument("--rerun-roundtrip", action="store_true",
+                        help="run the round trip again on --work's tables (a finished run's), then render")
     args = parser.parse_args(argv)
     try:
         return _main(args)
@@ -149,10 +152,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
-    if args.render_only:
+    if args.render_only or args.rerun_roundtrip:
         if args.work is None or not (args.work / "commands.json").is_file():
-            raise ResultsError("--render-only needs --work, the folder of a finished run (with its commands.json)")
-        return _write(args, args.work, json.loads((args.work / "commands.json").read_text()))
+            raise ResultsError("--render-only and --rerun-roundtrip need --work, the folder of a finished run (with "
+                               "its commands.json)")
+        commands = json.loads((args.work / "commands.json").read_text())
+        if args.rerun_roundtrip:
+            _, shown, seconds = roundtrip(args, args.work)
+            commands = [c for c in commands if "roundtrip" not in c[0]] + [[shown, seconds]]
+            (args.work / "commands.json").write_text(json.dumps(commands))
+        return _write(args, args.work, commands)
     command = specbatch_command()
     work = Path(tempfile.mkdtemp(prefix="specbatch-vllm-loop-")) if args.work is None else args.work
     work.mkdir(parents=True, exist_ok=True)

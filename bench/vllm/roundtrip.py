@@ -21,13 +21,15 @@ Two phases at each batch size, on the same prompts (the held-out prompts, cycled
 2. paired: `paired_rounds` rounds of the two schedules and the two best fixed K of the screening in lockstep, each
    on its own engine, one engine step of each in turn (the order alternating), so that they meet the same moments
    of the machine: a shared 2-core machine's slow spells last seconds, longer than a step, shorter than a round.
+   The contenders rotate over the engines from round to round: engines of one configuration differ by a few per
+   cent (the screening's engine, which ran every contender, measured some 3 % slower than fresh ones).
 
-A contender's goodput is its decode phase's: the tokens after each row's first over the time of the steps that
-scheduled no prompt tokens (prefill is the same work for every contender), each step bounded by 1.5 times the
-median step of its batch size in its run (`bounded_decode_s`: spikes of other processes; the plain sum is kept
-beside it). The best fixed K in hindsight is the
-paired phase's faster one; each schedule's regret is `bench.regret.paired_regret` against it over the paired
-rounds: 1 - the geometric mean of schedule / best fixed K, with a bootstrap interval over rounds.
+A contender's goodput is its steady state's: the tokens its decode steps over the whole batch added, over their
+time (prefill and the thinning batch of a generation's last steps left out, as in our bench), each step bounded
+by 1.5 times the run's median full-batch step (`bounded_decode_s`: spikes of other processes); the decode phase's
+plain rate is kept beside it. The best fixed K in hindsight is the paired phase's faster one; each schedule's
+regret is `bench.regret.paired_regret` against it over the paired rounds: 1 - the geometric mean of schedule /
+best fixed K, with a bootstrap interval over rounds.
 """
 from __future__ import annotations
 
@@ -59,11 +61,11 @@ class Run:
     round: int  # -1: warm-up, discarded
     contender: str
     phase: str  # screening | paired
-    decode_tokens_per_s: float  # decode steps bounded against spikes (bounded_decode_s): what regret compares
-    raw_decode_tokens_per_s: float  # the same over the decode steps' plain sum
+    steady_tokens_per_s: float  # the full-batch decode steps, bounded against spikes: what regret compares
+    decode_tokens_per_s: float  # every decode step, plainly summed
     wall_tokens_per_s: float
     k_per_step: list  # [[batch size, K], ...] as vLLM's scheduler looked them up
-    decode_steps: list = field(default_factory=list)  # [[requests, ms], ...] of every decode step
+    decode_steps: list = field(default_factory=list)  # [[requests, tokens added, ms], ...] of every decode step
 
 
 SPIKE_BOUND = 1.5  # a decode step counts at most this many times the median step of its batch size in its run
@@ -87,27 +89,30 @@ def bounded_decode_s(steps: list[dict]) -> float:
 
 
 def decode_rate(answer: dict, batch_size: int) -> tuple[float, float, float]:
-    """(decode-phase tokens/s, the same with unbounded steps, whole-generation tokens/s) of a worker's step-by-step
-    answer: every row's tokens but its first over the time of the steps that scheduled no prompt tokens, each
-    bounded as `bounded_decode_s` says.
+    """(steady-state tokens/s, decode-phase tokens/s, whole-generation tokens/s) of a worker's step-by-step answer.
+    Steady state: the tokens the decode steps over the whole batch added, over their time, each step bounded as
+    `bounded_decode_s` says (what a table's entry for b is about: a batch of b rows; the last rows of a generation
+    thin the batch, and how soon depends on K). Decode phase: every row's tokens but its first over the plain sum
+    of the steps that scheduled no prompt tokens.
 
-    >>> decode_rate({"token_ids": [[1, 2, 3]] * 2, "wall_s": 1.0, "steps": [{"wall_s": 0.5, "prefill": True,
-    ...     "requests": 2}, {"wall_s": 0.2, "prefill": False, "requests": 2}, {"wall_s": 0.2, "prefill": False,
-    ...     "requests": 2}]}, 2)
-    (10.0, 10.0, 6.0)
+    >>> decode_rate({"token_ids": [[1, 2, 3, 4]] * 2, "wall_s": 1.0, "steps": [
+    ...     {"wall_s": 0.5, "prefill": True, "requests": 2, "generated": 2},
+    ...     {"wall_s": 0.25, "prefill": False, "requests": 2, "generated": 4},
+    ...     {"wall_s": 0.125, "prefill": False, "requests": 1, "generated": 2}]}, 2)
+    (16.0, 16.0, 8.0)
     """
     tokens = sum(len(ids) for ids in answer["token_ids"])
     decode = [step for step in answer["steps"] if not step["prefill"]]
-    raw_s = sum(step["wall_s"] for step in decode)
-    return ((tokens - batch_size) / bounded_decode_s(decode), (tokens - batch_size) / raw_s,
-            tokens / answer["wall_s"])
+    full = [step for step in decode if step["requests"] == batch_size]
+    return (sum(step["generated"] for step in full) / bounded_decode_s(full),
+            (tokens - batch_size) / sum(step["wall_s"] for step in decode), tokens / answer["wall_s"])
 
 
 @dataclass
 class BatchResult:
     batch_size: int
-    screening_tokens_per_s: dict[str, float]  # contender -> median decode tokens/s over the screening rounds
-    median_tokens_per_s: dict[str, float]  # paired contender -> median decode tokens/s over the paired rounds
+    screening_tokens_per_s: dict[str, float]  # contender -> median steady-state tokens/s over the screening rounds
+    median_tokens_per_s: dict[str, float]  # paired contender -> median steady-state tokens/s over the paired rounds
     best_fixed: str  # the paired fixed K with the higher median: the best in hindsight
     regret: dict[str, dict | None]  # schedule -> bench.regret.PairedRegret.to_json() against best_fixed
     schedule_k: dict[str, int]  # schedule -> its k at this batch size
@@ -139,7 +144,7 @@ def table_k(table, batch_size: int) -> int:
 
 
 def by_round(runs: list[Run], batch_size: int, contender: str, phase: str) -> dict[int, float]:
-    return {r.round: r.decode_tokens_per_s for r in runs
+    return {r.round: r.steady_tokens_per_s for r in runs
             if r.batch_size == batch_size and r.contender == contender and r.round >= 0 and r.phase == phase}
 
 
@@ -244,7 +249,8 @@ def round_batch(prompts: list[list[int]], batch_size: int, index: int) -> list[l
 
 
 def run_record(batch_size: int, round_index: int, name: str, phase: str, answer: dict) -> Run:
-    steps = [[step["requests"], round(step["wall_s"] * 1e3, 3)] for step in answer["steps"] if not step["prefill"]]
+    steps = [[step["requests"], step["generated"], round(step["wall_s"] * 1e3, 3)] for step in answer["steps"]
+             if not step["prefill"]]
     return Run(batch_size, round_index, name, phase, *decode_rate(answer, batch_size), answer["k_per_step"], steps)
 
 
@@ -276,14 +282,14 @@ class Engines:
 
 def lockstep(engines: Engines, names: list[str], schedules: dict, batch: list[list[int]], max_new_tokens: int,
              round_index: int) -> dict[str, dict]:
-    """One run of each contender on its own engine, advanced one engine step of each in turn (the order reversed
-    every other turn), until all are done; each answer's wall_s is its own steps' time."""
-    workers, spec = {}, 0
+    """One run of each contender on its own engine (speculative contenders rotating over the speculative engines
+    from round to round), advanced one engine step of each in turn (the order reversed every other turn), until
+    all are done; each answer's wall_s is its own steps' time."""
+    speculative = [name for name in names if name != PLAIN]
+    workers = {PLAIN: engines.none()} if PLAIN in names else {}
+    for index, name in enumerate(speculative):  # each contender on each engine in turn: engines differ a little
+        workers[name] = engines.spec((index + round_index) % len(speculative))
     for name in names:
-        if name == PLAIN:
-            workers[name] = engines.none()
-        else:
-            workers[name], spec = engines.spec(spec), spec + 1
         schedule, cap = schedules.get(name, (None, None))
         workers[name].start(batch, max_new_tokens, schedule, cap)
     active, turn = balanced_order(names, round_index), 0

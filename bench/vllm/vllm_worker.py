@@ -17,11 +17,12 @@ its dense schedule, vllm/v1/core/sched/scheduler.py: `self.dynamic_sd_lookup[len
 
 With "steps": true the engine is driven step by step instead (`LLMEngine.add_request`, then `LLMEngine.step`
 until done, as `LLM.generate` does), each step timed alone; the answer has "token_ids", "wall_s", and
-"steps": one record per engine step {"wall_s", "requests" (scheduled in the step), "new_requests",
-"prefill" (the step schedules prompt tokens: a new request, or a request's tokens other than 1 + its draft
-tokens), "tokens" (scheduled), "k" (the K the scheduler chose), "context" (the scheduled requests' mean
-computed tokens before the step)}, and "metrics": the change of vLLM's spec-decode counters over the run
-(vllm/v1/spec_decode/metrics.py: drafts, draft_tokens, accepted_tokens, accepted_per_position). Options:
+"steps": one record per engine step {"wall_s", "generated" (tokens it added to its rows), "requests" (scheduled
+in the step), "new_requests", "prefill" (the step schedules prompt tokens: a new request, or a request's tokens
+other than 1 + its draft tokens), "tokens" (scheduled), "k" (the K the scheduler chose), "context" (the
+scheduled requests' mean computed tokens before the step)}, and "metrics": the change of vLLM's spec-decode
+counters over the run (vllm/v1/spec_decode/metrics.py: drafts, draft_tokens, accepted_tokens,
+accepted_per_position). Options:
 "schedule" [[start, end, K], ...] and "cap": the run's batch size -> K schedule, expanded by vLLM's own
 `build_dynamic_sd_schedule_lookup` with the cap min(cap, the engine's num_speculative_tokens), as the scheduler
 expands an engine's configured schedule; "decode_steps": abort every request after this many decode steps.
@@ -192,17 +193,22 @@ class Run:
     def step(self) -> dict:
         """One engine step: {"step": its record (None when it scheduled nothing), "done"}; after
         `decode_steps` decode steps every request still running is aborted."""
-        log = self.worker.step_log
+        log, requests = self.worker.step_log, self.worker.scheduler.requests
         record = None
         if self.engine.has_unfinished_requests():
+            before = {rid: requests[rid].num_output_tokens for rid in self.ids if rid in requests}
             step_start_s = time.perf_counter()
             outputs = self.engine.step()
             step_s = time.perf_counter() - step_start_s
             for out in outputs:
                 if out.finished:
                     self.tokens[out.request_id] = list(out.outputs[0].token_ids)
+            # tokens the step added to its rows (a row that finished in it has left the scheduler: its final count)
+            after = {rid: requests[rid].num_output_tokens if rid in requests else len(self.tokens.get(rid, ()))
+                     for rid in before}
             if log.records:  # else a step that scheduled nothing
-                record = {"wall_s": step_s, **log.records.pop()}
+                record = {"wall_s": step_s, "generated": sum(after[rid] - before[rid] for rid in before),
+                          **log.records.pop()}
                 self.steps.append(record)
                 self.decode_steps += not record["prefill"]
             log.records.clear()

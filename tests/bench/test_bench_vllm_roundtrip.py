@@ -9,14 +9,15 @@ from specbatch.bench.vllm.roundtrip import Run, decode_rate, paired_contenders, 
 from vllm_helpers import table_of
 
 
-def test_decode_phase_goodput_leaves_prefill_and_each_row_s_first_token_out():
-    steps = [{"wall_s": 0.4, "prefill": True, "requests": 8}] + [{"wall_s": 0.05, "prefill": False, "requests": 8}] * 19
-    answer = {"token_ids": [[1] * 64] * 8, "wall_s": 2.0, "steps": steps + [
-        {"wall_s": 0.20, "prefill": False, "requests": 8},  # a spike: counted as 1.5 x the median, 0.075
-        {"wall_s": 0.10, "prefill": False, "requests": 1}]}  # the last row alone: its own median, within bound
-    decode, raw, wall = decode_rate(answer, 8)
-    assert decode == pytest.approx(8 * 63 / (19 * 0.05 + 0.075 + 0.10))
-    assert raw == pytest.approx(8 * 63 / (19 * 0.05 + 0.20 + 0.10)) and wall == pytest.approx(8 * 64 / 2.0)
+def test_steady_state_goodput_is_the_full_batch_steps_with_spikes_bounded():
+    prefill = [{"wall_s": 0.4, "prefill": True, "requests": 8, "generated": 8}]
+    full = [{"wall_s": 0.05, "prefill": False, "requests": 8, "generated": 24}] * 18 + [
+        {"wall_s": 0.20, "prefill": False, "requests": 8, "generated": 24}]  # a spike: counted as 1.5 x 0.05
+    tail = [{"wall_s": 0.02, "prefill": False, "requests": 3, "generated": 9}] * 4  # the batch thinning: left out
+    answer = {"token_ids": [[1] * 64] * 8, "wall_s": 2.0, "steps": prefill + full + tail}
+    steady, decode, wall = decode_rate(answer, 8)
+    assert steady == pytest.approx(19 * 24 / (18 * 0.05 + 0.075))
+    assert decode == pytest.approx(8 * 63 / (18 * 0.05 + 0.20 + 4 * 0.02)) and wall == pytest.approx(8 * 64 / 2.0)
 
 
 def test_the_screening_s_two_best_fixed_k_go_on_with_the_schedules():
