@@ -104,6 +104,9 @@ def decode_rate(answer: dict, batch_size: int) -> tuple[float, float, float]:
     tokens = sum(len(ids) for ids in answer["token_ids"])
     decode = [step for step in answer["steps"] if not step["prefill"]]
     full = [step for step in decode if step["requests"] == batch_size]
+    if not full or not all(batch_size <= step["generated"] for step in full):
+        raise VllmError(f"b={batch_size}: a run without decode steps over the full batch, or one of them adding "
+                        "fewer tokens than rows")
     return (sum(step["generated"] for step in full) / bounded_decode_s(full),
             (tokens - batch_size) / sum(step["wall_s"] for step in decode), tokens / answer["wall_s"])
 

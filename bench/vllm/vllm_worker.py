@@ -186,6 +186,12 @@ class Run:
             worker.serial += 1
             self.ids.append(f"specbatch-{worker.serial}")
             self.engine.add_request(self.ids[-1], {"prompt_token_ids": prompt}, params)
+        # the scheduler knows a request by its id and a suffix (vllm/v1/engine/input_processor.py)
+        ours = set(self.ids)
+        self.internal = {key.rsplit("-", 1)[0]: key for key in worker.scheduler.requests
+                         if key.rsplit("-", 1)[0] in ours}
+        if len(self.internal) != len(self.ids):
+            raise RuntimeError(f"the scheduler holds {len(self.internal)} of the run's {len(self.ids)} requests")
         self.before = spec_counters(worker.llm)
         worker.step_log.records.clear()
         self.started_s = time.perf_counter()
@@ -196,7 +202,7 @@ class Run:
         log, requests = self.worker.step_log, self.worker.scheduler.requests
         record = None
         if self.engine.has_unfinished_requests():
-            before = {rid: requests[rid].num_output_tokens for rid in self.ids if rid in requests}
+            before = {rid: requests[key].num_output_tokens for rid, key in self.internal.items() if key in requests}
             step_start_s = time.perf_counter()
             outputs = self.engine.step()
             step_s = time.perf_counter() - step_start_s
@@ -204,8 +210,8 @@ class Run:
                 if out.finished:
                     self.tokens[out.request_id] = list(out.outputs[0].token_ids)
             # tokens the step added to its rows (a row that finished in it has left the scheduler: its final count)
-            after = {rid: requests[rid].num_output_tokens if rid in requests else len(self.tokens.get(rid, ()))
-                     for rid in before}
+            after = {rid: requests[self.internal[rid]].num_output_tokens if self.internal[rid] in requests
+                     else len(self.tokens.get(rid, ())) for rid in before}
             if log.records:  # else a step that scheduled nothing
                 record = {"wall_s": step_s, "generated": sum(after[rid] - before[rid] for rid in before),
                           **log.records.pop()}

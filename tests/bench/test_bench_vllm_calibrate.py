@@ -67,3 +67,9 @@ def test_vllm_steps_calibrated_resumed_fitted_tabulated_and_run_back_in_vllm(tmp
         assert r["regret"]["vllm-costs"]["rounds"] == r["regret"]["ours-costs"]["rounds"] == 2
     # batch sizes x (warm-up + 2 screening rounds) x 5 contenders, then 2 paired rounds x 4 in lockstep
     assert len(result["runs"]) == 2 * 3 * 5 + 2 * 2 * 4
+    for run in result["runs"]:  # a decode step over b rows adds b tokens, plus those of K accepted per row
+        k = 0 if run["contender"] in ("K=0", "vllm-costs", "ours-costs") else int(run["contender"][2:])
+        full = [generated for requests, generated, _ in run["decode_steps"] if requests == run["batch_size"]]
+        assert full and all(run["batch_size"] <= g <= run["batch_size"] * (k + 1) for g in full if k or
+                            run["contender"] == "K=0"), run
+        assert run["steady_tokens_per_s"] > 0
