@@ -12,18 +12,40 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-
-from specbatch.runtime.assembly import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET  # imports runtime: OpenMP default first
 from specbatch.calibrate import grid as _grid  # plain data: --help's defaults
 from specbatch.console import bench as _bench
 from specbatch.console.explain_command import explain
 from specbatch.console.options import (
-    AcceptanceOpt, AdaptiveOpt, App, AnyDraftOpt, AnyTargetOpt, DeviceOpt, DraftOpt, DtypeOpt, ForceOpt, JsonOpt,
-    MaxBatchOpt, MaxKOpt, ModelFileArg, RefitOpt, Stage2Opt, TargetOpt, ThreadsOpt, TreeOpt, acceptance_override,
-    check_counts, check_query_options, ints_text, one_line_errors, parse_int_list, read_prompts_file, set_threads,
+    AcceptanceOpt,
+    AdaptiveOpt,
+    AnyDraftOpt,
+    AnyTargetOpt,
+    App,
+    DeviceOpt,
+    DraftOpt,
+    DtypeOpt,
+    ForceOpt,
+    JsonOpt,
+    MaxBatchOpt,
+    MaxKOpt,
+    ModelFileArg,
+    RefitOpt,
+    Stage2Opt,
+    TargetOpt,
+    ThreadsOpt,
+    TreeOpt,
+    acceptance_override,
+    check_counts,
+    check_query_options,
+    ints_text,
+    one_line_errors,
+    parse_int_list,
+    read_prompts_file,
+    set_threads,
 )
 from specbatch.console.serve_commands import loadtest_command, serve_command
 from specbatch.perfmodel.errors import UsageError
+from specbatch.runtime.assembly import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET  # imports runtime: OpenMP default first
 
 app = App(
     add_completion=False,
@@ -133,18 +155,37 @@ def calibrate_command(
         "--acceptance. The draft reads the same folder unless --draft-from-vidur."))] = None,
     draft_from_vidur: Annotated[Optional[Path], typer.Option(
         "--draft-from-vidur", help="With --from-vidur: the draft's own vidur folder.")] = None,
+    engine: Annotated[str, typer.Option("--engine", help=(
+        "specbatch: time our runtime | vllm: time vLLM's own steps (its CPU build; bash bench/vllm/setup.sh "
+        "first), for the table an export to vLLM carries."))] = "specbatch",
     json_output: JsonOpt = False,
 ):
     """Time the pair's forward passes over (batch size, new tokens, context) and measure acceptance (per
-    position, and per depth and rank for trees) and the n-gram second stage: a profile."""
+    position, and per depth and rank for trees) and the n-gram second stage: a profile. With --engine vllm,
+    vLLM's steps over (batch size, K, context) and the acceptance its counters saw: vLLM's profile."""
     if from_vidur is not None or draft_from_vidur is not None:
         from specbatch.console.calibration import calibrate_from_vidur
 
         given = {"--device": device, "--dtype": dtype, "--prompts": prompts, "--sampling": sampling,
                  "--resume": resume, "--quick": quick, "--stage2": stage2, "--no-stage2": no_stage2,
-                 "--max-seconds": max_seconds, "--threads": threads, "--refine": refine is not None}
+                 "--max-seconds": max_seconds, "--threads": threads, "--refine": refine is not None,
+                 "--engine": engine != "specbatch"}
         calibrate_from_vidur(from_vidur, draft_from_vidur, target, draft, acceptance, batch_sizes, context_lens,
                              max_k, out, force, [option for option, value in given.items() if value], json_output)
+        return
+    if engine not in ("specbatch", "vllm"):
+        raise UsageError(f"--engine: {engine!r} is not one of specbatch, vllm")
+    if engine == "vllm":
+        from specbatch.console.calibration import calibrate_vllm
+
+        given = [name for name, value in (("--device", device), ("--dtype", dtype), ("--acceptance", acceptance),
+                                          ("--sampling", sampling), ("--stage2", stage2)) if value]
+        if given:
+            raise UsageError(f"--engine vllm: {', '.join(given)} do not apply (vLLM runs float32 on this CPU and "
+                             "its acceptance is measured on the prompts)")
+        calibrate_vllm(target or str(DEMO_TARGET), draft or str(DEMO_DRAFT), out, prompts or DEMO_PROMPTS,
+                       parse_int_list("--batch-sizes", batch_sizes), parse_int_list("--context-lens", context_lens),
+                       max_k, quick, threads, resume, force, max_seconds, json_output)
         return
     from specbatch.calibrate.run import CalibrationRequest
     from specbatch.calibrate.stage2 import stage2_for_calibration
@@ -233,9 +274,8 @@ def bench(
     regret, speedup, and chain vs tree vs staged side by side."""
     from specbatch.bench.assembly import check_input_files, load_bench_inputs
     from specbatch.bench.config import BenchConfig
-    from specbatch.runtime.sampling import parse_sampling
-
     from specbatch.perfmodel.jsonio import writable_dir
+    from specbatch.runtime.sampling import parse_sampling
 
     defaults = _bench.FULL_RUN if full else _bench.QUICK_RUN
     config = BenchConfig(  # every option is checked before a model is loaded
@@ -283,8 +323,8 @@ def fit(
 ):
     """Fit each role's pass latency T(b, n, L) from a profile; report parameters and errors. With in-situ
     rows in the profile, from the timing source (isolated, in-situ, both) that predicts measured steps best."""
-    from specbatch.perfmodel.jsonio import check_not_input, writable_path
     from specbatch.perfmodel.fit import fit_profile
+    from specbatch.perfmodel.jsonio import check_not_input, writable_path
     from specbatch.perfmodel.model import save_model
     from specbatch.perfmodel.profile import load_profile
 

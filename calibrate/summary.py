@@ -68,6 +68,8 @@ class CalibrationSummary:
     insitu_steps: int = 0  # in-situ step rows
     points_skipped: int = 0  # not measured: they cannot fit in the device's free memory (calibrate.memory)
     memory_notes: tuple[str, ...] = ()  # what calibrate said about memory before measuring
+    engine: str | None = None  # `calibrate --engine`: the engine whose steps were measured ('vllm 0.32.0')
+    engine_steps: int = 0  # its step rows in the profile
 
     def to_json(self) -> dict:
         return asdict(self)

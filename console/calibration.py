@@ -14,7 +14,8 @@ def estimate_line(points: int, estimated_s: float, max_seconds: float | None) ->
     return line
 
 
-def calibrate_with_progress(request, show: bool):
+def calibrate_with_progress(request, show: bool, run=None):
+    """`run(request, on_progress, on_estimate=, on_notice=)`: calibrate.run.calibrate unless given."""
     from rich.console import Console
     from rich.progress import (
         BarColumn,
@@ -25,10 +26,10 @@ def calibrate_with_progress(request, show: bool):
         TimeRemainingColumn,
     )
 
-    from specbatch.calibrate.run import calibrate
-
+    if run is None:
+        from specbatch.calibrate.run import calibrate as run
     if not show:
-        return calibrate(request, on_notice=lambda line: typer.echo(line, err=True))
+        return run(request, on_notice=lambda line: typer.echo(line, err=True))
     columns = (TextColumn("[bold]calibrate"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.description}"))
     # a long speed window: points can take minutes each, and a short window leaves the ETA at -:--:--
@@ -46,12 +47,47 @@ def calibrate_with_progress(request, show: bool):
             progress.console.print(line, markup=False, highlight=False, soft_wrap=True)
 
         try:
-            return calibrate(request, on_progress, on_estimate=on_estimate, on_notice=on_notice)
+            return run(request, on_progress, on_estimate=on_estimate, on_notice=on_notice)
         except KeyboardInterrupt:
             progress.stop()
             typer.echo(f"interrupted: every point measured so far is in {request.out}; "
                        f"rerun with --resume to measure the rest", err=True)
             raise typer.Exit(130)
+
+
+def calibrate_vllm(target: str, draft: str, out, prompts, batch_sizes, context_lens, max_k: int, quick: bool,
+                   threads, resume: bool, force: bool, max_seconds, json_output: bool) -> None:
+    """`calibrate --engine vllm`: vLLM's workers (bench.vllm.worker) handed to calibrate.vllm_steps."""
+    import json
+    import tempfile
+    from functools import partial
+    from pathlib import Path
+
+    from specbatch.bench.vllm.worker import VllmWorker
+    from specbatch.calibrate import grid
+    from specbatch.calibrate.vllm_steps import DEFAULT_SWEEPS, EngineCalibrationRequest, calibrate_engine
+
+    from specbatch.perfmodel.errors import UsageError
+
+    if threads is not None and threads < 1:
+        raise UsageError(f"--threads must be >= 1, got {threads}")
+    request = EngineCalibrationRequest(
+        target=target, draft=draft, out=Path(out), prompts=Path(prompts),
+        batch_sizes=tuple(batch_sizes or (grid.QUICK_BATCH_SIZES if quick else grid.DEFAULT_BATCH_SIZES)),
+        context_lens=tuple(context_lens or (grid.QUICK_CONTEXT_LENS if quick else grid.DEFAULT_CONTEXT_LENS)),
+        max_k=max_k, threads=threads, sweeps=2 if quick else DEFAULT_SWEEPS, resume=resume, force=force,
+        max_seconds=max_seconds)
+    logs = Path(tempfile.mkdtemp(prefix="specbatch-vllm-"))  # kept: an error names the worker's log in it
+
+    def start_worker(name: str, speculative_config):
+        return VllmWorker(name, Path(target), max(request.batch_sizes), speculative_config, logs, threads)
+
+    summary = calibrate_with_progress(request, show=not json_output, run=partial(calibrate_engine,
+                                                                                start_worker=start_worker))
+    if json_output:
+        typer.echo(json.dumps(summary.to_json()))
+        return
+    render_calibration(summary)
 
 
 def render_calibration(summary) -> None:
@@ -68,7 +104,8 @@ def render_calibration(summary) -> None:
     for row in summary.passes:
         ms = "out of memory" if row.median_ms is None else f"{row.median_ms:.3g}"
         passes.add_row(row.model, str(row.batch_size), str(row.new_tokens), str(row.context_len), ms)
-    console.print(passes)
+    if summary.passes:
+        console.print(passes)
     for entry in summary.acceptance:
         alphas = ", ".join(f"{alpha:.3f}" for alpha in entry.per_position)
         console.print(f"acceptance per draft position ({entry.setting}, {entry.source}): {alphas}")
@@ -83,6 +120,9 @@ def render_calibration(summary) -> None:
         counts += (f"; noise (reference pass): drift ±{100 * summary.noise['drift']:.1f} %, "
                    f"jitter ±{100 * summary.noise['jitter']:.1f} %")
     console.print(counts)
+    if summary.engine_steps:
+        console.print(f"{summary.engine}: {summary.engine_steps} step rows (each configuration's decode steps over "
+                      "the full batch, per sweep); `specbatch fit` fits its step model", markup=False, highlight=False)
     if summary.insitu_steps:
         console.print(f"in-situ: {summary.insitu_passes} pass rows and {summary.insitu_steps} step rows timed inside "
                       "real speculative steps (`specbatch fit` chooses between them and the isolated passes)",

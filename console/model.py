@@ -39,7 +39,9 @@ def fit_json(fitted, output: Path) -> dict:
              for role, obj in model_to_json(fitted)["roles"].items()}
     source = None if fitted.timing_source is None else fitted.timing_source.to_json()
     correction = None if fitted.step_correction is None else fitted.step_correction.to_json()
-    return {"model": str(output), "roles": roles, "timing_source": source, "step_correction": correction}
+    engine = None if fitted.engine is None else {k: v for k, v in fitted.engine.to_json().items() if k != "points"}
+    return {"model": str(output), "roles": roles, "timing_source": source, "step_correction": correction,
+            "engine_steps": engine}
 
 
 def render_fit(fitted, output: Path, holdout: bool = False, noise=None) -> None:
@@ -87,6 +89,8 @@ def render_fit(fitted, output: Path, holdout: bool = False, noise=None) -> None:
         console.print(points)
         for note in fit.notes:
             console.print(f"[yellow]note:[/] {role}: {note}")
+    for line in [] if fitted.engine is None else fitted.engine.report_lines():
+        console.print(line, markup=False, highlight=False)
     if fitted.timing_source is not None:
         render_sources(console, fitted.timing_source, holdout)
     if fitted.step_correction is not None:
@@ -95,7 +99,7 @@ def render_fit(fitted, output: Path, holdout: bool = False, noise=None) -> None:
         console.print(f"noise floor: the reference pass ({noise.reference}), timed {len(noise.checks)} times during "
                       f"calibration, lay {100 * noise.floor_mape:.1f} % from its own median on average: a MAPE "
                       f"near that is the machine's, not the model's")
-    if not fitted.overhead.measured:
+    if not fitted.overhead.measured and fitted.engine is None:
         console.print("[yellow]note:[/] the profile has no step-overhead rows: overhead taken as 0 ms")
     if fitted.composition is not None:
         from rich.markup import escape

@@ -12,6 +12,9 @@
    Without in-situ steps: the isolated fit, no correction.
 3. Overheads, acceptance, the second stage and the noise figure are carried from the profile.
 
+An engine's profile (`calibrate --engine vllm`) has no passes of ours: its steps are fitted by
+`engine_steps.fit_engine_steps` instead, and the model's `roles` stay empty.
+
 Assumption: the steps at one batch size are independent of the rows at the others (separate
 generations); the in-situ source shares the steps' generations, so it is held out across batch sizes
 only, not across prompts.
@@ -244,6 +247,8 @@ def fit_sources(profile: Profile, holdout: bool, overhead: OverheadModel,
 
 def fit_profile(profile: Profile, holdout: bool = False) -> FittedModel:
     """The pipeline of the module docstring; `holdout` adds each role's held-out pass errors."""
+    if profile.engine is not None:
+        return _fit_engine_profile(profile)
     overhead = overhead_model(profile)
     acceptance = tuple(acceptance_from_profile(entry) for entry in profile.acceptance)
     greedy = _step_acceptance(acceptance)
@@ -259,3 +264,15 @@ def fit_profile(profile: Profile, holdout: bool = False) -> FittedModel:
         return fitted
     predicted_ms = predict_steps(fitted.latency_ms, overhead, greedy, profile.insitu_steps)
     return replace(fitted, step_correction=fit_step_correction(profile.insitu_steps, predicted_ms))
+
+
+def _fit_engine_profile(profile: Profile) -> FittedModel:
+    """An engine's profile: its step model (engine_steps) and the acceptance its counters measured."""
+    from .engine_steps import fit_engine_steps
+
+    return FittedModel(
+        created_utc=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        profile_created_utc=profile.created_utc, device=profile.device, target_info=profile.target,
+        draft_info=profile.draft, grid=profile.grid, roles={}, overhead=OverheadModel(()),
+        acceptance=tuple(acceptance_from_profile(entry) for entry in profile.acceptance),
+        engine=fit_engine_steps(profile.engine, profile.engine_steps))

@@ -14,6 +14,10 @@ overhead rows of tree steps (`tree_overheads`).
 
 A model file carries the measured points it was fitted to (each role's measured range, and what
 `specbatch plot` draws), the step stage's report (`timing_source`) and its step correction.
+
+A model fitted from an engine's profile (`calibrate --engine vllm`) has no pass latencies (`roles` is empty):
+its `engine_steps` section is the engine's step model (perfmodel/engine_steps.py), which every strategy is
+evaluated with; tables made from it say whose costs they carry (`costs`).
 """
 from __future__ import annotations
 
@@ -26,13 +30,14 @@ import numpy as np
 
 from . import latency as lat
 from .acceptance import AcceptanceModel, acceptance_from_user
+from .engine_steps import EngineStepFit, engine_step_model
 from .errors import PerfModelError
 from .fields import boolean, duration_ms, integer
 from .jsonio import read_json, rounded, write_json_atomic
-from .profile.noise import NoiseFigure
 from .overhead import OverheadModel
 from .profile import ROLES, DeviceInfo, Grid, ModelInfo, Stage2Info
 from .profile.composition import Composition
+from .profile.noise import NoiseFigure
 from .staircase import Staircase
 from .steps import SourceChoice, StepCorrection
 from .strategy import MAX_TREE_NODES, StepModel, StrategyCandidate, StrategyChoice, candidate_strategies
@@ -82,6 +87,17 @@ class FittedModel:
     noise: NoiseFigure | None = None  # the profile's reference-pass checks: bench compares the machine's speed
     step_correction: StepCorrection | None = None  # chains' step ratios from lockstep in-situ steps
     composition: Composition | None = None  # the profile's pass times were composed from per-operation timings
+    engine: EngineStepFit | None = None  # an engine's step model: then `roles` is empty
+
+    def costs(self) -> dict:
+        """Whose step costs the model holds, as a table records them: our runtime's, or an engine's (its
+        name, version and the settings it was measured with)."""
+        if self.engine is not None:
+            return self.engine.engine.to_json()
+        device = self.device
+        return {"name": "specbatch", "version": device.git_revision,
+                "settings": {"device": device.name, "dtype": device.dtype, "torch_threads": device.cpu_threads,
+                             "torch_version": device.torch_version}}
 
     def fingerprints(self) -> dict | None:
         """{"target", "draft"} content fingerprints of the pair (None when the profile predates them)."""
@@ -91,6 +107,8 @@ class FittedModel:
 
     def latency_ms(self, role: str, batch_size: int, new_tokens: int, context_len: int) -> float:
         """Predicted time of one forward pass; matches strategy.LatencyFn (arrays in, array out too)."""
+        if self.engine is not None:
+            raise PerfModelError(f"this model holds {self.engine.engine.describe()}'s whole steps, not pass latencies")
         return self.roles[role].model.latency_ms(batch_size, new_tokens, context_len)
 
     def max_context_len(self) -> int:
@@ -111,6 +129,8 @@ class FittedModel:
 
     def profiled_context_range(self) -> tuple[int, int]:
         """The contexts the fit saw: the grid's, and those real steps ran at when in-situ rows were fitted."""
+        if self.engine is not None:
+            return self.engine.context_range()
         return (int(min(fit.points.context_len.min() for fit in self.roles.values())),
                 int(max(fit.points.context_len.max() for fit in self.roles.values())))
 
@@ -140,7 +160,7 @@ class FittedModel:
                          "roofline alone scales the time from the nearest profiled length")
         if max_k > self.grid.max_k:
             notes.append(f"k above the profiled max_k={self.grid.max_k} is extrapolated")
-        if not self.overhead.measured:
+        if not self.overhead.measured and self.engine is None:
             notes.append("the profile has no step-overhead rows: overhead taken as 0 ms")
         if self.composition is not None:
             notes.append(self.composition.summary())
@@ -198,6 +218,8 @@ def choose_acceptance(fitted: FittedModel, override: Sequence[float] | None, sou
 
 def step_model(fitted: FittedModel, acceptance: AcceptanceModel, stage2: Stage2Info | None = None) -> StepModel:
     """What strategies are evaluated with; `stage2` replaces the profile's second-stage measurements."""
+    if fitted.engine is not None:
+        return engine_step_model(fitted.engine, acceptance)
     return StepModel(fitted.latency_ms, fitted.overhead, acceptance, fitted.stage2 if stage2 is None else stage2,
                      fitted.step_correction, vectorized_latency=True)
 
@@ -208,6 +230,8 @@ def strategy_family(fitted: FittedModel, acceptance: AcceptanceModel, max_k: int
     and the data permits, grown trees (need rank acceptance) and the second stage (needs the profile's
     stage2). "all" on a profile without either is the chain family."""
     max_k = fitted.grid.max_k if max_k is None else max_k
+    if fitted.engine is not None:  # an engine runs chains only: trees and the second stage are ours
+        strategies = "chain"
     return candidate_strategies(max_k, acceptance.rank_acceptance, fitted.stage2 is not None, strategies,
                                 max_tree_nodes)
 
@@ -268,7 +292,7 @@ def compute_table(fitted: FittedModel, acceptance: AcceptanceModel, max_batch: i
                  max_k=max([max_k] + [e.k for bucket in buckets for e in bucket.entries]),
                  acceptance=acceptance.to_json(), buckets=tuple(buckets),
                  stage2={"file": fitted.stage2.file, "sha256": fitted.stage2.sha256} if uses_stage2 else None,
-                 fingerprints=fitted.fingerprints())
+                 fingerprints=fitted.fingerprints(), costs=fitted.costs())
 
 
 # ---------------------------------------------------------------- JSON
@@ -332,6 +356,7 @@ def model_to_json(fitted: FittedModel) -> dict:
         "stage2": None if fitted.stage2 is None else fitted.stage2.to_json(),
         **({} if fitted.timing_source is None else {"timing_source": fitted.timing_source.to_json()}),
         **({} if fitted.step_correction is None else {"step_correction": fitted.step_correction.to_json()}),
+        **({} if fitted.engine is None else {"engine_steps": fitted.engine.to_json()}),
     }
 
 
@@ -410,7 +435,10 @@ def model_from_json(obj: dict, source: str = "model") -> FittedModel:
     if obj.get("stage2") is not None:
         stage2 = stage2_from_json(obj["stage2"], f"{source}: stage2")
     try:
-        roles = {role: _role_from_json(role, obj["roles"][role], source) for role in ROLES}
+        engine = None if obj.get("engine_steps") is None else \
+            EngineStepFit.from_json(obj["engine_steps"], f"{source}: engine_steps")
+        roles = {} if engine is not None else {role: _role_from_json(role, obj["roles"][role], source)
+                                               for role in ROLES}
         overhead = _overhead_from_json(obj, source)
         for index, entry in enumerate(obj["acceptance"]):
             # the profile's rules for every measured figure; `source` and `mode` here say where the figures
@@ -428,7 +456,8 @@ def model_from_json(obj: dict, source: str = "model") -> FittedModel:
             raise
         raise PerfModelError(f"{source}: malformed model file ({type(error).__name__}: {error})") from None
     return FittedModel(created, stub.created_utc, stub.device, stub.target, stub.draft, stub.grid, roles,
-                       overhead, acceptance, stage2, timing_source, stub.noise, correction, stub.composition)
+                       overhead, acceptance, stage2, timing_source, stub.noise, correction, stub.composition,
+                       engine)
 
 
 def save_model(path: str | os.PathLike, fitted: FittedModel) -> None:

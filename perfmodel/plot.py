@@ -3,7 +3,8 @@
 Left: goodput over (batch size b, speculation length k), each column divided by its best k's goodput
 (absolute tokens/s span orders of magnitude across b), with the k*(b) curve on top: the chain family
 (none and chains k = 1..max_k) as `strategy.StepModel` predicts it, as a chain-only table would choose.
-Right: predicted against measured pass latency per role, with the +-5% band the fit aims for.
+Right: predicted against measured pass latency per role, with the +-5% band the fit aims for; for an engine's
+model (`calibrate --engine vllm`), predicted against measured step time of its configurations instead.
 
 matplotlib is a main dependency (`plot` is an everyday command); it is imported only here, so the rest of
 perfmodel loads without it.
@@ -41,6 +42,24 @@ def goodput_grid(fitted: FittedModel, acceptance: AcceptanceModel, max_batch: in
     return goodput / goodput.max(axis=0, keepdims=True), np.array([choice.best.k for choice in choices])
 
 
+def fit_panels(fitted: FittedModel) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, str]]:
+    """(measured ms, predicted ms, batch sizes, title) of each fit shown: the pass latency per role, or an
+    engine's steps."""
+    if fitted.engine is not None:
+        engine = fitted.engine
+        measured = np.array([p.median_ms for p in engine.points])
+        predicted = np.array([engine.step_ms(p.mode, p.batch_size, p.k, p.context_len) for p in engine.points])
+        return [(measured, predicted, np.array([p.batch_size for p in engine.points]),
+                 f"{engine.engine.describe()} steps, MAPE {engine.in_sample_mape_pct:.1f}%")]
+    panels = []
+    for role, fit in fitted.roles.items():
+        p = fit.points
+        predicted = np.asarray(fit.model.latency_ms(p.batch_size, p.new_tokens, p.context_len))
+        title = f"{role}: {fit.kind}, MAPE {fit.in_sample_mape_pct:.1f}%"
+        panels.append((p.latency_ms, predicted, p.batch_size, title))
+    return panels
+
+
 def plot_model(fitted: FittedModel, acceptance: AcceptanceModel, path: str | os.PathLike, max_batch: int = 64,
                context_len: int | None = None, max_k: int | None = None) -> None:
     plt = _pyplot()
@@ -59,16 +78,16 @@ def plot_model(fitted: FittedModel, acceptance: AcceptanceModel, path: str | os.
     heat.legend(loc="upper right")
     figure.colorbar(image, ax=heat)
 
-    for axis, role in zip(axes[1:], ("target", "draft")):
-        fit = fitted.roles[role]
-        p = fit.points
-        predicted = np.asarray(fit.model.latency_ms(p.batch_size, p.new_tokens, p.context_len))
-        points = axis.scatter(p.latency_ms, predicted, c=np.log2(p.batch_size), s=12, cmap="plasma")
-        span = np.array([min(p.latency_ms.min(), predicted.min()), max(p.latency_ms.max(), predicted.max())])
+    panels = fit_panels(fitted)
+    for axis in axes[1 + len(panels):]:
+        axis.set_axis_off()
+    for axis, (measured, predicted, batch_size, title) in zip(axes[1:], panels):
+        points = axis.scatter(measured, predicted, c=np.log2(batch_size), s=12, cmap="plasma")
+        span = np.array([min(measured.min(), predicted.min()), max(measured.max(), predicted.max())])
         axis.plot(span, span, color="black", linewidth=1)
         axis.fill_between(span, 0.95 * span, 1.05 * span, color="grey", alpha=0.3, label="+-5%")
         axis.set(xscale="log", yscale="log", xlabel="measured ms", ylabel="predicted ms",
-                 title=f"{role}: {fit.kind}, MAPE {fit.in_sample_mape_pct:.1f}%")
+                 title=title)
         axis.xaxis.set_minor_formatter(NullFormatter())  # minor log labels collide on short spans
         axis.yaxis.set_minor_formatter(NullFormatter())
         axis.legend(loc="upper left")

@@ -7,6 +7,8 @@ This is what the runtime's `TableK` policy reads, so this module needs only the 
      "acceptance": {...the acceptance the table was computed with...},
      "stage2": {"file", "sha256"},                      (optional: when an entry uses the second stage)
      "fingerprints": {"target", "draft"},               (optional: the pair's content, jsonio.model_fingerprint)
+     "costs": {"name", "version", "settings"},          (optional: whose step costs it was computed from:
+                                                         "specbatch", our runtime, or an engine such as "vllm")
      "buckets": [{"context_len", "entries": [{"batch_size", "k", "predicted_tokens_per_s",
                   "predicted_speedup", "runner_up_k", "margin",
                   "strategy", "runner_up_strategy"}, ...]}, ...]}   (both optional)
@@ -89,6 +91,9 @@ class Table:
     # {"target": fingerprint, "draft": fingerprint} (perfmodel.jsonio.model_fingerprint) of the pair the table
     # was computed for, so a runtime can refuse a table made for another pair; None in older tables
     fingerprints: dict | None = None
+    # whose step costs the table was computed from ({"name": "specbatch" | "vllm", "version", "settings"});
+    # None in older tables, which were all computed from our runtime's
+    costs: dict | None = None
     # kinds of out-of-range lookups already warned about; mutable on purpose, outside equality
     _warned: set = field(default_factory=set, compare=False, repr=False)
 
@@ -136,7 +141,13 @@ class Table:
             obj["stage2"] = self.stage2
         if self.fingerprints is not None:
             obj["fingerprints"] = self.fingerprints
+        if self.costs is not None:
+            obj["costs"] = self.costs
         return obj
+
+    def costs_name(self) -> str:
+        """'specbatch' (our runtime's costs, also for older tables) or the engine's name."""
+        return "specbatch" if self.costs is None else self.costs["name"]
 
 
 def _entry_json(entry: TableEntry) -> dict:
@@ -232,9 +243,15 @@ def table_from_json(obj: dict, source: str = "table") -> Table:
             isinstance(fingerprints.get(role), (str, type(None))) for role in ("target", "draft"))):
         raise PerfModelError(f"{source}: fingerprints: expected an object with target and draft strings, "
                              f"found {fingerprints!r}")
+    costs = obj.get("costs")
+    if costs is not None and (not isinstance(costs, dict) or not isinstance(costs.get("name"), str)
+                              or not isinstance(costs.get("settings", {}), dict)):
+        raise PerfModelError(f"{source}: costs: expected an object with the name of whose step costs the table "
+                             f"carries (and its settings), found {costs!r}")
     return Table(obj["target"], obj["draft"], obj["device"], obj["created_utc"], max_k, acceptance, buckets,
                  None if stage2 is None else {"file": stage2["file"], "sha256": stage2["sha256"]},
-                 None if fingerprints is None else {role: fingerprints.get(role) for role in ("target", "draft")})
+                 None if fingerprints is None else {role: fingerprints.get(role) for role in ("target", "draft")},
+                 None if costs is None else dict(costs))
 
 
 def load_table(path: str | os.PathLike) -> Table:
@@ -404,7 +421,26 @@ def write_table(path: str | os.PathLike, table: Table, fmt: str = "json", *, dra
         write_json_atomic(path, to_vllm(table, draft=draft))
     else:
         write_json_atomic(path, to_trtllm(table, draft=draft, clamp=clamp))
+    notes = [costs_note(table, fmt)] if fmt in ENGINE_FORMATS else []
     changed = trtllm_clamped(table.buckets[0].entries) if clamp else []
-    if not changed:
-        return []
-    return [f"--clamp: k capped at {changed[0][2]} in {path} where the table has {describe_clamped(changed)}"]
+    if changed:
+        notes.append(f"--clamp: k capped at {changed[0][2]} in {path} where the table has {describe_clamped(changed)}")
+    return notes
+
+
+ENGINE_NAMES = {"vllm": "vLLM", "trtllm": "TensorRT-LLM"}
+
+
+def costs_note(table: Table, fmt: str) -> str:
+    """What an engine export says about the costs its k were chosen by: the engine's own measured steps, or
+    another runtime's (then the k at the edges of each run are that runtime's, not the engine's)."""
+    costs = table.costs or {"name": "specbatch"}
+    engine = ENGINE_NAMES[fmt]
+    if costs["name"] == fmt:
+        return (f"costs: {engine} {costs.get('version')}'s own steps, measured on this machine "
+                "(calibrate --engine vllm): the schedule is chosen for the engine that will run it")
+    if costs["name"] == "specbatch":
+        hint = " (specbatch calibrate --engine vllm measures vLLM's)" if fmt == "vllm" else ""
+        return (f"costs: our runtime's (specbatch) passes, not {engine}'s: the engine's steps cost otherwise (its "
+                f"kernels, scheduler, a drafter that runs at K = 0), so its best k may differ{hint}")
+    return f"costs: {costs['name']} {costs.get('version')}'s steps, not {engine}'s"

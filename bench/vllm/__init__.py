@@ -3,6 +3,7 @@
     setup.sh            vLLM's CPU build in its own virtual environment (not a dependency of ours)
     run.sh              runs Python there with the environment setup.sh recorded
     compare.py          ours and vLLM interleaved round by round: tokens/s ratios, greedy tokens, per-step K
-    vllm_worker.py      vLLM's side, one long-lived process per engine configuration (runs in vLLM's venv)
+    worker.py           vLLM as a long-lived process per engine configuration (VllmWorker)
+    vllm_worker.py      its other side, run in vLLM's venv: LLM.generate, or the engine step by step
     schedule_oracle.py  vLLM's own SpeculativeConfig and batch-size lookup applied to our exports
 """

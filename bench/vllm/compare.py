@@ -14,10 +14,8 @@ would otherwise take the cores from whoever runs next.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import tempfile
 import time
 import warnings
@@ -25,17 +23,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from specbatch.perfmodel.errors import SpecbatchError
+from specbatch.bench.vllm.worker import RUN_SH, VllmError, VllmWorker, vllm_missing  # noqa: F401 (serve uses RUN_SH)
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent.parent
-RUN_SH, WORKER = HERE / "run.sh", HERE / "vllm_worker.py"
 POLICIES = ("k=0", "table")
 SETTLE_S = 0.4
-
-
-class VllmError(SpecbatchError):
-    """vLLM is not set up, refused our configuration, or its worker died; the message is one line."""
 
 
 @dataclass(frozen=True)
@@ -68,65 +59,12 @@ class Comparison:
     results: list[PolicyResult] = field(default_factory=list)
 
 
-def vllm_venv() -> Path:
-    return Path(os.environ.get("SPECBATCH_VLLM_VENV", HERE / ".venv"))
-
-
 def check_chains_only(table, where: str) -> None:
     """vLLM runs chains only: a table with trees or the n-gram second stage would be run as plain chains of
     their depth, so comparing or serving it there would not be like with like. `table`: perfmodel.table.Table."""
     if any(e.chosen().kind == "tree" or e.chosen().stage2 for bucket in table.buckets for e in bucket.entries):
         raise VllmError(f"{where} has trees or the n-gram second stage, which vLLM runs as plain chains: build it "
                         "with `specbatch table --strategies chain`")
-
-
-def vllm_missing() -> str | None:
-    """Why vLLM cannot run here (one line), or None when its environment is set up."""
-    venv = vllm_venv()
-    if not (venv / "bin" / "python").exists() or not (venv / "specbatch-vllm.env").exists():
-        return f"vLLM is not set up in {venv}: run 'bash bench/vllm/setup.sh' (minutes, ~3.5 GB) first"
-    return None
-
-
-class VllmWorker:
-    """One vllm_worker.py process, one engine configuration, kept up for the whole comparison."""
-
-    def __init__(self, name: str, target_dir: Path, max_num_seqs: int, speculative_config: dict | None,
-                 workdir: Path):
-        from specbatch.perfmodel.jsonio import write_json_atomic
-
-        config_path = workdir / f"{name}.config.json"
-        write_json_atomic(config_path, speculative_config)
-        self.name, self.log_path = name, workdir / f"vllm-{name}.log"
-        self.log = open(self.log_path, "w", encoding="utf-8")
-        self.process = subprocess.Popen(
-            ["bash", str(RUN_SH), str(WORKER), str(Path(target_dir).resolve()), str(max_num_seqs), str(config_path)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
-        ready = self._answer("SPECBATCH_READY")
-        self.version, self.torch_threads = ready["version"], ready.get("torch_threads")
-
-    def _answer(self, marker: str) -> dict:
-        for line in self.process.stdout:
-            if line.startswith(marker + " "):
-                return json.loads(line[len(marker) + 1:])
-        code = self.process.wait()
-        self.log.flush()
-        tail = [line for line in self.log_path.read_text(encoding="utf-8").splitlines() if line.strip()][-1:]
-        raise VllmError(f"vLLM worker '{self.name}' exited ({code}): {tail[0] if tail else 'no output'} "
-                        f"(log: {self.log_path})")
-
-    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> dict:
-        self.process.stdin.write(json.dumps({"prompts": prompts, "max_new_tokens": max_new_tokens}) + "\n")
-        self.process.stdin.flush()
-        return self._answer("SPECBATCH_RESULT")
-
-    def close(self) -> None:
-        try:
-            self.process.stdin.close()
-            self.process.wait(timeout=120)
-        except (OSError, subprocess.TimeoutExpired):
-            self.process.kill()
-        self.log.close()
 
 
 def first_divergence(ours: list[int], theirs: list[int]) -> int | None:

@@ -20,6 +20,9 @@ at the grid's largest batch size beside `noise`'s smallest one (power capping sl
 
 Optional `composition`: the pass times were composed from published per-operation timings (what was
 measured, estimated, left out; `calibrate --from-vidur`); profiles without it were timed whole.
+Optional engine steps (`engine` and `engine_steps`, profile/engine.py): steps measured inside a serving
+engine (`calibrate --engine vllm`), with the engine's name, version and settings; such a profile is the
+engine's and holds no pass timings of ours.
 
 Reading is strict: a missing or mistyped field is a PerfModelError that names the file and the
 field (`profile.json: timings[3].median_ms: expected a number, found 'fast'`).
@@ -31,13 +34,25 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..errors import PerfModelError
-from ..fields import at as _at, boolean as _bool, get as _get, int_list as _int_list, integer as _int
-from ..fields import ROLES, duration_ms as _ms, is_int as _is_int, listed as _list, number as _number, string as _str
-from .composition import Composition, composition_from_json
-from .insitu import InSituPassRow, InSituStepRow, check_unique, rows_json, sections_from_json
-from .device_state import DeviceState, device_state_from_json
-from .noise import NoiseFigure, noise_from_json
+from ..fields import ROLES
+from ..fields import at as _at
+from ..fields import boolean as _bool
+from ..fields import duration_ms as _ms
+from ..fields import get as _get
+from ..fields import int_list as _int_list
+from ..fields import integer as _int
+from ..fields import is_int as _is_int
+from ..fields import listed as _list
+from ..fields import number as _number
+from ..fields import string as _str
 from ..jsonio import read_json, write_json_atomic
+from .composition import Composition, composition_from_json
+from .device_state import DeviceState, device_state_from_json
+from .engine import EngineInfo, EngineStepRow, check_engine_sections
+from .engine import rows_json as engine_rows_json
+from .engine import sections_from_json as engine_sections_from_json
+from .insitu import InSituPassRow, InSituStepRow, check_unique, rows_json, sections_from_json
+from .noise import NoiseFigure, noise_from_json
 
 PROFILE_SCHEMA = "specbatch.profile/1"
 DEVICE_KINDS = ("cpu", "cuda")
@@ -187,6 +202,8 @@ class Profile:
     insitu_steps: tuple[InSituStepRow, ...] = ()
     device_state: DeviceState | None = None  # optional: the GPU's warm-up, clocks, power and temperature
     noise_large_batch: NoiseFigure | None = None  # optional: the drift reference at the largest batch size
+    engine: EngineInfo | None = None  # optional: the serving engine whose steps these are (profile/engine.py)
+    engine_steps: tuple[EngineStepRow, ...] = ()
 
     def warnings(self) -> tuple[str, ...]:
         """One line for each figure of the machine's state that exceeds its rule."""
@@ -220,6 +237,8 @@ class Profile:
             **({} if self.device_state is None else {"device_state": self.device_state.to_json()}),
             **({} if self.noise_large_batch is None else {"noise_large_batch": self.noise_large_batch.to_json()}),
             **({} if self.composition is None else {"composition": self.composition.to_json()}),
+            **({} if self.engine is None else {"engine": self.engine.to_json()}),
+            **({"engine_steps": engine_rows_json(self.engine_steps)} if self.engine_steps else {}),
         }
 
 
@@ -450,6 +469,7 @@ def profile_from_json(obj: dict, source: str = "profile") -> Profile:
     top = f"{source}:"
     models = _get(obj, "models", top)
     insitu_timings, insitu_steps = sections_from_json(obj, top)
+    engine, engine_steps = engine_sections_from_json(obj, top)
     profile = Profile(
         created_utc=_str(obj, "created_utc", top),
         device=_device(_get(obj, "device", top), f"{top} device"),
@@ -468,6 +488,7 @@ def profile_from_json(obj: dict, source: str = "profile") -> Profile:
             obj["noise_large_batch"], f"{top} noise_large_batch"),
         composition=None if obj.get("composition") is None else composition_from_json(obj["composition"],
                                                                                       f"{top} composition"),
+        engine=engine, engine_steps=engine_steps,
     )
     validate(profile, source)
     return profile
@@ -486,6 +507,9 @@ def validate(profile: Profile, where: str = "profile") -> None:
     if len(set(overhead_keys)) != len(overhead_keys):
         raise PerfModelError(f"{where}: overheads: duplicate (batch_size, k, tree_nodes, stage2) rows")
     check_unique(profile.insitu_timings, profile.insitu_steps, where)
+    check_engine_sections(profile.engine, profile.engine_steps,
+                          bool(profile.timings or profile.overheads or profile.insitu_timings or profile.insitu_steps),
+                          where)
     for role in ROLES:
         info = profile.model(role)
         if info.kv_heads > info.heads:

@@ -11,14 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 from specbatch.perfmodel.jsonio import write_json_atomic
-from specbatch.perfmodel.table import Bucket, Table, TableEntry, save_table, to_vllm
+from specbatch.perfmodel.table import save_table, to_vllm
+from vllm_helpers import DRAFT, ROOT, RUN, TARGET, needs_vllm, table_of
 
-ROOT = Path(__file__).resolve().parents[2]
-RUN = ROOT / "bench" / "vllm" / "run.sh"
-TARGET, DRAFT = ROOT / "data" / "models" / "demo-target", ROOT / "data" / "models" / "demo-draft"
 MAX_NUM_SEQS = 40  # above every table's --max-batch: vLLM carries the last k on past the last range
 
 TABLES = {  # k at batch sizes 1..N
@@ -31,19 +28,7 @@ TABLES = {  # k at batch sizes 1..N
 }
 
 
-def vllm_importable() -> bool:
-    probe = subprocess.run(["bash", str(RUN), "-c", "import importlib.util, sys; "
-                            "sys.exit(importlib.util.find_spec('vllm') is None)"], capture_output=True)
-    return probe.returncode == 0
-
-
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not vllm_importable(), reason="vLLM is not importable: bash bench/vllm/setup.sh")]
-
-
-def table_of(ks: list[int]) -> Table:
-    entries = tuple(TableEntry(b, k, 100.0 * b, 1.5, None, None) for b, k in enumerate(ks, start=1))
-    return Table(str(TARGET), str(DRAFT), "cpu", "2026-11-30T01:00:00Z", max(ks), {}, (Bucket(128, entries),))
+pytestmark = needs_vllm()
 
 
 def test_vllm_builds_its_config_from_our_exports_and_runs_our_table(tmp_path):

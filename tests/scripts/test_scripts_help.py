@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ("cpu_spells", "pairing_noise", "pass_ratios", "step_ratios", "runtime_costs", "gpu_results",
-           "serving_fidelity")
+           "serving_fidelity", "vllm_loop")
 
 
 def run_script(name: str, *args: str, timeout_s: int = 120) -> subprocess.CompletedProcess:

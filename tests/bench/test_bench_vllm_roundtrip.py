@@ -1,0 +1,63 @@
+"""The round trip's bookkeeping without vLLM: a generation's decode-phase goodput, which fixed K go on to the paired
+phase, the best fixed K in hindsight, each schedule's paired regret against it and the check that vLLM looked up
+the table's k (constructed runs; tests/bench/test_bench_vllm_calibrate.py runs it in vLLM)."""
+from __future__ import annotations
+
+import pytest
+
+from specbatch.bench.vllm.roundtrip import Run, decode_rate, paired_contenders, summarize
+from vllm_helpers import table_of
+
+
+def test_steady_state_goodput_is_the_full_batch_steps_with_spikes_bounded():
+    prefill = [{"wall_s": 0.4, "prefill": True, "requests": 8, "generated": 8}]
+    full = [{"wall_s": 0.05, "prefill": False, "requests": 8, "generated": 24}] * 18 + [
+        {"wall_s": 0.20, "prefill": False, "requests": 8, "generated": 24}]  # a spike: counted as 1.5 x 0.05
+    tail = [{"wall_s": 0.02, "prefill": False, "requests": 3, "generated": 9}] * 4  # the batch thinning: left out
+    answer = {"token_ids": [[1] * 64] * 8, "wall_s": 2.0, "steps": prefill + full + tail}
+    steady, decode, wall = decode_rate(answer, 8)
+    assert steady == pytest.approx(19 * 24 / (18 * 0.05 + 0.075))
+    assert decode == pytest.approx(8 * 63 / (18 * 0.05 + 0.20 + 4 * 0.02)) and wall == pytest.approx(8 * 64 / 2.0)
+
+
+def test_the_screening_s_two_best_fixed_k_go_on_with_the_schedules():
+    screening = {"vllm-costs": 1.0, "ours-costs": 2.0, "K=0": 90.0, "K=1": 95.0, "K=2": 99.0, "K=3": 97.0}
+    assert paired_contenders(screening) == ["vllm-costs", "ours-costs", "K=2", "K=3"]
+
+
+def runs_of(rates: dict[str, float], phase: str, rounds: int, lookups=None) -> list[Run]:
+    runs = []
+    for r in range(rounds):
+        machine = 1.0 + 0.3 * r  # the machine's speed moves between rounds: pairing cancels it
+        runs += [Run(8, r, name, phase, rate * machine, rate, rate, (lookups or {}).get(name, []))
+                 for name, rate in rates.items()]
+    return runs
+
+
+def test_regret_is_paired_against_the_best_fixed_k_of_the_paired_rounds():
+    screening = runs_of({"vllm-costs": 150.0, "ours-costs": 120.0, "K=0": 100.0, "K=1": 150.0, "K=2": 160.0,
+                         "K=3": 158.0}, "screening", 3) + [Run(8, -1, "K=0", "screening", 1.0, 1.0, 1.0, [])]
+    # paired: K=3 turns out the faster of the two the screening ranked best
+    paired = runs_of({"vllm-costs": 152.0, "ours-costs": 120.0, "K=2": 158.0, "K=3": 160.0}, "paired", 4,
+                     {"vllm-costs": [[8, 2], [7, 2]], "ours-costs": [[8, 4]]})
+    tables = {"vllm-costs": table_of([4, 3, 3, 3, 2, 2, 2, 2]), "ours-costs": table_of([4] * 8)}
+    result = summarize(8, screening + paired, tables)
+    assert result.screening_tokens_per_s["K=2"] == pytest.approx(160.0 * 1.3)  # the median round's
+    assert result.screening_tokens_per_s["K=0"] == pytest.approx(100.0 * 1.3)  # the warm-up is not counted
+    assert set(result.median_tokens_per_s) == {"vllm-costs", "ours-costs", "K=2", "K=3"}
+    assert result.best_fixed == "K=3"
+    assert result.regret["vllm-costs"]["regret"] == pytest.approx(1 - 152 / 160)
+    assert result.regret["ours-costs"]["regret"] == pytest.approx(1 - 120 / 160)
+    assert result.regret["vllm-costs"]["ci95"] == pytest.approx([1 - 152 / 160] * 2)  # identical ratios every round
+    assert result.regret["vllm-costs"]["per_k"] == pytest.approx({"K=2": 1 - 152 / 158, "K=3": 1 - 152 / 160})
+    assert result.schedule_k == {"vllm-costs": 2, "ours-costs": 4}
+    assert result.lookup_mismatches == {"vllm-costs": [], "ours-costs": []}
+
+
+def test_a_lookup_that_is_not_the_table_s_k_is_reported():
+    runs = runs_of({"vllm-costs": 100.0, "ours-costs": 100.0, "K=1": 100.0}, "paired", 2,
+                   {"vllm-costs": [[4, 3], [3, 1]]})
+    tables = {"vllm-costs": table_of([2, 2, 2, 3]), "ours-costs": table_of([1])}
+    result = summarize(4, [Run(4, r.round, r.contender, r.phase, 1.0, 1.0, 1.0, r.k_per_step) for r in runs], tables)
+    assert result.lookup_mismatches["vllm-costs"] == [[3, 1, 2], [3, 1, 2]]  # b = 3 looked up 1, the table says 2
+    assert result.schedule_k["ours-costs"] == 1  # past the table's last entry: its edge, as vLLM carries it on
