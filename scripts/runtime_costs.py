@@ -20,6 +20,8 @@ With --vllm-table TABLE (a chains-only table of the demo pair; vLLM's CPU build 
 our runtime beside vLLM as `specbatch bench --peers vllm` runs them (specbatch.bench.vllm.compare: same token
 prompts, greedy, EOS ignored, the engines alternating within every round), plain decoding against vLLM's
 plain decoding and the table against vLLM running its `--format vllm` export, at --vllm-batch-sizes.
+A table from the bundled profile: `specbatch fit data/profiles/demo-cpu.json -o demo.model.json && specbatch
+table demo.model.json --strategies chain -o table-chain.json`.
 --write-docs puts the figures in docs/results.md's "runtime-costs" section (scripts/docs_sections.py).
 """
 from __future__ import annotations
@@ -154,7 +156,9 @@ def markdown(figures: dict) -> str:
     lines = [
         "## What the runtime pays for a batch",
         "",
-        f"Written by `OMP_NUM_THREADS=1 python scripts/runtime_costs.py --write-docs` ({figures['machine']}, "
+        "Written by `OMP_NUM_THREADS=1 python scripts/runtime_costs.py --write-docs"
+        + (f" --vllm-table {Path(figures['vllm']['table']).name}" if figures.get("vllm") else "")
+        + f"` ({figures['machine']}, "
         f"torch {figures['torch']}, {figures['threads']} thread, demo pair, float32, {figures['rounds']} rounds).",
         "",
         f"A ragged batch ({figures['batch_size']} rows: one prompt of {figures['long']} tokens among "
