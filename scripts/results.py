@@ -183,9 +183,10 @@ def render_results(conditions: str, commands: Sequence[tuple[str, float]], table
     return f"""# Results
 
 Written by `python scripts/results.py`: every figure on this page (and in the README's results table)
-comes from the run below, except the last section's, which `python scripts/gpu_results.py` writes from
-published GPU timings. Rerun it to get this machine's figures; [validation.md](validation.md) says how
-each figure is measured.
+comes from the run below, except the sections after "The fit, held out": each is written by the script
+it names (`gpu_results.py` from published GPU timings, `vllm_loop.py`, `runtime_costs.py`,
+`serving_fidelity.py`), and `results.py` keeps them. Rerun it to get this machine's figures;
+[validation.md](validation.md) says how each figure is measured.
 
 {conditions}
 
