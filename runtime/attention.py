@@ -296,6 +296,11 @@ class RaggedPass:
             # token gathered at (row, i): the row's i-th, padding repeats its last (never attended to)
             gather = cumulative[rows][:, None] + np.minimum(steps, np.asarray([counts[r] for r in rows])[:, None] - 1)
             valid = steps[None, :] < np.asarray([counts[r] for r in rows])[:, None]
+            first = int(gather[0, 0])
+            if valid.all() and np.array_equal(gather.ravel(), np.arange(first, first + gather.size)):
+                # rows of one length, packed one after another (a uniform batch): a view, no gathered copies
+                self.groups.append((None, None, slice(first, first + gather.size), longest))
+                continue
             self.groups.append((upload(gather, device), upload(np.flatnonzero(valid), device),
                                 upload(gather[valid], device), longest))
         for row in continuing:
@@ -324,6 +329,11 @@ class RaggedPass:
             if window and longest > window:  # the causal window, the same for every row of the group
                 steps = torch.arange(longest, device=q.device)
                 mask = _causal(steps, steps, window)
+            if gather is None:  # `tokens` is the group's span of the packing
+                shaped = [x[tokens].reshape(-1, longest, *x.shape[1:]) for x in (q, k, v)]
+                rows = _sdpa(*shaped, mask, gqa, causal=True)
+                out[tokens] = rows.reshape(-1, *rows.shape[2:])
+                continue
             rows = _sdpa(q[gather], k[gather], v[gather], mask, gqa, causal=True)  # (rows, longest, heads, d)
             out[tokens] = rows.reshape(-1, *rows.shape[2:])[valid]
         for row, key_len, mask, window_mask in self.alone:

@@ -4,6 +4,7 @@ Oracles: the full pass's logits at those positions, the full pass's cache, and g
 prompt alone without a cache."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from specbatch.runtime.generator import SpeculativeGenerator
@@ -72,3 +73,33 @@ def test_generation_matches_greedy_decoding_without_cache_or_padding(greedy_targ
     for draft, k in ((None, 0), (greedy_draft_sometimes, 3)):
         got = SpeculativeGenerator(greedy_target, draft).generate(prompts8, new_tokens, FixedK(k)).token_ids
         assert [list(row) for row in got] == expected, k
+
+
+
+@pytest.mark.parametrize("shape", ["uniform and one long", "padded together"])
+def test_rows_of_one_length_attend_through_a_view_and_match_the_row_alone(shape, greedy_target, prompts8):
+    """A block of the packing whose rows have one length needs no gathered copies: its group is a span of
+    the packing (the long row alone is one too); rows of different lengths padded together keep the gathered
+    path. Either way each row's logits and cache are the row's alone."""
+    from specbatch.runtime.attention import RaggedPass
+
+    width = min(len(p) for p in prompts8)
+    if shape == "uniform and one long":
+        prompts = [p[:width] for p in prompts8[:6]] + [prompts8[0] + prompts8[1]]
+    else:
+        prompts = [p[:width - (row % 2)] for row, p in enumerate(prompts8[:6])]
+    counts = [len(p) for p in prompts]
+    cache = greedy_target.new_cache(len(prompts), 64)
+    plan = RaggedPass(cache, counts, None, "sdpa")
+    if shape == "uniform and one long":
+        assert [group[2] for group in plan.groups] == [slice(6 * width, sum(counts)), slice(0, 6 * width)]
+    else:
+        assert len(plan.groups) == 1 and plan.groups[0][0] is not None
+    with torch.no_grad():
+        last = greedy_target(packed(prompts), cache, last=1, new_tokens=counts)
+        for row, prompt in enumerate(prompts):
+            alone = greedy_target.new_cache(1, 64)
+            full = greedy_target(torch.tensor([prompt]), alone)
+            torch.testing.assert_close(last[row, 0], full[0, -1], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(cache.keys[:, row, :len(prompt)], alone.keys[:, 0, :len(prompt)],
+                                       rtol=1e-5, atol=1e-5)
