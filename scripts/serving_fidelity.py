@@ -304,7 +304,8 @@ def recorders(runner, bands) -> dict:
 
     policy = runner.engine.policy
     own = policy.fidelity
-    records = {"profile": own, **{f"{b:g}": LiveFidelity(band=b, model_error=own.model_error) for b in bands}}
+    records = {"profile": own, **{f"{b:g}": LiveFidelity(band=b, model_error=own.model_error,
+                                                       band_source="a fixed band") for b in bands}}
     policy.fidelity = _Tee(list(records.values()))
     return records
 
