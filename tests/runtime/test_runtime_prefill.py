@@ -15,6 +15,17 @@ def packed(prompts: list[list[int]]) -> torch.Tensor:
     return torch.tensor([token for prompt in prompts for token in prompt])
 
 
+def assert_each_row_as_alone(model, prompts: list[list[int]], last: torch.Tensor, cache) -> None:
+    """Each row's last-position logits and cache entries equal those of its prompt run alone."""
+    with torch.no_grad():
+        for row, prompt in enumerate(prompts):
+            alone = model.new_cache(1, cache.max_len)
+            full = model(torch.tensor([prompt]), alone)
+            torch.testing.assert_close(last[row, 0], full[0, -1], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(cache.keys[:, row, :len(prompt)], alone.keys[:, 0, :len(prompt)],
+                                       rtol=1e-5, atol=1e-5)
+
+
 def test_a_packed_prefill_gives_each_rows_last_logits_and_cache_as_the_row_alone(greedy_target, prompts8):
     """Prompts of different lengths packed with no padding: each row's last-position logits and its cache
     entries equal those of the row's prompt run alone."""
@@ -23,13 +34,8 @@ def test_a_packed_prefill_gives_each_rows_last_logits_and_cache_as_the_row_alone
     cache = greedy_target.new_cache(8, 32)
     with torch.no_grad():
         last = greedy_target(packed(prompts8), cache, last=1, new_tokens=counts)  # (b, 1, vocab)
-        assert last.shape == (8, 1, greedy_target.config.vocab_size)
-        for row, prompt in enumerate(prompts8):
-            alone = greedy_target.new_cache(1, 32)
-            full = greedy_target(torch.tensor([prompt]), alone)
-            torch.testing.assert_close(last[row, 0], full[0, -1], rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(cache.keys[:, row, :len(prompt)], alone.keys[:, 0, :len(prompt)],
-                                       rtol=1e-5, atol=1e-5)
+    assert last.shape == (8, 1, greedy_target.config.vocab_size)
+    assert_each_row_as_alone(greedy_target, prompts8, last, cache)
     assert cache.lengths.tolist() == counts == cache.host_lengths.tolist()
 
 
@@ -97,9 +103,4 @@ def test_rows_of_one_length_attend_through_a_view_and_match_the_row_alone(shape,
         assert len(plan.groups) == 1 and plan.groups[0][0] is not None
     with torch.no_grad():
         last = greedy_target(packed(prompts), cache, last=1, new_tokens=counts)
-        for row, prompt in enumerate(prompts):
-            alone = greedy_target.new_cache(1, 64)
-            full = greedy_target(torch.tensor([prompt]), alone)
-            torch.testing.assert_close(last[row, 0], full[0, -1], rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(cache.keys[:, row, :len(prompt)], alone.keys[:, 0, :len(prompt)],
-                                       rtol=1e-5, atol=1e-5)
+    assert_each_row_as_alone(greedy_target, prompts, last, cache)
