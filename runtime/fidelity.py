@@ -24,8 +24,11 @@ log = logging.getLogger("specbatch.fidelity")
 
 RATIO_MEMORY_STEPS = 32.0  # a cell's running ratio weighs its steps by (1 - 1/32) per step of the cell
 SETTLE_STEPS = 32  # a cell's first steps: its baseline ratio
-DRIFT_MEMORY_STEPS = 32.0  # the pooled deviation from the baselines weighs steps by (1 - 1/32) per step
-PERSIST_STEPS = 32  # steps in a row out of the band (or back within half of it) before the state changes
+DRIFT_MEMORY_STEPS = 64.0  # the pooled deviation from the baselines weighs steps by (1 - 1/64) per step
+# steps in a row out of the band (or back within half of it) before the state changes. With the memory above,
+# a 1.5x change is warned about ~80 steps after it at a 10 % band, ~150 at 34 %; at 32 and 32 a shared 2-core
+# machine's slow spells of ~0.5 s warned twice in 10 minutes at its own 34 % band (scripts/serving_fidelity.py)
+PERSIST_STEPS = 64
 DEFAULT_BAND = 0.10  # a profile without a noise figure
 LOG_RATIO_CLIP = math.log(4.0)  # a stalled step (swapped out, descheduled) counts as 4x, not as 40x
 BATCH_BOUNDS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
