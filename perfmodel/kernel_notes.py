@@ -35,10 +35,17 @@ def _previous(strategy: Strategy) -> Strategy:
     return Strategy(None) if strategy.k == 1 else Strategy(chain(strategy.k - 1), strategy.stage2)
 
 
+def _target_staircase(fitted):
+    """The target's learnt kernel steps; None without them, and for an engine's model (whole steps, no
+    pass latencies: perfmodel/engine_steps.py)."""
+    target = fitted.roles.get("target")
+    return None if target is None else target.model.staircase
+
+
 def step_edge(fitted, model, strategy: Strategy, batch_size: int, context_len: int) -> StepEdge | None:
     """The edge a chain (with or without the second stage) at (b, L) sits on, if any; `model` is the
     strategy.StepModel the choice was made with. Trees, no speculation and fits without steps: None."""
-    staircase = fitted.roles["target"].model.staircase
+    staircase = _target_staircase(fitted)
     if staircase is None or strategy.kind != "chain" or strategy.k < 1:
         return None
     b, k = batch_size, strategy.k
@@ -116,7 +123,7 @@ def table_step_notes(fitted, table, model) -> list[str]:
 def row_gap_notes(fitted, batch_size: int | None = None) -> list[str]:
     """The target's steps in the batch size (attention waves) that the fit could only ramp across a gap: every
     such gap (a table), or the one holding `batch_size` (a query)."""
-    staircase = fitted.roles["target"].model.staircase
+    staircase = _target_staircase(fitted)
     if staircase is None:
         return []
     gaps = sorted({(s.after, s.until) for s in staircase.steps if s.axis in (ROWS, ROWS_CONTEXT) and not s.sharp})

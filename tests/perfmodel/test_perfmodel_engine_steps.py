@@ -219,6 +219,20 @@ def test_a_table_from_the_engine_s_costs_says_so(engine_model, tmp_path):
     assert json.loads((tmp_path / "t.vllm.json").read_text()) == to_vllm(table, draft=tmp_path)
 
 
+def test_the_kernel_step_notes_of_table_and_query_pass_over_an_engine_s_model(engine_model):
+    """An engine's model holds whole steps, no target pass latencies: no kernel-step notes, and no error."""
+    from specbatch.perfmodel.kernel_notes import row_gap_notes, table_step_notes
+    from specbatch.perfmodel.model import step_model
+    from specbatch.perfmodel.query import chain_answer
+
+    acceptance = engine_model.acceptance[0]
+    table = compute_table(engine_model, acceptance, 32, [128])
+    assert table_step_notes(engine_model, table, step_model(engine_model, acceptance)) == []
+    assert row_gap_notes(engine_model) == [] and row_gap_notes(engine_model, 8) == []
+    answer = chain_answer(engine_model, acceptance, 8, 128)
+    assert answer.best_strategy.k == table.lookup(8) and not any("kernel step" in n for n in answer.notes)
+
+
 def test_a_table_from_our_runtime_s_costs_exported_to_vllm_says_whose_costs_it_carries(tmp_path):
     profile = build_profile(cpu_like_latency, models=CPU_MODELS, context_lens=(128,), max_k=4, device_kind="cpu",
                             acceptance=list(ALPHAS))
