@@ -2,13 +2,14 @@
 
 Per cell (strategy, batch-size bucket): the steps, their predicted and measured seconds (and the re-fitted
 prediction with --refit), and the running ratio measured / predicted (geometric, over the cell's last
-~RATIO_MEMORY_STEPS steps) with its spread (the standard deviation of log ratio). Drift: a cell's first
-SETTLE_STEPS steps set its baseline ratio (the model's own error there); afterwards every step's log ratio less
-its cell's baseline feeds one pooled running mean (a machine that slows down slows every cell), and when that
-mean stays outside the band for PERSIST_STEPS steps in a row one warning is logged, naming the cells and by how
-much. The band is the profile's noise figure (`noise_band`). A baseline itself outside the band widened by the
-model's own step error at calibration is a profile that does not describe this machine: one warning too.
-docs/serving.md shows the metrics; the predictions come from the policy (runtime.adaptive).
+~RATIO_MEMORY_STEPS steps) with its spread (the standard deviation of log ratio). Drift: after its first
+WARMUP_STEPS steps, a cell's next SETTLE_STEPS set its baseline ratio (the model's own error there); afterwards
+every step's log ratio less its cell's baseline feeds one pooled running mean (a machine that slows down slows
+every cell), and when that mean stays outside the band for PERSIST_STEPS steps in a row one warning is logged,
+naming the cells and by how much. The band is the profile's noise figure (`noise_band`). A baseline itself
+outside the band widened by the model's own step error at calibration is a profile that does not describe this
+machine: one warning too. docs/serving.md shows the metrics; the predictions come from the policy
+(runtime.adaptive).
 """
 from __future__ import annotations
 
@@ -23,7 +24,11 @@ from specbatch.perfmodel.profile.noise import NOISE_RULE, NoiseFigure
 log = logging.getLogger("specbatch.fidelity")
 
 RATIO_MEMORY_STEPS = 32.0  # a cell's running ratio weighs its steps by (1 - 1/32) per step of the cell
-SETTLE_STEPS = 32  # a cell's first steps: its baseline ratio
+# a cell's first steps meet shapes the process has not run yet (allocations, kernel set-up): they set nothing;
+# the next SETTLE_STEPS set its baseline ratio. Baselines from cold steps made a fresh server's warm steps look
+# like a x0.7 drift on this CPU (scripts/serving_fidelity.py)
+WARMUP_STEPS = 16
+SETTLE_STEPS = 32
 DRIFT_MEMORY_STEPS = 64.0  # the pooled deviation from the baselines weighs steps by (1 - 1/64) per step
 # steps in a row out of the band (or back within half of it) before the state changes. With the memory above,
 # a 1.5x change is warned about ~80 steps after it at a 10 % band, ~150 at 34 %; at 32 and 32 a shared 2-core
@@ -66,7 +71,7 @@ class _Cell:
     weight: float = 0.0  # running (fading) sums of 1, log ratio, log ratio squared
     log_sum: float = 0.0
     square_sum: float = 0.0
-    settle_sum: float = 0.0  # log ratios of the first SETTLE_STEPS steps
+    settle_sum: float = 0.0  # log ratios of the SETTLE_STEPS steps after the warm-up
     baseline: float | None = None  # their mean
     run: tuple[int, int, float] = (-1, 0, 0.0)  # (run id, steps, deviation sum) in the pooled mean's current run
 
@@ -123,8 +128,9 @@ class LiveFidelity:
             cell.square_sum = cell.square_sum * keep + x * x
             self.steps += 1
             if cell.baseline is None:
-                cell.settle_sum += x
-                if cell.steps == SETTLE_STEPS:
+                if cell.steps > WARMUP_STEPS:
+                    cell.settle_sum += x
+                if cell.steps == WARMUP_STEPS + SETTLE_STEPS:
                     cell.baseline = cell.settle_sum / SETTLE_STEPS
                     self._check_mismatch(key, cell)
                 return
