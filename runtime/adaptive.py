@@ -28,7 +28,7 @@ from specbatch.perfmodel.schedule import staged_rounds
 from specbatch.perfmodel.strategy import StepModel
 from specbatch.perfmodel.tree import Strategy, chain
 
-from .fidelity import LiveFidelity, noise_band
+from .fidelity import LiveFidelity, noise_band, noise_band_source
 from .refit import StepCostRefit, step_parts
 
 
@@ -411,7 +411,7 @@ def adaptive_policy(model_file: Path, max_k: int | None = None, staged: bool = F
         choose_acceptance(fitted, None, str(model_file))
     correction = StepCostRefit() if refit else None
     fidelity = LiveFidelity(band=noise_band(fitted.noise), model_error=model_step_error(fitted), refit=correction,
-                            **({} if fitted.noise is None else {"band_source": "the profile's noise figure"}))
+                            band_source=noise_band_source(fitted.noise))
     policy = AdaptivePolicy(step_model(fitted, acceptance), fitted.grid.max_k if max_k is None else max_k,
                             staged=staged and fitted.stage2 is not None,
                             name=f"adaptive {Path(model_file).name}" + (" --refit" if refit else ""),

@@ -62,6 +62,11 @@ def noise_band(noise: NoiseFigure | None) -> float:
     return max(NOISE_RULE, noise.drift + noise.jitter)
 
 
+def noise_band_source(noise: NoiseFigure | None) -> str:
+    """Where `noise_band` took the band from, as the warnings say it."""
+    return "no noise figure in the profile: the default" if noise is None else "the profile's noise figure"
+
+
 @dataclass
 class _Cell:
     steps: int = 0
@@ -92,7 +97,7 @@ class LiveFidelity:
 
     band: float = DEFAULT_BAND  # relative: see noise_band
     model_error: float = 0.0  # the model's own relative step error at calibration (a baseline may be off by it)
-    band_source: str = "no noise figure in the profile: the default"  # where the band came from, for the warnings
+    band_source: str = noise_band_source(None)  # where the band came from, for the warnings
     refit: object | None = None  # runtime.refit.StepCostRefit whose factors the snapshot shows
     steps: int = 0
     drifting: bool = False
