@@ -167,6 +167,11 @@ class UniformPass:
         else:
             totals = cache.host_lengths + n
             self.runs = [self._run(cache, start, end, key_len, totals) for start, end, key_len in plan_runs(totals)]
+        # every row writes at the same slots (a batch that started together): a slice copy, not a scatter,
+        # on the CPU; elsewhere the scatter from device lengths, which a captured graph can replay
+        host = cache.host_lengths
+        self.common_slot = (int(host[0]) if backend != "varlen" and device.type == "cpu" and b
+                            and (host == host[0]).all() else None)
 
     # ---------------------------------------------------------------- sdpa
     def _run(self, cache: KVCache, start: int, end: int, key_len: int, totals: np.ndarray):
@@ -194,6 +199,11 @@ class UniformPass:
 
     def write(self, cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v (b, n, kv_heads, head_dim) into each row's next n slots."""
+        if self.common_slot is not None:
+            span = slice(self.common_slot, self.common_slot + self.n)
+            cache.keys[layer, :, span] = k
+            cache.values[layer, :, span] = v
+            return
         cache.keys[layer][self.rows, self.slots] = k.to(cache.keys.dtype)
         cache.values[layer][self.rows, self.slots] = v.to(cache.values.dtype)
 

@@ -317,6 +317,7 @@ def _finish(model: CausalLM, config: ModelConfig, device: str, dtype: torch.dtyp
     model = model.to(dtype=dtype).eval()
     if config.family == "llama":  # RoPE frequencies stay float32 whatever the weights' dtype
         model.inv_freq = rope_inverse_frequencies(config).to(device)
+    model.lay_out_for_matmul()
     return model
 
 

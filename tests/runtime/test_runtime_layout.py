@@ -1,0 +1,97 @@
+"""What the CPU fast paths change and what they must not: projections stored transposed keep the
+checkpoint's values (oracle: the safetensors file itself); the in-place residual and MLP of inference give
+the autograd path's logits bit for bit; a batch whose rows share their length writes the cache by slices
+exactly where the scatter writes it."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from torch_fixtures import tiny_llama_config
+from specbatch.runtime.assembly import DEMO_TARGET
+from specbatch.runtime.attention import UniformPass
+from specbatch.runtime.checkpoint import build_model, load_checkpoint
+from specbatch.runtime.kv_cache import KVCache
+
+
+def test_cpu_projections_are_stored_transposed_with_the_checkpoints_values():
+    model = load_checkpoint(DEMO_TARGET).model
+    stored = load_file(str(DEMO_TARGET / "model.safetensors"))
+    projections = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not model.lm_head]
+    assert len(projections) == 4 * model.config.num_layers
+    for module in projections:
+        weight = module.weight
+        assert not weight.is_contiguous() and weight.t().is_contiguous()  # (in, out) storage
+    block = model.layers[0]
+    # the checkpoint's separate q/k/v and gate/up matrices, fused as the loader fuses them
+    qkv = torch.cat([stored[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"]).float()
+    gate_up = torch.cat([stored[f"model.layers.0.mlp.{p}_proj.weight"] for p in ("gate", "up")]).float()
+    assert torch.equal(block.qkv.weight, qkv)
+    assert torch.equal(block.gate_up.weight, gate_up)
+    assert torch.equal(block.down.weight, stored["model.layers.0.mlp.down_proj.weight"].float())
+    # the tied head still reads the embedding's rows, in the embedding's own storage
+    assert model.lm_head.weight.data_ptr() == model.embed.weight.data_ptr()
+    assert model.embed.weight.is_contiguous()
+
+
+def test_untied_head_is_stored_transposed_too():
+    model = build_model(tiny_llama_config(), seed=1)
+    assert model.lm_head.weight.t().is_contiguous() and model.embed.weight.is_contiguous()
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_in_place_inference_path_gives_the_autograd_paths_logits_exactly(cached):
+    model = build_model(tiny_llama_config(), seed=2)
+    tokens = torch.randint(0, model.config.vocab_size, (3, 7), generator=torch.Generator().manual_seed(0))
+
+    def logits(grad: bool) -> torch.Tensor:
+        with torch.set_grad_enabled(grad):
+            if not cached:
+                return model(tokens).detach()
+            cache = model.new_cache(3, 16)
+            model(tokens[:, :5], cache)
+            return model(tokens[:, 5:], cache).detach()
+
+    with_autograd, in_place = logits(True), logits(False)
+    assert torch.equal(with_autograd, in_place)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_rows_of_one_length_write_by_slices_where_the_scatter_writes(n):
+    config = tiny_llama_config()
+    generator = torch.Generator().manual_seed(5)
+    caches = [KVCache(config, 4, 12, "cpu", torch.float32) for _ in range(2)]
+    for cache in caches:
+        cache.lengths = torch.tensor([6, 6, 6, 6])
+    sliced = UniformPass(caches[0], n, None, None, "sdpa")
+    scattered = UniformPass(caches[1], n, None, None, "sdpa")
+    assert sliced.common_slot == 6
+    scattered.common_slot = None  # the general path, slots from the device lengths
+    k = torch.randn(4, n, config.num_kv_heads, config.head_dim, generator=generator)
+    v = torch.randn(4, n, config.num_kv_heads, config.head_dim, generator=generator)
+    sliced.write(caches[0], 1, k, v)
+    scattered.write(caches[1], 1, k, v)
+    assert torch.equal(caches[0].keys, caches[1].keys) and torch.equal(caches[0].values, caches[1].values)
+    assert torch.equal(caches[0].keys[1, :, 6:6 + n], k)
+
+
+def test_rows_of_different_lengths_keep_the_scatter():
+    cache = KVCache(tiny_llama_config(), 3, 12, "cpu", torch.float32)
+    cache.lengths = torch.tensor([6, 4, 6])
+    assert UniformPass(cache, 1, None, None, "sdpa").common_slot is None
+
+
+def test_linear_layout_benchmark_reports_every_projection_shape():
+    result = subprocess.run([sys.executable, "-m", "specbatch.bench.linear_layout", "--tokens", "1",
+                             "--rounds", "1"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    rows = [line.split() for line in result.stdout.splitlines()[2:]]
+    # the demo target's four projection shapes and the draft's four, one token count each
+    assert len(rows) == 8 and all(float(row[-1]) > 0 for row in rows)
+    bad = subprocess.run([sys.executable, "-m", "specbatch.bench.linear_layout", "--tokens", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--tokens" in bad.stderr
