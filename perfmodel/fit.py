@@ -10,7 +10,9 @@
    b. the in-situ step correction (`steps.fit_step_correction`), kept only when it predicts held-out
       sweeps better than the model alone. It applies to every strategy, at its verified width.
    Without in-situ steps: the isolated fit, no correction.
-3. Overheads, acceptance, the second stage and the noise figure are carried from the profile.
+3. Past its measured token counts the draft's staircase grows as the target's fit does, scaled, where the two
+   have the same block (`token_curve`): the draft's rows never reach the token counts where the GEMMs step.
+4. Overheads, acceptance, the second stage and the noise figure are carried from the profile.
 
 An engine's profile (`calibrate --engine vllm`) has no passes of ours: its steps are fitted by
 `engine_steps.fit_engine_steps` instead, and the model's `roles` stay empty.
@@ -36,6 +38,7 @@ from .profile import ROLES, Profile
 from .steps import (INSITU, ISOLATED, SOURCES, BatchSizeError, SourceChoice, SourceReport, StepError,
                     fit_step_correction)
 from .strategy import StepModel
+from .token_curve import share_token_curve
 from .tree import Strategy
 
 MIN_REGIME_POINTS = 4  # the roofline's parameter count: fewer points in a regime leave its rate loose
@@ -253,6 +256,7 @@ def fit_profile(profile: Profile, holdout: bool = False) -> FittedModel:
     acceptance = tuple(acceptance_from_profile(entry) for entry in profile.acceptance)
     greedy = _step_acceptance(acceptance)
     roles, choice = fit_sources(profile, holdout, overhead, greedy)
+    roles = with_token_curve(roles, profile)
     fitted = FittedModel(
         created_utc=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         profile_created_utc=profile.created_utc,
@@ -264,6 +268,13 @@ def fit_profile(profile: Profile, holdout: bool = False) -> FittedModel:
         return fitted
     predicted_ms = predict_steps(fitted.latency_ms, overhead, greedy, profile.insitu_steps)
     return replace(fitted, step_correction=fit_step_correction(profile.insitu_steps, predicted_ms))
+
+
+def with_token_curve(roles: dict[str, RoleFit], profile: Profile) -> dict[str, RoleFit]:
+    """3. The draft's staircase continued by the target's fit where token_curve.py's conditions hold."""
+    draft = roles["draft"]
+    model = share_token_curve(draft.model, profile.draft, roles["target"].model, profile.target)
+    return roles if model is draft.model else {**roles, "draft": replace(draft, model=model)}
 
 
 def _fit_engine_profile(profile: Profile) -> FittedModel:

@@ -33,6 +33,7 @@ from .errors import PerfModelError
 from .jsonio import rounded
 from .profile import ModelInfo, TimingRow
 from .staircase import Staircase, fit_staircase
+from .token_curve import TokenCurve
 
 ROOFLINE = "roofline"
 MONOTONE = "roofline+monotone"
@@ -340,7 +341,9 @@ class LatencyModel:
     The staircase knows what quantizes a pass (GEMM tiles in tokens, attention waves in rows) and is continued
     past its box by them (`Staircase.continued_ms`): the token steps it measured at the pass's own token count,
     the roofline in padded token counts past the measured ones, and past the largest batch size the cost of a
-    row read over the last measured octaves, in whole waves where the steps show their width.
+    row read over the last measured octaves, in whole waves where the steps show their width. With a
+    `token_curve` (a draft whose GEMMs are the target's, `perfmodel.token_curve`) the growth past the measured
+    token counts is the other role's fit along its tokens, scaled, instead of the padded roofline.
     """
 
     kind: str  # one of KINDS
@@ -349,6 +352,7 @@ class LatencyModel:
     correction: MonotoneCorrection | None  # present for "roofline+monotone"
     box: Box | None = None  # the measured range the refinement holds in; None: the fit everywhere
     staircase: Staircase | None = None  # present for "roofline+staircase"
+    token_curve: TokenCurve | None = None  # the staircase's growth past its token counts, from another role
 
     def fitted_ms(self, b, n, L):
         """The fit itself, with no regard to the measured range (arrays in, array out)."""
@@ -367,8 +371,10 @@ class LatencyModel:
         elif self.kind == STAIRCASE:
             shape = np.broadcast(b, n, L).shape
             tile = self.staircase.tile_tokens()
+            grows = self.token_curve.tokens_ms if self.token_curve is not None else \
+                (lambda tokens: self.roofline.gemm_ms(self.shape, tokens, tile))
             value = self.staircase.continued_ms(
-                self.fitted_ms, lambda tokens: self.roofline.gemm_ms(self.shape, tokens, tile),
+                self.fitted_ms, grows,
                 lambda *point: self.roofline.latency_ms(self.shape, *point),
                 (self.box.batch_size, self.box.new_tokens, self.box.context_len), b, n, L).reshape(shape)
         else:

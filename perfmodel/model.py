@@ -22,7 +22,7 @@ evaluated with; tables made from it say whose costs they carry (`costs`).
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from typing import Sequence
 
@@ -42,6 +42,7 @@ from .staircase import Staircase
 from .steps import SourceChoice, StepCorrection
 from .strategy import MAX_TREE_NODES, StepModel, StrategyCandidate, StrategyChoice, candidate_strategies
 from .table import ENGINE_FORMATS, MAX_TABLE_BATCH, Bucket, Table, TableEntry
+from .token_curve import TokenCurve
 from .tree import Strategy
 
 MODEL_SCHEMA = "specbatch.model/1"
@@ -323,6 +324,7 @@ def _role_json(fit: RoleFit) -> dict:
         "roofline": model.roofline.to_json(model.shape),
         "monotone": None if model.correction is None else model.correction.to_json(model.shape, model.roofline),
         **({} if model.staircase is None else {"staircase": model.staircase.to_json()}),
+        **({} if model.token_curve is None else {"token_curve": model.token_curve.to_json()}),
         "validation": {
             "in_sample_mape_pct": rounded(fit.in_sample_mape_pct),
             "cv_mape_pct": {kind: rounded(value) for kind, value in fit.cv_mape_pct.items()},
@@ -399,6 +401,23 @@ def _role_from_json(role: str, obj: dict, where: str) -> RoleFit:
     )
 
 
+def _with_token_curves(roles: dict[str, RoleFit], obj: dict, where: str) -> dict[str, RoleFit]:
+    """Each role's `token_curve`, read from the other role's model (perfmodel/token_curve.py)."""
+    for role in list(roles):
+        curve = obj[role].get("token_curve")
+        if curve is None:
+            continue
+        origin, fit = curve["from_role"], roles[role]
+        scale, rows, context = (float(curve[key]) for key in ("scale", "batch_size", "context_len"))
+        if origin not in roles or origin == role or fit.model.staircase is None or not (
+                scale > 0 and rows >= 1 and context >= 0):
+            raise PerfModelError(f"{where}: roles.{role}.token_curve: from_role must name the other role, the role "
+                                 "must be a staircase, scale > 0, batch_size >= 1 and context_len >= 0")
+        curve = TokenCurve(roles[origin].model, origin, scale, rows, context)
+        roles[role] = replace(fit, model=replace(fit.model, token_curve=curve))
+    return roles
+
+
 # acceptance fields a profile entry has and a model file may lack (older files, or never written): read as null
 OPTIONAL_ACCEPTANCE_FIELDS = {"top_k": None, "top_p": None, "prompts": None, "prompt_count": None, "trials": None,
                               "temperature": None}
@@ -437,8 +456,8 @@ def model_from_json(obj: dict, source: str = "model") -> FittedModel:
     try:
         engine = None if obj.get("engine_steps") is None else \
             EngineStepFit.from_json(obj["engine_steps"], f"{source}: engine_steps")
-        roles = {} if engine is not None else {role: _role_from_json(role, obj["roles"][role], source)
-                                               for role in ROLES}
+        roles = {} if engine is not None else _with_token_curves(
+            {role: _role_from_json(role, obj["roles"][role], source) for role in ROLES}, obj["roles"], source)
         overhead = _overhead_from_json(obj, source)
         for index, entry in enumerate(obj["acceptance"]):
             # the profile's rules for every measured figure; `source` and `mode` here say where the figures

@@ -188,8 +188,9 @@ class Staircase:
     def continued_ms(self, fitted: Fitted, gemm_ms: Callable[[np.ndarray], np.ndarray], roofline_ms: Fitted,
                      box: tuple, b, n, L) -> np.ndarray:
         """The fit inside its measured box ((b_lo, b_hi), (n_lo, n_hi), (L_lo, L_hi)) and continued past it
-        (module docstring): `fitted` is the fit itself, `gemm_ms(t)` the roofline in padded token counts,
-        `roofline_ms` the roofline. Arrays in (broadcast), flat array out."""
+        (module docstring): `fitted` is the fit itself, `gemm_ms(t)` the roofline in padded token counts (or
+        another role's token curve, `perfmodel.token_curve`), `roofline_ms` the roofline. Arrays in
+        (broadcast), flat array out."""
         (b_lo, b_hi), (n_lo, n_hi), (L_lo, L_hi) = box
         b, n, L = (array.reshape(-1) for array in np.broadcast_arrays(*(np.asarray(v, dtype=float)
                                                                         for v in (b, n, L))))
