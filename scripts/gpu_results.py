@@ -13,6 +13,10 @@ staircase too):
 - where the data step past b = 32 (increments of 3 % of the pass or more from one batch size to the next)
   and where the fit on b <= 32 puts its steps;
 - held-out pass MAPE over contexts: each profiled context left out in turn;
+- the draft's staircase continued past its token counts by the target's fit (perfmodel/token_curve.py, as `fit`
+  does where the two have the same block), beside its own rows alone;
+- the same held-out protocol after calibrate's refinement (calibrate/refine.py) has added the target passes it
+  chooses, at a few budgets, each pass read from the data only once chosen;
 - the goodput the fitted table gives up against the best chain read from the composed passes directly, at
   every batch size 1..128 and every profiled context;
 - k*(b) at contexts 256 and 2048 beside Su et al.'s OPT-6.7B/125M table;
@@ -29,18 +33,20 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
 
+from specbatch.calibrate.refine import DEFAULT_BUDGET, refinement_rounds
 from specbatch.perfmodel import latency as lat
 from specbatch.perfmodel.acceptance import acceptance_from_profile
 from specbatch.perfmodel.fit import overhead_model
 from specbatch.perfmodel.jsonio import write_text_atomic
-from specbatch.perfmodel.profile import Profile, load_profile
+from specbatch.perfmodel.profile import ROLES, Profile, TimingRow, load_profile
 from specbatch.perfmodel.strategy import StepModel
+from specbatch.perfmodel.token_curve import gemm_work_ratio, share_token_curve
 from specbatch.perfmodel.tree import Strategy
 from specbatch.runtime.presets import PRESETS
 
@@ -60,6 +66,7 @@ BEFORE = (lat.ROOFLINE, lat.MONOTONE)  # the kinds `fit` chose among before the 
 GOALS = {"mape": 3.0, "worst": 8.0, "loss": 1.0}  # percent
 EVERY_OTHER_B = "every b not fitted"  # the issue's protocol: fit on TRAIN_BATCH_SIZES, predict every other b
 STEP_SHARE = 0.03  # one more row adds at least this share of the pass: a step (kernel_notes' threshold)
+REFINE_BUDGETS = (16, 32, DEFAULT_BUDGET)  # passes the refinement may add: a few, then calibrate's default
 
 
 # ---------------------------------------------------------------- fitting as `fit` does, with a choice of kinds
@@ -79,45 +86,141 @@ def errors_pct(model: lat.LatencyModel, points: lat.Points) -> np.ndarray:
 class HeldOut:
     label: str
     role: str
-    by_kind: dict  # kind or "before" / "now" -> (MAPE, worst) in percent
+    by_kind: dict  # kind, "before" / "now", or ALONE -> (MAPE, worst) in percent
     chosen: dict  # "before" / "now" -> the kind chosen
-    worst_at: dict  # kind or "before" / "now" -> (b, n, L) of the worst point
+    worst_at: dict  # as by_kind -> (b, n, L) of the worst point
+    test_points: int = 0
+
+
+ALONE = "staircase, own rows alone"  # the draft's staircase without the target's token curve
+
+
+@dataclass(frozen=True)
+class Fits:
+    """One role's fits on one training set: each kind's, and the kinds `fit` chooses among before and now."""
+
+    by_kind: dict  # kind -> LatencyModel (the staircase with the token curve where it applies)
+    chosen: dict  # "before" / "now" -> kind
+    alone: lat.LatencyModel | None  # the staircase without the token curve, where it got one
+
+
+def fits_on(shape: lat.RoleShape, train: lat.Points, now: Sequence[str],
+            share: Callable[[lat.LatencyModel], lat.LatencyModel] | None = None) -> Fits:
+    """`share` continues a staircase by another role's token curve (perfmodel/token_curve.py), as `fit` does."""
+    cv = lat.cross_validate(shape, train)
+    by_kind = {kind: lat.fit_latency_model(shape, train, kind) for kind in lat.KINDS}
+    alone = None
+    if share is not None:
+        shared = share(by_kind[lat.STAIRCASE])
+        if shared is not by_kind[lat.STAIRCASE]:
+            alone, by_kind[lat.STAIRCASE] = by_kind[lat.STAIRCASE], shared
+    chosen = {name: lat.select_kind({k: v for k, v in cv.items() if k in kinds})
+              for name, kinds in (("before", BEFORE), ("now", now))}
+    return Fits(by_kind, chosen, alone)
+
+
+def scored(label: str, role: str, fits: Fits, test: lat.Points) -> HeldOut:
+    by_kind, worst_at = {}, {}
+    models = dict(fits.by_kind, **({} if fits.alone is None else {ALONE: fits.alone}))
+    for kind, model in models.items():
+        e = errors_pct(model, test)
+        by_kind[kind] = (float(e.mean()), float(e.max()))
+        i = int(np.argmax(e))
+        worst_at[kind] = (int(test.batch_size[i]), int(test.new_tokens[i]), int(test.context_len[i]))
+    for name, kind in fits.chosen.items():
+        by_kind[name], worst_at[name] = by_kind[kind], worst_at[kind]
+    return HeldOut(label, role, by_kind, dict(fits.chosen), worst_at, len(test))
 
 
 def held_out(label: str, role: str, shape: lat.RoleShape, train: lat.Points, test: lat.Points,
              now: Sequence[str]) -> HeldOut:
-    cv = lat.cross_validate(shape, train)
-    by_kind, chosen, worst_at = {}, {}, {}
-    for kind in lat.KINDS:
-        e = errors_pct(lat.fit_latency_model(shape, train, kind), test)
-        by_kind[kind] = (float(e.mean()), float(e.max()))
-        i = int(np.argmax(e))
-        worst_at[kind] = (int(test.batch_size[i]), int(test.new_tokens[i]), int(test.context_len[i]))
-    for name, kinds in (("before", BEFORE), ("now", now)):
-        chosen[name] = lat.select_kind({k: v for k, v in cv.items() if k in kinds})
-        by_kind[name], worst_at[name] = by_kind[chosen[name]], worst_at[chosen[name]]
-    return HeldOut(label, role, by_kind, chosen, worst_at)
+    return scored(label, role, fits_on(shape, train, now), test)
 
 
 def role_points(profile: Profile, role: str) -> tuple[lat.RoleShape, lat.Points]:
     return lat.RoleShape.from_model_info(profile.model(role)), lat.Points.from_rows(profile.timings_of(role))
 
 
+def sharing(profile: Profile, target: lat.LatencyModel) -> Callable[[lat.LatencyModel], lat.LatencyModel]:
+    """What `fit` does to the draft's staircase with the target's fit `target` (perfmodel/token_curve.py)."""
+    return lambda model: share_token_curve(model, profile.draft, target, profile.target)
+
+
+def both_roles(profile: Profile, train: dict, tests: dict) -> list[HeldOut]:
+    """Fit each role on its `train` points (the draft's staircase continued by the target's fit chosen now) and
+    score every (label -> role -> test points) of `tests`."""
+    now = lat.kinds_for(profile.device.kind)
+    target = fits_on(role_points(profile, "target")[0], train["target"], now)
+    fits = {"target": target, "draft": fits_on(role_points(profile, "draft")[0], train["draft"], now,
+                                               sharing(profile, target.by_kind[target.chosen["now"]]))}
+    return [scored(label, role, fits[role], test[role]) for label, test in tests.items() for role in ROLES]
+
+
 def gpu_held_out(profile: Profile) -> list[HeldOut]:
-    found = []
-    for role in ("target", "draft"):
-        shape, points = role_points(profile, role)
-        train = np.isin(points.batch_size, TRAIN_BATCH_SIZES)
-        inside = ~train & (points.batch_size <= max(TRAIN_BATCH_SIZES))
-        now = lat.kinds_for(profile.device.kind)
-        found.append(held_out(EVERY_OTHER_B, role, shape, points.subset(train), points.subset(~train), now))
-        found.append(held_out("b inside the grid", role, shape, points.subset(train), points.subset(inside), now))
-        found.append(held_out("b beyond the grid", role, shape, points.subset(train),
-                              points.subset(points.batch_size > max(TRAIN_BATCH_SIZES)), now))
-        for L in sorted(set(points.context_len.astype(int))):
-            left = points.context_len == L
-            found.append(held_out(f"L = {L} left out", role, shape, points.subset(~left), points.subset(left), now))
-    return found
+    points = {role: role_points(profile, role)[1] for role in ROLES}
+    train = {role: np.isin(p.batch_size, TRAIN_BATCH_SIZES) for role, p in points.items()}
+    top = max(TRAIN_BATCH_SIZES)
+    tests = {EVERY_OTHER_B: {role: p.subset(~train[role]) for role, p in points.items()},
+             "b inside the grid": {role: p.subset(~train[role] & (p.batch_size <= top)) for role, p in points.items()},
+             "b beyond the grid": {role: p.subset(p.batch_size > top) for role, p in points.items()}}
+    found = both_roles(profile, {role: p.subset(train[role]) for role, p in points.items()}, tests)
+    for L in profile.grid.context_lens:
+        left = {role: p.context_len == L for role, p in points.items()}
+        found += both_roles(profile, {role: p.subset(~left[role]) for role, p in points.items()},
+                            {f"L = {L} left out": {role: p.subset(left[role]) for role, p in points.items()}})
+    return sorted(found, key=lambda row: ROLES.index(row.role))  # stable: each role's rows in the order above
+
+
+# ---------------------------------------------------------------- the base grid and calibrate's refinement
+
+@dataclass(frozen=True)
+class Refined:
+    budget: int
+    added: tuple[tuple[int, int, int], ...]  # (b, n, L) of each target pass the refinement chose and was given
+    unavailable: int  # chosen passes the data do not hold (none composed there)
+    rows: tuple[HeldOut, ...]  # per role: every b not fitted nor refined
+
+
+def refined(profile: Profile, budget: int) -> Refined:
+    """The issue's protocol with calibrate's refinement (calibrate/refine.py): the base grid (b in
+    TRAIN_BATCH_SIZES), then the target passes `refinement_rounds` chooses from fits of what is measured so
+    far, up to `budget`, each read from the data only when chosen (a pass the data lack is recorded as not
+    measurable, as calibrate records one that does not fit in memory); fit on all that, predict every other
+    row of the data."""
+    data = {(r.model, r.batch_size, r.new_tokens, r.context_len): r for r in profile.timings}
+    state = {"profile": replace(profile, timings=tuple(r for r in profile.timings
+                                                       if r.batch_size in TRAIN_BATCH_SIZES),
+                                grid=replace(profile.grid, batch_sizes=TRAIN_BATCH_SIZES))}
+    added, unavailable = [], 0
+    for point in refinement_rounds(lambda: state["profile"], budget):
+        key = (point.model, point.batch_size, point.new_tokens, point.context_len)
+        row = data.get(key, TimingRow(*key, None, None, None, 0, False))
+        if row.feasible:
+            added.append(key[1:])
+        unavailable += not row.feasible
+        state["profile"] = replace(state["profile"], timings=state["profile"].timings + (row,))
+    measured = {(r.model, r.batch_size, r.new_tokens, r.context_len) for r in state["profile"].timings}
+    train = {role: lat.Points.from_rows(state["profile"].timings_of(role)) for role in ROLES}
+    tests = {}
+    for role in ROLES:
+        points = role_points(profile, role)[1]
+        keep = np.array([(role, int(b), int(n), int(L)) not in measured for b, n, L in
+                         zip(points.batch_size, points.new_tokens, points.context_len)], dtype=bool)
+        tests[role] = points.subset(keep)
+    rows = both_roles(profile, train, {"every b not fitted nor refined": tests})
+    return Refined(budget, tuple(added), unavailable, tuple(rows))
+
+
+def where_refined(added: Sequence[tuple[int, int, int]]) -> str:
+    """The passes a refinement added, by what they resolve: token counts (n > 1) and batch sizes (n = 1)."""
+    tokens = sorted({(b * n, b, n, L) for b, n, L in added if n > 1})
+    rows = sorted({b for b, n, _ in added if n == 1})
+    parts = []
+    if tokens:
+        parts.append("b n = " + ", ".join(f"{t} ({b} x {n}, L = {L})" for t, b, n, L in tokens))
+    if rows:
+        parts.append(f"b = {', '.join(map(str, rows))} at n = 1")
+    return "; ".join(parts) or "none"
 
 
 def cpu_held_out(profile: Profile) -> list[HeldOut]:
@@ -186,12 +289,14 @@ class StepsPast:
 
 def steps_past_grid(profile: Profile, contexts: Sequence[int]) -> list[StepsPast]:
     """Where one more row makes the pass STEP_SHARE or more dearer past b = 32, in the composed passes and in
-    the staircase fitted on TRAIN_BATCH_SIZES, at the narrowest and widest pass of each role."""
-    found = []
-    for role in ("target", "draft"):
+    the staircase fitted on TRAIN_BATCH_SIZES (the draft's continued by the target's, as `fit` does), at the
+    narrowest and widest pass of each role."""
+    found, models = [], {}
+    for role in ROLES:
         shape, points = role_points(profile, role)
         model = lat.fit_latency_model(shape, points.subset(np.isin(points.batch_size, TRAIN_BATCH_SIZES)),
                                       lat.STAIRCASE)
+        model = models[role] = model if role == "target" else sharing(profile, models["target"])(model)
         data = {(int(b), int(n), int(L)): ms for b, n, L, ms in
                 zip(points.batch_size, points.new_tokens, points.context_len, points.latency_ms)}
         widths = profile.grid.target_new_tokens if role == "target" else profile.grid.draft_new_tokens
@@ -209,13 +314,15 @@ def steps_past_grid(profile: Profile, contexts: Sequence[int]) -> list[StepsPast
 
 
 def full_fits(profile: Profile, kinds: Sequence[str], cv: dict) -> dict[str, lat.LatencyModel]:
-    return {role: fitted(*role_points(profile, role), kinds, cv[role]) for role in ("target", "draft")}
+    """Each role's fit on every point, the draft's continued by the target's token curve as `fit` does."""
+    models = {role: fitted(*role_points(profile, role), kinds, cv[role]) for role in ROLES}
+    return dict(models, draft=sharing(profile, models["target"])(models["draft"]))
 
 
 # ---------------------------------------------------------------- markdown
 
-def _pair(value: tuple[float, float]) -> str:
-    return f"{value[0]:.1f} / {value[1]:.0f}"
+def _pair(value: tuple[float, float], worst_digits: int = 0) -> str:
+    return f"{value[0]:.1f} / {value[1]:.{worst_digits}f}"
 
 
 def held_out_table(rows: Sequence[HeldOut]) -> str:
@@ -258,7 +365,7 @@ def _at(where: tuple[int, int, int]) -> str:
     return f"b = {b}, n = {n}, L = {L}: {b * n} tokens"
 
 
-def goal_lines(gpu: Sequence[HeldOut], losses: Sequence[Loss]) -> str:
+def goal_lines(gpu: Sequence[HeldOut], losses: Sequence[Loss], refinements: Sequence[Refined] = ()) -> str:
     lines = []
     for label in (EVERY_OTHER_B, "b inside the grid", "b beyond the grid"):
         for row in (r for r in gpu if r.label == label):
@@ -272,9 +379,45 @@ def goal_lines(gpu: Sequence[HeldOut], losses: Sequence[Loss]) -> str:
         lines.append(f"- {role}, each context left out: MAPE at most "
                      f"{verdict(max(r.by_kind['now'][0] for r in mine), GOALS['mape'])}, worst "
                      f"{verdict(worst.by_kind['now'][1], GOALS['worst'])} ({_at(worst.worst_at['now'])}).")
+    for run in refinements[-1:]:
+        for row in run.rows:
+            mape, worst = row.by_kind["now"]
+            lines.append(f"- {row.role}, {row.label}, the base grid and {len(run.added)} target passes chosen by "
+                         f"the refinement (budget {run.budget}): MAPE {verdict(mape, GOALS['mape'])}, worst "
+                         f"{verdict(worst, GOALS['worst'])} ({_at(row.worst_at['now'])}).")
     worst = max(losses, key=lambda loss: loss.worst_pct)
     lines.append(f"- Goodput given up by the table, every b in 1..128 and every context: at most "
                  f"{verdict(worst.worst_pct, GOALS['loss'])} (L = {worst.context_len}, b = {worst.where[0]}).")
+    return "\n".join(lines)
+
+
+def refined_worst(refinements: Sequence[Refined]) -> str:
+    """Where the target's worst point lies at each budget, against the grid the refinement measures in."""
+    places = [next(r for r in run.rows if r.role == "target").worst_at["now"] for run in refinements]
+    top = max(TRAIN_BATCH_SIZES)
+    if not places or any(b <= top for b, _, _ in places):
+        return ""
+    return (f" At every budget the target's worst point lies past b = {top}, where the refinement measures nothing "
+            f"({'; '.join(f'budget {run.budget}: {_at(place)}' for run, place in zip(refinements, places))}): a "
+            "budget moves it only by what the passes it added "
+            "change in the fit.")
+
+
+def refined_table(gpu: Sequence[HeldOut], refinements: Sequence[Refined]) -> str:
+    """Held-out figures (the kinds chosen now) on the base grid alone, then with each budget's refinement."""
+    plain = {row.role: row for row in gpu if row.label == EVERY_OTHER_B}
+    lines = ["| budget | target passes added | where (tokens: b x n at L; batch sizes: n = 1 at every context) | "
+             "target: MAPE / worst | draft: MAPE / worst | rows predicted |", "|---|---:|---|---:|---:|---:|"]
+    predicted = plain["target"].test_points + plain["draft"].test_points
+    lines.append(f"| none (the base grid) | 0 | - | {_pair(plain['target'].by_kind['now'], 1)} | "
+                 f"{_pair(plain['draft'].by_kind['now'], 1)} | {predicted} |")
+    for run in refinements:
+        rows = {row.role: row for row in run.rows}
+        missing = f" ({run.unavailable} more not in the data)" if run.unavailable else ""
+        default = " (calibrate's)" if run.budget == DEFAULT_BUDGET else ""
+        lines.append(f"| {run.budget}{default} | {len(run.added)}{missing} | {where_refined(run.added)} | "
+                     f"{_pair(rows['target'].by_kind['now'], 1)} | {_pair(rows['draft'].by_kind['now'], 1)} | "
+                     f"{rows['target'].test_points + rows['draft'].test_points} |")
     return "\n".join(lines)
 
 
@@ -319,6 +462,21 @@ def steps_explained(profile: Profile, steps: Sequence[StepsPast], gpu: Sequence[
     waves = next(r for r in steps if r.role == "target" and r.new_tokens == min(profile.grid.target_new_tokens)
                  and r.context_len == max(profile.grid.context_lens))
     unseen = [(b, pct) for b, pct in waves.measured if b not in {b for b, _ in waves.predicted}]
+    beyond = next(r for r in gpu if r.role == "draft" and r.label == "b beyond the grid")
+    ratio = gemm_work_ratio(profile.target, profile.draft)
+    if ratio is None or ALONE not in beyond.by_kind:
+        shared = ("no fit of those rows alone can place or size them, and the target's cannot be lent (their "
+                  "blocks differ, perfmodel/token_curve.py): the draft's figures past the grid show it.")
+    else:
+        alone, now = beyond.by_kind[ALONE], beyond.by_kind["now"]
+        shared = (f"no fit of those rows alone can place or size them (its staircase on its own rows: "
+                  f"{_pair(alone)} % held out past the grid). Its GEMMs have the target's widths (one layer of "
+                  f"the target's block, and its head), so `fit` continues it past its token counts along the "
+                  f"target's fit at b = {max(TRAIN_BATCH_SIZES)} and {min(profile.grid.context_lens)} cached tokens, "
+                  f"scaled by their GEMM work per token ({ratio:.4f}, from the models' shapes; "
+                  f"perfmodel/token_curve.py): {_pair(now)} % past the grid, the steps in the last column. That "
+                  "holds for drafts made of the target's layers or of its width (EAGLE); a draft of other widths "
+                  "runs other kernels and gets no curve.")
     return (f"Where the steps fall. Fitted on b <= {max(TRAIN_BATCH_SIZES)}, the target's rows reach "
             f"{int(np.max(train.batch_size * train.new_tokens))} tokens; its staircase learns a tile of {tile} tokens "
             f"and puts a step at each multiple past them. At {widest} tokens per row and {row.context_len} cached "
@@ -336,9 +494,7 @@ def steps_explained(profile: Profile, steps: Sequence[StepsPast], gpu: Sequence[
             f"{'no' if d_model.staircase.tile_tokens() is None else 'a'} tile, and past b = {max(TRAIN_BATCH_SIZES)} "
             "its passes cross the GEMM steps its rows never reach "
             f"(after b (tokens): {_steps(d_row.measured, d_widest, ' %')} at {d_widest} tokens per row, "
-            f"{d_row.context_len} cached): "
-            "no fit of those rows alone can place or size them, which is why the draft's figures past the grid "
-            "miss the goals.")
+            f"{d_row.context_len} cached): " + shared)
 
 
 def differences(profile: Profile, target: lat.LatencyModel, now: Sequence[Loss]) -> str:
@@ -377,7 +533,8 @@ def cpu_staircase(cpu: Sequence[HeldOut]) -> str:
 
 def render(conditions: str, command: str, seconds: float, gpu: Sequence[HeldOut], before: Sequence[Loss],
            now: Sequence[Loss], cpu_conditions: str, cpu: Sequence[HeldOut], cpu_before: Sequence[Loss],
-           cpu_now: Sequence[Loss], differences: str, steps: Sequence[StepsPast], explained: str) -> str:
+           cpu_now: Sequence[Loss], differences: str, steps: Sequence[StepsPast], explained: str,
+           refinements: Sequence[Refined] = ()) -> str:
     return f"""## The GPU regime, from published timings
 
 Written by `python scripts/gpu_results.py` ({seconds:.0f} s here): {conditions}
@@ -387,7 +544,8 @@ Written by `python scripts/gpu_results.py` ({seconds:.0f} s here): {conditions}
 ```
 
 **Held-out pass MAPE / worst point, percent** (the kind `fit` chooses by cross-validation in the last two
-columns: among the roofline and the monotone refinement before, with the staircase now on a GPU profile).
+columns: among the roofline and the monotone refinement before, with the staircase now on a GPU profile; the
+draft's staircase continued past its token counts by the target's fit, as `fit` now does, below).
 Batch sizes: fitted on b = {', '.join(map(str, TRAIN_BATCH_SIZES))}, every other b the data hold predicted
 (all of them, then apart those inside the grid and those past it); contexts: each left out in turn:
 
@@ -401,6 +559,16 @@ narrowest and widest pass of each role:
 
 {explained}
 
+**Calibration that looks for steps** (calibrate/refine.py, what `calibrate` runs on a GPU): the base grid
+(b = {', '.join(map(str, TRAIN_BATCH_SIZES))}), then, round after round, a target pass in the middle of every gap
+where the staircase fitted to what is measured so far ramps a step of 3 % of the pass or more (a token count
+at the smallest context; a batch size at one token per row and every context), up to a budget of passes, each
+read from the data only once chosen. Fitted on all of it (the draft continued by the target's fit as above),
+every other row the data hold predicted; the chosen passes are no longer held out. The refinement stays
+within the grid's batch sizes: past them (b > {max(TRAIN_BATCH_SIZES)}) it measures nothing.{refined_worst(refinements)}
+
+{refined_table(gpu, refinements)}
+
 **Goodput the fitted table gives up** against the best chain read from the composed passes themselves
 (both goodputs from the composed passes; same acceptance, no step overhead), every batch size 1..128:
 
@@ -412,7 +580,7 @@ narrowest and widest pass of each role:
 
 Against the goals:
 
-{goal_lines(gpu, now)}
+{goal_lines(gpu, now, refinements)}
 
 {differences}
 
@@ -513,9 +681,11 @@ def _main(args: argparse.Namespace) -> int:
                       f"{', '.join(map(str, cpu_profile.grid.context_lens))}"
                       + (f"; its reference pass lay {100 * noise.floor_mape:.0f} % from its own median on average"
                          if noise is not None else ""))
+    refinements = [refined(profile, budget) for budget in REFINE_BUDGETS]
     section = render(conditions, "python scripts/gpu_results.py    # runs: " + command, time.monotonic() - started,
                      gpu, before, now, cpu_conditions, cpu, cpu_before, cpu_now,
-                     differences(profile, fits_now["target"], now), steps, steps_explained(profile, steps, gpu))
+                     differences(profile, fits_now["target"], now), steps, steps_explained(profile, steps, gpu),
+                     refinements)
     write_section(args.out, section)
     print(section)
     print(f"wrote the GPU section of {args.out}; the composed profile is {path}")

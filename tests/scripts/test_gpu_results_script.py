@@ -79,6 +79,14 @@ def test_the_figures_are_there_and_the_staircase_table_gives_up_no_more(written)
     k_rows = re.findall(r"^\| (\d+) \| (\d+|-) \| (\d) \| (\d) \| (\d) \| (\d) \|$", section, re.MULTILINE)
     assert [int(row[0]) for row in k_rows][:6] == [1, 2, 4, 8, 16, 32]
     assert "goal <= 1 %" in section and "CPU calibration" in section
+    # the refinement's protocol at each budget, calibrate's default last, and its goal lines
+    table = section[section.index("| budget |"):].split("\n\n")[0]
+    budgets = re.findall(r"^\| (\d+)(?: \(calibrate's\))? \| (\d+)(?: \(\d+ more not in the data\))? \|", table,
+                         re.MULTILINE)
+    assert [int(b) for b, _ in budgets] == list(gpu_results.REFINE_BUDGETS)
+    assert all(int(added) <= int(b) for b, added in budgets)
+    assert re.search(r"^- draft, every b not fitted nor refined, the base grid and \d+ target passes chosen by the "
+                     r"refinement \(budget \d+\): MAPE", section, re.MULTILINE)
 
 
 def test_bad_input_is_one_line(tmp_path):
