@@ -31,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from docs_sections import replace_section  # noqa: E402
 from results import ResultsError, cpu_model, run, specbatch_command  # noqa: E402
 
+from specbatch.bench.vllm.roundtrip import BLOCK_STEPS  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results.md"
 CALIBRATION_GOAL_S, MAPE_GOAL_PCT, REGRET_GOAL = 15 * 60, 10.0, 0.03
@@ -110,8 +112,10 @@ def render(commands: list[tuple[str, float]], calibration: dict, fit: dict, tabl
         "each step counted at most 1.5 times the run's median full-batch step: spikes of other processes), "
         f"{trip['max_new_tokens']} new tokens per row, greedy, EOS ignored. {trip['rounds']} screening "
         "rounds rank every fixed K (K = 1..8 through vLLM's schedule, K = 0 without a speculative configuration); "
-        f"then {trip['paired_rounds']} rounds run the two schedules and the two best fixed K in lockstep, one "
-        "engine step of each in turn. Regret: 1 - the geometric mean over the paired rounds of schedule / the "
+        f"then {trip['paired_rounds']} rounds run the two schedules and the two best fixed K in lockstep, "
+        f"{BLOCK_STEPS} engine steps of each in turn, the first of each {BLOCK_STEPS} (caches full of the other "
+        "engines' data) left out. "
+        "Regret: 1 - the geometric mean over the paired rounds of schedule / the "
         "faster of those fixed K, with its 95 % bootstrap interval and its verdict against the "
         f"{100 * REGRET_GOAL:.0f} % goal.",
         "",

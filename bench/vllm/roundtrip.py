@@ -19,8 +19,12 @@ Two phases at each batch size, on the same prompts (the held-out prompts, cycled
 1. screening: `rounds` rounds, each running every contender once in a balanced order (bench.plan.balanced_order),
    one generation after another; round -1 warms every shape and is discarded. It ranks the fixed K.
 2. paired: `paired_rounds` rounds of the two schedules and the two best fixed K of the screening in lockstep, each
-   on its own engine, one engine step of each in turn (the order alternating), so that they meet the same moments
-   of the machine: a shared 2-core machine's slow spells last seconds, longer than a step, shorter than a round.
+   on its own engine, BLOCK_STEPS engine steps of each in turn (the order alternating), so that they meet the same
+   moments of the machine: a shared 2-core machine's slow spells last seconds, longer than a block, shorter than a
+   round. The first step of each block is left out of the steady state: it finds the caches full of the other
+   engines' weights and KV cache, a cost no engine running alone pays, and one that charges every step the same
+   (a contender advanced one step per turn ran 12-22 % slower than alone and ranked K as a cold engine would:
+   the fixed cost of a pass grows, and larger K amortises it).
    The contenders rotate over the engines from round to round: engines of one configuration differ by a few per
    cent (the screening's engine, which ran every contender, measured some 3 % slower than fresh ones).
 
@@ -68,6 +72,7 @@ class Run:
     decode_steps: list = field(default_factory=list)  # [[requests, tokens added, ms], ...] of every decode step
 
 
+BLOCK_STEPS = 8  # engine steps of one contender per lockstep turn; the first of each is cold (see the docstring)
 SPIKE_BOUND = 1.5  # a decode step counts at most this many times the median step of its batch size in its run
 
 
@@ -90,7 +95,8 @@ def bounded_decode_s(steps: list[dict]) -> float:
 
 def decode_rate(answer: dict, batch_size: int) -> tuple[float, float, float]:
     """(steady-state tokens/s, decode-phase tokens/s, whole-generation tokens/s) of a worker's step-by-step answer.
-    Steady state: the tokens the decode steps over the whole batch added, over their time, each step bounded as
+    Steady state: the tokens the decode steps over the whole batch added (but the first of each lockstep block,
+    marked `after_switch`), over their time, each step bounded as
     `bounded_decode_s` says (what a table's entry for b is about: a batch of b rows; the last rows of a generation
     thin the batch, and how soon depends on K). Decode phase: every row's tokens but its first over the plain sum
     of the steps that scheduled no prompt tokens.
@@ -103,7 +109,7 @@ def decode_rate(answer: dict, batch_size: int) -> tuple[float, float, float]:
     """
     tokens = sum(len(ids) for ids in answer["token_ids"])
     decode = [step for step in answer["steps"] if not step["prefill"]]
-    full = [step for step in decode if step["requests"] == batch_size]
+    full = [step for step in decode if step["requests"] == batch_size and not step.get("after_switch")]
     if not full or not all(batch_size <= step["generated"] for step in full):
         raise VllmError(f"b={batch_size}: a run without decode steps over the full batch, or one of them adding "
                         "fewer tokens than rows")
@@ -284,10 +290,11 @@ class Engines:
 
 
 def lockstep(engines: Engines, names: list[str], schedules: dict, batch: list[list[int]], max_new_tokens: int,
-             round_index: int) -> dict[str, dict]:
+             round_index: int, block_steps: int = BLOCK_STEPS) -> dict[str, dict]:
     """One run of each contender on its own engine (speculative contenders rotating over the speculative engines
-    from round to round), advanced one engine step of each in turn (the order reversed every other turn), until
-    all are done; each answer's wall_s is its own steps' time."""
+    from round to round), advanced `block_steps` engine steps of each in turn (the order reversed every other
+    turn), until all are done; the first recorded step of each block is marked `after_switch`. Each answer's
+    wall_s is its own steps' time."""
     speculative = [name for name in names if name != PLAIN]
     workers = {PLAIN: engines.none()} if PLAIN in names else {}
     for index, name in enumerate(speculative):  # each contender on each engine in turn: engines differ a little
@@ -296,14 +303,27 @@ def lockstep(engines: Engines, names: list[str], schedules: dict, batch: list[li
         schedule, cap = schedules.get(name, (None, None))
         workers[name].start(batch, max_new_tokens, schedule, cap)
     active, turn = balanced_order(names, round_index), 0
+    recorded = {name: 0 for name in names}
+    cold = {name: set() for name in names}  # indices into each answer's steps: the first step of a block
     while active:
         for name in list(active if turn % 2 == 0 else reversed(active)):
-            if workers[name].step()["done"]:
-                active.remove(name)
+            first = True
+            for _ in range(block_steps):
+                answer = workers[name].step()
+                if answer["step"] is not None:
+                    if first:
+                        cold[name].add(recorded[name])
+                        first = False
+                    recorded[name] += 1
+                if answer["done"]:
+                    active.remove(name)
+                    break
         turn += 1
     answers = {name: workers[name].finish() for name in names}
-    for answer in answers.values():
+    for name, answer in answers.items():
         answer["wall_s"] = sum(step["wall_s"] for step in answer["steps"])
+        for index in cold[name]:
+            answer["steps"][index]["after_switch"] = True
     return answers
 
 

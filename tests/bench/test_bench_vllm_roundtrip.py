@@ -61,3 +61,58 @@ def test_a_lookup_that_is_not_the_table_s_k_is_reported():
     result = summarize(4, [Run(4, r.round, r.contender, r.phase, 1.0, 1.0, 1.0, r.k_per_step) for r in runs], tables)
     assert result.lookup_mismatches["vllm-costs"] == [[3, 1, 2], [3, 1, 2]]  # b = 3 looked up 1, the table says 2
     assert result.schedule_k["ours-costs"] == 1  # past the table's last entry: its edge, as vLLM carries it on
+
+
+def test_steps_after_a_lockstep_switch_are_left_out_of_the_steady_state_only():
+    steps = [{"wall_s": 0.09 if i % 8 == 0 else 0.05, "prefill": False, "requests": 4, "generated": 12,
+              "after_switch": i % 8 == 0} for i in range(16)]
+    steady, decode, _ = decode_rate({"token_ids": [[1] * 49] * 4, "wall_s": 1.0, "steps": steps}, 4)
+    assert steady == pytest.approx(14 * 12 / (14 * 0.05))  # the two cold steps are not the engine's steady state
+    assert decode == pytest.approx(4 * 48 / (2 * 0.09 + 14 * 0.05))  # the decode phase keeps every step
+
+
+class FakeWorker:
+    """A run of `length` engine steps (the first a prefill, then decode steps); logs who stepped when."""
+
+    def __init__(self, name: str, log: list, length: int):
+        self.name, self.log, self.length = name, log, length
+
+    def start(self, batch, max_new_tokens, schedule, cap):
+        self.done, self.steps = 0, []
+
+    def step(self):
+        self.done += 1
+        self.log.append(self.name)
+        record = {"wall_s": 0.01, "prefill": self.done == 1, "requests": 2, "generated": 2}
+        self.steps.append(record)
+        return {"step": record, "done": self.done == self.length}
+
+    def finish(self):
+        return {"token_ids": [[1] * self.length] * 2, "steps": self.steps, "k_per_step": []}
+
+
+class FakeEngines:
+    def __init__(self, lengths: dict[int, int], log: list):
+        self.workers = {i: FakeWorker(f"spec{i}", log, n) for i, n in lengths.items() if i >= 0}
+        self.plain = FakeWorker("none", log, lengths[-1])
+
+    def spec(self, index):
+        return self.workers[index]
+
+    def none(self):
+        return self.plain
+
+
+def test_lockstep_advances_each_contender_a_block_at_a_time_and_marks_each_block_s_first_step():
+    from specbatch.bench.vllm.roundtrip import lockstep
+
+    log: list[str] = []
+    engines = FakeEngines({0: 10, 1: 6, -1: 7}, log)
+    answers = lockstep(engines, ["vllm-costs", "K=2", "K=0"], {}, [[1], [2]], 8, 0, block_steps=4)
+    # turns of up to 4 steps each (runs of 10, 6 and 7 steps), the order reversed every other turn, a finished
+    # contender dropping out: turn 0 spec0 spec1 none, turn 1 none (3, done) spec1 (2, done) spec0, turn 2 spec0
+    assert log == ["spec0"] * 4 + ["spec1"] * 4 + ["none"] * 4 + ["none"] * 3 + ["spec1"] * 2 + ["spec0"] * 6
+    for answer in answers.values():
+        marked = [i for i, step in enumerate(answer["steps"]) if step.get("after_switch")]
+        assert marked == list(range(0, len(answer["steps"]), 4))
+        assert answer["wall_s"] == pytest.approx(0.01 * len(answer["steps"]))
