@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -37,9 +38,10 @@ except ImportError:  # pragma: no cover - older torch
 
 # The "sdpa" backend's cost of a call of `rows` rows spanning `keys` keys, in row-keys:
 # CALL_KEYS + rows * (ROW_KEYS + keys). Read off CPU timings of the demo shapes (b 1-32, 20-520 keys):
-# a call's fixed cost is about that of one row over 32 keys, a row's about 16 keys.
+# a call's fixed cost is about that of one row over 32 keys, a row's about 16 keys. Timed alone, a call
+# looks dearer (one row over ~160 keys on a Xeon), but inside a step, where every padded key is read from
+# memory the step's weights pushed out of cache, 32 generated faster (demo pair, b = 32, ragged prompts).
 CALL_KEYS, ROW_KEYS = 32, 16
-CANDIDATE_CUTOFFS = 8  # longest rows tried as runs of their own
 PREFILL_PADDING = 1.25  # a prefill group pads its rows to at most this much over their own tokens
 
 
@@ -84,7 +86,8 @@ def choose_backend(cache: KVCache, requested: str | None, tree: TreeAttention | 
 # ---------------------------------------------------------------------------------------------- planning
 def plan_runs(totals: np.ndarray) -> list[tuple[int, int, int]]:
     """Contiguous runs of rows (start, end, keys) covering every row, each spanning its own longest row's
-    `totals`: one run unless cutting the longest rows out (each alone) costs less by the sdpa cost model.
+    `totals`: the cut that costs least by the sdpa cost model (one run unless the rows differ by more than a
+    call's cost).
 
     >>> plan_runs(np.array([21, 517, 21, 21]))
     [(0, 1, 21), (1, 2, 517), (2, 4, 21)]
@@ -92,20 +95,34 @@ def plan_runs(totals: np.ndarray) -> list[tuple[int, int, int]]:
     [(0, 3, 25)]
     """
     b = len(totals)
-    longest = int(totals.max())
-    best, best_cost = [(0, b, longest)], CALL_KEYS + b * (ROW_KEYS + longest)
-    if b == 1 or longest - int(totals.min()) <= ROW_KEYS + CALL_KEYS:
-        return best
-    for cutoff in np.unique(totals)[::-1][1:CANDIDATE_CUTOFFS + 1]:
-        alone = totals > cutoff
-        # a run starts at row 0, at every row cut out, and at every row just after one
-        starts = np.flatnonzero(alone | np.r_[True, alone[:-1]] | (np.arange(b) == 0))
-        ends = np.r_[starts[1:], b]
-        keys = np.maximum.reduceat(totals, starts)
-        cost = len(starts) * CALL_KEYS + int(((ends - starts) * (ROW_KEYS + keys)).sum())
-        if cost < best_cost:
-            best, best_cost = [(int(s), int(e), int(k)) for s, e, k in zip(starts, ends, keys)], cost
-    return best
+    lowest = int(totals.min())
+    if b == 1 or int(totals.max()) - lowest <= ROW_KEYS + CALL_KEYS:
+        return [(0, b, int(totals.max()))]
+    # adding the same count to every row adds the same cost to every cut: the cut depends on the differences
+    # only, which the passes of one step share (each adds its tokens to every row)
+    relative = np.asarray(totals - lowest, dtype=np.int64).tobytes()
+    return [(start, end, keys + lowest) for start, end, keys in _cheapest_cut(relative, CALL_KEYS, ROW_KEYS)]
+
+
+@lru_cache(maxsize=64)
+def _cheapest_cut(relative: bytes, call_keys: int, row_keys: int) -> tuple[tuple[int, int, int], ...]:
+    """The least-cost cut of rows into contiguous runs (dynamic programming over where the last run starts):
+    cost[e] = min over s < e of cost[s] + call_keys + (e - s) * (row_keys + max(totals[s:e]))."""
+    totals = np.frombuffer(relative, dtype=np.int64)
+    b = len(totals)
+    cost, start = np.zeros(b + 1), np.zeros(b + 1, dtype=np.int64)
+    for end in range(1, b + 1):
+        longest = np.maximum.accumulate(totals[end - 1::-1])  # [j]: the longest of the last j + 1 rows
+        sizes = np.arange(1, end + 1)
+        candidates = cost[end - 1::-1] + call_keys + sizes * (row_keys + longest)
+        best = int(candidates.argmin())
+        cost[end], start[end] = candidates[best], end - 1 - best
+    runs, end = [], b
+    while end > 0:
+        first = int(start[end])
+        runs.append((first, end, int(totals[first:end].max())))
+        end = first
+    return tuple(reversed(runs))
 
 
 def prefill_groups(counts: list[int]) -> list[list[int]]:

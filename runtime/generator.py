@@ -163,6 +163,13 @@ class _DraftPasses:
         return _run_pass(self.observer, "draft", self.runner or model, tokens, cache, attention, last)
 
 
+def slot_order(prompts: list[list[int]]) -> list[int]:
+    """Which prompt each slot of a batch takes: the longest first (ties in the given order), so that rows of
+    similar length sit together and a CPU pass attends in few runs, each padded little
+    (runtime.attention.plan_runs). A row keeps its slot until it finishes."""
+    return sorted(range(len(prompts)), key=lambda r: -len(prompts[r]))
+
+
 def context_limit(target: CausalLM, draft) -> int:
     """Positions a pair can address: the target's, and the draft's when it is a model (an n-gram has none)."""
     return min(target.config.max_position_embeddings,
@@ -233,6 +240,8 @@ class SpeculativeGenerator:
         resumed, own_s = clock(), 0.0  # own_s: this generation's time between its turns
         stats = GenerationStats(synthetic_acceptance=synthetic_acceptance)
         b = len(prompts)
+        rows = slot_order(prompts)  # original index of each running row, by slot
+        prompts = [prompts[r] for r in rows]
         rng = torch.Generator(device=self.device).manual_seed(seed)
         state = self._new_batch(prompts, max_new_tokens, policy.max_k if self.draft is not None else 0, sampling,
                                 rng, synthetic_acceptance)
@@ -240,7 +249,6 @@ class SpeculativeGenerator:
         first = self.prefill(state, prompts)
         stats.prefill_s = clock() - started
 
-        rows = list(range(b))  # original index of each running row, by slot
         serial = next(_generation_serial)
         request_ids = lambda: [(serial, r) for r in rows]  # noqa: E731 - stable ids for a learning policy
         generated = [[token] for token in first]  # each running row's tokens so far, on the host

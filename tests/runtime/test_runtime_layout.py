@@ -95,3 +95,43 @@ def test_linear_layout_benchmark_reports_every_projection_shape():
     bad = subprocess.run([sys.executable, "-m", "specbatch.bench.linear_layout", "--tokens", "0"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--tokens" in bad.stderr
+
+
+def _cut_cost(runs, call_keys: int, row_keys: int) -> int:
+    return sum(call_keys + (end - start) * (row_keys + keys) for start, end, keys in runs)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_planned_runs_are_the_cheapest_contiguous_cut(seed, monkeypatch):
+    """Oracle: every way of cutting 7 rows into contiguous runs (2^6 of them), priced by the cost model."""
+    import itertools
+
+    import numpy as np
+
+    from specbatch.runtime import attention
+
+    monkeypatch.setattr(attention, "CALL_KEYS", [8, 40, 160][seed % 3])
+    rng = np.random.default_rng(seed)
+    totals = rng.integers(1, 700, size=7)
+    planned = attention.plan_runs(totals)
+    assert planned[0][0] == 0 and planned[-1][1] == 7
+    assert all(a[1] == b[0] for a, b in zip(planned, planned[1:]))
+    assert all(keys == totals[start:end].max() for start, end, keys in planned)
+    costs = []
+    for cuts in itertools.product([False, True], repeat=6):
+        edges = [0] + [i + 1 for i, cut in enumerate(cuts) if cut] + [7]
+        costs.append(_cut_cost([(s, e, int(totals[s:e].max())) for s, e in zip(edges, edges[1:])],
+                               attention.CALL_KEYS, attention.ROW_KEYS))
+    assert _cut_cost(planned, attention.CALL_KEYS, attention.ROW_KEYS) == min(costs)
+
+
+def test_rows_take_their_slots_longest_prompt_first_and_answers_keep_the_callers_order():
+    from specbatch.runtime.generator import SpeculativeGenerator, slot_order
+    from specbatch.runtime.policy import FixedK
+
+    prompts = [[5, 6], [1, 2, 3, 4], [7], [8, 9, 10, 11]]
+    assert slot_order(prompts) == [1, 3, 0, 2]
+    model = build_model(tiny_llama_config(), seed=3)
+    generator = SpeculativeGenerator(model)
+    together = generator.generate(prompts, 5, FixedK(0)).token_ids
+    assert together == [generator.generate([p], 5, FixedK(0)).token_ids[0] for p in prompts]

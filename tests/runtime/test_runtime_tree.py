@@ -172,15 +172,24 @@ def test_compaction_leaves_the_caches_as_a_fresh_prefill(greedy_target, greedy_d
     prompts = [prompts8[i] for i in BATCHES[3]]
     result = Spy(greedy_target, greedy_draft_sometimes).generate(prompts, 7, _policy("0,1,2,0.0,0.1,1.0,0.0.0"))
     target_cache, draft_cache = captured["caches"]
-    # the last step's compaction ran before the generator set lengths = committed - 1; check kept slots
-    for row, prompt in enumerate(prompts[:target_cache.batch_size]):
-        sequence = prompt + result.token_ids[row]
+    # the last step's compaction ran before the generator set lengths = committed - 1; check kept slots. Rows
+    # that finished earlier left their slots to others (the last running row moves in), so each slot must hold
+    # the fresh prefill of one running row, each row in one slot.
+    def matches(slot: int, row: int) -> bool:
+        sequence = prompts[row] + result.token_ids[row]
         for model, cache in ((greedy_target, target_cache), (greedy_draft_sometimes, draft_cache)):
-            kept = int(cache.lengths[row])
+            kept = int(cache.lengths[slot])
             fresh = model.new_cache(1, 64)
             model(torch.tensor([sequence[:kept]]), fresh)
-            torch.testing.assert_close(cache.keys[:, row, :kept], fresh.keys[:, 0, :kept], atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(cache.values[:, row, :kept], fresh.values[:, 0, :kept], atol=1e-5, rtol=1e-5)
+            if not (torch.allclose(cache.keys[:, slot, :kept], fresh.keys[:, 0, :kept], atol=1e-5, rtol=1e-5)
+                    and torch.allclose(cache.values[:, slot, :kept], fresh.values[:, 0, :kept], atol=1e-5,
+                                       rtol=1e-5)):
+                return False
+        return True
+
+    holders = [[row for row in range(len(prompts)) if matches(slot, row)] for slot in range(target_cache.batch_size)]
+    assert all(len(rows) == 1 for rows in holders), holders
+    assert len({rows[0] for rows in holders}) == target_cache.batch_size
 
 
 # ---------------------------------------------------------------------------------------------- sampling
