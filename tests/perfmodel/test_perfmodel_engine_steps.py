@@ -264,3 +264,16 @@ def test_plot_shows_the_engine_s_steps_measured_against_predicted(engine_model, 
     pytest.importorskip("matplotlib")  # the torch-free CI environment has no plotting
     plot_model(engine_model, engine_model.acceptance[0], tmp_path / "engine.png", max_batch=8)
     assert (tmp_path / "engine.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_committed_vllm_cpu_profile_fits_within_the_goal_held_out():
+    """data/profiles/vllm-cpu-demo.json: vLLM's CPU build's own steps (`calibrate --engine vllm`). Its step
+    model predicts each left-out K and each left-out batch size within the 10 % goal."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "data" / "profiles" / "vllm-cpu-demo.json"
+    profile = load_profile(path)
+    fit = fit_engine_steps(profile.engine, profile.engine_steps)
+    assert {report.by for report in fit.held_out} == {"k", "batch_size"}
+    assert all(report.mape_pct <= 10.0 for report in fit.held_out)
+    assert fit.in_sample_mape_pct <= min(report.mape_pct for report in fit.held_out)
