@@ -25,9 +25,10 @@ TINY_BENCH = ["--batch-sizes", "1", "--ks", "0", "--rounds", "1", "--resolve-rou
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("write_failures")
+    # batch sizes up to 64: the fit settles in a fraction of the time it takes on three (each fit below runs it)
     profile = write_profile(root / "profile.json", build_profile(roofline_latency(), acceptance=[0.8, 0.75],
-                                                               batch_sizes=(1, 2, 4), context_lens=(128, 512),
-                                                               max_k=2))
+                                                               batch_sizes=(1, 2, 4, 8, 16, 32, 64),
+                                                               context_lens=(128, 512), max_k=2))
     model = root / "model.json"
     assert invoke("fit", profile, "-o", model).exit_code == 0
     return {"profile": profile, "model": model}
@@ -198,4 +199,8 @@ def test_a_second_calibration_through_a_symlink_is_refused_while_the_first_runs(
         assert first.poll() is None  # the first run goes on
     finally:
         first.send_signal(signal.SIGINT)
-        first.wait(60)
+        try:
+            first.wait(120)
+        except subprocess.TimeoutExpired:  # a loaded machine: the point being measured takes its time
+            first.kill()
+            first.wait()
