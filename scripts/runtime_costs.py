@@ -10,9 +10,9 @@ wall seconds per generated token, prefill included, and the ragged/uniform ratio
 round (its median and range over rounds).
 
 Prefill memory: the resident set's peak (Linux: VmHWM, reset through /proc/self/clear_refs) over one
-prefill of the ragged batch and of --batch-size prompts of --long-prompt tokens, each in a fresh process:
-the runtime's prefill (prompts packed, logits at each row's last token) beside the same models fed the
-prompts right-padded to the longest with logits at every position (what a padded prefill pays).
+prefill of the ragged batch and of --batch-size prompts of --long-prompt tokens, each in a fresh process (the
+four side by side): the runtime's prefill (prompts packed, logits at each row's last token) beside the same
+models fed the prompts right-padded to the longest with logits at every position (what a padded prefill pays).
 
 Step operations: `specbatch.bench.step_ops` (syncs, launches and uploads per step, counted).
 
@@ -89,11 +89,20 @@ def per_token_s(generator, prompts, new_tokens: int, k: int) -> float:
     return elapsed / sum(len(t) for t in result.token_ids)
 
 
-def peak_prefill_bytes(prompts: list[list[int]], packed: bool) -> int:
-    """Resident-set growth of one prefill of both models, in a fresh process."""
-    code = _PREFILL.format(prompts=json.dumps(prompts), packed=packed)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return int(out.stdout.strip().splitlines()[-1])
+def peak_prefill_bytes(batches: dict[str, list[list[int]]]) -> dict[str, dict[str, int]]:
+    """Resident-set growth of one prefill of both models, packed and padded, for each named batch: each in a
+    fresh process, the processes side by side (each measures its own resident set)."""
+    processes = {(name, packed): subprocess.Popen(
+        [sys.executable, "-c", _PREFILL.format(prompts=json.dumps(prompts), packed=packed)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for name, prompts in batches.items() for packed in (True, False)}
+    peaks = {name: {} for name in batches}
+    for (name, packed), process in processes.items():
+        out, err = process.communicate()
+        if process.returncode:
+            raise subprocess.CalledProcessError(process.returncode, process.args, out, err)
+        peaks[name]["packed" if packed else "padded"] = int(out.strip().splitlines()[-1])
+    return peaks
 
 
 def ragged_costs(generator, uniform, ragged, ks, rounds: int, new_tokens: int) -> list[dict]:
@@ -239,11 +248,9 @@ def main(argv=None) -> None:
               f"{row['ragged_ms_per_token']:.3f} ms/token, ragged/uniform {row['ragged_over_uniform']:.2f}x "
               f"[{row['range'][0]:.2f}, {row['range'][1]:.2f}]")
     long_batch = [ragged[0]] * args.batch_size
-    figures["prefill"] = {
-        f"ragged ({args.long_prompt} + {args.batch_size - 1} x {args.short_prompt})":
-            {"packed": peak_prefill_bytes(ragged, True), "padded": peak_prefill_bytes(ragged, False)},
-        f"{args.batch_size} x {args.long_prompt}":
-            {"packed": peak_prefill_bytes(long_batch, True), "padded": peak_prefill_bytes(long_batch, False)}}
+    figures["prefill"] = peak_prefill_bytes({
+        f"ragged ({args.long_prompt} + {args.batch_size - 1} x {args.short_prompt})": ragged,
+        f"{args.batch_size} x {args.long_prompt}": long_batch})
     for name, row in figures["prefill"].items():
         print(f"prefill {name}: packed {row['packed'] / 2**20:.0f} MiB, padded {row['padded'] / 2**20:.0f} MiB")
     figures["ops_batch_size"] = 8

@@ -1,10 +1,11 @@
-"""`specbatch demo` end to end on the bundled pair with a tiny race: every stage runs and leaves its
-files, the table it writes is a valid specbatch.table/1 the runtime can follow, and the generated
-text is what the target alone produces greedily on the same device in the same dtype (the demo generates
-through the speculative path)."""
+"""`specbatch demo` end to end on the bundled pair with a tiny race and a calibration that times each point
+once, on one thread: every stage runs and leaves its files, the table it writes is a valid specbatch.table/1
+the runtime can follow, and the generated text is what the target alone produces greedily on the same device
+in the same dtype (the demo generates through the speculative path)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,17 +13,30 @@ from typer.testing import CliRunner
 
 from lossless_helpers import divergences_at_near_ties
 from specbatch import cli
+from specbatch.calibrate import run as calibration
+from specbatch.calibrate.timing import RepetitionRule
 from specbatch.perfmodel.table import load_table
 from specbatch.runtime.checkpoint import load_checkpoint
 from specbatch.runtime.generator import SpeculativeGenerator
 from specbatch.runtime.policy import FixedK
 
 
+# The quick calibration's grid and stages (trees, the n-gram stage, in-situ steps), each point timed once: this
+# test checks the stages' wiring and the generation's losslessness, not the timings, and the quick effort's
+# repetitions take most of a real demo's ~45 s.
+ONE_LOOK = RepetitionRule(warmup_reps=0, min_reps=1, budget_s=0.0)
+WIRING_EFFORT = replace(calibration.QUICK_EFFORT, forward_rule=ONE_LOOK, overhead_rule=ONE_LOOK, tree_rule=ONE_LOOK,
+                        overhead_steps=1, tree_steps=1, prompt_count=4, continuation_tokens=16, insitu_ks=(0, 2),
+                        insitu_tokens=8, insitu_sweeps=1)
+
+
 @pytest.mark.slow
-def test_demo_end_to_end(tmp_path):
+def test_demo_end_to_end(tmp_path, monkeypatch):
+    monkeypatch.setattr(calibration, "QUICK_EFFORT", WIRING_EFFORT)
     out = tmp_path / "demo"
     result = CliRunner().invoke(cli.app, ["demo", "--out", str(out), "--batch-sizes", "1,2", "--rounds", "1",
-                                          "--max-new-tokens", "12", "--prompts-shown", "2", "--max-batch", "8"])
+                                          "--max-new-tokens", "12", "--prompts-shown", "2", "--max-batch", "8",
+                                          "--threads", "1"])
     assert result.exit_code == 0, result.output
     for name in ("profile.json", "profile.csv", "model.json", "table.json", "table.csv", "vllm.json",
                  "trtllm.json", "generations.jsonl", "bench/bench.json", "bench/bench.csv"):

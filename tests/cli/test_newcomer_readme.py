@@ -2,7 +2,7 @@
 trees with the n-gram stage, adaptive, calibrate --resume), in sequence, from directories other than the
 repository root: files made in one folder are used from another (paths recorded absolute, the n-gram found
 by its sha256, the pair recognised by content). A tiny grid and one thread keep it short; each command runs
-the installed `specbatch` as a user would."""
+the installed `specbatch` as a user would, two at a time once the files they read are made."""
 from __future__ import annotations
 
 import json
@@ -17,11 +17,41 @@ NGRAM = Path(__file__).resolve().parents[2] / "data" / "models" / "demo-ngram.sa
 TINY = ["--quick", "--batch-sizes", "1,2", "--context-lens", "16", "--max-k", "2", "--threads", "1"]
 
 
+def start(cwd: Path, *args) -> subprocess.Popen:
+    return subprocess.Popen([str(SPECBATCH), *map(str, args)], cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def finish(process: subprocess.Popen) -> str:
+    """The command's standard output, once it has exited 0 without a traceback or a warning."""
+    try:
+        stdout, stderr = process.communicate(timeout=900)
+    finally:
+        process.kill()  # a no-op once it has exited
+    args = process.args[1:]
+    assert process.returncode == 0, (args, stdout[-2000:], stderr[-2000:])
+    assert "Traceback" not in stderr and "Warning:" not in stderr, (args, stderr)
+    return stdout
+
+
 def run(cwd: Path, *args) -> str:
-    result = subprocess.run([str(SPECBATCH), *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, (args, result.stdout[-2000:], result.stderr[-2000:])
-    assert "Traceback" not in result.stderr and "Warning:" not in result.stderr, result.stderr
-    return result.stdout
+    return finish(start(cwd, *args))
+
+
+def run_two_at_a_time(commands: list[tuple]) -> list[str]:
+    """Each (cwd, *args) as `run` runs it, two side by side (a 2-core CI machine's cores), in order."""
+    running, out = [], []
+    try:
+        for command in commands:
+            running.append(start(*command))
+            if len(running) == 2:
+                out.append(finish(running.pop(0)))
+        while running:
+            out.append(finish(running.pop(0)))
+    finally:
+        for process in running:
+            process.kill()  # none left behind when one fails
+    return out
 
 
 @pytest.mark.slow
@@ -33,23 +63,29 @@ def test_the_readme_sequence_runs_outside_the_repo_root(tmp_path):
     run(made, "calibrate", "-o", "profile.json", *TINY)
     run(made, "fit", "profile.json", "-o", "model.json")
     run(made, "table", "model.json", "-o", "table.json")
-    assert "best" in run(made, "query", "model.json", "--batch-size", "8").lower()
     table = json.loads((made / "table.json").read_text())
     assert Path(table["target"]).is_absolute() and table["fingerprints"]["target"]
     assert table.get("stage2") is None or Path(table["stage2"]["file"]).is_absolute()
 
-    # from another directory: the files made above, named relative to it
-    generated = json.loads(run(used, "generate", "--prompt", "def fibonacci(n):", "--table", "../made/table.json",
-                               "--max-new-tokens", "8", "--threads", "1", "--json"))
-    assert len(generated["outputs"]) == 1
-    run(used, "bench", "--table", "../made/table.json", "--model", "../made/model.json", "--batch-sizes", "1",
-        "--ks", "0,1", "--rounds", "1", "--max-new-tokens", "8", "--threads", "1")
+    # the rest only read the files made above (calibrate --resume measures nothing), most of them from another
+    # directory, naming those files relative to it
+    query, generated, _, _, _, adaptive, resumed = run_two_at_a_time([
+        (made, "query", "model.json", "--batch-size", "8"),
+        (used, "generate", "--prompt", "def fibonacci(n):", "--table", "../made/table.json", "--max-new-tokens", "8",
+         "--threads", "1", "--json"),
+        (used, "bench", "--table", "../made/table.json", "--model", "../made/model.json", "--batch-sizes", "1",
+         "--ks", "0,1", "--rounds", "1", "--max-new-tokens", "8", "--threads", "1"),
+        (used, "query", "../made/model.json", "--batch-size", "1", "--tree", "auto"),
+        (used, "generate", "--prompt", "def f(x):", "--tree", "0,1,0.0,0.0.0", "--stage2", NGRAM,
+         "--max-new-tokens", "8", "--threads", "1"),
+        (used, "generate", "--prompt", "def f(x):", "--adaptive", "../made/model.json",  # its n-gram found by sha256
+         "--max-new-tokens", "8", "--threads", "1", "--json"),
+        (used, "calibrate", "-o", "../made/profile.json", "--resume", "--json", *TINY),
+    ])
+    assert "best" in query.lower()
+    assert len(json.loads(generated)["outputs"]) == 1
     assert (used / "specbatch-bench" / "bench.json").is_file()
-    run(used, "query", "../made/model.json", "--batch-size", "1", "--tree", "auto")
-    run(used, "generate", "--prompt", "def f(x):", "--tree", "0,1,0.0,0.0.0", "--stage2", NGRAM,
-        "--max-new-tokens", "8", "--threads", "1")
-    adaptive = json.loads(run(used, "generate", "--prompt", "def f(x):", "--adaptive", "../made/model.json",
-                              "--max-new-tokens", "8", "--threads", "1", "--json"))  # its n-gram found by sha256
+    adaptive = json.loads(adaptive)
     assert adaptive["policy"].startswith("adaptive") and len(adaptive["stats"]["k_per_step"]) > 0
-    resumed = json.loads(run(used, "calibrate", "-o", "../made/profile.json", "--resume", "--json", *TINY))
+    resumed = json.loads(resumed)
     assert resumed["points_measured"] == 0 and resumed["points_left"] == 0
