@@ -31,10 +31,22 @@ import torch.nn.functional as F
 
 from .kv_cache import KVCache, upload
 
-try:  # torch >= 2.10 on CUDA; None elsewhere
-    from torch.nn.attention.varlen import AuxRequest, varlen_attn
-except ImportError:  # pragma: no cover - older torch
-    AuxRequest = varlen_attn = None
+# torch's varlen attention (torch >= 2.10), imported on first use on CUDA by `varlen_available`: its module
+# pulls in torch's compiler, about a second per process that a CPU run never needs. None until then.
+AuxRequest = varlen_attn = None
+_varlen_tried = False
+
+
+def varlen_available() -> bool:
+    """Whether `varlen_attn` can run (importing it the first time it is asked)."""
+    global AuxRequest, varlen_attn, _varlen_tried
+    if varlen_attn is None and not _varlen_tried:
+        _varlen_tried = True
+        try:
+            from torch.nn.attention.varlen import AuxRequest, varlen_attn
+        except ImportError:  # pragma: no cover - older torch
+            pass
+    return varlen_attn is not None
 
 # The "sdpa" backend's cost of a call of `rows` rows spanning `keys` keys, in row-keys:
 # CALL_KEYS + rows * (ROW_KEYS + keys). Read off CPU timings of the demo shapes (b 1-32, 20-520 keys):
@@ -77,9 +89,11 @@ def choose_backend(cache: KVCache, requested: str | None, tree: TreeAttention | 
     if tree is not None and window:
         return "sdpa"
     if requested is not None:
+        if requested == "varlen":
+            varlen_available()  # imported on first use
         return requested
-    usable = varlen_attn is not None and cache.device.type == "cuda" and cache.keys.dtype in (torch.float16,
-                                                                                            torch.bfloat16)
+    usable = (cache.device.type == "cuda" and cache.keys.dtype in (torch.float16, torch.bfloat16)
+              and varlen_available())
     return "varlen" if usable else "sdpa"
 
 
