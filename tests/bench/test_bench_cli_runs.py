@@ -44,6 +44,12 @@ def test_off_a_terminal_bench_says_its_plan_then_progress_with_an_eta(tmp_path):
     assert any("b=2" in line for line in progress)  # a line at every batch size at least
 
 
+def interruptible() -> None:
+    """In the child before it runs: SIGINT back to its default. A shell starts background jobs with SIGINT
+    ignored, and an ignored signal stays ignored through exec (Python then installs no KeyboardInterrupt)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 def test_interrupted_bench_writes_the_rounds_it_finished(tmp_path):
     out = tmp_path / "b"
@@ -51,7 +57,8 @@ def test_interrupted_bench_writes_the_rounds_it_finished(tmp_path):
     # this reader is slow to see the line on a busy machine
     process = subprocess.Popen([sys.executable, "-m", "specbatch.cli", "bench", "--ks", "0,1,2",
                                 "--batch-sizes", "1,4,64", "--max-new-tokens", "16", "--threads", "1", "-o", out],
-                               stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+                               stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                               preexec_fn=interruptible)
     seen = []
     try:
         for line in process.stderr:  # the first progress line past b = 1: b = 1's rounds are all done

@@ -188,7 +188,9 @@ def test_a_second_calibration_through_a_symlink_is_refused_while_the_first_runs(
     out, link = tmp_path / "a.json", tmp_path / "link-to-a.json"
     link.symlink_to(out)
     first = subprocess.Popen([sys.executable, "-m", "specbatch.cli", "calibrate", "-o", out, "--threads", "1",
-                              "--no-stage2"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                              "--no-stage2"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             # SIGINT reaches it even when these tests run in a background job (started ignored)
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 120
         while not (tmp_path / "a.json.lock").exists():  # the default grid runs for minutes once locked
