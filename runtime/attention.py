@@ -54,7 +54,12 @@ def varlen_available() -> bool:
 # looks dearer (one row over ~160 keys on a Xeon), but inside a step, where every padded key is read from
 # memory the step's weights pushed out of cache, 32 generated faster (demo pair, b = 32, ragged prompts).
 CALL_KEYS, ROW_KEYS = 32, 16
+SLICE_WRITES = 4  # a pass writes the cache by at most this many slice copies per tensor, else by one scatter
 PREFILL_PADDING = 1.25  # a prefill group pads its rows to at most this much over their own tokens
+# ... and is gathered into a padded batch only when its rows are this short: a call's fixed cost on a CPU is
+# that of attending about 16 tokens, and gathering the rows and scattering the result back cost more than a
+# call per row beyond ~32 (demo prompts of 31-108 tokens, b = 32: the prefill's attention 7.6 -> 3.4 ms a layer)
+ALONE_PREFILL_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -139,6 +144,22 @@ def _cheapest_cut(relative: bytes, call_keys: int, row_keys: int) -> tuple[tuple
     return tuple(reversed(runs))
 
 
+def equal_length_spans(lengths: np.ndarray) -> list[tuple[int, int, int]] | None:
+    """Contiguous spans of rows of one length (start, end, length), or None when there are more than
+    SLICE_WRITES of them (one scatter then costs less than the slice copies).
+
+    >>> equal_length_spans(np.array([9, 6, 6]))
+    [(0, 1, 9), (1, 3, 6)]
+    """
+    if not len(lengths):
+        return None
+    cuts = (np.flatnonzero(np.diff(lengths)) + 1).tolist()
+    if len(cuts) >= SLICE_WRITES:
+        return None
+    bounds = [0, *cuts, len(lengths)]
+    return [(start, end, int(lengths[start])) for start, end in zip(bounds, bounds[1:])]
+
+
 def prefill_groups(counts: list[int]) -> list[list[int]]:
     """Rows of a fresh prefill grouped for padded attention: by decreasing length, a group closed when
     padding its rows to its longest would exceed PREFILL_PADDING times their own tokens.
@@ -198,11 +219,11 @@ class UniformPass:
         else:
             totals = cache.host_lengths + n
             self.runs = [self._run(cache, start, end, key_len, totals) for start, end, key_len in plan_runs(totals)]
-        # every row writes at the same slots (a batch that started together): a slice copy, not a scatter,
-        # on the CPU; elsewhere the scatter from device lengths, which a captured graph can replay
-        host = cache.host_lengths
-        self.common_slot = (int(host[0]) if backend != "varlen" and device.type == "cpu" and b
-                            and (host == host[0]).all() else None)
+        # rows in a few spans of one length each (a batch that started together; a ragged batch's long row
+        # among short ones): a slice copy per span, not a scatter, on the CPU; elsewhere the scatter from
+        # device lengths, which a captured graph can replay
+        self.spans = (equal_length_spans(cache.host_lengths) if backend != "varlen" and device.type == "cpu"
+                      else None)
 
     # ---------------------------------------------------------------- sdpa
     def _run(self, cache: KVCache, start: int, end: int, key_len: int, totals: np.ndarray):
@@ -210,6 +231,8 @@ class UniformPass:
         if self.tree is None and self.n == 1 and (totals[start:end] == key_len).all() and (
                 not self.window or key_len <= self.window):
             return start, end, key_len, None, None  # every row sees all its keys: no mask
+        if not (totals[start:end] == key_len).all():
+            cache.readable_to(start, end, key_len)  # shorter rows are read (masked) beyond their own keys
         keys = torch.arange(key_len, device=cache.device)
         positions = self.positions[start:end]
         if self.tree is None:
@@ -230,10 +253,10 @@ class UniformPass:
 
     def write(self, cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v (b, n, kv_heads, head_dim) into each row's next n slots."""
-        if self.common_slot is not None:
-            span = slice(self.common_slot, self.common_slot + self.n)
-            cache.keys[layer, :, span] = k
-            cache.values[layer, :, span] = v
+        if self.spans is not None:
+            for start, end, slot in self.spans:
+                cache.keys[layer, start:end, slot:slot + self.n] = k[start:end]
+                cache.values[layer, start:end, slot:slot + self.n] = v[start:end]
             return
         cache.keys[layer][self.rows, self.slots] = k.to(cache.keys.dtype)
         cache.values[layer][self.rows, self.slots] = v.to(cache.values.dtype)
@@ -318,13 +341,14 @@ class RaggedPass:
         row_of_token = np.repeat(np.arange(len(counts)), counts)
         position = starts[row_of_token] + np.arange(total) - cumulative[row_of_token]
         self.cumulative = cumulative
+        self.ends = starts + np.asarray(counts, dtype=np.int64)  # each row's length after the pass
         self.last_token = upload(cumulative[1:] - 1, device)  # each row's last token in the packing
         layout = upload(np.stack([row_of_token, position]), device)
         self.row_of_token, self.positions = layout[0], layout[1]
         if backend == "varlen":
             self.cu_q = upload(cumulative, device, torch.int32)
             self.cu_k = (torch.arange(len(counts) + 1, device=device) * cache.max_len).int()
-            self.used_k = upload(starts + np.asarray(counts), device, torch.int32)
+            self.used_k = upload(self.ends, device, torch.int32)
             self.max_q = max(counts)
             return
         self.groups, self.alone = [], []  # fresh rows padded together; rows continuing their cache, one by one
@@ -341,6 +365,10 @@ class RaggedPass:
             if valid.all() and np.array_equal(gather.ravel(), np.arange(first, first + gather.size)):
                 # rows of one length, packed one after another (a uniform batch): a view, no gathered copies
                 self.groups.append((None, None, slice(first, first + gather.size), longest))
+                continue
+            if longest > ALONE_PREFILL_TOKENS:  # a call per row, straight from the packing: no copies
+                self.groups += [(None, None, slice(int(cumulative[r]), int(cumulative[r + 1])), counts[r])
+                                for r in rows]
                 continue
             self.groups.append((upload(gather, device), upload(np.flatnonzero(valid), device),
                                 upload(gather[valid], device), longest))

@@ -9,6 +9,14 @@ a pass never waits for the host) and `host_lengths` (numpy int64) on the host (h
 attention spans is decided there, so a pass never reads the device). Every change goes through
 `set_lengths`/`advance`, which keep the two equal; the one place that learns new lengths from the device is
 the generator's end-of-step read-back. Views (`rows`) share both with their parent, in place.
+
+On the CPU the cache is allocated uninitialised: zeroing it cost a tenth of a ragged batch's generation
+(every row's slot is as long as the longest row needs, and zeroing touches all of it for the first time).
+Only the slots a pass reads must hold finite values, as a masked key still meets its zero weight in the
+product with the values (0 x NaN is NaN). `clean` counts, per row, the leading slots known to be finite
+(written, or zeroed); a pass that reads a row beyond its own keys (a padded run: `readable_to`) and a length
+set beyond what was written (`set_lengths`, as calibration does) zero what is not clean yet. On other devices
+the cache is zeroed once, a cheap fill there, and every slot counts as clean.
 """
 from __future__ import annotations
 
@@ -17,16 +25,20 @@ import torch
 
 from .config import ModelConfig
 
+ZEROED_SLOTS = 64  # `readable_to` zeroes ahead in multiples of this many slots: rarely, as rows grow by one
+
 
 class KVCache:
     """Preallocated keys and values with one length per row."""
 
     def __init__(self, config: ModelConfig, batch_size: int, max_len: int, device, dtype):
         shape = (config.num_layers, batch_size, max_len, config.num_kv_heads, config.head_dim)
-        self.keys = torch.zeros(shape, device=device, dtype=dtype)
-        self.values = torch.zeros(shape, device=device, dtype=dtype)
+        lazy = torch.device(device).type == "cpu"
+        self.keys = (torch.empty if lazy else torch.zeros)(shape, device=device, dtype=dtype)
+        self.values = (torch.empty if lazy else torch.zeros)(shape, device=device, dtype=dtype)
         self._lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.host_lengths = np.zeros(batch_size, dtype=np.int64)
+        self.clean = np.full(batch_size, 0 if lazy else max_len, dtype=np.int64)  # leading finite slots per row
         self.max_len = max_len
         self.root, self.start = self, 0  # the cache this one is a view of, and its first row there
 
@@ -57,11 +69,33 @@ class KVCache:
             device_lengths = upload(host, self.device)
         self._lengths.copy_(device_lengths)
         self.host_lengths[:] = host
+        self.readable_to(0, self.batch_size, host)  # a no-op unless the lengths pass what was written
 
     def advance(self, n: int) -> None:
         """Every row grew by n tokens (a pass of n tokens per row)."""
         self._lengths.add_(n)
         self.host_lengths += n
+        self.written(self.host_lengths)  # the pass wrote its n tokens per row before advancing
+
+    # ------------------------------------------------------------------ finite slots
+    def written(self, ends: np.ndarray) -> None:
+        """Every row's slots up to `ends` (one per row) now hold what a pass wrote."""
+        np.maximum(self.clean, ends, out=self.clean)
+
+    def readable_to(self, start: int, end: int, key_len) -> None:
+        """Rows start..end-1 are about to be read up to `key_len` slots (one count, or one per row): zero
+        whatever of that is not clean yet (and ahead of it, to a multiple of ZEROED_SLOTS)."""
+        clean = self.clean[start:end]
+        needed = np.broadcast_to(np.asarray(key_len, dtype=np.int64), clean.shape)
+        if (needed <= clean).all():
+            return
+        low = int(clean.min())
+        high = min(self.max_len, -(-int(needed.max()) // ZEROED_SLOTS) * ZEROED_SLOTS)
+        stale = torch.from_numpy(np.arange(low, high)[None, :] >= clean[:, None])  # (rows, slots) to zero
+        stale = stale.to(self.device)[None, :, :, None, None]
+        for tensor in (self.keys, self.values):
+            tensor[:, start:end, low:high].masked_fill_(stale, 0)
+        np.maximum(clean, high, out=clean)
 
     def longest(self) -> int:
         """The longest row's cached tokens, from the host mirror (no device read)."""
@@ -75,6 +109,7 @@ class KVCache:
         view.keys, view.values = self.keys.narrow(1, start, count), self.values.narrow(1, start, count)
         view._lengths = self._lengths.narrow(0, start, count)
         view.host_lengths = self.host_lengths[start:start + count]
+        view.clean = self.clean[start:start + count]
         view.max_len = self.max_len
         view.root, view.start = self.root, self.start + start
         return view
@@ -86,6 +121,7 @@ class KVCache:
         self.values[:, destination, :live] = self.values[:, source, :live]
         self._lengths[destination] = self._lengths[source]
         self.host_lengths[destination] = self.host_lengths[source]
+        self.clean[destination] = max(self.clean[destination], live)
 
 
 def upload(values, device, dtype=torch.long) -> torch.Tensor:

@@ -224,7 +224,8 @@ class CausalLM(nn.Module):
             x = layer(x, rope, cache, index, attention)
         if cache is not None:
             if new_tokens is not None:
-                cache.set_lengths(None, cache.host_lengths + np.asarray(new_tokens))
+                cache.written(attention.ends)  # every layer wrote each row's tokens
+                cache.set_lengths(None, attention.ends)
             else:
                 cache.advance(n)
         if last == 0:

@@ -14,10 +14,10 @@ from specbatch.runtime.kv_cache import KVCache
 
 def filled_cache(lengths: list[int], seed: int = 3) -> KVCache:
     cache = KVCache(tiny_llama_config(), len(lengths), 16, "cpu", torch.float32)
+    cache.lengths = torch.tensor(lengths)  # first: lengths set past what was written zero those slots
     generator = torch.Generator().manual_seed(seed)
     cache.keys.copy_(torch.randn(cache.keys.shape, generator=generator))
     cache.values.copy_(torch.randn(cache.values.shape, generator=generator))
-    cache.lengths = torch.tensor(lengths)
     return cache
 
 

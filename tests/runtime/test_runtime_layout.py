@@ -1,7 +1,7 @@
 """What the CPU fast paths change and what they must not: projections stored transposed keep the
 checkpoint's values (oracle: the safetensors file itself); the in-place residual and MLP of inference give
-the autograd path's logits bit for bit; a batch whose rows share their length writes the cache by slices
-exactly where the scatter writes it."""
+the autograd path's logits bit for bit; rows in a few spans of one length write the cache by
+slices exactly where the scatter writes it."""
 from __future__ import annotations
 
 import subprocess
@@ -60,29 +60,36 @@ def test_in_place_inference_path_gives_the_autograd_paths_logits_exactly(cached)
     assert torch.equal(with_autograd, in_place)
 
 
+@pytest.mark.parametrize("lengths, spans", [
+    ([6, 6, 6, 6], [(0, 4, 6)]),
+    ([9, 6, 6, 6], [(0, 1, 9), (1, 4, 6)]),
+    ([9, 6, 6, 2, 2, 3], [(0, 1, 9), (1, 3, 6), (3, 5, 2), (5, 6, 3)]),
+])
 @pytest.mark.parametrize("n", [1, 3])
-def test_rows_of_one_length_write_by_slices_where_the_scatter_writes(n):
+def test_rows_in_spans_of_one_length_write_by_slices_where_the_scatter_writes(lengths, spans, n):
     config = tiny_llama_config()
     generator = torch.Generator().manual_seed(5)
-    caches = [KVCache(config, 4, 12, "cpu", torch.float32) for _ in range(2)]
+    b = len(lengths)
+    caches = [KVCache(config, b, 12, "cpu", torch.float32) for _ in range(2)]
     for cache in caches:
-        cache.lengths = torch.tensor([6, 6, 6, 6])
+        cache.lengths = torch.tensor(lengths)
     sliced = UniformPass(caches[0], n, None, None, "sdpa")
     scattered = UniformPass(caches[1], n, None, None, "sdpa")
-    assert sliced.common_slot == 6
-    scattered.common_slot = None  # the general path, slots from the device lengths
-    k = torch.randn(4, n, config.num_kv_heads, config.head_dim, generator=generator)
-    v = torch.randn(4, n, config.num_kv_heads, config.head_dim, generator=generator)
+    assert sliced.spans == spans
+    scattered.spans = None  # the general path, slots from the device lengths
+    k = torch.randn(b, n, config.num_kv_heads, config.head_dim, generator=generator)
+    v = torch.randn(b, n, config.num_kv_heads, config.head_dim, generator=generator)
     sliced.write(caches[0], 1, k, v)
     scattered.write(caches[1], 1, k, v)
     assert torch.equal(caches[0].keys, caches[1].keys) and torch.equal(caches[0].values, caches[1].values)
-    assert torch.equal(caches[0].keys[1, :, 6:6 + n], k)
+    for r, length in enumerate(lengths):
+        assert torch.equal(caches[0].keys[1, r, length:length + n], k[r])
 
 
-def test_rows_of_different_lengths_keep_the_scatter():
-    cache = KVCache(tiny_llama_config(), 3, 12, "cpu", torch.float32)
-    cache.lengths = torch.tensor([6, 4, 6])
-    assert UniformPass(cache, 1, None, None, "sdpa").common_slot is None
+def test_rows_of_many_lengths_keep_the_scatter():
+    cache = KVCache(tiny_llama_config(), 5, 12, "cpu", torch.float32)
+    cache.lengths = torch.tensor([6, 4, 6, 5, 4])
+    assert UniformPass(cache, 1, None, None, "sdpa").spans is None
 
 
 def test_linear_layout_benchmark_reports_every_projection_shape():

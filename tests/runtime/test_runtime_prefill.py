@@ -45,7 +45,10 @@ def test_a_pass_without_logits_fills_the_cache_and_returns_none(greedy_target, p
     with torch.no_grad():
         greedy_target(packed(prompts8), with_logits, last=1, new_tokens=counts)
         assert greedy_target(packed(prompts8), without, last=0, new_tokens=counts) is None
-    assert torch.equal(with_logits.keys, without.keys) and torch.equal(with_logits.lengths, without.lengths)
+    assert torch.equal(with_logits.lengths, without.lengths)
+    for r, count in enumerate(counts):  # the written slots (the rest of a CPU cache is uninitialised)
+        assert torch.equal(with_logits.keys[:, r, :count], without.keys[:, r, :count])
+        assert torch.equal(with_logits.values[:, r, :count], without.values[:, r, :count])
 
 
 def test_a_ragged_pass_continues_rows_that_already_hold_tokens(greedy_target, prompts8):
@@ -82,25 +85,32 @@ def test_generation_matches_greedy_decoding_without_cache_or_padding(greedy_targ
 
 
 
-@pytest.mark.parametrize("shape", ["uniform and one long", "padded together"])
+@pytest.mark.parametrize("shape", ["uniform and one long", "padded together", "long rows one by one"])
 def test_rows_of_one_length_attend_through_a_view_and_match_the_row_alone(shape, greedy_target, prompts8):
     """A block of the packing whose rows have one length needs no gathered copies: its group is a span of
-    the packing (the long row alone is one too); rows of different lengths padded together keep the gathered
-    path. Either way each row's logits and cache are the row's alone."""
-    from specbatch.runtime.attention import RaggedPass
+    the packing (the long row alone is one too); short rows of different lengths padded together keep the
+    gathered path; long rows of different lengths attend one by one, each a span of the packing. Either way
+    each row's logits and cache are the row's alone."""
+    from specbatch.runtime.attention import ALONE_PREFILL_TOKENS, RaggedPass
 
     width = min(len(p) for p in prompts8)
     if shape == "uniform and one long":
         prompts = [p[:width] for p in prompts8[:6]] + [prompts8[0] + prompts8[1]]
-    else:
+    elif shape == "padded together":
         prompts = [p[:width - (row % 2)] for row, p in enumerate(prompts8[:6])]
+    else:  # lengths 33 + 2 r (decreasing in the packing, as the generator's slot order gives them)
+        joined = [token for prompt in prompts8 for token in prompt]
+        prompts = [joined[r:r + ALONE_PREFILL_TOKENS + 1 + 2 * r] for r in range(4)][::-1]
     counts = [len(p) for p in prompts]
     cache = greedy_target.new_cache(len(prompts), 64)
     plan = RaggedPass(cache, counts, None, "sdpa")
     if shape == "uniform and one long":
         assert [group[2] for group in plan.groups] == [slice(6 * width, sum(counts)), slice(0, 6 * width)]
-    else:
+    elif shape == "padded together":
         assert len(plan.groups) == 1 and plan.groups[0][0] is not None
+    else:
+        starts = [sum(counts[:r]) for r in range(5)]
+        assert [group[2] for group in plan.groups] == [slice(a, b) for a, b in zip(starts, starts[1:])]
     with torch.no_grad():
         last = greedy_target(packed(prompts), cache, last=1, new_tokens=counts)
     assert_each_row_as_alone(greedy_target, prompts, last, cache)
