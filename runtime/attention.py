@@ -192,6 +192,12 @@ def _causal(keys: torch.Tensor, positions: torch.Tensor, window: int | None) -> 
     return allowed
 
 
+def _additive(allowed: torch.Tensor, dtype) -> torch.Tensor:
+    """A boolean mask as the additive one (0 where allowed, -inf elsewhere) that sdpa would otherwise build
+    from it at every call: a pass plans its masks once and every layer reuses them."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
 def _sdpa(q, k, v, mask, gqa: bool, causal: bool = False) -> torch.Tensor:
     """Attention over (rows, heads, tokens, head_dim) layouts; q, k and v are given tokens-first
     (rows, tokens, heads, head_dim) and the result comes back tokens-first."""
@@ -235,10 +241,11 @@ class UniformPass:
             cache.readable_to(start, end, key_len)  # shorter rows are read (masked) beyond their own keys
         keys = torch.arange(key_len, device=cache.device)
         positions = self.positions[start:end]
+        dtype = cache.keys.dtype
         if self.tree is None:
-            allowed = _causal(keys, positions, None)
-            windowed = _causal(keys, positions, self.window) if self.window else allowed
-            return start, end, key_len, allowed[:, None], windowed[:, None]
+            allowed = _additive(_causal(keys, positions, None)[:, None], dtype)
+            windowed = _additive(_causal(keys, positions, self.window)[:, None], dtype) if self.window else allowed
+            return start, end, key_len, allowed, windowed
         tree, m = self.tree, self.tree.in_flight
         base = cache.lengths[start:end] - (m - self.n)
         relative = keys - base[:, None]  # (rows, key_len): slot index inside the in-flight region
@@ -249,7 +256,8 @@ class UniformPass:
         if self.window:
             key_positions = torch.where(inside, base[:, None] + tree.offsets[relative.clamp(0, m - 1)], keys)
             windowed = allowed & (key_positions[:, None, :] > positions[..., None] - self.window)
-        return start, end, key_len, allowed[:, None].contiguous(), windowed[:, None].contiguous()
+        allowed = _additive(allowed[:, None], dtype)
+        return start, end, key_len, allowed, (_additive(windowed[:, None], dtype) if self.window else allowed)
 
     def write(self, cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v (b, n, kv_heads, head_dim) into each row's next n slots."""

@@ -73,3 +73,53 @@ def test_views_share_both_lengths_with_their_parent():
     view.set_lengths(torch.tensor([1, 2]), [1, 2])
     assert cache.lengths.tolist() == [4, 1, 2, 10] and np.array_equal(cache.host_lengths, [4, 1, 2, 10])
     assert cache.longest() == 10 and view.longest() == 2
+
+
+def test_a_generator_keeps_its_caches_for_the_next_generation_that_fits(greedy_target, greedy_draft_sometimes,
+                                                                         prompts8):
+    """The second generation runs in the first one's cache memory (no allocation, no page touched for the
+    first time), a third one too large for it gets a new cache, and the tokens are those of a fresh generator."""
+    from specbatch.runtime.generator import SpeculativeGenerator
+    from specbatch.runtime.policy import FixedK
+
+    def fresh(prompts, n):
+        return SpeculativeGenerator(greedy_target, greedy_draft_sometimes).generate(prompts, n, FixedK(3)).token_ids
+
+    expected = [fresh(prompts8, 10), fresh(prompts8[2:5], 6), fresh(prompts8, 20)]
+    generator = SpeculativeGenerator(greedy_target, greedy_draft_sometimes)
+    allocated = []
+    new_cache = KVCache.__init__
+
+    def counting(self, *args, **kwargs):
+        new_cache(self, *args, **kwargs)
+        allocated.append(self)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(KVCache, "__init__", counting)
+        assert generator.generate(prompts8, 10, FixedK(3)).token_ids == expected[0]
+        assert len(allocated) == 2  # target and draft
+        assert generator.generate(prompts8[2:5], 6, FixedK(3)).token_ids == expected[1]
+        assert len(allocated) == 2  # nothing new: both caches are the first generation's
+        assert generator.generate(prompts8, 20, FixedK(3)).token_ids == expected[2]  # longer rows: new caches
+        assert len(allocated) == 4
+    generator.release_caches()
+    assert not generator._spare_caches
+
+
+def test_generations_in_turns_never_share_a_kept_cache(greedy_target, greedy_draft_sometimes, prompts8):
+    from specbatch.runtime.generator import SpeculativeGenerator, run_to_end
+    from specbatch.runtime.policy import FixedK
+
+    generator = SpeculativeGenerator(greedy_target, greedy_draft_sometimes)
+    alone = [generator.generate(prompts8[:4], 8, FixedK(2)).token_ids,
+             generator.generate(prompts8[4:], 8, FixedK(2)).token_ids]  # leaves a cache to take
+    turns = [generator.generation(prompts8[:4], 8, FixedK(2)), generator.generation(prompts8[4:], 8, FixedK(2))]
+    results = [None, None]
+    while None in results:
+        for i, turn in enumerate(turns):
+            if results[i] is None:
+                try:
+                    next(turn)
+                except StopIteration as finished:
+                    results[i] = finished.value.token_ids
+    assert results == alone
