@@ -107,7 +107,7 @@ def test_a_generator_keeps_its_caches_for_the_next_generation_that_fits(greedy_t
 
 
 def test_generations_in_turns_never_share_a_kept_cache(greedy_target, greedy_draft_sometimes, prompts8):
-    from specbatch.runtime.generator import SpeculativeGenerator, run_to_end
+    from specbatch.runtime.generator import SpeculativeGenerator
     from specbatch.runtime.policy import FixedK
 
     generator = SpeculativeGenerator(greedy_target, greedy_draft_sometimes)
