@@ -358,10 +358,17 @@ class SpeculativeGenerator:
                 if cache is not None:
                     cache.set_lengths(None, np.zeros(len(prompts), dtype=np.int64))
         counts = [len(p) for p in prompts]
-        packed = _packed(prompts, self.device)
-        last_logits = self.target(packed, state.target_cache, last=1, new_tokens=counts)[:, 0]  # (b, V)
-        if state.draft_cache is not None:
-            self.draft(packed, state.draft_cache, last=0, new_tokens=counts)
+        passes = prefill_passes(counts, CPU_PREFILL_TOKENS if self.device.type == "cpu" else None)
+        last_logits = []  # the target's at each row's last token, (rows, V) per pass
+        for start, end in passes:
+            packed = _packed(prompts[start:end], self.device)
+            for model, cache in ((self.target, state.target_cache), (self.draft, state.draft_cache)):
+                if cache is not None:
+                    cache = cache if len(passes) == 1 else cache.rows(start, end - start)
+                    logits = model(packed, cache, last=int(model is self.target), new_tokens=counts[start:end])
+                    if logits is not None:
+                        last_logits.append(logits[:, 0])
+        last_logits = last_logits[0] if len(last_logits) == 1 else torch.cat(last_logits)  # (b, V)
         sampling = state.sampling
         first = last_logits.argmax(-1) if sampling.greedy else sample(probabilities(last_logits, sampling), state.rng)
         state.tokens.scatter_(1, state.committed[:, None], first[:, None])
@@ -530,6 +537,32 @@ class SpeculativeGenerator:
             if keep < total or total >= limit or hit is not None:
                 done[i] = keep
         return done
+
+
+# On the CPU a prefill runs in passes of whole rows of about this many tokens at most: a pass over more runs
+# slower per token (its activations no longer stay in cache; demo pair on a Xeon: 32 prompts of 2,127 tokens
+# in all 252 -> 200 ms, 64 of 5,101 tokens 649 -> 474 ms, and no change at 1,111 tokens). A larger GPU pass
+# only fills the device better: one pass there.
+CPU_PREFILL_TOKENS = 1024
+
+
+def prefill_passes(counts: list[int], budget: int | None) -> list[tuple[int, int]]:
+    """Consecutive rows (start, end) fed together, each pass's tokens within `budget` (None: one pass); a row
+    longer than the budget is a pass of its own.
+
+    >>> prefill_passes([600, 500, 300, 200, 2000, 10], 1024)
+    [(0, 1), (1, 4), (4, 5), (5, 6)]
+    """
+    if budget is None:
+        return [(0, len(counts))]
+    passes, start, tokens = [], 0, 0
+    for row, count in enumerate(counts):
+        if row > start and tokens + count > budget:
+            passes.append((start, row))
+            start, tokens = row, 0
+        tokens += count
+    passes.append((start, len(counts)))
+    return passes
 
 
 def _packed(prompts: list[list[int]], device) -> torch.Tensor:

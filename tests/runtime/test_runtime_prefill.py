@@ -68,9 +68,18 @@ def test_a_ragged_pass_continues_rows_that_already_hold_tokens(greedy_target, pr
     assert cache.host_lengths.tolist() == [len(p) for p in prompts8]
 
 
-def test_generation_matches_greedy_decoding_without_cache_or_padding(greedy_target, greedy_draft_sometimes, prompts8):
+@pytest.mark.parametrize("pass_tokens", [1024, 20], ids=["one pass", "passes of 20 tokens"])
+def test_generation_matches_greedy_decoding_without_cache_or_padding(pass_tokens, greedy_target,
+                                                                     greedy_draft_sometimes, prompts8, monkeypatch):
     """The oracle: each prompt alone, the whole sequence re-run every token with no cache, no padding and no
-    position gathered; the batched generator (its prefill reading one position per row) must agree."""
+    position gathered; the batched generator (its prefill reading one position per row, in one pass or in
+    passes of a few rows each, as a CPU prefill of many tokens runs) must agree."""
+    from specbatch.runtime import generator as generator_module
+
+    monkeypatch.setattr(generator_module, "CPU_PREFILL_TOKENS", pass_tokens)
+    planned = []
+    plan = generator_module.prefill_passes
+    monkeypatch.setattr(generator_module, "prefill_passes", lambda *a: planned.append(plan(*a)) or planned[-1])
     new_tokens = 10
     expected = []
     with torch.no_grad():
@@ -82,6 +91,7 @@ def test_generation_matches_greedy_decoding_without_cache_or_padding(greedy_targ
     for draft, k in ((None, 0), (greedy_draft_sometimes, 3)):
         got = SpeculativeGenerator(greedy_target, draft).generate(prompts8, new_tokens, FixedK(k)).token_ids
         assert [list(row) for row in got] == expected, k
+    assert len(planned[-1]) == (1 if pass_tokens == 1024 else 4)  # 17 | 12 | 9, 7 | 6, 5, 4, 3 tokens
 
 
 
