@@ -195,7 +195,7 @@ def _causal(keys: torch.Tensor, positions: torch.Tensor, window: int | None) -> 
 def _additive(allowed: torch.Tensor, dtype) -> torch.Tensor:
     """A boolean mask as the additive one (0 where allowed, -inf elsewhere) that sdpa would otherwise build
     from it at every call: a pass plans its masks once and every layer reuses them."""
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+    return torch.full(allowed.shape, float("-inf"), dtype=dtype, device=allowed.device).masked_fill_(allowed, 0)
 
 
 def _sdpa(q, k, v, mask, gqa: bool, causal: bool = False) -> torch.Tensor:

@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from docs_sections import replace_section  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results.md"
+DEFAULT_ROUNDS = 5  # of the ragged batches and of the vLLM comparison
 
 _PREFILL = """
 import torch
@@ -166,7 +167,10 @@ def markdown(figures: dict) -> str:
         "## What the runtime pays for a batch",
         "",
         "Written by `OMP_NUM_THREADS=1 python scripts/runtime_costs.py --write-docs"
+        + (f" --rounds {figures['rounds']}" if figures["rounds"] != DEFAULT_ROUNDS else "")
         + (f" --vllm-table {Path(figures['vllm']['table']).name}" if figures.get("vllm") else "")
+        + (f" --vllm-rounds {figures['vllm']['rounds']}"
+           if figures.get("vllm") and figures["vllm"]["rounds"] != DEFAULT_ROUNDS else "")
         + f"` ({figures['machine']}, "
         f"torch {figures['torch']}, {figures['threads']} thread, demo pair, float32, {figures['rounds']} rounds).",
         "",
@@ -214,11 +218,11 @@ def main(argv=None) -> None:
     parser.add_argument("--long-prompt", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--k", default="0,4", help="comma-separated chain lengths")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--vllm-table", type=Path, help="also compare with vLLM running this chains-only table")
     parser.add_argument("--vllm-batch-sizes", default="1,8,32")
-    parser.add_argument("--vllm-rounds", type=int, default=5)
+    parser.add_argument("--vllm-rounds", type=int, default=DEFAULT_ROUNDS)
     parser.add_argument("-o", "--out", help="write the figures as JSON here")
     parser.add_argument("--write-docs", action="store_true", help="update docs/results.md's section")
     args = parser.parse_args(argv)
