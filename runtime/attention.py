@@ -234,10 +234,10 @@ class UniformPass:
     # ---------------------------------------------------------------- sdpa
     def _run(self, cache: KVCache, start: int, end: int, key_len: int, totals: np.ndarray):
         """(start, end, key_len, mask, window mask) of one run; masks are (rows, 1, n, key_len) or None."""
-        if self.tree is None and self.n == 1 and (totals[start:end] == key_len).all() and (
-                not self.window or key_len <= self.window):
+        padded = not (totals[start:end] == key_len).all()
+        if self.tree is None and self.n == 1 and not padded and (not self.window or key_len <= self.window):
             return start, end, key_len, None, None  # every row sees all its keys: no mask
-        if not (totals[start:end] == key_len).all():
+        if padded:
             cache.readable_to(start, end, key_len)  # shorter rows are read (masked) beyond their own keys
         keys = torch.arange(key_len, device=cache.device)
         positions = self.positions[start:end]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from .generator import count_acceptance
+from .acceptance import count_acceptance
 
 # upper bounds of the step-time histogram, seconds: a step of the demo pair on a CPU takes 2-50 ms,
 # a 7B target on a GPU 10-100 ms

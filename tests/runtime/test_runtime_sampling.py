@@ -21,9 +21,10 @@ import torch
 
 scipy_stats = pytest.importorskip("scipy.stats")
 
-from specbatch.runtime import generator as generator_module  # noqa: E402
+from specbatch.runtime import acceptance as acceptance_module  # noqa: E402
 from specbatch.runtime.checkpoint import build_model  # noqa: E402
-from specbatch.runtime.generator import SpeculativeGenerator, accept  # noqa: E402
+from specbatch.runtime.acceptance import accept  # noqa: E402
+from specbatch.runtime.generator import SpeculativeGenerator  # noqa: E402
 from specbatch.runtime.policy import FixedK  # noqa: E402
 from specbatch.runtime.sampling import Sampling, SamplingError, parse_sampling, probabilities  # noqa: E402
 
@@ -224,8 +225,8 @@ def _enumerate_accept(monkeypatch, p: torch.Tensor, q: torch.Tensor):
         recorded.append(probs.clone())
         return torch.zeros(probs.shape[:-1], dtype=torch.long)
 
-    monkeypatch.setattr(generator_module.torch, "rand", _grid_rand(k))
-    monkeypatch.setattr(generator_module, "sample", fake_sample)
+    monkeypatch.setattr(acceptance_module.torch, "rand", _grid_rand(k))
+    monkeypatch.setattr(acceptance_module, "sample", fake_sample)
     logits = p.log().expand(rows, k + 1, vocab)  # softmax(log p) = p at temperature 1
     draft_probs = q.expand(rows, k, vocab)
     accepted, _ = accept(draft_tokens, draft_probs, logits, Sampling(temperature=1.0), None)

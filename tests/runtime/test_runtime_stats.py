@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from specbatch.calibrate.pass_clock import StepRecorder
-from specbatch.runtime.generator import SpeculativeGenerator, count_acceptance
+from specbatch.runtime.acceptance import count_acceptance
+from specbatch.runtime.generator import SpeculativeGenerator
 from specbatch.runtime.policy import FixedK
 from specbatch.runtime.sampling import Sampling
 
