@@ -96,9 +96,9 @@ def attention_kernel(device: str, dtype: torch.dtype, heads: int, kv_heads: int,
     tensors ask it."""
     from torch.nn.attention import SDPBackend
 
-    from specbatch.runtime.attention import varlen_available
+    from specbatch.runtime.devices import attention_backend
 
-    if torch.device(device).type == "cuda" and dtype in (torch.float16, torch.bfloat16) and varlen_available():
+    if attention_backend(device, dtype) == "varlen":
         return "VARLEN"
     query = torch.zeros(1, heads, 2, head_dim, device=device, dtype=dtype)  # (b, heads, n, hd)
     keys = torch.zeros(1, kv_heads, 8, head_dim, device=device, dtype=dtype)  # (b, kv_heads, key_len, hd)

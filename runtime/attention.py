@@ -11,10 +11,11 @@ device back.
 
 Backends:
 - "sdpa" (CPU, and any device without varlen): `scaled_dot_product_attention` over contiguous runs of
-  rows, each run spanning its own longest row; a row far longer than its neighbours gets a run of its
-  own (`plan_runs`), so a ragged batch pays about its own keys. A fresh prefill needs no mask at all
-  (rows of similar prompt length padded together, causal from the first key).
-- "varlen" (CUDA, fp16/bf16): `torch.nn.attention.varlen.varlen_attn` straight over the cache's slots,
+  rows, each run spanning its own longest row; where the device has a cost model for calls (the CPU's
+  record in runtime.devices), a row far longer than its neighbours gets a run of its own (`plan_runs`), so
+  a ragged batch pays about its own keys. A fresh prefill needs no mask at all (rows of similar prompt
+  length padded together, causal from the first key).
+- "varlen" (CUDA, fp16/bf16): flash attention (runtime.devices.cuda.flash_varlen) straight over the cache's slots,
   each row's key count given as `seqused_k`: no mask, no padding, and for a uniform pass nothing that
   depends on the host. A tree pass attends to the committed prefix through varlen and to the in-flight
   nodes under the tree mask by hand, the two merged by their log-sum-exp.
@@ -29,37 +30,17 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .devices import DeviceKind, attention_backend, device_kind
+from .devices import cuda as cuda_device
 from .kv_cache import KVCache, upload
 
-# torch's varlen attention (torch >= 2.10), imported on first use on CUDA by `varlen_available`: its module
-# pulls in torch's compiler, about a second per process that a CPU run never needs. None until then.
-AuxRequest = varlen_attn = None
-_varlen_tried = False
 
-
-def varlen_available() -> bool:
-    """Whether `varlen_attn` can run (importing it the first time it is asked)."""
-    global AuxRequest, varlen_attn, _varlen_tried
-    if varlen_attn is None and not _varlen_tried:
-        _varlen_tried = True
-        try:
-            from torch.nn.attention.varlen import AuxRequest, varlen_attn
-        except ImportError:  # pragma: no cover - older torch
-            pass
-    return varlen_attn is not None
-
-# The "sdpa" backend's cost of a call of `rows` rows spanning `keys` keys, in row-keys:
-# CALL_KEYS + rows * (ROW_KEYS + keys). Read off CPU timings of the demo shapes (b 1-32, 20-520 keys):
-# a call's fixed cost is about that of one row over 32 keys, a row's about 16 keys. Timed alone, a call
-# looks dearer (one row over ~160 keys on a Xeon), but inside a step, where every padded key is read from
-# memory the step's weights pushed out of cache, 32 generated faster (demo pair, b = 32, ragged prompts).
-CALL_KEYS, ROW_KEYS = 32, 16
-SLICE_WRITES = 4  # a pass writes the cache by at most this many slice copies per tensor, else by one scatter
-PREFILL_PADDING = 1.25  # a prefill group pads its rows to at most this much over their own tokens
-# ... and is gathered into a padded batch only when its rows are this short: a call's fixed cost on a CPU is
-# that of attending about 16 tokens, and gathering the rows and scattering the result back cost more than a
-# call per row beyond ~32 (demo prompts of 31-108 tokens, b = 32: the prefill's attention 7.6 -> 3.4 ms a layer)
-ALONE_PREFILL_TOKENS = 32
+def flash_varlen_call(device):
+    """The flash varlen call a varlen pass makes on `device` (runtime.devices.cuda; tests give a stand-in)."""
+    found = cuda_device.flash_varlen(device)
+    if found.attend is None:
+        raise RuntimeError(f"attention backend varlen requested on {device}, where it is unusable: {found.reason}")
+    return found.attend
 
 
 @dataclass(frozen=True)
@@ -89,38 +70,34 @@ class TreeAttention:
 
 
 def choose_backend(cache: KVCache, requested: str | None, tree: TreeAttention | None, window: int | None) -> str:
-    """`requested` (a model's `attention_backend`) or, by default, varlen on CUDA in half precision. A tree
-    under a sliding window always goes through sdpa (its positions are not the slots' order)."""
+    """`requested` (a model's `attention_backend`) or the device's choice (runtime.devices). A tree under a
+    sliding window always goes through sdpa (its positions are not the slots' order)."""
     if tree is not None and window:
         return "sdpa"
-    if requested is not None:
-        if requested == "varlen":
-            varlen_available()  # imported on first use
-        return requested
-    usable = (cache.device.type == "cuda" and cache.keys.dtype in (torch.float16, torch.bfloat16)
-              and varlen_available())
-    return "varlen" if usable else "sdpa"
+    return requested or attention_backend(cache.device, cache.keys.dtype)
 
 
 # ---------------------------------------------------------------------------------------------- planning
-def plan_runs(totals: np.ndarray) -> list[tuple[int, int, int]]:
+def plan_runs(totals: np.ndarray, kind: DeviceKind) -> list[tuple[int, int, int]]:
     """Contiguous runs of rows (start, end, keys) covering every row, each spanning its own longest row's
-    `totals`: the cut that costs least by the sdpa cost model (one run unless the rows differ by more than a
-    call's cost).
+    `totals`: the cut that costs least by the device's sdpa cost model (one run unless the rows differ by more
+    than a call's cost, or when the device has no such model).
 
-    >>> plan_runs(np.array([21, 517, 21, 21]))
+    >>> from specbatch.runtime.devices.cpu import CPU
+    >>> plan_runs(np.array([21, 517, 21, 21]), CPU)
     [(0, 1, 21), (1, 2, 517), (2, 4, 21)]
-    >>> plan_runs(np.array([21, 25, 23]))
+    >>> plan_runs(np.array([21, 25, 23]), CPU)
     [(0, 3, 25)]
     """
     b = len(totals)
     lowest = int(totals.min())
-    if b == 1 or int(totals.max()) - lowest <= ROW_KEYS + CALL_KEYS:
+    call_keys, row_keys = kind.sdpa_call_keys, kind.sdpa_row_keys
+    if b == 1 or call_keys is None or int(totals.max()) - lowest <= row_keys + call_keys:
         return [(0, b, int(totals.max()))]
     # adding the same count to every row adds the same cost to every cut: the cut depends on the differences
     # only, which the passes of one step share (each adds its tokens to every row)
     relative = np.asarray(totals - lowest, dtype=np.int64).tobytes()
-    return [(start, end, keys + lowest) for start, end, keys in _cheapest_cut(relative, CALL_KEYS, ROW_KEYS)]
+    return [(start, end, keys + lowest) for start, end, keys in _cheapest_cut(relative, call_keys, row_keys)]
 
 
 @lru_cache(maxsize=64)
@@ -144,27 +121,28 @@ def _cheapest_cut(relative: bytes, call_keys: int, row_keys: int) -> tuple[tuple
     return tuple(reversed(runs))
 
 
-def equal_length_spans(lengths: np.ndarray) -> list[tuple[int, int, int]] | None:
-    """Contiguous spans of rows of one length (start, end, length), or None when there are more than
-    SLICE_WRITES of them (one scatter then costs less than the slice copies).
+def equal_length_spans(lengths: np.ndarray, most: int) -> list[tuple[int, int, int]] | None:
+    """Contiguous spans of rows of one length (start, end, length), or None when there are more than `most`
+    of them (the device's `slice_write_spans`: one scatter then costs less than the slice copies).
 
-    >>> equal_length_spans(np.array([9, 6, 6]))
+    >>> equal_length_spans(np.array([9, 6, 6]), 4)
     [(0, 1, 9), (1, 3, 6)]
     """
-    if not len(lengths):
+    if not len(lengths) or most <= 0:
         return None
     cuts = (np.flatnonzero(np.diff(lengths)) + 1).tolist()
-    if len(cuts) >= SLICE_WRITES:
+    if len(cuts) >= most:
         return None
     bounds = [0, *cuts, len(lengths)]
     return [(start, end, int(lengths[start])) for start, end in zip(bounds, bounds[1:])]
 
 
-def prefill_groups(counts: list[int]) -> list[list[int]]:
+def prefill_groups(counts: list[int], padding: float) -> list[list[int]]:
     """Rows of a fresh prefill grouped for padded attention: by decreasing length, a group closed when
-    padding its rows to its longest would exceed PREFILL_PADDING times their own tokens.
+    padding its rows to its longest would exceed `padding` (the device's `prefill_padding`) times their own
+    tokens.
 
-    >>> prefill_groups([16, 512, 16, 15])
+    >>> prefill_groups([16, 512, 16, 15], 1.25)
     [[1], [0, 2, 3]]
     """
     order = sorted(range(len(counts)), key=lambda r: -counts[r])
@@ -173,7 +151,7 @@ def prefill_groups(counts: list[int]) -> list[list[int]]:
         if groups:
             group = groups[-1]
             longest = counts[group[0]]
-            if longest * (len(group) + 1) <= PREFILL_PADDING * (sum(counts[r] for r in group) + counts[row]):
+            if longest * (len(group) + 1) <= padding * (sum(counts[r] for r in group) + counts[row]):
                 group.append(row)
                 continue
         groups.append([row])
@@ -211,6 +189,7 @@ class UniformPass:
 
     def __init__(self, cache: KVCache, n: int, tree: TreeAttention | None, window: int | None, backend: str):
         device, b = cache.device, cache.batch_size
+        kind = device_kind(device)
         self.n, self.tree, self.window, self.backend = n, tree, window, backend
         lengths = cache.lengths
         self.rows = torch.arange(b, device=device)[:, None]
@@ -224,11 +203,12 @@ class UniformPass:
             self._plan_varlen(cache, lengths)
         else:
             totals = cache.host_lengths + n
-            self.runs = [self._run(cache, start, end, key_len, totals) for start, end, key_len in plan_runs(totals)]
+            self.runs = [self._run(cache, start, end, key_len, totals)
+                         for start, end, key_len in plan_runs(totals, kind)]
         # rows in a few spans of one length each (a batch that started together; a ragged batch's long row
-        # among short ones): a slice copy per span, not a scatter, on the CPU; elsewhere the scatter from
-        # device lengths, which a captured graph can replay
-        self.spans = (equal_length_spans(cache.host_lengths) if backend != "varlen" and device.type == "cpu"
+        # among short ones): a slice copy per span, not a scatter, where the device says it pays; elsewhere
+        # the scatter from device lengths, which a captured graph can replay
+        self.spans = (equal_length_spans(cache.host_lengths, kind.slice_write_spans) if backend != "varlen"
                       else None)
 
     # ---------------------------------------------------------------- sdpa
@@ -286,6 +266,7 @@ class UniformPass:
     # ---------------------------------------------------------------- varlen (CUDA)
     def _plan_varlen(self, cache: KVCache, lengths: torch.Tensor) -> None:
         b, device = cache.batch_size, cache.device
+        self.flash = flash_varlen_call(device)
         self.cu_q = (torch.arange(b + 1, device=device) * self.n).int()
         self.cu_k = (torch.arange(b + 1, device=device) * cache.max_len).int()
         if self.tree is None:
@@ -303,11 +284,11 @@ class UniformPass:
         flat_q = q.reshape(b * n, heads, head_dim)
         if self.tree is None:
             window = _window_of(windowed, self.window)
-            out = varlen_attn(flat_q, flat_k, flat_v, self.cu_q, self.cu_k, n, cache.max_len,
-                              window_size=(window - 1 if window else -1, 0), enable_gqa=gqa, seqused_k=self.used_k)
+            out, _ = self.flash(flat_q, flat_k, flat_v, self.cu_q, self.cu_k, n, cache.max_len, self.used_k,
+                                window - 1 if window else -1)
             return out.view(b, n, heads, head_dim)
-        prefix, prefix_lse = varlen_attn(flat_q, flat_k, flat_v, self.cu_q, self.cu_k, n, cache.max_len,
-                                         return_aux=AuxRequest(lse=True), enable_gqa=gqa, seqused_k=self.used_k)
+        prefix, prefix_lse = self.flash(flat_q, flat_k, flat_v, self.cu_q, self.cu_k, n, cache.max_len, self.used_k,
+                                        causal=False)
         k_in, v_in = keys[self.rows, self.in_flight_slots], values[self.rows, self.in_flight_slots]  # (b, m, kv, d)
         nodes, nodes_lse = _masked_attention(q, k_in, v_in, self.tree.mask)
         # the kernel's log-sum-exp is (heads, tokens) (torch's meta implementation of varlen says so)
@@ -342,6 +323,7 @@ class RaggedPass:
 
     def __init__(self, cache: KVCache, counts: list[int], window: int | None, backend: str):
         device = cache.device
+        kind = device_kind(device)
         self.counts, self.window, self.backend = list(counts), window, backend
         starts = cache.host_lengths.copy()
         cumulative = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
@@ -358,11 +340,13 @@ class RaggedPass:
             self.cu_k = (torch.arange(len(counts) + 1, device=device) * cache.max_len).int()
             self.used_k = upload(self.ends, device, torch.int32)
             self.max_q = max(counts)
+            self.flash = flash_varlen_call(device)
             return
         self.groups, self.alone = [], []  # fresh rows padded together; rows continuing their cache, one by one
         fresh = [r for r in range(len(counts)) if starts[r] == 0]
         continuing = [r for r in range(len(counts)) if starts[r] > 0]
-        for group in prefill_groups([counts[r] for r in fresh]):
+        alone_tokens = kind.alone_prefill_tokens
+        for group in prefill_groups([counts[r] for r in fresh], kind.prefill_padding):
             rows = [fresh[i] for i in group]
             longest = counts[rows[0]]
             steps = np.arange(longest)
@@ -374,7 +358,7 @@ class RaggedPass:
                 # rows of one length, packed one after another (a uniform batch): a view, no gathered copies
                 self.groups.append((None, None, slice(first, first + gather.size), longest))
                 continue
-            if longest > ALONE_PREFILL_TOKENS:  # a call per row, straight from the packing: no copies
+            if alone_tokens is not None and longest > alone_tokens:  # a call per row, from the packing: no copies
                 self.groups += [(None, None, slice(int(cumulative[r]), int(cumulative[r + 1])), counts[r])
                                 for r in rows]
                 continue
@@ -397,9 +381,10 @@ class RaggedPass:
         window = _window_of(windowed, self.window)
         if self.backend == "varlen":
             keys, values = cache.keys[layer], cache.values[layer]
-            return varlen_attn(q, keys.reshape(-1, *keys.shape[2:]), values.reshape(-1, *values.shape[2:]),
-                               self.cu_q, self.cu_k, self.max_q, cache.max_len,
-                               window_size=(window - 1 if window else -1, 0), enable_gqa=gqa, seqused_k=self.used_k)
+            out, _ = self.flash(q, keys.reshape(-1, *keys.shape[2:]), values.reshape(-1, *values.shape[2:]),
+                                self.cu_q, self.cu_k, self.max_q, cache.max_len, self.used_k,
+                                window - 1 if window else -1)
+            return out
         out = torch.empty_like(q)
         for gather, valid, tokens, longest in self.groups:
             mask = None

@@ -19,6 +19,7 @@ import torch
 from specbatch.perfmodel.errors import SpecbatchError
 
 from .config import ConfigError, ModelConfig, load_config
+from .devices import device_kind
 from .model import CausalLM, rope_inverse_frequencies
 
 
@@ -53,8 +54,8 @@ class LoadedModel:
 
 
 def default_dtype(device: str) -> torch.dtype:
-    """float32 on CPU (fast and exact there); bfloat16 on CUDA."""
-    return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+    """The device's own (runtime.devices): float32 on CPU (fast and exact there); bfloat16 on CUDA."""
+    return getattr(torch, device_kind(device).default_dtype)
 
 
 def parse_dtype(name: str | None, device: str) -> torch.dtype:

@@ -21,6 +21,8 @@ from typing import Union
 
 import torch
 
+from .devices import device_kind
+
 Mark = Union[float, "torch.cuda.Event"]  # perf_counter seconds on the CPU, a recorded event on CUDA
 
 
@@ -29,7 +31,7 @@ class DeviceClock:
 
     def __init__(self, device: torch.device | str = "cpu"):
         device = torch.device(device)
-        self.device = device if device.type == "cuda" else None  # only CUDA queues work asynchronously
+        self.device = device if device_kind(device).asynchronous else None  # a device that queues work
 
     @property
     def uses_events(self) -> bool:

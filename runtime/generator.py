@@ -33,6 +33,7 @@ from . import policy as hooks
 from .attention import TreeAttention
 from .batch import BatchState, apply_moves, fill_holes
 from .clock import DeviceClock
+from .devices import device_kind
 from .kv_cache import KVCache, upload
 from .model import CausalLM
 from .acceptance import accept, count_acceptance
@@ -182,8 +183,8 @@ class SpeculativeGenerator:
         """`draft`: a CausalLM, an n-gram model (runtime.ngram.NGramModel) used alone, or None.
         `stage2`: an n-gram model that speeds up a CausalLM draft's tree drafting (lossless for it).
         `host_bookkeeping`: small greedy trees keep their drafting bookkeeping on the host, a read-back
-        per draft round (default: on the CPU, where reading back costs nothing and small tensor
-        operations cost most; never on CUDA, where every read-back waits for the device).
+        per draft round (default: where the device's record allows it, runtime.devices: on the CPU, where
+        reading back costs nothing and small tensor operations cost most; never on CUDA).
         `cuda_graphs`: decode and verify passes replay CUDA graphs (runtime.cuda_graphs; CUDA, half
         precision), captured on first use per batch bucket and width for each KV cache."""
         vocab = target.config.vocab_size
@@ -198,7 +199,9 @@ class SpeculativeGenerator:
         self.draft_is_model = isinstance(draft, CausalLM)
         self.eos_token_ids = tuple(eos_token_ids)
         self.device = target.lm_head.weight.device
-        self.host_bookkeeping = self.device.type == "cpu" if host_bookkeeping is None else host_bookkeeping
+        self.kind = device_kind(self.device)
+        self.host_bookkeeping = (self.kind.host_bookkeeping_max_cells > 0 if host_bookkeeping is None
+                                 else host_bookkeeping)
         self.target_runner, self.draft_runner = target, draft  # what runs the step passes of each model
         self._spare_caches: dict[str, KVCache] = {}  # kept from a finished generation (`release_caches`)
         if cuda_graphs:
@@ -358,7 +361,7 @@ class SpeculativeGenerator:
                 if cache is not None:
                     cache.set_lengths(None, np.zeros(len(prompts), dtype=np.int64))
         counts = [len(p) for p in prompts]
-        passes = prefill_passes(counts, CPU_PREFILL_TOKENS if self.device.type == "cpu" else None)
+        passes = prefill_passes(counts, self.kind.prefill_pass_tokens)
         last_logits = []  # the target's at each row's last token, (rows, V) per pass
         for start, end in passes:
             packed = _packed(prompts[start:end], self.device)
@@ -539,16 +542,9 @@ class SpeculativeGenerator:
         return done
 
 
-# On the CPU a prefill runs in passes of whole rows of about this many tokens at most: a pass over more runs
-# slower per token (its activations no longer stay in cache; demo pair on a Xeon: 32 prompts of 2,127 tokens
-# in all 252 -> 200 ms, 64 of 5,101 tokens 649 -> 474 ms, and no change at 1,111 tokens). A larger GPU pass
-# only fills the device better: one pass there.
-CPU_PREFILL_TOKENS = 1024
-
-
 def prefill_passes(counts: list[int], budget: int | None) -> list[tuple[int, int]]:
-    """Consecutive rows (start, end) fed together, each pass's tokens within `budget` (None: one pass); a row
-    longer than the budget is a pass of its own.
+    """Consecutive rows (start, end) fed together, each pass's tokens within `budget` (the device's
+    `prefill_pass_tokens`; None: one pass); a row longer than the budget is a pass of its own.
 
     >>> prefill_passes([600, 500, 300, 200, 2000, 10], 1024)
     [(0, 1), (1, 4), (4, 5), (5, 6)]

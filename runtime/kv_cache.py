@@ -10,8 +10,9 @@ attention spans is decided there, so a pass never reads the device). Every chang
 `set_lengths`/`advance`, which keep the two equal; the one place that learns new lengths from the device is
 the generator's end-of-step read-back. Views (`rows`) share both with their parent, in place.
 
-On the CPU the cache is allocated uninitialised: zeroing it cost a tenth of a ragged batch's generation
-(every row's slot is as long as the longest row needs, and zeroing touches all of it for the first time).
+On the CPU (a device whose record says `lazy_cache`, runtime.devices) the cache is allocated uninitialised:
+zeroing it cost a tenth of a ragged batch's generation (every row's slot is as long as the longest row needs,
+and zeroing touches all of it for the first time).
 Only the slots a pass reads must hold finite values, as a masked key still meets its zero weight in the
 product with the values (0 x NaN is NaN). `clean` counts, per row, the leading slots known to be finite
 (written, or zeroed); a pass that reads a row beyond its own keys (a padded run: `readable_to`) and a length
@@ -24,8 +25,7 @@ import numpy as np
 import torch
 
 from .config import ModelConfig
-
-ZEROED_SLOTS = 64  # `readable_to` zeroes ahead in multiples of this many slots: rarely, as rows grow by one
+from .devices import device_kind
 
 
 class KVCache:
@@ -33,7 +33,9 @@ class KVCache:
 
     def __init__(self, config: ModelConfig, batch_size: int, max_len: int, device, dtype):
         shape = (config.num_layers, batch_size, max_len, config.num_kv_heads, config.head_dim)
-        lazy = torch.device(device).type == "cpu"
+        kind = device_kind(device)
+        lazy = kind.lazy_cache
+        self.zero_ahead_slots = kind.cache_zero_ahead_slots
         self.keys = (torch.empty if lazy else torch.zeros)(shape, device=device, dtype=dtype)
         self.values = (torch.empty if lazy else torch.zeros)(shape, device=device, dtype=dtype)
         self._lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
@@ -84,13 +86,14 @@ class KVCache:
 
     def readable_to(self, start: int, end: int, key_len) -> None:
         """Rows start..end-1 are about to be read up to `key_len` slots (one count, or one per row): zero
-        whatever of that is not clean yet (and ahead of it, to a multiple of ZEROED_SLOTS)."""
+        whatever of that is not clean yet (and ahead of it, to a multiple of the device's zero-ahead slots)."""
         clean = self.clean[start:end]
         needed = np.broadcast_to(np.asarray(key_len, dtype=np.int64), clean.shape)
         if (needed <= clean).all():
             return
         low = int(clean.min())
-        high = min(self.max_len, -(-int(needed.max()) // ZEROED_SLOTS) * ZEROED_SLOTS)
+        ahead = max(1, self.zero_ahead_slots)
+        high = min(self.max_len, -(-int(needed.max()) // ahead) * ahead)
         stale = torch.from_numpy(np.arange(low, high)[None, :] >= clean[:, None])  # (rows, slots) to zero
         stale = stale.to(self.device)[None, :, :, None, None]
         for tensor in (self.keys, self.values):
@@ -110,7 +113,7 @@ class KVCache:
         view._lengths = self._lengths.narrow(0, start, count)
         view.host_lengths = self.host_lengths[start:start + count]
         view.clean = self.clean[start:start + count]
-        view.max_len = self.max_len
+        view.max_len, view.zero_ahead_slots = self.max_len, self.zero_ahead_slots
         view.root, view.start = self.root, self.start + start
         return view
 
@@ -125,9 +128,9 @@ class KVCache:
 
 
 def upload(values, device, dtype=torch.long) -> torch.Tensor:
-    """Host values (a list or numpy array) as a tensor on `device`. On CUDA the copy is staged in pinned
-    memory and queued without waiting for the device (a pageable copy would synchronize the stream)."""
+    """Host values (a list or numpy array) as a tensor on `device`. On a device that queues work (CUDA) the
+    copy is staged in pinned memory and queued without waiting (a pageable copy would synchronize the stream)."""
     tensor = torch.tensor(np.asarray(values), dtype=dtype)  # a copy: the host array may change later
-    if torch.device(device).type != "cuda":
+    if not device_kind(device).asynchronous:
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)

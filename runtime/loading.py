@@ -18,26 +18,12 @@ from specbatch.perfmodel.errors import UsageError
 from specbatch.perfmodel.jsonio import directory_fingerprint, model_fingerprint
 
 from .checkpoint import Tokenizer, build_model, load_checkpoint
+from .devices import resolve_device  # noqa: F401 - commands import it from here, with the loaders
 from .config import ConfigError, ModelConfig, check_vocabulary, load_config
 from .model import CausalLM
 from .presets import PRESET_NAMES, PRESETS, preset_config
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
-
-
-def resolve_device(name: str | None) -> str:
-    """'cpu', 'cuda' or 'cuda:N' as given, checked against this machine; None: cuda when available."""
-    if name is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    kind, _, index = name.partition(":")
-    if kind not in ("cpu", "cuda") or (index and (kind == "cpu" or not index.isdigit())):
-        raise UsageError(f"--device: {name!r} is not one of cpu, cuda, cuda:N")
-    if kind == "cuda":
-        if not torch.cuda.is_available():
-            raise UsageError(f"--device {name}: CUDA is not available on this machine")
-        if index and int(index) >= torch.cuda.device_count():
-            raise UsageError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    return name
 
 
 @dataclass(frozen=True)

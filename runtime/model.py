@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import RaggedPass, TreeAttention, UniformPass, choose_backend
+from .devices import device_kind
 from .config import ModelConfig
 from .kv_cache import KVCache
 
@@ -156,12 +157,12 @@ class CausalLM(nn.Module):
             self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
 
     def lay_out_for_matmul(self) -> None:
-        """On CPU, store every projection's weight transposed (a contiguous (in, out) tensor seen as the
-        usual (out, in) parameter): `F.linear` then hands MKL a row-major right operand, which it multiplies
-        20-40 % faster at decode shapes (tokens <= 512; `python -m specbatch.bench.linear_layout` measures
-        it). Values, shapes and state-dict keys are unchanged. A tied LM head keeps the embedding's layout
-        (the lookup reads rows); CUDA keeps the native layout, cuBLAS's fast case."""
-        if self.lm_head.weight.device.type != "cpu":
+        """Where the device's record asks for it (the CPU's MKL: runtime.devices), store every projection's
+        weight transposed (a contiguous (in, out) tensor seen as the usual (out, in) parameter): `F.linear` then
+        hands MKL a row-major right operand, which it multiplies 20-40 % faster at decode shapes (tokens <= 512;
+        benchmarks/linear_layout.py measures it). Values, shapes and state-dict keys are unchanged. A tied LM
+        head keeps the embedding's layout (the lookup reads rows)."""
+        if not device_kind(self.lm_head.weight.device).transposed_projections:
             return
         for module in self.modules():
             if isinstance(module, nn.Linear) and module.weight is not self.embed.weight:

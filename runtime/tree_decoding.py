@@ -21,13 +21,10 @@ import torch
 from specbatch.perfmodel.tree import Tree, tree_buffers
 
 from .attention import TreeAttention
+from .devices import device_kind
 from .kv_cache import KVCache, upload
 from .model import CausalLM
 from .sampling import Sampling, probabilities, sample, uniform
-
-
-# Greedy steps of at most this many (row, node) cells keep their bookkeeping on the host (_HostState).
-HOST_BOOKKEEPING_MAX_CELLS = 512
 
 
 @dataclass(frozen=True)
@@ -296,7 +293,8 @@ def draft_tree(plan: TreePlan, draft: CausalLM, cache: KVCache, tokens: torch.Te
     device = tokens.device
     rows = torch.arange(b, device=device)
     root_tokens = tokens[rows, committed - 1]
-    if host_bookkeeping and sampling.greedy and b * (plan.tree.num_nodes + 1) <= HOST_BOOKKEEPING_MAX_CELLS:
+    most = device_kind(tokens.device).host_bookkeeping_max_cells
+    if host_bookkeeping and sampling.greedy and b * (plan.tree.num_nodes + 1) <= most:
         state = _HostState(plan, root_tokens)
     else:
         state = _TreeState(plan, root_tokens, sampling, draft.config.vocab_size)

@@ -156,3 +156,14 @@ def write_table(tmp_path_factory):
         return str(path)
 
     return write
+
+
+def tune_cpu(monkeypatch, **fields):
+    """The CPU's device record with `fields` changed, for the rest of the test (runtime.devices)."""
+    from dataclasses import replace
+
+    from specbatch.runtime import devices
+
+    tuned = replace(devices.KINDS["cpu"], **fields)
+    monkeypatch.setitem(devices.KINDS, "cpu", tuned)
+    return tuned

@@ -20,9 +20,8 @@ def backend(request, monkeypatch):
     """The CPU attention backend, and the CUDA varlen backend's code run through a CPU reference of the
     kernel (tests/runtime/varlen_reference.py); set it on a model as `model.attention_backend = backend`."""
     if request.param == "varlen":
-        from specbatch.runtime import attention
         import varlen_reference
 
-        monkeypatch.setattr(attention, "varlen_attn", varlen_reference.varlen_attn)
-        monkeypatch.setattr(attention, "AuxRequest", varlen_reference.AuxRequest)
+        varlen_reference.use_reference_flash(monkeypatch)
     return request.param
+

@@ -68,10 +68,9 @@ def test_graphed_passes_give_the_eager_logits_and_lengths(greedy_target, prompts
 def test_generation_with_graphs_is_lossless(greedy_target, greedy_draft_sometimes, prompts8, monkeypatch):
     for model in (greedy_target, greedy_draft_sometimes):
         monkeypatch.setattr(model, "attention_backend", "varlen")
-    from specbatch.runtime import attention
     import varlen_reference
 
-    monkeypatch.setattr(attention, "varlen_attn", varlen_reference.varlen_attn)
+    varlen_reference.use_reference_flash(monkeypatch)
     monkeypatch.setattr(cuda_graphs, "capture_cuda_graph", replaying_capture([]))
     expected = SpeculativeGenerator(greedy_target, None).generate(prompts8, 12, FixedK(0)).token_ids
     for k in (0, 3):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from torch_fixtures import tiny_llama_config
+from torch_fixtures import tiny_llama_config, tune_cpu
 from specbatch.runtime.assembly import DEMO_TARGET
 from specbatch.runtime.attention import UniformPass
 from specbatch.runtime.checkpoint import build_model, load_checkpoint
@@ -117,10 +117,10 @@ def test_planned_runs_are_the_cheapest_contiguous_cut(seed, monkeypatch):
 
     from specbatch.runtime import attention
 
-    monkeypatch.setattr(attention, "CALL_KEYS", [8, 40, 160][seed % 3])
+    kind = tune_cpu(monkeypatch, sdpa_call_keys=[8, 40, 160][seed % 3])
     rng = np.random.default_rng(seed)
     totals = rng.integers(1, 700, size=7)
-    planned = attention.plan_runs(totals)
+    planned = attention.plan_runs(totals, kind)
     assert planned[0][0] == 0 and planned[-1][1] == 7
     assert all(a[1] == b[0] for a, b in zip(planned, planned[1:]))
     assert all(keys == totals[start:end].max() for start, end, keys in planned)
@@ -128,8 +128,8 @@ def test_planned_runs_are_the_cheapest_contiguous_cut(seed, monkeypatch):
     for cuts in itertools.product([False, True], repeat=6):
         edges = [0] + [i + 1 for i, cut in enumerate(cuts) if cut] + [7]
         costs.append(_cut_cost([(s, e, int(totals[s:e].max())) for s, e in zip(edges, edges[1:])],
-                               attention.CALL_KEYS, attention.ROW_KEYS))
-    assert _cut_cost(planned, attention.CALL_KEYS, attention.ROW_KEYS) == min(costs)
+                               kind.sdpa_call_keys, kind.sdpa_row_keys))
+    assert _cut_cost(planned, kind.sdpa_call_keys, kind.sdpa_row_keys) == min(costs)
 
 
 def test_rows_take_their_slots_longest_prompt_first_and_answers_keep_the_callers_order():

@@ -15,6 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from specbatch.runtime.checkpoint import load_checkpoint  # noqa: E402
+from torch_fixtures import tune_cpu  # noqa: E402
 
 TOL = 1e-4
 V = 96
@@ -309,11 +310,10 @@ def test_packed_prefill_and_far_apart_rows_match_transformers(checkpoints, name,
     tokens whose rows attend in separate runs (the long row cut out: calls made cheap so that the planner
     cuts these short rows), a rollback of one row and a pass of 1: every row's logits equal transformers'
     full pass over that row alone."""
-    from specbatch.runtime import attention
     from specbatch.runtime.attention import plan_runs
     import numpy as np
 
-    monkeypatch.setattr(attention, "CALL_KEYS", 8)
+    kind = tune_cpu(monkeypatch, sdpa_call_keys=8)
 
     hf, directory = checkpoints[name]
     model = load_checkpoint(directory).model
@@ -322,7 +322,7 @@ def test_packed_prefill_and_far_apart_rows_match_transformers(checkpoints, name,
     rows = [_sequences(1, 62, seed=20 + i)[0] for i in range(3)]
     cache = model.new_cache(3, 64)
     first = model(torch.cat([row[:n] for row, n in zip(rows, lengths)]), cache, last=1, new_tokens=lengths)
-    assert len(plan_runs(cache.host_lengths + 3)) > 1  # the uniform pass below splits its rows
+    assert len(plan_runs(cache.host_lengths + 3, kind)) > 1  # the uniform pass below splits its rows
     chunk = model(torch.stack([row[n:n + 3] for row, n in zip(rows, lengths)]), cache)
     cache.set_lengths(None, [n + 3 for n in lengths[:2]] + [lengths[2] + 2])  # row 2 rolls back one token
     after = [n + 3 for n in lengths[:2]] + [lengths[2] + 2]

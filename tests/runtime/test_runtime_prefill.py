@@ -9,6 +9,7 @@ import torch
 
 from specbatch.runtime.generator import SpeculativeGenerator
 from specbatch.runtime.policy import FixedK
+from torch_fixtures import tune_cpu
 
 
 def packed(prompts: list[list[int]]) -> torch.Tensor:
@@ -76,7 +77,7 @@ def test_generation_matches_greedy_decoding_without_cache_or_padding(pass_tokens
     passes of a few rows each, as a CPU prefill of many tokens runs) must agree."""
     from specbatch.runtime import generator as generator_module
 
-    monkeypatch.setattr(generator_module, "CPU_PREFILL_TOKENS", pass_tokens)
+    tune_cpu(monkeypatch, prefill_pass_tokens=pass_tokens)
     planned = []
     plan = generator_module.prefill_passes
     monkeypatch.setattr(generator_module, "prefill_passes", lambda *a: planned.append(plan(*a)) or planned[-1])
@@ -101,7 +102,10 @@ def test_rows_of_one_length_attend_through_a_view_and_match_the_row_alone(shape,
     the packing (the long row alone is one too); short rows of different lengths padded together keep the
     gathered path; long rows of different lengths attend one by one, each a span of the packing. Either way
     each row's logits and cache are the row's alone."""
-    from specbatch.runtime.attention import ALONE_PREFILL_TOKENS, RaggedPass
+    from specbatch.runtime.attention import RaggedPass
+    from specbatch.runtime.devices.cpu import CPU
+
+    alone_tokens = CPU.alone_prefill_tokens
 
     width = min(len(p) for p in prompts8)
     if shape == "uniform and one long":
@@ -110,7 +114,7 @@ def test_rows_of_one_length_attend_through_a_view_and_match_the_row_alone(shape,
         prompts = [p[:width - (row % 2)] for row, p in enumerate(prompts8[:6])]
     else:  # lengths 33 + 2 r (decreasing in the packing, as the generator's slot order gives them)
         joined = [token for prompt in prompts8 for token in prompt]
-        prompts = [joined[r:r + ALONE_PREFILL_TOKENS + 1 + 2 * r] for r in range(4)][::-1]
+        prompts = [joined[r:r + alone_tokens + 1 + 2 * r] for r in range(4)][::-1]
     counts = [len(p) for p in prompts]
     cache = greedy_target.new_cache(len(prompts), 64)
     plan = RaggedPass(cache, counts, None, "sdpa")

@@ -19,8 +19,8 @@ from specbatch.runtime.generator import GenerationError, SpeculativeGenerator
 from specbatch.runtime.model import TreeAttention
 from specbatch.runtime.policy import FixedK, FixedStrategy
 from specbatch.runtime.sampling import Sampling, probabilities
-from specbatch.runtime import tree_decoding
 from specbatch.runtime.tree_decoding import draft_tree, plan_for
+from torch_fixtures import tune_cpu
 
 TREES = ["0,1", "0,1,2,0.0,0.1,1.0,0.0.0", "0,0.0,0.1,0.0.0,0.0.0.0,0.0.0.1", "chain:4"]
 BATCHES = {1: [4], 3: [0, 1, 2], 8: list(range(8))}
@@ -64,7 +64,7 @@ def reference(greedy_target, prompts8):
 def bookkeeping(request, monkeypatch):
     """Greedy steps keep their bookkeeping on the host at small sizes and in tensors above: run both."""
     if request.param == "tensor":
-        monkeypatch.setattr(tree_decoding, "HOST_BOOKKEEPING_MAX_CELLS", 0)
+        tune_cpu(monkeypatch, host_bookkeeping_max_cells=0)
     return request.param
 
 

@@ -15,8 +15,11 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @cuda
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (3, 0)])
 def test_the_kernel_keeps_the_references_contract(window):
-    from torch.nn.attention.varlen import AuxRequest, varlen_attn
+    """Our flash call (runtime.devices.cuda: aten's op, as resolved on this torch) against the reference."""
+    from specbatch.runtime.devices import cuda as cuda_device
 
+    found = cuda_device.flash_varlen("cuda")
+    assert found.attend is not None, found.reason
     generator = torch.Generator().manual_seed(0)
     rows, max_len, heads, kv_heads, dim = 3, 32, 8, 2, 64
     used = torch.tensor([5, 32, 17], dtype=torch.int32)
@@ -29,9 +32,9 @@ def test_the_kernel_keeps_the_references_contract(window):
     expected, expected_lse = varlen_reference.varlen_attn(
         q.bfloat16(), k.bfloat16(), v.bfloat16(), cu_q, cu_k, 4, max_len, return_aux=varlen_reference.AuxRequest(True),
         window_size=window, enable_gqa=True, seqused_k=used)
-    got, lse = varlen_attn(q.bfloat16().cuda(), k.bfloat16().cuda(), v.bfloat16().cuda(), cu_q.cuda(), cu_k.cuda(), 4,
-                           max_len, return_aux=AuxRequest(lse=True), window_size=window, enable_gqa=True,
-                           seqused_k=used.cuda())
+    left, right = window
+    got, lse = found.attend(q.bfloat16().cuda(), k.bfloat16().cuda(), v.bfloat16().cuda(), cu_q.cuda(), cu_k.cuda(), 4,
+                            max_len, used.cuda(), left, causal=right == 0)
     torch.testing.assert_close(got.float().cpu(), expected.float(), atol=2e-2, rtol=2e-2)
     assert lse.shape == expected_lse.shape  # (heads, tokens): what the tree merge reads
     torch.testing.assert_close(lse.float().cpu(), expected_lse, atol=2e-2, rtol=2e-2)

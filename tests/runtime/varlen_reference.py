@@ -63,3 +63,26 @@ def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_a
     if return_aux is not None and return_aux.lse:
         return out, lse
     return out
+
+
+def flash_attention_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
+                            return_debug_mask, *, scale=None, window_size_left=None, window_size_right=None,
+                            seqused_k=None, alibi_slopes=None, block_table=None, num_splits=None):
+    """A stand-in with the schema of aten's `_flash_attention_forward` (torch >= 2.10), which the varlen backend
+    calls: flash attends grouped query heads natively; is_causal means the window (-1, 0)."""
+    assert dropout_p == 0.0 and not return_debug_mask and alibi_slopes is None
+    left = -1 if window_size_left is None else window_size_left
+    right = (0 if is_causal else -1) if window_size_right is None else window_size_right
+    if is_causal:
+        assert (left, right) == (-1, 0)
+    out, lse = varlen_attn(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, return_aux=AuxRequest(True),
+                           scale=scale, window_size=(left, right), enable_gqa=True, seqused_k=seqused_k)
+    return out, lse, torch.zeros(2, dtype=torch.int64), torch.zeros(0), torch.zeros(0)
+
+
+def use_reference_flash(monkeypatch) -> None:
+    """Route the varlen backend's kernel through the CPU reference, on every device."""
+    from specbatch.runtime.devices import cuda
+
+    found = cuda.varlen_from(flash_attention_forward)
+    monkeypatch.setattr(cuda, "flash_varlen", lambda device: found)
