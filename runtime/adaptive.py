@@ -28,30 +28,19 @@ from specbatch.perfmodel.schedule import staged_rounds
 from specbatch.perfmodel.strategy import StepModel
 from specbatch.perfmodel.tree import Strategy, chain
 
+from .learning import LEARNING
 from .fidelity import LiveFidelity, noise_band, noise_band_source
 from .refit import StepCostRefit, step_parts
 
 
-PRIOR_TOKENS = 4.0  # the prior rho = 1 is worth this many expected accepted tokens
-MEMORY_TOKENS = 64.0  # a request's evidence fades with each draft token: (1 - 1/64) per token
-SWITCH_MARGIN = 0.03  # relative predicted gain a challenger needs
-PERSIST_STEPS = 2  # consecutive steps it needs it for, at an unchanged batch size
-HORIZON_STEPS = 8  # steps a one-time catch-up cost is spread over
-CONTEXT_BUCKET = 64  # context lengths are rounded up to this many tokens for the step-time cache
-# The second stage's guess rate, learnt from the draft passes staged steps take (`GuessRate`): evidence
-# fades by this factor per staged step (the calibrated rate's weight too), and the rate is looked up on
-# a grid of rank-0 guess accuracies (every rank scaled alike), so step times stay cached per grid level.
-GUESS_MEMORY_STEPS = 8.0
-GUESS_PRIOR_STEPS = 2.0
-GUESS_LEVELS = 11  # rank-0 accuracy 0, 0.1, ..., 1 (and the calibrated one)
-CACHE_ENTRIES = 4096  # a long-running server sees many (b, L) pairs: a per-(b, L) cache past this is emptied
+ADAPTIVE = LEARNING.adaptive  # every knob of this module (runtime.learning)
 
 
 def cached(cache: dict, key, make: Callable[[], object]):
-    """cache[key], made by `make()` the first time it is asked for; emptied when it grows past CACHE_ENTRIES."""
+    """cache[key], made by `make()` the first time it is asked for; emptied past `cache_entries` entries."""
     found = cache.get(key)
     if found is None:
-        if len(cache) > CACHE_ENTRIES:
+        if len(cache) > ADAPTIVE.cache_entries:
             cache.clear()
         found = cache[key] = make()
     return found
@@ -64,12 +53,12 @@ class GuessRate:
     calibration prompts (`Stage2Info.guess_accuracy`, per rank); on text the n-gram knows less, a staged step
     drafts as many passes as a plain chain, each one wider. Per observed step the rank-0 accuracy a for which
     the model's expected rounds (`perfmodel.schedule.staged_rounds`, at this batch size and candidate) equal R
-    is read off a curve over GUESS_LEVELS values of a, and averaged with the calibrated a (worth
-    GUESS_PRIOR_STEPS steps), every weight fading by (1 - 1/GUESS_MEMORY_STEPS) per staged step, so the estimate
+    is read off a curve over `guess_levels` values of a, and averaged with the calibrated a (worth
+    `guess_prior_steps` steps), every weight fading by (1 - 1/`guess_memory_steps`) per staged step, so the estimate
     follows a batch whose population changes. Ranks > 0 scale with rank 0."""
 
-    def __init__(self, calibrated: Sequence[float], memory_steps: float = GUESS_MEMORY_STEPS,
-                 prior_steps: float = GUESS_PRIOR_STEPS, levels: int = GUESS_LEVELS):
+    def __init__(self, calibrated: Sequence[float], memory_steps: float = ADAPTIVE.guess_memory_steps,
+                 prior_steps: float = ADAPTIVE.guess_prior_steps, levels: int = ADAPTIVE.guess_levels):
         self.calibrated = tuple(float(a) for a in calibrated)
         # plain lists: `observe` runs between forward passes, where numpy calls on a few numbers are slow
         self.levels = sorted({i / (levels - 1) for i in range(levels)} | {min(1.0, self.calibrated[0])})
@@ -140,8 +129,8 @@ class RequestAcceptance:
     fade by (1 - 1/`memory_tokens`) per draft token (acceptance drifts along a sequence). A step without
     speculation ages the evidence but not the prior's weight: the estimate drifts back toward the prior."""
 
-    def __init__(self, expected_accepted: Sequence[float], prior_tokens: float = PRIOR_TOKENS,
-                 memory_tokens: float = MEMORY_TOKENS):
+    def __init__(self, expected_accepted: Sequence[float], prior_tokens: float = ADAPTIVE.prior_tokens,
+                 memory_tokens: float = ADAPTIVE.memory_tokens):
         """`expected_accepted[k]` = E_cal(k) - 1, the calibrated accepted tokens of a chain step of k."""
         if prior_tokens <= 0 or memory_tokens < 1 or not expected_accepted:
             raise UsageError(f"adaptive: need a positive prior strength, a memory >= 1 token and E(k) values, got "
@@ -202,9 +191,10 @@ class AdaptivePolicy:
     prediction; with `refit` the step times are the model's parts times its re-fitted factors."""
 
     def __init__(self, model: StepModel, max_k: int = 8, *, staged: bool = False,
-                 prior_tokens: float = PRIOR_TOKENS, memory_tokens: float = MEMORY_TOKENS,
-                 switch_margin: float = SWITCH_MARGIN, persist_steps: int = PERSIST_STEPS,
-                 horizon_steps: int = HORIZON_STEPS, context_bucket: int = CONTEXT_BUCKET, name: str = "adaptive",
+                 prior_tokens: float = ADAPTIVE.prior_tokens, memory_tokens: float = ADAPTIVE.memory_tokens,
+                 switch_margin: float = ADAPTIVE.switch_margin, persist_steps: int = ADAPTIVE.persist_steps,
+                 horizon_steps: int = ADAPTIVE.horizon_steps, context_bucket: int = ADAPTIVE.context_bucket,
+                 name: str = "adaptive",
                  fidelity: LiveFidelity | None = None, refit: StepCostRefit | None = None,
                  clock: Callable[[], float] = time.perf_counter):
         if max_k < 0 or switch_margin < 0 or persist_steps < 1 or horizon_steps < 1 or context_bucket < 1:

@@ -2,10 +2,10 @@
 
 Per cell (strategy, batch-size bucket): the steps, their predicted and measured seconds (and the re-fitted
 prediction with --refit), and the running ratio measured / predicted (geometric, over the cell's last
-~RATIO_MEMORY_STEPS steps) with its spread (the standard deviation of log ratio). Drift: after its first
-WARMUP_STEPS steps, a cell's next SETTLE_STEPS set its baseline ratio (the model's own error there); afterwards
+~`ratio_memory_steps` steps) with its spread (the standard deviation of log ratio). Drift: after its first
+`warmup_steps` steps, a cell's next `settle_steps` set its baseline ratio (the model's own error there); afterwards
 every step's log ratio less its cell's baseline feeds one pooled running mean (a machine that slows down slows
-every cell), and when that mean stays outside the band for PERSIST_STEPS steps in a row one warning is logged,
+every cell), and when that mean stays outside the band for `persist_steps` steps in a row one warning is logged,
 naming the cells and by how much. The band is the profile's noise figure (`noise_band`). A baseline itself
 outside the band widened by the model's own step error at calibration is a profile that does not describe this
 machine: one warning too. docs/serving.md shows the metrics; the predictions come from the policy
@@ -21,21 +21,11 @@ from functools import lru_cache
 
 from specbatch.perfmodel.profile.noise import NOISE_RULE, NoiseFigure
 
+from .learning import LEARNING
+
 log = logging.getLogger("specbatch.fidelity")
 
-RATIO_MEMORY_STEPS = 32.0  # a cell's running ratio weighs its steps by (1 - 1/32) per step of the cell
-# a cell's first steps meet shapes the process has not run yet (allocations, kernel set-up): they set nothing;
-# the next SETTLE_STEPS set its baseline ratio. Baselines from cold steps made a fresh server's warm steps look
-# like a x0.7 drift on this CPU (scripts/serving_fidelity.py)
-WARMUP_STEPS = 16
-SETTLE_STEPS = 32
-DRIFT_MEMORY_STEPS = 64.0  # the pooled deviation from the baselines weighs steps by (1 - 1/64) per step
-# steps in a row out of the band (or back within half of it) before the state changes. With the memory above,
-# a 1.5x change is warned about ~80 steps after it at a 10 % band, ~150 at 34 %; at 32 and 32 a shared 2-core
-# machine's slow spells of ~0.5 s warned twice in 10 minutes at its own 34 % band (scripts/serving_fidelity.py)
-PERSIST_STEPS = 64
-DEFAULT_BAND = 0.10  # a profile without a noise figure
-LOG_RATIO_CLIP = math.log(4.0)  # a stalled step (swapped out, descheduled) counts as 4x, not as 40x
+FIDELITY = LEARNING.fidelity  # every knob of this module (runtime.learning)
 BATCH_BOUNDS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
@@ -58,7 +48,7 @@ def noise_band(noise: NoiseFigure | None) -> float:
     """The relative band a running ratio may move within without drifting: the calibration's reference pass
     moved ± drift around its median and its samples spread ± jitter, so max(the ±3 % rule, drift + jitter)."""
     if noise is None:
-        return DEFAULT_BAND
+        return FIDELITY.default_band
     return max(NOISE_RULE, noise.drift + noise.jitter)
 
 
@@ -76,7 +66,7 @@ class _Cell:
     weight: float = 0.0  # running (fading) sums of 1, log ratio, log ratio squared
     log_sum: float = 0.0
     square_sum: float = 0.0
-    settle_sum: float = 0.0  # log ratios of the SETTLE_STEPS steps after the warm-up
+    settle_sum: float = 0.0  # log ratios of the `settle_steps` steps after the warm-up
     baseline: float | None = None  # their mean
     run: tuple[int, int, float] = (-1, 0, 0.0)  # (run id, steps, deviation sum) in the pooled mean's current run
 
@@ -95,7 +85,7 @@ class LiveFidelity:
     """Predicted vs measured per (strategy, batch bucket), drift and mismatch warnings. `observe` runs on the
     engine's thread; `snapshot` (the HTTP thread) takes the same lock."""
 
-    band: float = DEFAULT_BAND  # relative: see noise_band
+    band: float = FIDELITY.default_band  # relative: see noise_band
     model_error: float = 0.0  # the model's own relative step error at calibration (a baseline may be off by it)
     band_source: str = noise_band_source(None)  # where the band came from, for the warnings
     refit: object | None = None  # runtime.refit.StepCostRefit whose factors the snapshot shows
@@ -117,13 +107,13 @@ class LiveFidelity:
         """One step of `strategy` over `batch_size` rows: the model predicted `predicted_s`, it took `measured_s`."""
         if not predicted_s > 0 or not measured_s > 0:
             return
-        x = min(max(math.log(measured_s / predicted_s), -LOG_RATIO_CLIP), LOG_RATIO_CLIP)
+        x = min(max(math.log(measured_s / predicted_s), -FIDELITY.log_ratio_clip), FIDELITY.log_ratio_clip)
         key = (strategy, batch_bucket(batch_size))
         with self._lock:
             cell = self._cells.get(key)
             if cell is None:
                 cell = self._cells[key] = _Cell()
-            keep = 1.0 - 1.0 / RATIO_MEMORY_STEPS
+            keep = 1.0 - 1.0 / FIDELITY.ratio_memory_steps
             cell.steps += 1
             cell.predicted_s += predicted_s
             cell.measured_s += measured_s
@@ -133,10 +123,10 @@ class LiveFidelity:
             cell.square_sum = cell.square_sum * keep + x * x
             self.steps += 1
             if cell.baseline is None:
-                if cell.steps > WARMUP_STEPS:
+                if cell.steps > FIDELITY.warmup_steps:
                     cell.settle_sum += x
-                if cell.steps == WARMUP_STEPS + SETTLE_STEPS:
-                    cell.baseline = cell.settle_sum / SETTLE_STEPS
+                if cell.steps == FIDELITY.warmup_steps + FIDELITY.settle_steps:
+                    cell.baseline = cell.settle_sum / FIDELITY.settle_steps
                     self._check_mismatch(key, cell)
                 return
             self._track_drift(cell, x - cell.baseline)
@@ -146,7 +136,7 @@ class LiveFidelity:
         return math.log1p(self.band)
 
     def _track_drift(self, cell: _Cell, deviation: float) -> None:
-        keep = 1.0 - 1.0 / DRIFT_MEMORY_STEPS
+        keep = 1.0 - 1.0 / FIDELITY.drift_memory_steps
         pooled = self._pooled
         pooled[0] = pooled[0] * keep + 1.0
         pooled[1] = pooled[1] * keep + deviation
@@ -161,7 +151,7 @@ class LiveFidelity:
         self._run, self._run_sum = self._run + 1, self._run_sum + deviation
         run_id, steps, total = cell.run
         cell.run = (self._run_id, 1, deviation) if run_id != self._run_id else (run_id, steps + 1, total + deviation)
-        if self._run < PERSIST_STEPS:
+        if self._run < FIDELITY.persist_steps:
             return
         # the state changes: the change is the mean deviation over the run (steps all past the crossing)
         level = math.exp(self._run_sum / self._run)
@@ -175,7 +165,7 @@ class LiveFidelity:
                       "the policy chooses from costs that no longer hold: recalibrate, or serve with --refit")
             log.warning("step times drifted: over the last %d steps they ran x%.2f their first-served level, "
                         "outside the band of ±%.0f %% (%s): %s; %s",
-                        PERSIST_STEPS, level, 100 * self.band, self.band_source, where, remedy)
+                        FIDELITY.persist_steps, level, 100 * self.band, self.band_source, where, remedy)
         else:
             log.info("step times back within ±%.0f %% of their first-served level (x%.2f)", 100 * self.band / 2, level)
             self._drift = None
@@ -203,7 +193,7 @@ class LiveFidelity:
                         "prediction over its first %d steps, beyond ±%.0f %% (the band ±%.0f %% and the "
                         "model's own step error %.0f %%); was the profile measured with other threads, another "
                         "device or another load? Recalibrate, or serve with --refit", key[0], key[1],
-                        found["ratio"], SETTLE_STEPS, 100 * (self.band + self.model_error), 100 * self.band,
+                        found["ratio"], FIDELITY.settle_steps, 100 * (self.band + self.model_error), 100 * self.band,
                         100 * self.model_error)
 
     # ------------------------------------------------------------------ reading (any thread)

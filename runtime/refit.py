@@ -18,6 +18,8 @@ from specbatch.perfmodel.errors import UsageError
 from specbatch.perfmodel.strategy import StepModel
 from specbatch.perfmodel.tree import Strategy
 
+from .learning import LEARNING
+
 WIDTH_BOUNDS = (1, 2, 4, 8, 16, 32, 64)  # a pass of n tokens per row falls in the first bucket with n <= bound
 WIDTH_LABELS = ("1", "2", "3-4", "5-8", "9-16", "17-32", "33-64", "65+")
 PASS_ROLES = ("draft", "target")
@@ -27,15 +29,7 @@ PARTS = tuple((role, width) for role in PASS_ROLES for width in WIDTH_LABELS) + 
 HOST_PART = len(PARTS) - 1
 ROLES = len(PASS_ROLES) + 1  # the parameters begin with one factor per role, the host's last
 
-ROLE_PRIOR_STEPS = 8.0  # the calibration's factors 1 are worth this many served steps (`StepCostRefit`)
-WIDTH_PRIOR_STEPS = 64.0
-MEMORY_STEPS = 256.0  # evidence fades by (1 - 1/256) per step: the correction follows a machine that drifts
-PRIOR_FLOOR = 1.0 / 16  # the priors' weights fade alike, down to this share of their start
-SOLVE_EVERY = 8  # steps between solves of the ridge system (a 19 x 19 solve)
-MOVE_TOLERANCE = 0.002  # factors published anew only when one moved by more (the policy re-evaluates then)
-RESIDUAL_PRIOR = (4.0, 0.05)  # the residual spread starts at 5 % of a step, worth 4 steps
-SHARE_FLOOR = 0.01  # a role's mean share of a step is taken as at least 1 %: no zero prior
-RATIO_CLIP = 4.0  # a step measured beyond 4x (or below 1/4 of) its prediction counts as 4x: a stall, not a cost
+REFIT = LEARNING.refit  # every knob of this module (runtime.learning)
 
 
 def width_bucket(new_tokens: int) -> int:
@@ -93,8 +87,9 @@ class StepCostRefit:
     residual against the factors before it). Chains confound a step's draft passes with its target width; steps
     of one k at several batch sizes are what tells them apart."""
 
-    def __init__(self, role_prior_steps: float = ROLE_PRIOR_STEPS, width_prior_steps: float = WIDTH_PRIOR_STEPS,
-                 memory_steps: float = MEMORY_STEPS, prior_floor: float = PRIOR_FLOOR, solve_every: int = SOLVE_EVERY):
+    def __init__(self, role_prior_steps: float = REFIT.role_prior_steps,
+                 width_prior_steps: float = REFIT.width_prior_steps, memory_steps: float = REFIT.memory_steps,
+                 prior_floor: float = REFIT.prior_floor, solve_every: int = REFIT.solve_every):
         if min(role_prior_steps, width_prior_steps) <= 0 or memory_steps < 1 or not 0 < prior_floor <= 1 \
                 or solve_every < 1:
             raise UsageError("refit: need positive prior weights, memory_steps >= 1, 0 < prior_floor <= 1 and "
@@ -110,7 +105,7 @@ class StepCostRefit:
         size = self.design.shape[1]
         self._share_sum = np.zeros(ROLES)  # the fading sum of each role's share of a step
         self._precision, self._evidence = np.zeros((size, size)), np.zeros(size)
-        weight, spread = RESIDUAL_PRIOR
+        weight, spread = REFIT.residual_prior
         self._residual = [weight, weight * spread ** 2]  # fading [steps, sum of squared residuals]
         self.steps = 0
         self.factors = np.ones(len(PARTS))  # what the policy uses: published at a solve that moved them
@@ -118,7 +113,7 @@ class StepCostRefit:
         self._theta = self._prior_mean.copy()
         # (theta, its covariance per unit residual variance, the residual spread) at the last solve, replaced
         # whole, so another thread's `snapshot` reads one consistent state
-        self._solved = (self._theta, np.diag(1.0 / (self._prior_weight * SHARE_FLOOR)), self.residual_spread)
+        self._solved = (self._theta, np.diag(1.0 / (self._prior_weight * REFIT.share_floor)), self.residual_spread)
 
     def observe(self, parts: np.ndarray, measured_ms: float) -> bool:
         """One served step: the model's parts (ms, calibrated) and the measured time. True when the
@@ -126,7 +121,7 @@ class StepCostRefit:
         predicted_ms = float(parts.sum())
         if not predicted_ms > 0 or not measured_ms > 0:
             return False
-        ratio = min(max(measured_ms / predicted_ms, 1.0 / RATIO_CLIP), RATIO_CLIP)
+        ratio = min(max(measured_ms / predicted_ms, 1.0 / REFIT.ratio_clip), REFIT.ratio_clip)
         z = self.design.T @ (parts / predicted_ms)
         residual = ratio - float(z @ self._theta)
         keep = self._keep
@@ -147,7 +142,7 @@ class StepCostRefit:
         """Roles: n times their mean share of the served steps; departures: n_j; times the prior's remaining weight."""
         scale = np.ones(len(self._prior_weight))
         if self._steps_weight:
-            scale[:ROLES] = np.maximum(self._share_sum / self._steps_weight, SHARE_FLOOR)
+            scale[:ROLES] = np.maximum(self._share_sum / self._steps_weight, REFIT.share_floor)
         return self._prior_weight * self._fade * scale
 
     def _solve(self) -> bool:
@@ -155,8 +150,8 @@ class StepCostRefit:
         covariance = np.linalg.inv(self._precision + np.diag(prior))
         self._theta = covariance @ (self._evidence + prior * self._prior_mean)
         self._solved = (self._theta, covariance, self.residual_spread)
-        factors = np.clip(self.design @ self._theta, 1.0 / RATIO_CLIP, RATIO_CLIP)
-        if np.max(np.abs(factors / self.factors - 1.0)) <= MOVE_TOLERANCE:
+        factors = np.clip(self.design @ self._theta, 1.0 / REFIT.ratio_clip, REFIT.ratio_clip)
+        if np.max(np.abs(factors / self.factors - 1.0)) <= REFIT.move_tolerance:
             return False
         self.factors = factors
         self.version += 1
@@ -199,7 +194,7 @@ class StepCostRefit:
 def describe_factors(snapshot: dict, parts: Sequence[int] | None = None) -> str:
     """'target 3-4 x1.49 [1.45, 1.53], host x1.02 [0.97, 1.07]': the factors away from 1."""
     rows = snapshot["factors"] if parts is None else [snapshot["factors"][j] for j in parts]
-    moved = [r for r in rows if abs(r["factor"] - 1.0) > MOVE_TOLERANCE]
+    moved = [r for r in rows if abs(r["factor"] - 1.0) > REFIT.move_tolerance]
     return ", ".join(f"{r['role']} {r['width']} x{r['factor']:.2f} [{r['low']:.2f}, {r['high']:.2f}]"
                      if r["role"] != HOST else f"host x{r['factor']:.2f} [{r['low']:.2f}, {r['high']:.2f}]"
                      for r in moved) or "all 1"

@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 
 from specbatch.perfmodel.profile.noise import NoiseCheck, NoiseFigure
-from specbatch.runtime.fidelity import (PERSIST_STEPS, SETTLE_STEPS, WARMUP_STEPS, LiveFidelity, batch_bucket,
-                                        noise_band)
+from specbatch.runtime.fidelity import LiveFidelity, batch_bucket, noise_band
+from specbatch.runtime.learning import LEARNING
+
+FIDELITY = LEARNING.fidelity
 
 CELLS = [("chain k=3", 3), ("chain k=4", 1), ("none", 12)]  # the mix the steps cycle through
 BAND = 0.10
@@ -90,12 +92,12 @@ def test_a_profile_that_does_not_describe_the_machine_warns_once(caplog):
 
 
 def test_the_steps_after_a_cells_warm_up_set_its_baseline():
-    """Cold steps (3x: shapes met for the first time) set nothing; the next SETTLE_STEPS set the baseline."""
+    """Cold steps (3x: shapes met for the first time) set nothing; the next `settle_steps` set the baseline."""
     fidelity = LiveFidelity(band=BAND)
-    for _ in range(WARMUP_STEPS):
+    for _ in range(FIDELITY.warmup_steps):
         fidelity.observe("chain k=2", 2, 0.01, 0.03)
     assert fidelity.snapshot()["cells"][0]["baseline_ratio"] is None
-    for i in range(SETTLE_STEPS):
+    for i in range(FIDELITY.settle_steps):
         fidelity.observe("chain k=2", 2, 0.01, 0.013 if i % 2 else 0.011)
     cell = fidelity.snapshot()["cells"][0]
     assert cell["baseline_ratio"] == pytest.approx(math.sqrt(1.3 * 1.1))
@@ -112,4 +114,4 @@ def test_a_cold_start_is_not_a_drift(caplog):
         predicted_s = 0.01 * (1 + b / 8)
         fidelity.observe(strategy, b, predicted_s, predicted_s * level * math.exp(rng.normal(0.0, 0.05)))
     assert warnings_of(caplog) == [] and not fidelity.drifting
-    assert PERSIST_STEPS <= 200 - 40  # room, within the goal's 200 steps, for the running mean to cross the band
+    assert FIDELITY.persist_steps <= 200 - 40  # room, within the goal's 200 steps, for the mean to cross the band

@@ -17,7 +17,8 @@ from specbatch.perfmodel.overhead import OverheadModel
 from specbatch.perfmodel.strategy import StepModel
 from specbatch.runtime.adaptive import AdaptivePolicy
 from specbatch.runtime.engine import Engine, EngineConfig
-from specbatch.runtime.fidelity import SETTLE_STEPS, WARMUP_STEPS, LiveFidelity
+from specbatch.runtime.fidelity import LiveFidelity
+from specbatch.runtime.learning import LEARNING
 from specbatch.runtime.refit import StepCostRefit
 from specbatch.serve.loadtest import _serve_options, server_command_args
 from specbatch.serve.loadtest_report import describe_fidelity, parse_step_model, step_model_counters, step_model_use
@@ -89,7 +90,7 @@ def test_served_steps_beside_the_model_in_metrics_and_health(server):
 def test_a_drift_shows_in_the_health_body_and_metrics(server):
     """A cell of constructed steps: its baseline at the prediction, then 1.5x, until the record drifts."""
     fidelity = server.runner.engine.metrics.fidelity
-    for _ in range(WARMUP_STEPS + SETTLE_STEPS):
+    for _ in range(LEARNING.fidelity.warmup_steps + LEARNING.fidelity.settle_steps):
         fidelity.observe("constructed", 2, 0.01, 0.01)
     for _ in range(200):
         fidelity.observe("constructed", 2, 0.01, 0.015)
