@@ -1,24 +1,12 @@
 """How a forward pass over the KV cache attends: every row over its own keys, and no more.
 
-Two kinds of cached pass (`CausalLM.forward` plans one per call and every layer reuses the plan):
-- `UniformPass`: n new tokens per row on top of each row's cached ones (decode, verify, the draft's
-  catch-up and chain passes, and tree passes under a `TreeAttention`);
-- `RaggedPass`: row r feeds its own n_r tokens, packed one row after another (a prefill: n_r is the
-  row's prompt), so the linear layers see sum(n_r) tokens, not b * max(n_r).
-Both are planned on the host from `KVCache.host_lengths` (how many keys each row spans) and computed on
-the device from `KVCache.lengths` (positions, masks, where keys are written): a pass never reads the
-device back.
-
-Backends:
-- "sdpa" (CPU, and any device without varlen): `scaled_dot_product_attention` over contiguous runs of
-  rows, each run spanning its own longest row; where the device has a cost model for calls (the CPU's
-  record in runtime.devices), a row far longer than its neighbours gets a run of its own (`plan_runs`), so
-  a ragged batch pays about its own keys. A fresh prefill needs no mask at all (rows of similar prompt
-  length padded together, causal from the first key).
-- "varlen" (CUDA, fp16/bf16): flash attention (runtime.devices.cuda.flash_varlen) straight over the cache's slots,
-  each row's key count given as `seqused_k`: no mask, no padding, and for a uniform pass nothing that
-  depends on the host. A tree pass attends to the committed prefix through varlen and to the in-flight
-  nodes under the tree mask by hand, the two merged by their log-sum-exp.
+A pass is planned once on the host from `KVCache.host_lengths` (the keys each row spans) and computed on the
+device from `KVCache.lengths`, so it never reads the device back; every layer reuses the plan.
+`UniformPass`: n new tokens per row (decode, verify, draft passes, trees under a `TreeAttention`).
+`RaggedPass`: row r feeds its own n_r tokens, packed (a prefill: no padding in the linear layers).
+Backends: "sdpa" over contiguous runs of rows, cut by the device's cost model (runtime.devices), and
+"varlen", flash attention straight over the cache's slots (CUDA, half precision; a tree pass merges the
+committed prefix and the in-flight nodes by their log-sum-exp). docs/runtime.md has the details.
 """
 from __future__ import annotations
 

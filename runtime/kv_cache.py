@@ -1,23 +1,12 @@
 """The KV cache: one preallocated slot per row, with each row's length on the device and on the host.
 
-Layout `[layers, slots, max_len, kv_heads, head_dim]` for keys and for values: a layer's slot is one
-contiguous run of tokens, which is what packed (varlen) attention kernels read (`runtime.attention`), and a
-CPU pass reads a row's first L tokens as a strided view with no copy.
-
-Lengths live twice: `lengths` on the device (positions, masks and writes of a pass are computed there, so
-a pass never waits for the host) and `host_lengths` (numpy int64) on the host (how many keys each row's
-attention spans is decided there, so a pass never reads the device). Every change goes through
-`set_lengths`/`advance`, which keep the two equal; the one place that learns new lengths from the device is
-the generator's end-of-step read-back. Views (`rows`) share both with their parent, in place.
-
-On the CPU (a device whose record says `lazy_cache`, runtime.devices) the cache is allocated uninitialised:
-zeroing it cost a tenth of a ragged batch's generation (every row's slot is as long as the longest row needs,
-and zeroing touches all of it for the first time).
-Only the slots a pass reads must hold finite values, as a masked key still meets its zero weight in the
-product with the values (0 x NaN is NaN). `clean` counts, per row, the leading slots known to be finite
-(written, or zeroed); a pass that reads a row beyond its own keys (a padded run: `readable_to`) and a length
-set beyond what was written (`set_lengths`, as calibration does) zero what is not clean yet. On other devices
-the cache is zeroed once, a cheap fill there, and every slot counts as clean.
+Layout `[layers, slots, max_len, kv_heads, head_dim]`: a layer's slot is one contiguous run of tokens, what
+flash varlen reads and what a CPU pass views without a copy. Lengths live on the device (`lengths`: a pass
+computes positions and writes from them, never waiting for the host) and on the host (`host_lengths`: a
+pass plans its attention from them, never reading the device); `set_lengths`/`advance` keep them equal, and
+views (`rows`) share both with their parent. Where the device's record says `lazy_cache` (the CPU) the cache
+starts uninitialised and `clean` counts each row's leading finite slots: a pass that reads beyond them
+zeroes first (a masked key still meets its zero weight, and 0 x NaN is NaN). docs/runtime.md has more.
 """
 from __future__ import annotations
 
