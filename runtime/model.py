@@ -12,6 +12,7 @@ entries beyond it are never attended to and are overwritten later.
 """
 from __future__ import annotations
 
+import logging
 import math
 from functools import partial
 
@@ -23,6 +24,16 @@ from torch import nn
 from .attention import RaggedPass, TreeAttention, UniformPass, choose_backend
 from .config import ModelConfig
 from .kv_cache import KVCache
+
+log = logging.getLogger("specbatch.runtime")
+_said: set[str] = set()
+
+
+def say_once(message: str) -> None:
+    """Log a note about how passes run once per process, not once per pass."""
+    if message not in _said:
+        _said.add(message)
+        log.info(message)
 
 
 def _llama3_frequencies(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -317,6 +328,10 @@ class CausalLM(nn.Module):
             if needed > cache.max_len:
                 raise ValueError(f"KV cache overflow: {needed} positions needed, {cache.max_len} allocated")
             backend = choose_backend(cache, self.attention_backend, tree, window)
+            if tree is not None and backend == "sdpa" and choose_backend(cache, self.attention_backend, None,
+                                                                          window) == "varlen":
+                say_once("tree passes of a sliding-window model attend through sdpa, not varlen: the window counts "
+                         "positions, which inside a tree are not the cache slots' order")
             attention = UniformPass(cache, n, tree, window, backend)
             positions = attention.positions
         x = self.embed(tokens)

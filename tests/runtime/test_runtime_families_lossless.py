@@ -98,9 +98,14 @@ def test_chains_and_a_tree_equal_target_only_greedy(name, size, pairs, prompts32
 
 
 @pytest.mark.parametrize("name", list(RAW))
-def test_varlen_backend_chain_and_tree_are_lossless(name, backend, monkeypatch, pairs, prompts32, reference):
+def test_varlen_backend_chain_and_tree_are_lossless(name, backend, monkeypatch, caplog, pairs, prompts32,
+                                                    reference):
     """The varlen backend's code (run through the CPU reference of its kernel): windows per layer, Gemma's
-    query scale folded into the queries, a tree under a window on the exact sdpa path."""
+    query scale folded into the queries, a tree under a window on the exact sdpa path, said once."""
+    from specbatch.runtime import model as model_module
+
+    monkeypatch.setattr(model_module, "_said", set())
+    caplog.set_level("INFO", logger="specbatch.runtime")
     target, draft = pairs[name]
     for model in (target, draft):
         monkeypatch.setattr(model, "attention_backend", backend)
@@ -108,6 +113,8 @@ def test_varlen_backend_chain_and_tree_are_lossless(name, backend, monkeypatch, 
     expected = [reference[name][i] for i in BATCHES[8]]
     assert SpeculativeGenerator(target, draft).generate(prompts, N_NEW, FixedK(3)).token_ids == expected
     assert SpeculativeGenerator(target, draft).generate(prompts, N_NEW, FixedStrategy(TREE)).token_ids == expected
+    notes = [record for record in caplog.records if "sliding-window" in record.getMessage()]
+    assert len(notes) == (1 if backend == "varlen" else 0)
 
 
 def test_a_draft_of_another_family_sharing_the_vocabulary(pairs, prompts32, reference):
