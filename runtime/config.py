@@ -257,7 +257,7 @@ def _llama_family(raw: dict, source: str, model_type: str, common: dict) -> Mode
         "intermediate_size", "max_position_embeddings",
     )
     gemma = model_type == "gemma3_text"
-    head_dim = (raw.get("head_dim") if model_type != "phi3" else None) or d // heads
+    head_dim = raw.get("head_dim") or d // heads
     if gemma:
         head_dim = raw.get("head_dim") or 256  # Gemma3TextConfig's default
     if raw.get("partial_rotary_factor", 1.0) != 1.0 and model_type != "phi3":
