@@ -185,3 +185,29 @@ def test_configs_read_as_transformers_reads_them(checkpoints):
     assert phi.rotary_dim == 6 and phi.rope_scaling["rope_type"] == "longrope"
     assert phi.max_position_embeddings == 64  # longrope: the runtime's context is the original one
     assert load_checkpoint(checkpoints["phi3_plain"][1]).config.rotary_dim is None
+
+
+@pytest.mark.parametrize("name", ["gemma3", "phi3_longrope_partial"])
+def test_hub_style_config_keys_read_the_same(checkpoints, tmp_path, name):
+    """config.json files on the Hub were written by transformers 4: Gemma 3 with `rope_theta`,
+    `rope_local_base_freq`, `rope_scaling` and `sliding_window_pattern`; Phi-3 with `rope_scaling` of type
+    "su" and a top-level `partial_rotary_factor`. They give the same logits as transformers 5's keys."""
+    import json
+
+    hf, directory = checkpoints[name]
+    raw = json.loads((directory / "config.json").read_text())
+    params = raw.pop("rope_parameters")
+    if name == "gemma3":
+        raw.pop("layer_types")  # pattern 2: layers 0 and 2 local, as layer_types said
+        raw.update(sliding_window_pattern=2, rope_theta=params["full_attention"]["rope_theta"],
+                   rope_local_base_freq=params["sliding_attention"]["rope_theta"],
+                   rope_scaling={"rope_type": "linear", "factor": params["full_attention"]["factor"]})
+    else:
+        raw.update(rope_theta=params["rope_theta"], partial_rotary_factor=params["partial_rotary_factor"],
+                   rope_scaling={"type": "su", "short_factor": params["short_factor"],
+                                 "long_factor": params["long_factor"]})
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    for shard in directory.glob("model*.safetensors*"):
+        (tmp_path / shard.name).symlink_to(shard)
+    ids = _sequences(2, 20, seed=9)
+    _assert_close(load_checkpoint(tmp_path).model(ids), _hf_logits(hf, ids))
