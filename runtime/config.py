@@ -223,30 +223,36 @@ def _activation(raw: dict, source: str, key: str, default: str) -> str:
     return name
 
 
-def _sliding(raw: dict, model_type: str, layers: int) -> tuple[int | None, tuple[bool, ...]]:
+def _sliding(raw: dict, source: str, model_type: str, layers: int) -> tuple[int | None, tuple[bool, ...]]:
     """The window and which layers use it, as transformers' forward for the family honours them: Llama
     ignores `sliding_window`; Qwen2/3 use it only with `use_sliding_window`, from `max_window_layers` on;
     Gemma 3 interleaves local and global layers (`layer_types`, else every `sliding_window_pattern`-th global)."""
     if model_type == "llama":
         return None, ()
     window = raw.get("sliding_window")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
+        raise ConfigError(f"{source}: sliding_window must be a positive integer or null, found {window!r}")
+    kinds = raw.get("layer_types")
+    if kinds is not None and (not isinstance(kinds, list) or len(kinds) != layers):
+        raise ConfigError(f"{source}: layer_types must list one type per layer ({layers}), found {kinds!r}")
     if model_type == "gemma3_text":  # the layer types also pick each layer's RoPE, window or not
         pattern = raw.get("sliding_window_pattern", 6)
-        kinds = raw.get("layer_types") or ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-                                           for i in range(layers)]
-        return (int(window) if window else None), tuple(kind == "sliding_attention" for kind in kinds)
+        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+            raise ConfigError(f"{source}: sliding_window_pattern must be a positive integer, found {pattern!r}")
+        kinds = kinds or ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+        return (window or None), tuple(kind == "sliding_attention" for kind in kinds)
     if model_type in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
         window = None
     if not window:
         return None, ()
-    if raw.get("layer_types"):
-        sliding = tuple(kind == "sliding_attention" for kind in raw["layer_types"])
+    if kinds:
+        sliding = tuple(kind == "sliding_attention" for kind in kinds)
     else:
         first = raw.get("max_window_layers", 0) if model_type in ("qwen2", "qwen3") else 0
         sliding = tuple(i >= first for i in range(layers))
     if not any(sliding):
         return None, ()
-    return int(window), sliding
+    return window, sliding
 
 
 def _llama_family(raw: dict, source: str, model_type: str, common: dict) -> ModelConfig:
@@ -260,19 +266,20 @@ def _llama_family(raw: dict, source: str, model_type: str, common: dict) -> Mode
     head_dim = raw.get("head_dim") or d // heads
     if gemma:
         head_dim = raw.get("head_dim") or 256  # Gemma3TextConfig's default
-    if raw.get("partial_rotary_factor", 1.0) != 1.0 and model_type != "phi3":
-        raise ConfigError(f"{source}: partial_rotary_factor is not supported for {model_type} "
-                          "(transformers' forward for it rotates whole heads)")
     params = raw.get("rope_parameters") or {}
-    partial = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-                    if model_type == "phi3" else 1.0)
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor")) or 1.0
+    if partial != 1.0 and model_type != "phi3":
+        raise ConfigError(f"{source}: partial_rotary_factor {partial!r} is not supported for {model_type} "
+                          "(transformers' forward for it rotates whole heads)")
+    if isinstance(partial, bool) or not isinstance(partial, (int, float)) or not 0 < partial <= 1:
+        raise ConfigError(f"{source}: partial_rotary_factor must be in (0, 1], found {partial!r}")
     rotary_dim = int(head_dim * partial)
     theta, scaling = _rope(raw, source, rotary_dim, "full_attention" if gemma else None)
     if scaling is not None and scaling["rope_type"] == "longrope":
         # transformers switches every position to the long factors once a sequence passes the original
         # length (re-encoding the whole cache); within it the short factors hold: the runtime's context
         max_pos = min(max_pos, int(scaling["original_max_position_embeddings"]))
-    window, sliding_layers = _sliding(raw, model_type, layers)
+    window, sliding_layers = _sliding(raw, source, model_type, layers)
     attention_bias = bool(raw.get("attention_bias", False)) and model_type in ("llama", "qwen3", "gemma3_text")
     activation = _activation(raw, source, "hidden_activation" if gemma else "hidden_act",
                              "gelu_pytorch_tanh" if gemma else "silu")

@@ -247,3 +247,12 @@ def test_a_missing_tensor_names_the_directory_the_role_and_a_foreign_prefix(llam
     assert message.count("wrapper") >= 1
     raw = json.loads((directory / "config.json").read_text())
     assert config_from_dict(raw).model_type == "llama"
+
+
+@pytest.mark.parametrize("model_type,key,value", [
+    ("gemma3_text", "sliding_window_pattern", 0), ("gemma3_text", "layer_types", ["full_attention"]),
+    ("qwen3", "layer_types", "sliding_attention"), ("mistral", "sliding_window", -4),
+    ("phi3", "partial_rotary_factor", 1.5)])
+def test_malformed_window_and_rotary_fields_are_one_line(model_type, key, value, tmp_path):
+    path = _write(tmp_path, dict(LLAMA, model_type=model_type, use_sliding_window=True, **{key: value}))
+    _one_line_error(ConfigError, lambda: load_config(path), path, key)
