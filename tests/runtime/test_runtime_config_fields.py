@@ -218,7 +218,7 @@ def test_a_bad_pytorch_model_bin_is_one_line_naming_the_file(kind, llama_dir):
         path.write_bytes(b"this is not a checkpoint at all" * 10)
     elif kind == "pickled_object":
         with open(path, "wb") as file:
-            pickle.dump({"model.embed_tokens.weight": torch.zeros(2), "extra": ConfigError("x")}, file)
+            pickle.dump({"model.embed_tokens.weight": torch.zeros(2), "extra": ConfigError("x")}, file, protocol=2)
     else:
         torch.save([torch.zeros(2)], path)
     message = _one_line_error(CheckpointError, lambda: load_checkpoint(directory), path)
