@@ -99,11 +99,15 @@ def rope_inverse_frequencies(config: ModelConfig, local: bool = False) -> tuple[
     return inv_freq.float(), attention
 
 
+def _gelu_tanh_formula(x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3.0))))
+
+
 ACTIVATIONS = {
     "silu": F.silu, "swish": F.silu, "gelu": F.gelu, "gelu_python": F.gelu,
-    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"), "gelu_python_tanh": partial(F.gelu, approximate="tanh"),
-    # transformers computes these three by their formulas, not torch's tanh kernel: the same here
-    "gelu_new": lambda x: 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3.0)))),
+    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+    # transformers computes these by their formulas, not torch's tanh kernel: the same here
+    "gelu_new": _gelu_tanh_formula, "gelu_python_tanh": _gelu_tanh_formula,
     "gelu_accurate": lambda x: 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x.pow(3)))),
     "gelu_fast": lambda x: 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x))),
     "gelu_10": lambda x: F.gelu(x).clamp(-10, 10), "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
