@@ -11,6 +11,7 @@ beyond the mapped file. Only floating-point tensors with finite values are accep
 from __future__ import annotations
 
 import json
+import pickle
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from specbatch.perfmodel.errors import SpecbatchError
 
 from .config import ConfigError, ModelConfig, load_config
 from .devices import device_kind
-from .model import CausalLM, rope_inverse_frequencies
+from .model import CausalLM
 
 
 class CheckpointError(SpecbatchError):
@@ -82,27 +83,51 @@ class Placement:
     transpose: bool = False
 
 
+def _llama_layer(config: ModelConfig, i: int) -> dict[str, Placement]:
+    """Layer i of the Llama family: Phi-3 stores q, k and v fused (`qkv_proj`) and gate and up fused
+    (`gate_up_proj`), as our own parameters are; Qwen3 and Gemma 3 add per-head q/k norms; Gemma 3 norms
+    each sublayer's input and output (its `post_attention_layernorm` is the attention's output norm)."""
+    plan: dict[str, Placement] = {}
+    p = dst = f"layers.{i}."
+    q, kv, inter = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, config.intermediate_size
+    if config.model_type == "phi3":
+        plan[p + "self_attn.qkv_proj.weight"] = Placement(dst + "qkv.weight")
+        plan[p + "mlp.gate_up_proj.weight"] = Placement(dst + "gate_up.weight")
+    else:
+        for part in ("weight", "bias") if config.qkv_bias else ("weight",):
+            for x, start, rows in (("q", 0, q), ("k", q, kv), ("v", q + kv, kv)):
+                plan[f"{p}self_attn.{x}_proj.{part}"] = Placement(dst + "qkv." + part, start, rows)
+        for part in ("weight", "bias") if config.mlp_bias else ("weight",):
+            plan[f"{p}mlp.gate_proj.{part}"] = Placement(dst + "gate_up." + part, 0, inter)
+            plan[f"{p}mlp.up_proj.{part}"] = Placement(dst + "gate_up." + part, inter, inter)
+    plan[p + "self_attn.o_proj.weight"] = Placement(dst + "o.weight")
+    if config.o_bias:
+        plan[p + "self_attn.o_proj.bias"] = Placement(dst + "o.bias")
+    plan[p + "mlp.down_proj.weight"] = Placement(dst + "down.weight")
+    if config.mlp_bias:
+        plan[p + "mlp.down_proj.bias"] = Placement(dst + "down.bias")
+    if config.qk_norm:
+        plan[p + "self_attn.q_norm.weight"] = Placement(dst + "q_norm.weight")
+        plan[p + "self_attn.k_norm.weight"] = Placement(dst + "k_norm.weight")
+    plan[p + "input_layernorm.weight"] = Placement(dst + "attn_norm.weight")
+    if config.sandwich_norms:
+        plan[p + "post_attention_layernorm.weight"] = Placement(dst + "attn_out_norm.weight")
+        plan[p + "pre_feedforward_layernorm.weight"] = Placement(dst + "mlp_norm.weight")
+        plan[p + "post_feedforward_layernorm.weight"] = Placement(dst + "mlp_out_norm.weight")
+    else:
+        plan[p + "post_attention_layernorm.weight"] = Placement(dst + "mlp_norm.weight")
+    return plan
+
+
 def weight_placements(config: ModelConfig) -> dict[str, Placement]:
     """Every tensor a family's checkpoint must hold (names without their prefix) -> where it goes."""
     plan: dict[str, Placement] = {}
     family, hd = config.family, config.head_dim
-    q, kv, inter = config.num_heads * hd, config.num_kv_heads * hd, config.intermediate_size
+    q, kv = config.num_heads * hd, config.num_kv_heads * hd
     for i in range(config.num_layers):
         dst = f"layers.{i}."
         if family == "llama":
-            p = f"layers.{i}."
-            for part in ("weight", "bias") if config.qkv_bias else ("weight",):
-                for x, start, rows in (("q", 0, q), ("k", q, kv), ("v", q + kv, kv)):
-                    plan[f"{p}self_attn.{x}_proj.{part}"] = Placement(dst + "qkv." + part, start, rows)
-            plan[p + "self_attn.o_proj.weight"] = Placement(dst + "o.weight")
-            if config.o_bias:
-                plan[p + "self_attn.o_proj.bias"] = Placement(dst + "o.bias")
-            for part in ("weight", "bias") if config.mlp_bias else ("weight",):
-                plan[f"{p}mlp.gate_proj.{part}"] = Placement(dst + "gate_up." + part, 0, inter)
-                plan[f"{p}mlp.up_proj.{part}"] = Placement(dst + "gate_up." + part, inter, inter)
-                plan[f"{p}mlp.down_proj.{part}"] = Placement(dst + "down." + part)
-            plan[p + "input_layernorm.weight"] = Placement(dst + "attn_norm.weight")
-            plan[p + "post_attention_layernorm.weight"] = Placement(dst + "mlp_norm.weight")
+            plan.update(_llama_layer(config, i))
         elif family == "gpt2":
             p = f"h.{i}."
             for theirs, ours in (("attn.c_attn", "qkv"), ("attn.c_proj", "o"), ("mlp.c_fc", "up"),
@@ -142,8 +167,14 @@ def weight_placements(config: ModelConfig) -> dict[str, Placement]:
     return plan
 
 
+PEFT_PREFIX = "base_model.model."  # how PEFT saves a wrapped model's state dict
+MULTIMODAL_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.")  # Gemma 3's text tower
+MULTIMODAL_OTHER = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.")
+
+
 def _strip_prefix(name: str) -> str:
-    for prefix in ("model.decoder.", "decoder.", "model.", "transformer."):
+    name = name.removeprefix(PEFT_PREFIX)
+    for prefix in MULTIMODAL_PREFIXES + ("model.decoder.", "decoder.", "model.", "transformer."):
         if name.startswith(prefix):
             return name[len(prefix):]
     return name
@@ -173,9 +204,18 @@ def _file_tensors(path: Path, device: torch.device):
 
     if path.suffix == ".bin":
         try:
-            state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError:  # a file of before torch's zip format cannot be memory-mapped
-            state = torch.load(str(path), map_location="cpu", weights_only=True)
+            try:
+                state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError:  # a file of before torch's zip format cannot be memory-mapped
+                state = torch.load(str(path), map_location="cpu", weights_only=True)
+        except (pickle.UnpicklingError, EOFError, RuntimeError, ValueError, TypeError, AttributeError,
+                ImportError, IndexError, KeyError):
+            # torch's own message advises weights_only=False, which would run the file's code: not an option
+            raise CheckpointError(f"{path}: not a PyTorch file of tensors (not torch.save's format, or it pickles "
+                                  "objects other than tensors, which are not loaded); convert it to safetensors"
+                                  ) from None
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise CheckpointError(f"{path}: holds a {type(state).__name__}, not a state dict of named tensors")
         yield from state.items()
         return
     with safe_open(str(path), framework="pt", device=str(device)) as file:
@@ -206,24 +246,29 @@ def _place(param: torch.Tensor, placement: Placement, tensor: torch.Tensor, file
         raise CheckpointError(f"{file}: tensor {name} has non-finite values (NaN or inf){where}")
 
 
-def load_weights(model: CausalLM, config: ModelConfig, directory: Path) -> None:
+def load_weights(model: CausalLM, config: ModelConfig, directory: Path, role: str | None = None) -> None:
     """Fill `model`'s parameters (already on their device, in their dtype) from the directory's weight files,
-    one file at a time and one tensor at a time: the host never holds more than one shard's tensors."""
+    one file at a time and one tensor at a time: the host never holds more than one shard's tensors.
+    `role` (target, draft) names the model in the errors."""
     from safetensors import SafetensorError
 
     params = dict(model.named_parameters(remove_duplicate=False))
     placements = weight_placements(config)
     filled: set[str] = set()
     unused: list[str] = []
+    where = f"{directory}" + (f" (the {role})" if role else "")
     for path in _weight_files(directory):
         try:
             with torch.no_grad():
                 for raw_name, tensor in _file_tensors(path, model.lm_head.weight.device):
+                    if raw_name.startswith(PEFT_PREFIX) and ("lora_" in raw_name or ".base_layer." in raw_name):
+                        raise CheckpointError(f"{path}: {raw_name} is a PEFT LoRA tensor; merge the adapter into "
+                                              "the base model (peft's merge_and_unload) and save that")
                     name = _strip_prefix(raw_name)
                     placement = placements.get(name)
                     if placement is None:
-                        if not _ignorable(name, config):
-                            unused.append(name)
+                        if not _ignorable(name, raw_name, config):
+                            unused.append(raw_name)
                         continue
                     _place(params[placement.name], placement, tensor, path, raw_name)
                     filled.add(name)
@@ -234,18 +279,23 @@ def load_weights(model: CausalLM, config: ModelConfig, directory: Path) -> None:
             raise CheckpointError(f"{directory}: weights are not readable ({error})") from None
     missing = sorted(set(placements) - filled)
     if missing:
-        raise CheckpointError(f"weights: tensor {missing[0]!r} is missing" + (
-            f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        seen = next((name for name in sorted(unused) if name.endswith("." + missing[0])), None)
+        hint = (f"; found {seen!r}, whose prefix {seen[:-len(missing[0])]!r} is not one a Hugging Face "
+                "checkpoint uses" if seen else "")
+        raise CheckpointError(f"{where}: weights: tensor {missing[0]!r} is missing{more}{hint}")
     if unused:  # e.g. a config with fewer layers than the weights: it would load and generate garbage
-        raise CheckpointError(f"weights: {len(unused)} tensor(s) the config does not use, e.g. {sorted(unused)[:3]}; "
-                              f"config.json does not describe these weights ({config.num_layers} layers)")
+        raise CheckpointError(f"{where}: weights: {len(unused)} tensor(s) the config does not use, e.g. "
+                              f"{sorted(unused)[:3]}; config.json does not describe these weights "
+                              f"({config.num_layers} layers)")
 
 
-def _ignorable(name: str, config: ModelConfig) -> bool:
+def _ignorable(name: str, raw_name: str, config: ModelConfig) -> bool:
     """Tensors a checkpoint may carry that the model recomputes or shares: RoPE's inverse frequencies,
-    GPT-2's causal-mask buffers, and a tied LM head stored anyway."""
+    GPT-2's causal-mask buffers, a tied LM head stored anyway, and a multimodal Gemma 3's vision tower."""
     return (name.endswith(("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias"))
-            or (name == "lm_head.weight" and config.tie_word_embeddings))
+            or (name == "lm_head.weight" and config.tie_word_embeddings)
+            or (config.model_type == "gemma3_text" and raw_name.startswith(MULTIMODAL_OTHER)))
 
 
 def internal_to_hf_llama(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
@@ -317,13 +367,15 @@ def empty_model(config: ModelConfig, device: str, dtype: torch.dtype) -> CausalL
 def _finish(model: CausalLM, config: ModelConfig, device: str, dtype: torch.dtype) -> CausalLM:
     model = model.to(dtype=dtype).eval()
     if config.family == "llama":  # RoPE frequencies stay float32 whatever the weights' dtype
-        model.inv_freq = rope_inverse_frequencies(config).to(device)
+        model.set_rope_frequencies(device)
     model.lay_out_for_matmul()
     return model
 
 
-def load_checkpoint(path: str | Path, device: str = "cpu", dtype: torch.dtype | None = None) -> LoadedModel:
-    """Load a Hugging Face model directory onto `device` (float32 on CPU unless told otherwise)."""
+def load_checkpoint(path: str | Path, device: str = "cpu", dtype: torch.dtype | None = None,
+                    role: str | None = None) -> LoadedModel:
+    """Load a Hugging Face model directory onto `device` (float32 on CPU unless told otherwise); `role`
+    (target, draft) names the model in errors."""
     directory = Path(path)
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: not a directory (expected a Hugging Face model directory)")
@@ -336,7 +388,7 @@ def load_checkpoint(path: str | Path, device: str = "cpu", dtype: torch.dtype | 
         config = replace(config, eos_token_ids=eos)
     dtype = dtype or default_dtype(device)
     model = empty_model(config, device, dtype)
-    load_weights(model, config, directory)
+    load_weights(model, config, directory, role)
     model = _finish(model, config, device, dtype)
     return LoadedModel(path=directory, config=config, model=model, tokenizer=load_tokenizer(directory))
 

@@ -6,13 +6,23 @@ config-driven module. Reading is strict: a missing field is an error that names 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from specbatch.perfmodel.errors import SpecbatchError, UsageError
 
-LLAMA_FAMILY = ("llama", "mistral", "qwen2")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")
 SUPPORTED_MODEL_TYPES = LLAMA_FAMILY + ("gpt2", "opt")
+# mixture-of-experts families: refused by name (a pass would read only the experts its tokens route to,
+# which neither the model nor the latency model describes)
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "phimoe", "dbrx",
+                   "granitemoe", "olmoe", "jamba", "gpt_oss", "llama4")
+# transformers' ACT2FN names that `model.ACTIVATIONS` computes (the rest are refused by name)
+ACTIVATIONS = ("silu", "swish", "gelu", "gelu_python", "gelu_new", "gelu_pytorch_tanh", "gelu_python_tanh",
+               "gelu_fast", "gelu_accurate", "gelu_10", "quick_gelu", "relu", "relu2", "relu6", "leaky_relu",
+               "tanh", "sigmoid", "mish", "linear")
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 
 
 class ConfigError(SpecbatchError):
@@ -21,7 +31,7 @@ class ConfigError(SpecbatchError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model_type: str  # as written in config.json: llama | mistral | qwen2 | gpt2 | opt
+    model_type: str  # as written in config.json: one of SUPPORTED_MODEL_TYPES
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -31,16 +41,25 @@ class ModelConfig:
     intermediate_size: int
     max_position_embeddings: int
     norm_eps: float = 1e-5
-    activation: str = "silu"  # silu (SwiGLU) | gelu_new | gelu | relu
+    activation: str = "silu"  # a transformers ACT2FN name (ACTIVATIONS); the Llama family gates with it
     tie_word_embeddings: bool = False
     # Llama family
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # Llama-3 style: {"rope_type": "llama3", "factor", ...}
+    rope_scaling: dict | None = None  # {"rope_type": linear | yarn | llama3 | longrope, its parameters}
     qkv_bias: bool = False  # Qwen2 has biases on q, k, v only
     o_bias: bool = False  # Llama's attention_bias puts a bias on o_proj too
     mlp_bias: bool = False
     sliding_window: int | None = None  # Mistral: each query sees at most this many keys
     sliding_layers: tuple[bool, ...] = ()  # which layers use the window (Qwen2: from max_window_layers on)
+    rotary_dim: int | None = None  # Phi-3's partial rotary: only each head's first rotary_dim dims turn
+    local_rope_theta: float | None = None  # Gemma 3: the sliding-window layers' own RoPE base ...
+    local_rope_scaling: dict | None = None  # ... and scaling
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head's queries and keys before RoPE
+    norm_offset: float = 0.0  # Gemma: RMSNorm scales by (1 + weight), computed in float32
+    sandwich_norms: bool = False  # Gemma 3: norms after attention and MLP too, before the residual add
+    embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size), in the weights' dtype
+    query_scale: float | None = None  # attention scores' scale; None: 1 / sqrt(head_dim)
+    final_logit_softcap: float | None = None  # Gemma: logits = cap * tanh(logits / cap)
     # OPT
     do_layer_norm_before: bool = True  # False: post-LN blocks (opt-350m)
     word_embed_proj_dim: int | None = None  # opt-350m embeds in 512 and projects to 1024
@@ -61,8 +80,9 @@ class ModelConfig:
         if self.family == "llama":
             attn = d * q_out + 2 * d * kv_out + q_out * d
             attn += (q_out + 2 * kv_out) * self.qkv_bias + d * self.o_bias
+            attn += 2 * self.head_dim * self.qk_norm
             mlp = 3 * d * f + (2 * f + d) * self.mlp_bias
-            per_layer = attn + mlp + 2 * d
+            per_layer = attn + mlp + (4 if self.sandwich_norms else 2) * d
             total = self.num_layers * per_layer + v * d + d
             return total + (0 if self.tie_word_embeddings else v * d)
         bias = 1 if self.enable_bias else 0
@@ -106,19 +126,65 @@ def _eos_ids(value) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-def _rope(raw: dict) -> tuple[float, dict | None]:
-    """rope_theta and rope_scaling, from either the classic keys or transformers 5's rope_parameters."""
+def _rope_parameters(raw: dict, layer_type: str | None = None) -> dict:
+    """One set of RoPE parameters with `rope_theta` in it, from transformers 5's `rope_parameters` (flat, or
+    per layer type for Gemma 3) or the classic `rope_theta` + `rope_scaling` keys."""
     params = raw.get("rope_parameters") or {}
-    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
-    scaling = raw.get("rope_scaling") or None
-    if scaling is None and params.get("rope_type", "default") != "default":
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    if scaling is not None:
-        kind = scaling.get("rope_type", scaling.get("type", "default"))
-        if kind == "default":
-            scaling = None
-        elif kind != "llama3":
-            raise ConfigError(f"rope scaling type {kind!r} is not supported (supported: llama3)")
+    if layer_type is not None and isinstance(params.get(layer_type), dict):
+        return dict(params[layer_type])
+    if layer_type is not None and ("full_attention" in params or "sliding_attention" in params):
+        params = {}  # this layer type has none of its own
+    if params and "full_attention" not in params:
+        return dict(params)
+    if layer_type == "sliding_attention":  # Gemma 3's classic keys: local layers are never scaled
+        return {"rope_type": "default", "rope_theta": raw.get("rope_local_base_freq", 10000.0)}
+    scaling = dict(raw.get("rope_scaling") or {})
+    default_theta = 1000000.0 if layer_type == "full_attention" else 10000.0
+    scaling.setdefault("rope_theta", raw.get("rope_theta", default_theta))
+    return scaling
+
+
+def _rope(raw: dict, source: str, rotary_dim: int, layer_type: str | None = None) -> tuple[float, dict | None]:
+    """rope_theta, and the scaling as {"rope_type", its parameters} or None when the frequencies are the
+    default ones. Every type transformers' RoPE init offers for these families is computed, or refused by name."""
+    params = _rope_parameters(raw, layer_type)
+    theta = float(params.get("rope_theta") or 10000.0)
+    kind = params.get("rope_type", params.get("type")) or "default"
+    if raw.get("model_type") == "phi3" and kind in ("su", "yarn"):  # transformers reads both as longrope
+        kind = "longrope"
+    if kind not in ROPE_TYPES:
+        raise ConfigError(f"{source}: rope scaling type {kind!r} is not supported "
+                          f"(supported: {', '.join(ROPE_TYPES)})")
+    # `dynamic` (NTK) changes the frequencies only past max_position_embeddings, which the runtime never
+    # reaches: within it transformers uses the default ones
+    if kind in ("default", "dynamic"):
+        return theta, None
+    scaling = {key: value for key, value in params.items() if key not in ("rope_theta", "type")}
+    scaling["rope_type"] = kind
+    needs = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+             "yarn": (), "longrope": ("short_factor", "long_factor")}[kind]
+    missing = [key for key in needs if scaling.get(key) is None]
+    if missing:
+        raise ConfigError(f"{source}: rope scaling {kind!r} needs {', '.join(missing)} (transformers has no "
+                          "default for it)")
+    if kind in ("llama3", "yarn", "longrope"):  # transformers' fallback; Phi-3's top-level field comes first
+        scaling["original_max_position_embeddings"] = (
+            raw.get("original_max_position_embeddings") if kind == "longrope" else None) or scaling.get(
+            "original_max_position_embeddings") or raw.get("max_position_embeddings")
+    if kind == "longrope":
+        for key in ("short_factor", "long_factor"):
+            if len(scaling[key]) != rotary_dim // 2:
+                raise ConfigError(f"{source}: rope scaling {key} has {len(scaling[key])} values, the rotary "
+                                  f"dimension {rotary_dim} needs {rotary_dim // 2}")
+    if kind in ("yarn", "longrope") and scaling.get("factor") is None:
+        scaling["factor"] = raw.get("max_position_embeddings", 1) / scaling["original_max_position_embeddings"]
+    if kind == "longrope" and scaling.get("attention_factor") is None:
+        factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+        scaling["attention_factor"] = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    for key in ("factor", "low_freq_factor", "high_freq_factor", "attention_factor"):
+        value = scaling.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+            raise ConfigError(f"{source}: rope scaling {key} must be a positive number, found {value!r}")
     return theta, scaling
 
 
@@ -150,8 +216,112 @@ def config_from_dict(raw: dict, source: str = "config.json") -> ModelConfig:
     return _check_sizes(_config_from_dict(raw, source), raw, source)
 
 
+def _activation(raw: dict, source: str, key: str, default: str) -> str:
+    name = raw.get(key) or default
+    if name not in ACTIVATIONS:
+        raise ConfigError(f"{source}: {key} {name!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
+    return name
+
+
+def _sliding(raw: dict, source: str, model_type: str, layers: int) -> tuple[int | None, tuple[bool, ...]]:
+    """The window and which layers use it, as transformers' forward for the family honours them: Llama
+    ignores `sliding_window`; Qwen2/3 use it only with `use_sliding_window`, from `max_window_layers` on;
+    Gemma 3 interleaves local and global layers (`layer_types`, else every `sliding_window_pattern`-th global)."""
+    if model_type == "llama":
+        return None, ()
+    window = raw.get("sliding_window")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
+        raise ConfigError(f"{source}: sliding_window must be a positive integer or null, found {window!r}")
+    kinds = raw.get("layer_types")
+    if kinds is not None and (not isinstance(kinds, list) or len(kinds) != layers):
+        raise ConfigError(f"{source}: layer_types must list one type per layer ({layers}), found {kinds!r}")
+    if model_type == "gemma3_text":  # the layer types also pick each layer's RoPE, window or not
+        pattern = raw.get("sliding_window_pattern", 6)
+        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+            raise ConfigError(f"{source}: sliding_window_pattern must be a positive integer, found {pattern!r}")
+        kinds = kinds or ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+        return (window or None), tuple(kind == "sliding_attention" for kind in kinds)
+    if model_type in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+        window = None
+    if not window:
+        return None, ()
+    if kinds:
+        sliding = tuple(kind == "sliding_attention" for kind in kinds)
+    else:
+        first = raw.get("max_window_layers", 0) if model_type in ("qwen2", "qwen3") else 0
+        sliding = tuple(i >= first for i in range(layers))
+    if not any(sliding):
+        return None, ()
+    return window, sliding
+
+
+def _llama_family(raw: dict, source: str, model_type: str, common: dict) -> ModelConfig:
+    """Llama, Mistral, Qwen2/3, Gemma 3 (text) and Phi-3: the same block with a few switches. Every field
+    transformers' forward for the type reads is honoured here or refused; fields it ignores are ignored."""
+    vocab, d, layers, heads, ffn, max_pos = _require(
+        raw, source, "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+        "intermediate_size", "max_position_embeddings",
+    )
+    gemma = model_type == "gemma3_text"
+    head_dim = raw.get("head_dim") or d // heads
+    if gemma:
+        head_dim = raw.get("head_dim") or 256  # Gemma3TextConfig's default
+    params = raw.get("rope_parameters") or {}
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor")) or 1.0
+    if partial != 1.0 and model_type != "phi3":
+        raise ConfigError(f"{source}: partial_rotary_factor {partial!r} is not supported for {model_type} "
+                          "(transformers' forward for it rotates whole heads)")
+    if isinstance(partial, bool) or not isinstance(partial, (int, float)) or not 0 < partial <= 1:
+        raise ConfigError(f"{source}: partial_rotary_factor must be in (0, 1], found {partial!r}")
+    rotary_dim = int(head_dim * partial)
+    theta, scaling = _rope(raw, source, rotary_dim, "full_attention" if gemma else None)
+    if scaling is not None and scaling["rope_type"] == "longrope":
+        # transformers switches every position to the long factors once a sequence passes the original
+        # length (re-encoding the whole cache); within it the short factors hold: the runtime's context
+        max_pos = min(max_pos, int(scaling["original_max_position_embeddings"]))
+    window, sliding_layers = _sliding(raw, source, model_type, layers)
+    attention_bias = bool(raw.get("attention_bias", False)) and model_type in ("llama", "qwen3", "gemma3_text")
+    activation = _activation(raw, source, "hidden_activation" if gemma else "hidden_act",
+                             "gelu_pytorch_tanh" if gemma else "silu")
+    extra: dict = {}
+    if gemma:
+        for key in ("attn_logit_softcapping", "use_bidirectional_attention"):
+            if raw.get(key):
+                raise ConfigError(f"{source}: {key} {raw[key]!r} is not supported (causal attention without "
+                                  "a score soft-cap only)")
+        local_theta, local_scaling = _rope(raw, source, rotary_dim, "sliding_attention")
+        extra = dict(local_rope_theta=local_theta, local_rope_scaling=local_scaling, qk_norm=True,
+                     norm_offset=1.0, sandwich_norms=True, embed_scale=math.sqrt(d),
+                     query_scale=float(raw.get("query_pre_attn_scalar", 256)) ** -0.5,
+                     final_logit_softcap=raw.get("final_logit_softcapping") or None)
+    elif model_type == "qwen3":
+        extra = dict(qk_norm=True)
+    return ModelConfig(
+        vocab_size=vocab, hidden_size=d, num_layers=layers, num_heads=heads,
+        num_kv_heads=raw.get("num_key_value_heads") or heads, head_dim=head_dim,
+        intermediate_size=ffn, max_position_embeddings=max_pos,
+        norm_eps=float(raw.get("rms_norm_eps", 1e-5 if model_type == "phi3" else 1e-6)), activation=activation,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
+        rope_theta=theta, rope_scaling=scaling, rotary_dim=rotary_dim if rotary_dim != head_dim else None,
+        qkv_bias=model_type == "qwen2" or attention_bias, o_bias=attention_bias,
+        mlp_bias=bool(raw.get("mlp_bias", False)) and model_type == "llama", sliding_window=window,
+        sliding_layers=sliding_layers, **extra, **common,
+    )
+
+
 def _config_from_dict(raw: dict, source: str) -> ModelConfig:
     model_type = raw.get("model_type")
+    if model_type == "gemma3" and isinstance(raw.get("text_config"), dict):
+        # the multimodal Gemma 3: its text tower is a gemma3_text model (checkpoint.py maps its weights)
+        text = dict(raw["text_config"])
+        text["model_type"] = "gemma3_text"
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings"):
+            text.setdefault(key, raw.get(key))
+        return _config_from_dict({k: v for k, v in text.items() if v is not None}, source)
+    if model_type in MOE_MODEL_TYPES or raw.get("num_local_experts") or raw.get("num_experts") or raw.get(
+            "n_routed_experts"):
+        raise ConfigError(f"{source}: {model_type!r} is a mixture-of-experts model, which the runtime does not "
+                          f"support; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(
             f"{source}: unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
@@ -163,36 +333,7 @@ def _config_from_dict(raw: dict, source: str) -> ModelConfig:
         pad_token_id=raw.get("pad_token_id"),
     )
     if model_type in LLAMA_FAMILY:
-        vocab, d, layers, heads, ffn, max_pos = _require(
-            raw, source, "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-            "intermediate_size", "max_position_embeddings",
-        )
-        theta, scaling = _rope(raw)
-        window = raw.get("sliding_window")
-        if model_type == "qwen2" and not raw.get("use_sliding_window", False):
-            window = None
-        sliding_layers: tuple[bool, ...] = ()
-        if window:
-            if raw.get("layer_types"):
-                sliding_layers = tuple(kind == "sliding_attention" for kind in raw["layer_types"])
-            else:
-                first = raw.get("max_window_layers", 0) if model_type == "qwen2" else 0
-                sliding_layers = tuple(i >= first for i in range(layers))
-            if not any(sliding_layers):
-                window, sliding_layers = None, ()
-        attention_bias = bool(raw.get("attention_bias", False))
-        return ModelConfig(
-            vocab_size=vocab, hidden_size=d, num_layers=layers, num_heads=heads,
-            num_kv_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or d // heads,
-            intermediate_size=ffn, max_position_embeddings=max_pos,
-            norm_eps=float(raw.get("rms_norm_eps", 1e-6)), activation=raw.get("hidden_act", "silu"),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            rope_theta=theta, rope_scaling=scaling,
-            qkv_bias=model_type == "qwen2" or attention_bias, o_bias=attention_bias,
-            mlp_bias=bool(raw.get("mlp_bias", False)), sliding_window=window,
-            sliding_layers=sliding_layers, **common,
-        )
+        return _llama_family(raw, source, model_type, common)
     if model_type == "gpt2":
         vocab, d, layers, heads, max_pos = _require(raw, source, "vocab_size", "n_embd", "n_layer", "n_head",
                                                     "n_positions")
@@ -202,7 +343,7 @@ def _config_from_dict(raw: dict, source: str) -> ModelConfig:
             vocab_size=vocab, hidden_size=d, num_layers=layers, num_heads=heads, num_kv_heads=heads,
             head_dim=d // heads, intermediate_size=raw.get("n_inner") or 4 * d, max_position_embeddings=max_pos,
             norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)),
-            activation=raw.get("activation_function", "gelu_new"),
+            activation=_activation(raw, source, "activation_function", "gelu_new"),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)), **common,
         )
     vocab, d, layers, heads, ffn, max_pos = _require(
@@ -215,7 +356,7 @@ def _config_from_dict(raw: dict, source: str) -> ModelConfig:
     return ModelConfig(
         vocab_size=vocab, hidden_size=d, num_layers=layers, num_heads=heads, num_kv_heads=heads,
         head_dim=d // heads, intermediate_size=ffn, max_position_embeddings=max_pos,
-        activation=raw.get("activation_function", "relu"),
+        activation=_activation(raw, source, "activation_function", "relu"),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
         do_layer_norm_before=pre_ln, word_embed_proj_dim=raw.get("word_embed_proj_dim") or d,
         enable_bias=bool(raw.get("enable_bias", True)),

@@ -99,7 +99,7 @@ def load_pair(target: ModelSpec, draft: ModelSpec | None, device: str, dtype: to
         elif spec.random_weights:
             models.append(build_model(spec.config, device, dtype, seed=seed))
         else:
-            loaded = load_checkpoint(spec.directory, device, dtype)
+            loaded = load_checkpoint(spec.directory, device, dtype, role=spec.role)
             models.append(loaded.model)
             if spec.role == "target":
                 tokenizer, eos = loaded.tokenizer, loaded.eos_token_ids

@@ -1,4 +1,4 @@
-"""One config-driven decoder for the Llama family (Llama, Mistral, Qwen2), GPT-2 and OPT.
+"""One config-driven decoder for the Llama family (Llama, Mistral, Qwen2/3, Gemma 3, Phi-3), GPT-2 and OPT.
 
 Why one module: the families differ in a handful of switches (norm kind, position encoding, MLP
 kind, where the norm sits), not in structure. Internal weight names are the same for every family
@@ -12,7 +12,9 @@ entries beyond it are never attended to and are overwritten later.
 """
 from __future__ import annotations
 
+import logging
 import math
+from functools import partial
 
 import numpy as np
 import torch
@@ -24,22 +26,115 @@ from .devices import device_kind
 from .config import ModelConfig
 from .kv_cache import KVCache
 
+log = logging.getLogger("specbatch.runtime")
+_said: set[str] = set()
 
-def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    scaling = config.rope_scaling
-    if scaling:  # Llama 3: stretch low frequencies by `factor`, keep high ones, blend in between
-        factor = scaling["factor"]
-        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_len = scaling["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        blended = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-        inv_freq = torch.where(medium, blended, scaled)
-    return inv_freq.float()
+
+def say_once(message: str) -> None:
+    """Log a note about how passes run once per process, not once per pass."""
+    if message not in _said:
+        _said.add(message)
+        log.info(message)
+
+
+def _llama3_frequencies(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3: stretch low frequencies by `factor`, keep high ones, blend in between."""
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, blended, scaled)
+
+
+def _yarn_frequencies(theta: float, dim: int, scaling: dict) -> tuple[torch.Tensor, float]:
+    """YaRN: interpolate the low frequencies by `factor`, keep the high ones, ramp linearly between the
+    dimensions that turn beta_fast and beta_slow times over the original context; cos/sin scaled up."""
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def correction_dim(rotations):
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.get("beta_fast") or 32), correction_dim(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    base = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    keep = 1 - ramp  # 1: extrapolate (the frequency as it is), 0: interpolate (divided by factor)
+    return (1.0 / (factor * base)) * (1 - keep) + (1.0 / base) * keep, float(attention)
+
+
+def rope_inverse_frequencies(config: ModelConfig, local: bool = False) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies (rotary_dim / 2,), float32; the factor cos and sin are scaled by) of the global
+    layers, or with `local` of Gemma 3's sliding-window layers (their own base and scaling)."""
+    theta = config.local_rope_theta if local else config.rope_theta
+    scaling = config.local_rope_scaling if local else config.rope_scaling
+    dim = config.rotary_dim or config.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.float64) / dim
+    inv_freq = 1.0 / (theta ** exponents)
+    kind = scaling["rope_type"] if scaling else "default"
+    attention = 1.0
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        inv_freq = _llama3_frequencies(inv_freq, scaling)
+    elif kind == "yarn":
+        return _yarn_frequencies(theta, dim, scaling)
+    elif kind == "longrope":  # within the original context (config.py caps the runtime's there): short factors
+        inv_freq = 1.0 / (torch.tensor(scaling["short_factor"], dtype=torch.float64) * theta ** exponents)
+        attention = float(scaling["attention_factor"])
+    return inv_freq.float(), attention
+
+
+def _gelu_tanh_formula(x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3.0))))
+
+
+ACTIVATIONS = {
+    "silu": F.silu, "swish": F.silu, "gelu": F.gelu, "gelu_python": F.gelu,
+    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+    # transformers computes these by their formulas, not torch's tanh kernel: the same here
+    "gelu_new": _gelu_tanh_formula, "gelu_python_tanh": _gelu_tanh_formula,
+    "gelu_accurate": lambda x: 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x.pow(3)))),
+    "gelu_fast": lambda x: 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x))),
+    "gelu_10": lambda x: F.gelu(x).clamp(-10, 10), "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+    "relu": F.relu, "relu2": lambda x: F.relu(x).square(), "relu6": F.relu6, "leaky_relu": F.leaky_relu,
+    "tanh": torch.tanh, "sigmoid": torch.sigmoid, "mish": F.mish, "linear": lambda x: x,
+}
+
+
+class OffsetRMSNorm(nn.Module):
+    """Gemma's RMSNorm: normalised in float32 and scaled by (1 + weight), then cast back."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).type_as(x)
+
+
+def _rms_norm(config: ModelConfig, size: int) -> nn.Module:
+    if config.norm_offset:
+        return OffsetRMSNorm(size, config.norm_eps)
+    return nn.RMSNorm(size, eps=config.norm_eps)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -57,33 +152,35 @@ class Block(nn.Module):
         bias = config.qkv_bias if llama else config.enable_bias
         self.qkv = nn.Linear(d, self.q_size + 2 * self.kv_size, bias=bias)
         self.o = nn.Linear(self.q_size, d, bias=config.o_bias if llama else config.enable_bias)
+        self.q_norm = self.k_norm = self.attn_out_norm = self.mlp_out_norm = None
         if llama:
-            self.attn_norm = nn.RMSNorm(d, eps=config.norm_eps)
-            self.mlp_norm = nn.RMSNorm(d, eps=config.norm_eps)
+            self.attn_norm = _rms_norm(config, d)
+            self.mlp_norm = _rms_norm(config, d)
             self.gate_up = nn.Linear(d, 2 * config.intermediate_size, bias=config.mlp_bias)
             self.down = nn.Linear(config.intermediate_size, d, bias=config.mlp_bias)
+            if config.qk_norm:
+                self.q_norm, self.k_norm = _rms_norm(config, hd), _rms_norm(config, hd)
+            if config.sandwich_norms:
+                self.attn_out_norm, self.mlp_out_norm = _rms_norm(config, d), _rms_norm(config, d)
         else:
             self.attn_norm = nn.LayerNorm(d, eps=config.norm_eps)
             self.mlp_norm = nn.LayerNorm(d, eps=config.norm_eps)
             self.up = nn.Linear(d, config.intermediate_size, bias=config.enable_bias)
             self.down = nn.Linear(config.intermediate_size, d, bias=config.enable_bias)
+        self.act = ACTIVATIONS[config.activation]
+        # queries pre-multiplied so that the backends' 1 / sqrt(head_dim) gives the config's score scale
+        scale = config.query_scale * math.sqrt(hd) if config.query_scale is not None else 1.0
+        self.query_factor = None if scale == 1.0 else scale
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        act = self.config.activation
         if self.config.family == "llama":
             gate, up = self.gate_up(x).chunk(2, dim=-1)
             if torch.is_grad_enabled():
-                return self.down(F.silu(gate) * up)
-            # no autograd to feed: in place, in the projection's own output while it is still in cache
-            return self.down(F.silu(gate, inplace=True).mul_(up))
-        h = self.up(x)
-        if act == "gelu_new":
-            h = F.gelu(h, approximate="tanh")
-        elif act == "gelu":
-            h = F.gelu(h)
-        else:
-            h = F.relu(h)
-        return self.down(h)
+                return self.down(self.act(gate) * up)
+            if self.act is F.silu:  # no autograd to feed: in place, in the projection's output still in cache
+                return self.down(F.silu(gate, inplace=True).mul_(up))
+            return self.down(self.act(gate).mul_(up))
+        return self.down(self.act(self.up(x)))
 
     def attention(self, x, rope, cache: KVCache | None, layer: int, attention) -> torch.Tensor:
         """x (..., tokens, d): (b, n, d) for a uniform pass or a scoring pass, (T, d) for a ragged one."""
@@ -91,10 +188,19 @@ class Block(nn.Module):
         qk, v = self.qkv(x).split((self.q_size + self.kv_size, self.kv_size), dim=-1)
         qk = qk.unflatten(-1, (cfg.num_heads + cfg.num_kv_heads, cfg.head_dim))  # (..., tokens, heads, hd)
         v = v.unflatten(-1, (cfg.num_kv_heads, cfg.head_dim))
+        if self.q_norm is not None:  # per-head norms of queries and keys, before RoPE
+            q, k = qk.split((cfg.num_heads, cfg.num_kv_heads), dim=-2)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=-2)
         if rope is not None:  # queries and keys rotated together: one set of kernels, not two
-            cos, sin = rope  # (..., tokens, 1, hd)
-            qk = qk * cos + _rotate_half(qk) * sin
+            cos, sin = rope  # (..., tokens, 1, rotary dims)
+            if cfg.rotary_dim:  # partial rotary: the rest of each head passes through
+                turned = qk[..., :cfg.rotary_dim]
+                qk = torch.cat((turned * cos + _rotate_half(turned) * sin, qk[..., cfg.rotary_dim:]), dim=-1)
+            else:
+                qk = qk * cos + _rotate_half(qk) * sin
         q, k = qk.split((cfg.num_heads, cfg.num_kv_heads), dim=-2)
+        if self.query_factor is not None:
+            q = q * self.query_factor
         gqa = cfg.num_kv_heads != cfg.num_heads
         windowed = bool(cfg.sliding_window) and (not cfg.sliding_layers or cfg.sliding_layers[layer])
         if cache is None:  # training / no-cache scoring: causal attention over the tokens given
@@ -114,6 +220,9 @@ class Block(nn.Module):
         if self.config.family == "opt" and not self.config.do_layer_norm_before:  # post-LN (opt-350m)
             x = self.attn_norm(x + self.attention(x, rope, cache, layer, attention))
             return self.mlp_norm(x + self.mlp(x))
+        if self.attn_out_norm is not None:  # Gemma 3: each sublayer's output normed before the residual add
+            x = x + self.attn_out_norm(self.attention(self.attn_norm(x), rope, cache, layer, attention))
+            return x + self.mlp_out_norm(self.mlp(self.mlp_norm(x)))
         if torch.is_grad_enabled():
             x = x + self.attention(self.attn_norm(x), rope, cache, layer, attention)
             return x + self.mlp(self.mlp_norm(x))
@@ -147,14 +256,23 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.final_norm = None
         if config.family == "llama":
-            self.final_norm = nn.RMSNorm(d, eps=config.norm_eps)
+            self.final_norm = _rms_norm(config, d)
         elif config.final_layer_norm:
             self.final_norm = nn.LayerNorm(d, eps=config.norm_eps)
         self.lm_head = nn.Linear(embed_dim, config.vocab_size, bias=False)
+        self.register_buffer("local_inv_freq", None, persistent=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         if config.family == "llama":
-            self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
+            self.set_rope_frequencies(None)
+
+    def set_rope_frequencies(self, device) -> None:
+        """RoPE's inverse frequencies, float32 whatever the weights' dtype (and Gemma 3's local layers' own)."""
+        inv_freq, self.rope_attention_factor = rope_inverse_frequencies(self.config)
+        self.register_buffer("inv_freq", inv_freq.to(device) if device else inv_freq, persistent=False)
+        if self.config.local_rope_theta is not None:
+            local, self.local_rope_attention_factor = rope_inverse_frequencies(self.config, local=True)
+            self.register_buffer("local_inv_freq", local.to(device) if device else local, persistent=False)
 
     def lay_out_for_matmul(self) -> None:
         """Where the device's record asks for it (the CPU's MKL: runtime.devices), store every projection's
@@ -173,10 +291,14 @@ class CausalLM(nn.Module):
         weight = self.lm_head.weight
         return KVCache(self.config, batch_size, max_len, weight.device, weight.dtype)
 
-    def _rope(self, positions: torch.Tensor, dtype):
-        freqs = positions[..., None].float() * self.inv_freq  # (..., tokens, hd/2)
+    def _rope(self, positions: torch.Tensor, dtype, local: bool = False):
+        inv_freq = self.local_inv_freq if local else self.inv_freq
+        factor = self.local_rope_attention_factor if local else self.rope_attention_factor
+        freqs = positions[..., None].float() * inv_freq  # (..., tokens, hd/2)
         angles = torch.cat((freqs, freqs), dim=-1)[..., None, :]  # (..., tokens, 1, hd): broadcast over heads
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        if factor == 1.0:
+            return angles.cos().to(dtype), angles.sin().to(dtype)
+        return (angles.cos() * factor).to(dtype), (angles.sin() * factor).to(dtype)
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, tree: TreeAttention | None = None,
                 last: int | None = None, new_tokens: list[int] | None = None) -> torch.Tensor | None:
@@ -211,9 +333,15 @@ class CausalLM(nn.Module):
             if needed > cache.max_len:
                 raise ValueError(f"KV cache overflow: {needed} positions needed, {cache.max_len} allocated")
             backend = choose_backend(cache, self.attention_backend, tree, window)
+            if tree is not None and backend == "sdpa" and choose_backend(cache, self.attention_backend, None,
+                                                                          window) == "varlen":
+                say_once("tree passes of a sliding-window model attend through sdpa, not varlen: the window counts "
+                         "positions, which inside a tree are not the cache slots' order")
             attention = UniformPass(cache, n, tree, window, backend)
             positions = attention.positions
         x = self.embed(tokens)
+        if self.config.embed_scale is not None:  # Gemma: the scale rounded to the weights' dtype, as transformers
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         if self.project_in is not None:
             x = self.project_in(x)
         if self.config.family == "gpt2":
@@ -221,8 +349,11 @@ class CausalLM(nn.Module):
         elif self.config.family == "opt":
             x = x + self.pos_embed(positions + 2)
         rope = self._rope(positions, x.dtype) if self.config.family == "llama" else None
+        local_rope = self._rope(positions, x.dtype, local=True) if self.local_inv_freq is not None else None
+        sliding = self.config.sliding_layers
         for index, layer in enumerate(self.layers):
-            x = layer(x, rope, cache, index, attention)
+            layer_rope = local_rope if local_rope is not None and sliding and sliding[index] else rope
+            x = layer(x, layer_rope, cache, index, attention)
         if cache is not None:
             if new_tokens is not None:
                 cache.written(attention.ends)  # every layer wrote each row's tokens
@@ -239,4 +370,6 @@ class CausalLM(nn.Module):
             x = self.final_norm(x)
         if self.project_out is not None:
             x = self.project_out(x)
-        return self.lm_head(x)
+        logits = self.lm_head(x)
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap

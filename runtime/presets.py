@@ -19,6 +19,15 @@ _LLAMA3_ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.
 _GPT2 = dict(model_type="gpt2", vocab_size=50257, n_positions=1024, activation_function="gelu_new",
              layer_norm_epsilon=1e-5, bos_token_id=50256, eos_token_id=50256)
 
+_QWEN3 = dict(model_type="qwen3", vocab_size=151936, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+              rms_norm_eps=1e-6, rope_theta=1000000.0, hidden_act="silu", attention_bias=False,
+              use_sliding_window=False, sliding_window=None, max_window_layers=28,
+              bos_token_id=151643, eos_token_id=151645)
+_GEMMA3 = dict(model_type="gemma3_text", head_dim=256, query_pre_attn_scalar=256, hidden_activation="gelu_pytorch_tanh",
+               rms_norm_eps=1e-6, rope_theta=1000000.0, rope_local_base_freq=10000.0, sliding_window_pattern=6,
+               final_logit_softcapping=None, attn_logit_softcapping=None, tie_word_embeddings=True,
+               bos_token_id=2, eos_token_id=[1, 106], pad_token_id=0)
+
 PRESETS: dict[str, dict] = {
     # facebook/opt-*
     "opt-125m": dict(_OPT, hidden_size=768, num_hidden_layers=12, num_attention_heads=12, ffn_dim=3072,
@@ -66,6 +75,31 @@ PRESETS: dict[str, dict] = {
                        max_position_embeddings=131072, rms_norm_eps=1e-6, tie_word_embeddings=False,
                        rope_theta=1000000.0, use_sliding_window=False,
                        bos_token_id=151643, eos_token_id=151643),
+    # Qwen/Qwen3-0.6B, -1.7B, -8B and -14B (dense; one tokenizer across the family)
+    "qwen3-0.6b": dict(_QWEN3, hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, intermediate_size=3072,
+                       tie_word_embeddings=True),
+    "qwen3-1.7b": dict(_QWEN3, hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, intermediate_size=6144,
+                       tie_word_embeddings=True),
+    "qwen3-8b": dict(_QWEN3, hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, intermediate_size=12288,
+                     tie_word_embeddings=False),
+    "qwen3-14b": dict(_QWEN3, hidden_size=5120, num_hidden_layers=40, num_attention_heads=40,
+                      intermediate_size=17408, tie_word_embeddings=False),
+    # google/gemma-3-1b-it (gemma3_text) and the text tower of google/gemma-3-12b-it (its text_config); their
+    # embedding tables differ (262144 and 262208 rows), so the runtime cannot pair them (one vocabulary)
+    "gemma-3-1b": dict(_GEMMA3, vocab_size=262144, hidden_size=1152, num_hidden_layers=26, num_attention_heads=4,
+                       num_key_value_heads=1, intermediate_size=6912, max_position_embeddings=32768,
+                       sliding_window=512),
+    "gemma-3-12b": dict(_GEMMA3, vocab_size=262208, hidden_size=3840, num_hidden_layers=48, num_attention_heads=16,
+                        num_key_value_heads=8, intermediate_size=15360, max_position_embeddings=131072,
+                        sliding_window=1024, rope_scaling=dict(rope_type="linear", factor=8.0)),
+    # microsoft/Phi-4-mini-instruct; its longrope factors (48 short, 48 long) are left out: they change no
+    # pass's cost, and without them the preset's context is the full 131072 positions
+    "phi-4-mini": dict(model_type="phi3", vocab_size=200064, hidden_size=3072, num_hidden_layers=32,
+                       num_attention_heads=24, num_key_value_heads=8, intermediate_size=8192,
+                       max_position_embeddings=131072, original_max_position_embeddings=4096,
+                       partial_rotary_factor=0.75, rope_theta=10000.0, sliding_window=262144, rms_norm_eps=1e-5,
+                       hidden_act="silu", tie_word_embeddings=True,
+                       bos_token_id=199999, eos_token_id=199999, pad_token_id=199999),
     # openai-community/gpt2 and gpt2-large
     "gpt2": dict(_GPT2, n_embd=768, n_layer=12, n_head=12),
     "gpt2-large": dict(_GPT2, n_embd=1280, n_layer=36, n_head=20),

@@ -119,7 +119,8 @@ def compare(table_path: Path, prompts: list[list[int]], batch_sizes: list[int], 
         from specbatch.runtime.checkpoint import load_checkpoint
         from specbatch.runtime.generator import SpeculativeGenerator
 
-        generator = SpeculativeGenerator(load_checkpoint(target_dir).model, load_checkpoint(draft_dir).model)
+        generator = SpeculativeGenerator(load_checkpoint(target_dir, role="target").model,
+                                         load_checkpoint(draft_dir, role="draft").model)
     # one context bucket is what vLLM gets too: every context maps to it, which is no news worth a warning
     warnings.filterwarnings("ignore", category=TableRangeWarning)
     ours = {"k=0": FixedK(0), "table": TableK(table_path)}

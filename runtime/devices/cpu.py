@@ -5,7 +5,7 @@ with the demo pair; `sources` says how. None of them is reachable from a pass on
 """
 from __future__ import annotations
 
-from . import DeviceKind
+from .kind import DeviceKind
 
 # libgomp's idle threads spin this long before sleeping (its default is 300,000): where other busy processes
 # share the cores, long spinning barriers wait for descheduled threads and every pass slows down many times

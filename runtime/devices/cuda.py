@@ -13,7 +13,7 @@ import inspect
 import logging
 from typing import Callable, NamedTuple
 
-from . import DeviceKind
+from .kind import DeviceKind
 
 log = logging.getLogger("specbatch.runtime")
 

@@ -23,14 +23,20 @@ TINY = dict(model_type="llama", vocab_size=64, hidden_size=32, num_hidden_layers
 PUBLISHED_PARAMETERS_M = {
     "opt-125m": 125, "opt-350m": 331, "opt-1.3b": 1316, "opt-6.7b": 6658, "llama-68m": 68, "llama-160m": 162,
     "llama-2-7b": 6738, "llama-3.2-1b": 1236, "llama-3.1-8b": 8030, "qwen2.5-0.5b": 494, "qwen2.5-7b": 7616,
-    "gpt2": 124, "gpt2-large": 774,
+    "gpt2": 124, "gpt2-large": 774, "gemma-3-1b": 1000, "phi-4-mini": 3800,
 }
+# Qwen3's cards give the parameters without the embedding table(s), to two figures
+PUBLISHED_NON_EMBEDDING_M = {"qwen3-0.6b": 440, "qwen3-1.7b": 1400, "qwen3-8b": 6950, "qwen3-14b": 13200}
 
 
 def test_every_required_preset_exists_with_its_published_size():
     assert set(PUBLISHED_PARAMETERS_M) <= set(PRESET_NAMES)
     for name, millions in PUBLISHED_PARAMETERS_M.items():
         assert preset_config(name).parameter_count() / 1e6 == pytest.approx(millions, rel=0.01), name
+    for name, millions in PUBLISHED_NON_EMBEDDING_M.items():
+        config = preset_config(name)
+        tables = (1 if config.tie_word_embeddings else 2) * config.vocab_size * config.hidden_size
+        assert (config.parameter_count() - tables) / 1e6 == pytest.approx(millions, rel=0.01), name
 
 
 def test_preset_shapes_that_are_easy_to_get_wrong():
@@ -43,6 +49,13 @@ def test_preset_shapes_that_are_easy_to_get_wrong():
     qwen = preset_config("qwen2.5-0.5b")
     assert (qwen.num_heads, qwen.num_kv_heads, qwen.qkv_bias, qwen.tie_word_embeddings) == (14, 2, True, True)
     assert preset_config("llama-68m").num_layers == 2
+    qwen3 = preset_config("qwen3-8b")
+    assert (qwen3.head_dim, qwen3.qk_norm, qwen3.sliding_window, qwen3.tie_word_embeddings) == (128, True, None, False)
+    gemma = preset_config("gemma-3-12b")
+    assert gemma.sliding_layers == tuple((i + 1) % 6 != 0 for i in range(48)) and gemma.sliding_window == 1024
+    assert gemma.rope_scaling == {"rope_type": "linear", "factor": 8.0} and gemma.local_rope_theta == 10000.0
+    phi = preset_config("phi-4-mini")
+    assert (phi.head_dim, phi.rotary_dim, phi.num_kv_heads, phi.tie_word_embeddings) == (128, 96, 8, True)
 
 
 def test_unknown_preset_lists_the_valid_names():

@@ -145,6 +145,35 @@ def test_speculative_sampling_matches_exact_target_distribution(pair, k, samplin
         assert _rejects(fake, joint2), kind
 
 
+@pytest.fixture(scope="module")
+def gemma_pair(peaked, make_noisy_copy):
+    """A 6-token Gemma 3 target (query scale, window 3 on the first layer, soft-capped logits) and a draft of
+    another family (Qwen3) over the same vocabulary."""
+    from specbatch.runtime.config import config_from_dict
+
+    small = dict(vocab_size=V, hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+                 head_dim=8, max_position_embeddings=64)
+    target = peaked(build_model(config_from_dict(dict(
+        small, model_type="gemma3_text", num_hidden_layers=2, query_pre_attn_scalar=12, sliding_window=3,
+        sliding_window_pattern=2, final_logit_softcapping=20.0)), seed=23), 4.0)
+    draft = peaked(build_model(config_from_dict(dict(small, model_type="qwen3", num_hidden_layers=1)), seed=24), 4.0)
+    return target, draft
+
+
+def test_speculative_sampling_of_a_gemma3_target_with_a_qwen3_draft(gemma_pair):
+    """The exact test above, for a new family (and a prompt longer than its window) with a cross-family draft."""
+    target, draft = gemma_pair
+    sampling = Sampling(temperature=1.0)
+    p1, p2, p3 = _exact(target, sampling)
+    result = SpeculativeGenerator(target, draft).generate([PROMPT] * ROWS, 3, FixedK(2), sampling, seed=4321)
+    assert 0.1 < result.stats.acceptance_per_position[0] < 0.95
+    joint3 = (p1[:, None, None] * p2[:, :, None] * p3).numpy()
+    assert _chi2_pvalue(_counts(result.token_ids, 3), joint3) > ALPHA
+    _, q2, _ = _exact(draft, sampling)
+    wrong = (p1[:, None] * _wrong_second_token(p2, q2, "accept_all")).numpy()
+    assert _rejects(_counts(result.token_ids, 3).sum(2), wrong / wrong.sum())
+
+
 def test_target_only_sampling_matches_exact_distribution(pair):
     target, _ = pair
     sampling = Sampling(temperature=0.9, top_k=5, top_p=0.95)
