@@ -344,13 +344,14 @@ def load_tokenizer(directory: Path) -> Tokenizer | None:
 
 
 def build_model(config: ModelConfig, device: str = "cpu", dtype: torch.dtype | None = None, seed: int = 0) -> CausalLM:
-    """A model of `config`'s shape with seeded random weights (small), as for shape presets."""
+    """A model of `config`'s shape with seeded random weights (small), as for shape presets. The weights are
+    made in `dtype` on `device` directly: an 8B model in bfloat16 needs 16 GB, not the 32 of float32 first."""
     dtype = dtype or default_dtype(device)
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = CausalLM(config)
-    for param in model.parameters():
-        torch.nn.init.normal_(param, std=0.02) if param.dim() > 1 else torch.nn.init.ones_(param)
+    model = empty_model(config, device, dtype)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(std=0.02, generator=generator) if param.dim() > 1 else param.fill_(1.0)
     return _finish(model, config, device, dtype)
 
 
