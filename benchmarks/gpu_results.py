@@ -1,6 +1,6 @@
 """The GPU section of docs/results.md: our fits on vidur's published A100 timings, and on a CPU calibration.
 
-    python scripts/gpu_results.py [--vidur DIR] [--cpu-profile FILE] [--acceptance A] [--out FILE] [--work DIR]
+    python benchmarks/gpu_results.py [--vidur DIR] [--cpu-profile FILE] [--acceptance A] [--out FILE] [--work DIR]
 
 Composes a profile from vidur's Llama-2-7B per-operation A100 timings with the installed `specbatch calibrate
 --from-vidur` (target Llama-2-7B; draft one layer of its own block with its LM head, an EAGLE-sized draft
@@ -21,12 +21,11 @@ staircase too):
   every batch size 1..128 and every profiled context;
 - k*(b) at contexts 256 and 2048 beside Su et al.'s OPT-6.7B/125M table;
 and the same held-out and goodput figures on a CPU calibration of the demo pair (--cpu-profile). Writes the
-section between its markers in --out (default docs/results.md; scripts/results.py keeps it) and prints it.
+section between its markers in --out (default docs/results.md; benchmarks/results.py keeps it) and prints it.
 """
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import shlex
 import subprocess
@@ -50,11 +49,11 @@ from specbatch.perfmodel.token_curve import gemm_work_ratio, share_token_curve
 from specbatch.perfmodel.tree import Strategy
 from specbatch.runtime.presets import PRESETS
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling scripts, however this is run
+import results  # noqa: E402
+from docs_sections import replace_section  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("results_script", ROOT / "scripts" / "results.py")
-results = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(results)
-from docs_sections import replace_section  # noqa: E402 - scripts/ is on the path once results.py is loaded
 
 SECTION = "gpu-data"  # this script's section of docs/results.md
 
@@ -537,7 +536,7 @@ def render(conditions: str, command: str, seconds: float, gpu: Sequence[HeldOut]
            refinements: Sequence[Refined] = ()) -> str:
     return f"""## The GPU regime, from published timings
 
-Written by `python scripts/gpu_results.py` ({seconds:.0f} s here): {conditions}
+Written by `python benchmarks/gpu_results.py` ({seconds:.0f} s here): {conditions}
 
 ```bash
 {command}
@@ -615,7 +614,7 @@ def compose(vidur: Path, acceptance: str, max_batch: int, work: Path) -> tuple[P
 
 
 def write_section(out: Path, section: str) -> None:
-    """Replace the gpu-data section of `out`, or append it (scripts/docs_sections.py)."""
+    """Replace the gpu-data section of `out`, or append it (benchmarks/docs_sections.py)."""
     text = out.read_text() if out.is_file() else ""
     write_text_atomic(out, replace_section(text, SECTION, section.rstrip()))
 
@@ -635,7 +634,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _main(args)
     except results.ResultsError as error:
-        print(f"scripts/gpu_results.py: {error}", file=sys.stderr)
+        print(f"benchmarks/gpu_results.py: {error}", file=sys.stderr)
         return 1
 
 
@@ -682,7 +681,7 @@ def _main(args: argparse.Namespace) -> int:
                       + (f"; its reference pass lay {100 * noise.floor_mape:.0f} % from its own median on average"
                          if noise is not None else ""))
     refinements = [refined(profile, budget) for budget in REFINE_BUDGETS]
-    section = render(conditions, "python scripts/gpu_results.py    # runs: " + command, time.monotonic() - started,
+    section = render(conditions, "python benchmarks/gpu_results.py    # runs: " + command, time.monotonic() - started,
                      gpu, before, now, cpu_conditions, cpu, cpu_before, cpu_now,
                      differences(profile, fits_now["target"], now), steps, steps_explained(profile, steps, gpu),
                      refinements)

@@ -1,6 +1,6 @@
 """Reproduce docs/results.md: the whole loop on the bundled demo pair, on this machine, one torch thread.
 
-    python scripts/results.py [--quick] [--out DIR] [--work DIR]
+    python benchmarks/results.py [--quick] [--out DIR] [--work DIR]
 
 Runs the installed `specbatch` command (the one beside this Python) as a user would, from a work folder:
 calibrate (the default grid), fit --holdout, table, plot, and bench of the table against fixed k at batch
@@ -182,7 +182,7 @@ def render_results(conditions: str, commands: Sequence[tuple[str, float]], table
     listed = "\n".join(f"{command}    # {seconds:.0f} s" for command, seconds in commands)
     return f"""# Results
 
-Written by `python scripts/results.py`: every figure on this page (and in the README's results table)
+Written by `python benchmarks/results.py`: every figure on this page (and in the README's results table)
 comes from the run below, except the sections after "The fit, held out": each is written by the script
 it names (`gpu_results.py` from published GPU timings, `vllm_loop.py`, `runtime_costs.py`,
 `serving_fidelity.py`), and `results.py` keeps them. Rerun it to get this machine's figures;
@@ -290,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _main(args)
     except ResultsError as error:
-        print(f"scripts/results.py: {error}", file=sys.stderr)
+        print(f"benchmarks/results.py: {error}", file=sys.stderr)
         return 1
 
 

@@ -1,7 +1,7 @@
 """Serving that checks its own model, measured: a mis-calibrated profile with and without --refit, --refit's cost,
 and the drift warning, on the demo pair, one torch thread.
 
-    OMP_NUM_THREADS=1 python scripts/serving_fidelity.py [--out DIR] [--profile P] [--rounds 12] [--write-docs]
+    OMP_NUM_THREADS=1 python benchmarks/serving_fidelity.py [--out DIR] [--profile P] [--rounds 12] [--write-docs]
 
 1. Profiles. A quick calibration of the demo pair on one thread (`specbatch calibrate --quick --threads 1
    --no-stage2`, or --profile), and the same profile with every target pass time scaled by --factor and by its
@@ -21,7 +21,7 @@ and the drift warning, on the demo pair, one torch thread.
 4. Drift: the correct model in-process under Poisson load; after --warmup-steps steps every step is slowed to
    1.5x (the engine's step followed by a host sleep of half its time); the steps until the warning. Then
    --quiet-minutes of the same load without a change: the warnings counted.
---write-docs puts the figures in docs/results.md's "serving-fidelity" section (scripts/docs_sections.py).
+--write-docs puts the figures in docs/results.md's "serving-fidelity" section (benchmarks/docs_sections.py).
 """
 from __future__ import annotations
 
@@ -430,7 +430,8 @@ def render(figures: dict, args) -> str:
     lines += [
         "",
         "```bash",
-        f"OMP_NUM_THREADS=1 python scripts/serving_fidelity.py --rounds {args.rounds} --rates {rates.replace(' ', '')} "
+        f"OMP_NUM_THREADS=1 python benchmarks/serving_fidelity.py --rounds {args.rounds} "
+        f"--rates {rates.replace(' ', '')} "
         f"--requests {args.requests} --quiet-minutes {args.quiet_minutes:g} --write-docs",
         "```"]
     return "\n".join(lines)

@@ -1,7 +1,7 @@
 """The round trip, measured in vLLM: schedules chosen from vLLM's own step costs and from our runtime's, run by
 vLLM beside every fixed K, and each schedule's paired regret against the best fixed K in hindsight.
 
-    python -m specbatch.bench.vllm.roundtrip --vllm-table tv.json --ours-table to.json [--batch-sizes 1,8,32]
+    python benchmarks/vllm_roundtrip.py --vllm-table tv.json --ours-table to.json [--batch-sizes 1,8,32]
         [--max-k 8] [--rounds 3] [--paired-rounds 10] [--max-new-tokens 64] [--threads 1] [-o roundtrip.json]
 
 Both tables are `specbatch.table/1` files of chains (`table --strategies chain`); each is exported as our

@@ -1,4 +1,4 @@
-"""scripts/gpu_results.py's refinement protocol on a constructed profile: the base grid, the passes calibrate's
+"""benchmarks/gpu_results.py's refinement protocol on a constructed profile: the base grid, the passes calibrate's
 refinement chooses, and every other row predicted with the chosen ones no longer held out."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from specbatch.perfmodel.profile import profile_from_json
 from perfmodel_fixtures import build_profile, roofline_latency
 
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("gpu_results_refine", ROOT / "scripts" / "gpu_results.py")
+_spec = importlib.util.spec_from_file_location("gpu_results_refine", ROOT / "benchmarks" / "gpu_results.py")
 gpu_results = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = gpu_results  # its dataclasses look their module up by name
 _spec.loader.exec_module(gpu_results)

@@ -1,4 +1,4 @@
-"""scripts/gpu_results.py end to end on the committed vidur fixture: the section it writes, its place in
+"""benchmarks/gpu_results.py end to end on the committed vidur fixture: the section it writes, its place in
 results.md, and what its figures must show (the staircase's table gives up no more than the smooth fits')."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "calibrate" / "fixtures" / "vidur" / "a100" / "Llama-2-7b-hf"
-_spec = importlib.util.spec_from_file_location("gpu_results_script", ROOT / "scripts" / "gpu_results.py")
+_spec = importlib.util.spec_from_file_location("gpu_results_script", ROOT / "benchmarks" / "gpu_results.py")
 gpu_results = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = gpu_results  # its dataclasses look their module up by name
 _spec.loader.exec_module(gpu_results)
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 
 def run(out: Path, work: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_results.py"), "--vidur", str(FIXTURE),
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_results.py"), "--vidur", str(FIXTURE),
                            "--max-batch", "40", "--out", str(out), "--work", str(work), *args], capture_output=True,
                           text=True, timeout=900, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
@@ -48,7 +48,7 @@ def test_the_section_is_appended_between_its_markers_and_replaced_when_written_a
     assert rewritten.count(begin) == 1 and "rewritten" in rewritten  # replaced, not appended twice
     assert "## The GPU regime, from published timings" not in rewritten
     assert rewritten.startswith("# Results\n\nThe CPU figures.\n")
-    # and scripts/results.py, rewriting the page, keeps it
+    # and benchmarks/results.py, rewriting the page, keeps it
     kept = gpu_results.results.with_other_sections("# Results\n", out.read_text())
     assert kept.count(begin) == 1 and kept.startswith("# Results\n")
 
@@ -90,7 +90,7 @@ def test_the_figures_are_there_and_the_staircase_table_gives_up_no_more(written)
 
 
 def test_bad_input_is_one_line(tmp_path):
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_results.py"), "--vidur", str(tmp_path)],
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_results.py"), "--vidur", str(tmp_path)],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 1
-    assert done.stderr.strip() == f"scripts/gpu_results.py: --vidur {tmp_path}: no mlp.csv there"
+    assert done.stderr.strip() == f"benchmarks/gpu_results.py: --vidur {tmp_path}: no mlp.csv there"

@@ -1,4 +1,4 @@
-"""scripts/results.py's pure parts: the markdown it writes from a constructed bench.json and fit JSON, and
+"""benchmarks/results.py's pure parts: the markdown it writes from a constructed bench.json and fit JSON, and
 the README's results block, which must carry docs/results.md's own conditions line and table."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("results_script", ROOT / "scripts" / "results.py")
+_spec = importlib.util.spec_from_file_location("results_script", ROOT / "benchmarks" / "results.py")
 results = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(results)
 

@@ -1,4 +1,4 @@
-"""scripts/serving_fidelity.py's mis-calibrated profile, on a constructed one: every target pass row scaled, the
+"""benchmarks/serving_fidelity.py's mis-calibrated profile, on a constructed one: every target pass row scaled, the
 draft's untouched, each in-situ step longer by its own target pass's difference; fitted, the target's predicted
 pass times move by the factor and the draft's do not. (The measurements themselves run for tens of minutes:
 docs/results.md shows them with the command.)"""
@@ -11,7 +11,7 @@ import pytest
 
 from perfmodel_fixtures import build_profile, roofline_latency
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import serving_fidelity  # noqa: E402
 
 TRUE_MS = roofline_latency()
