@@ -1,27 +1,13 @@
-"""The GPU section of docs/results.md: our fits on vidur's published A100 timings, and on a CPU calibration.
+"""The GPU section of docs/results.md: `fit`'s held-out errors and table on vidur's published A100 timings
+of Llama-2-7B, and the same on a CPU calibration of the demo pair.
 
     python benchmarks/gpu_results.py [--vidur DIR] [--cpu-profile FILE] [--acceptance A] [--out FILE] [--work DIR]
 
-Composes a profile from vidur's Llama-2-7B per-operation A100 timings with the installed `specbatch calibrate
---from-vidur` (target Llama-2-7B; draft one layer of its own block with its LM head, an EAGLE-sized draft
-vidur's folder also times; acceptance given), then measures, for each latency kind and for the kind `fit`
-chooses (by cross-validation among the roofline and the monotone refinement as before, and now with the
-staircase too):
-- held-out pass MAPE over batch sizes: fit on b in {1, 2, 4, 8, 16, 32} (a default calibration's), predict
-  every other batch size the data hold (1..128), and apart the b up to 32 (inside the grid) and above it
-  (beyond);
-- where the data step past b = 32 (increments of 3 % of the pass or more from one batch size to the next)
-  and where the fit on b <= 32 puts its steps;
-- held-out pass MAPE over contexts: each profiled context left out in turn;
-- the draft's staircase continued past its token counts by the target's fit (perfmodel/token_curve.py, as `fit`
-  does where the two have the same block), beside its own rows alone;
-- the same held-out protocol after calibrate's refinement (calibrate/refine.py) has added the target passes it
-  chooses, at a few budgets, each pass read from the data only once chosen;
-- the goodput the fitted table gives up against the best chain read from the composed passes directly, at
-  every batch size 1..128 and every profiled context;
-- k*(b) at contexts 256 and 2048 beside Su et al.'s OPT-6.7B/125M table;
-and the same held-out and goodput figures on a CPU calibration of the demo pair (--cpu-profile). Writes the
-section between its markers in --out (default docs/results.md; benchmarks/results.py keeps it) and prints it.
+Composes a profile with `specbatch calibrate --from-vidur` (draft: one layer of the target's block with its LM
+head), fits it on b in {1, 2, 4, 8, 16, 32} and predicts every other batch size (1..128) and each context left
+out, with the scoring `fit --holdout` uses (perfmodel.latency.held_out_report); then calibrate's refinement
+(calibrate/refine.py) at a few budgets, the goodput the fitted table gives up against the data's best chain,
+and k*(b) beside Su et al.'s table. Writes the section between its markers in --out and prints it.
 """
 from __future__ import annotations
 
@@ -41,7 +27,7 @@ import numpy as np
 from specbatch.calibrate.refine import DEFAULT_BUDGET, refinement_rounds
 from specbatch.perfmodel import latency as lat
 from specbatch.perfmodel.acceptance import acceptance_from_profile
-from specbatch.perfmodel.fit import overhead_model
+from specbatch.perfmodel.fit import fit_role, overhead_model, with_token_curve
 from specbatch.perfmodel.jsonio import write_text_atomic
 from specbatch.perfmodel.profile import ROLES, Profile, TimingRow, load_profile
 from specbatch.perfmodel.strategy import StepModel
@@ -54,86 +40,40 @@ import results  # noqa: E402
 from docs_sections import replace_section  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-
 SECTION = "gpu-data"  # this script's section of docs/results.md
 
 VIDUR = ROOT.parent / "shared" / "gpu_data" / "vidur" / "a100" / "Llama-2-7b-hf"
 CPU_PROFILE = ROOT / "data" / "profiles" / "demo-cpu.json"
 TRAIN_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 SU_ET_AL = {1: 7, 2: 6, 4: 4, 8: 4, 16: 3, 32: 1}  # OPT-6.7B with OPT-125M, arXiv:2310.18813
-BEFORE = (lat.ROOFLINE, lat.MONOTONE)  # the kinds `fit` chose among before the staircase; now: lat.kinds_for
 GOALS = {"mape": 3.0, "worst": 8.0, "loss": 1.0}  # percent
-EVERY_OTHER_B = "every b not fitted"  # the issue's protocol: fit on TRAIN_BATCH_SIZES, predict every other b
+EVERY_OTHER_B = "every b not fitted"  # fit on TRAIN_BATCH_SIZES, predict every other b
 STEP_SHARE = 0.03  # one more row adds at least this share of the pass: a step (kernel_notes' threshold)
 REFINE_BUDGETS = (16, 32, DEFAULT_BUDGET)  # passes the refinement may add: a few, then calibrate's default
 
 
-# ---------------------------------------------------------------- fitting as `fit` does, with a choice of kinds
-
-def fitted(shape: lat.RoleShape, points: lat.Points, kinds: Sequence[str], cv: dict | None = None) -> lat.LatencyModel:
-    """The kind `fit` would choose among `kinds` (grouped cross-validation, the same rule), fitted on `points`."""
-    cv = lat.cross_validate(shape, points) if cv is None else cv
-    return lat.fit_latency_model(shape, points, lat.select_kind({k: v for k, v in cv.items() if k in kinds}))
-
-
-def errors_pct(model: lat.LatencyModel, points: lat.Points) -> np.ndarray:
-    return np.abs(lat.percent_errors(model.latency_ms(points.batch_size, points.new_tokens, points.context_len),
-                                     points.latency_ms))
-
+# ---------------------------------------------------------------- held out, scored as `fit --holdout` scores
 
 @dataclass(frozen=True)
 class HeldOut:
     label: str
     role: str
-    by_kind: dict  # kind, "before" / "now", or ALONE -> (MAPE, worst) in percent
-    chosen: dict  # "before" / "now" -> the kind chosen
-    worst_at: dict  # as by_kind -> (b, n, L) of the worst point
-    test_points: int = 0
+    report: lat.HoldoutReport  # perfmodel.latency.held_out_report on this split
+    alone: tuple[float, float] | None = None  # the draft's staircase without the target's token curve
 
+    @property
+    def chosen(self) -> tuple[float, float]:
+        """MAPE and worst |error| in percent of the kind `fit` chooses."""
+        return self.report.mape_pct, self.report.max_error_pct
 
-ALONE = "staircase, own rows alone"  # the draft's staircase without the target's token curve
+    @property
+    def worst_at(self) -> tuple[int, int, int]:
+        point = self.report.worst[0]
+        return point.batch_size, point.new_tokens, point.context_len
 
-
-@dataclass(frozen=True)
-class Fits:
-    """One role's fits on one training set: each kind's, and the kinds `fit` chooses among before and now."""
-
-    by_kind: dict  # kind -> LatencyModel (the staircase with the token curve where it applies)
-    chosen: dict  # "before" / "now" -> kind
-    alone: lat.LatencyModel | None  # the staircase without the token curve, where it got one
-
-
-def fits_on(shape: lat.RoleShape, train: lat.Points, now: Sequence[str],
-            share: Callable[[lat.LatencyModel], lat.LatencyModel] | None = None) -> Fits:
-    """`share` continues a staircase by another role's token curve (perfmodel/token_curve.py), as `fit` does."""
-    cv = lat.cross_validate(shape, train)
-    by_kind = {kind: lat.fit_latency_model(shape, train, kind) for kind in lat.KINDS}
-    alone = None
-    if share is not None:
-        shared = share(by_kind[lat.STAIRCASE])
-        if shared is not by_kind[lat.STAIRCASE]:
-            alone, by_kind[lat.STAIRCASE] = by_kind[lat.STAIRCASE], shared
-    chosen = {name: lat.select_kind({k: v for k, v in cv.items() if k in kinds})
-              for name, kinds in (("before", BEFORE), ("now", now))}
-    return Fits(by_kind, chosen, alone)
-
-
-def scored(label: str, role: str, fits: Fits, test: lat.Points) -> HeldOut:
-    by_kind, worst_at = {}, {}
-    models = dict(fits.by_kind, **({} if fits.alone is None else {ALONE: fits.alone}))
-    for kind, model in models.items():
-        e = errors_pct(model, test)
-        by_kind[kind] = (float(e.mean()), float(e.max()))
-        i = int(np.argmax(e))
-        worst_at[kind] = (int(test.batch_size[i]), int(test.new_tokens[i]), int(test.context_len[i]))
-    for name, kind in fits.chosen.items():
-        by_kind[name], worst_at[name] = by_kind[kind], worst_at[kind]
-    return HeldOut(label, role, by_kind, dict(fits.chosen), worst_at, len(test))
-
-
-def held_out(label: str, role: str, shape: lat.RoleShape, train: lat.Points, test: lat.Points,
-             now: Sequence[str]) -> HeldOut:
-    return scored(label, role, fits_on(shape, train, now), test)
+    @property
+    def test_points(self) -> int:
+        return self.report.test_points
 
 
 def role_points(profile: Profile, role: str) -> tuple[lat.RoleShape, lat.Points]:
@@ -145,14 +85,29 @@ def sharing(profile: Profile, target: lat.LatencyModel) -> Callable[[lat.Latency
     return lambda model: share_token_curve(model, profile.draft, target, profile.target)
 
 
+def _alone(shape: lat.RoleShape, train: lat.Points, test: lat.Points) -> tuple[float, float]:
+    model = lat.fit_latency_model(shape, train, lat.STAIRCASE)
+    errors = np.abs(lat.percent_errors(model.latency_ms(test.batch_size, test.new_tokens, test.context_len),
+                                       test.latency_ms))
+    return float(errors.mean()), float(errors.max())
+
+
 def both_roles(profile: Profile, train: dict, tests: dict) -> list[HeldOut]:
-    """Fit each role on its `train` points (the draft's staircase continued by the target's fit chosen now) and
-    score every (label -> role -> test points) of `tests`."""
-    now = lat.kinds_for(profile.device.kind)
-    target = fits_on(role_points(profile, "target")[0], train["target"], now)
-    fits = {"target": target, "draft": fits_on(role_points(profile, "draft")[0], train["draft"], now,
-                                               sharing(profile, target.by_kind[target.chosen["now"]]))}
-    return [scored(label, role, fits[role], test[role]) for label, test in tests.items() for role in ROLES]
+    """Each role fitted on its `train` points and scored on every (label -> role -> test points) of `tests`; the
+    draft's models continued by the target's chosen fit, as `fit` does."""
+    kinds = lat.kinds_for(profile.device.kind)
+    shapes = {role: role_points(profile, role)[0] for role in ROLES}
+    target_kind = lat.select_kind(lat.cross_validate(shapes["target"], train["target"], kinds=kinds))
+    share = sharing(profile, lat.fit_latency_model(shapes["target"], train["target"], target_kind))
+    found = []
+    for label, test in tests.items():
+        for role in ROLES:
+            adapt = share if role == "draft" else None
+            report = lat.held_out_report(shapes[role], train[role], test[role], kinds, adapt=adapt)
+            shared = adapt is not None and lat.STAIRCASE in kinds and gemm_work_ratio(profile.target, profile.draft)
+            alone = _alone(shapes[role], train[role], test[role]) if shared else None
+            found.append(HeldOut(label, role, report, alone))
+    return found
 
 
 def gpu_held_out(profile: Profile) -> list[HeldOut]:
@@ -168,6 +123,19 @@ def gpu_held_out(profile: Profile) -> list[HeldOut]:
         found += both_roles(profile, {role: p.subset(~left[role]) for role, p in points.items()},
                             {f"L = {L} left out": {role: p.subset(left[role]) for role, p in points.items()}})
     return sorted(found, key=lambda row: ROLES.index(row.role))  # stable: each role's rows in the order above
+
+
+def cpu_held_out(profile: Profile) -> list[HeldOut]:
+    """`fit --holdout` itself: every other interior batch size and context left out."""
+    kinds = lat.kinds_for(profile.device.kind)
+    return [HeldOut("every other interior b, L", role, lat.evaluate_holdout(*role_points(profile, role), role, kinds))
+            for role in ROLES]
+
+
+def fitted_models(profile: Profile) -> dict[str, lat.LatencyModel]:
+    """Each role's model as `fit` makes it from the isolated passes, the draft's continued by the target's."""
+    return {role: fit.model for role, fit in
+            with_token_curve({role: fit_role(profile, role, False) for role in ROLES}, profile).items()}
 
 
 # ---------------------------------------------------------------- the base grid and calibrate's refinement
@@ -220,18 +188,6 @@ def where_refined(added: Sequence[tuple[int, int, int]]) -> str:
     if rows:
         parts.append(f"b = {', '.join(map(str, rows))} at n = 1")
     return "; ".join(parts) or "none"
-
-
-def cpu_held_out(profile: Profile) -> list[HeldOut]:
-    """`fit --holdout`'s split: every other interior batch size and context left out."""
-    found = []
-    for role in ("target", "draft"):
-        shape, points = role_points(profile, role)
-        test = (np.isin(points.batch_size, lat.every_other_interior(points.batch_size))
-                | np.isin(points.context_len, lat.every_other_interior(points.context_len)))
-        found.append(held_out("every other interior b, L", role, shape, points.subset(~test), points.subset(test),
-                              lat.kinds_for(profile.device.kind)))
-    return found
 
 
 # ---------------------------------------------------------------- goodput against the data's own best k
@@ -312,12 +268,6 @@ def steps_past_grid(profile: Profile, contexts: Sequence[int]) -> list[StepsPast
     return found
 
 
-def full_fits(profile: Profile, kinds: Sequence[str], cv: dict) -> dict[str, lat.LatencyModel]:
-    """Each role's fit on every point, the draft's continued by the target's token curve as `fit` does."""
-    models = {role: fitted(*role_points(profile, role), kinds, cv[role]) for role in ROLES}
-    return dict(models, draft=sharing(profile, models["target"])(models["draft"]))
-
-
 # ---------------------------------------------------------------- markdown
 
 def _pair(value: tuple[float, float], worst_digits: int = 0) -> str:
@@ -325,22 +275,21 @@ def _pair(value: tuple[float, float], worst_digits: int = 0) -> str:
 
 
 def held_out_table(rows: Sequence[HeldOut]) -> str:
-    lines = ["| role | held out | roofline | roofline+monotone | roofline+staircase | chosen before | chosen now |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+    """Held-out MAPE of every kind `fit` offers on the device, and the one it chooses with its worst point."""
+    lines = ["| role | held out | roofline | roofline+monotone | roofline+staircase | chosen: MAPE / worst |",
+             "|---|---|---:|---:|---:|---|"]
     for row in rows:
-        cells = [_pair(row.by_kind[k]) for k in lat.KINDS]
-        cells += [f"{_pair(row.by_kind[name])} ({row.chosen[name].replace('roofline+', '+')})"
-                  for name in ("before", "now")]
-        lines.append(f"| {row.role} | {row.label} | " + " | ".join(cells) + " |")
+        by_kind = row.report.mape_pct_by_kind
+        cells = [f"{by_kind[kind]:.1f}" if kind in by_kind else "-" for kind in lat.KINDS]
+        kind = row.report.kind.replace("roofline+", "+")
+        lines.append(f"| {row.role} | {row.label} | " + " | ".join(cells) + f" | {_pair(row.chosen)} ({kind}) |")
     return "\n".join(lines)
 
 
-def loss_table(before: Sequence[Loss], now: Sequence[Loss]) -> str:
-    lines = ["| context | batch sizes | before: worst (b, k fitted, k best) | before: mean | now: worst (b, k fitted, "
-             "k best) | now: mean |", "|---:|---:|---:|---:|---:|---:|"]
-    for old, new in zip(before, now):
-        lines.append(f"| {old.context_len} | {old.batch_sizes} | {old.worst_pct:.2f} % {old.where} | "
-                     f"{old.mean_pct:.2f} % | {new.worst_pct:.2f} % {new.where} | {new.mean_pct:.2f} % |")
+def loss_table(losses: Sequence[Loss]) -> str:
+    lines = ["| context | batch sizes | worst (b, k fitted, k best) | mean |", "|---:|---:|---:|---:|"]
+    lines += [f"| {loss.context_len} | {loss.batch_sizes} | {loss.worst_pct:.2f} % {loss.where} | "
+              f"{loss.mean_pct:.2f} % |" for loss in losses]
     return "\n".join(lines)
 
 
@@ -356,66 +305,51 @@ def best_k_table(now: Sequence[Loss], contexts=(256, 2048)) -> str:
 
 
 def verdict(value: float, goal: float) -> str:
-    return f"{value:.1f} % (goal <= {goal:g} %: {'met' if value <= goal else 'not met'})"
+    return f"{value:.1f} % {'met' if value <= goal else 'not met'}"
 
 
 def _at(where: tuple[int, int, int]) -> str:
     b, n, L = where
-    return f"b = {b}, n = {n}, L = {L}: {b * n} tokens"
+    return f"b = {b}, n = {n}, L = {L} ({b * n} tokens)"
 
 
-def goal_lines(gpu: Sequence[HeldOut], losses: Sequence[Loss], refinements: Sequence[Refined] = ()) -> str:
-    lines = []
-    for label in (EVERY_OTHER_B, "b inside the grid", "b beyond the grid"):
-        for row in (r for r in gpu if r.label == label):
-            mape, worst = row.by_kind["now"]
-            lines.append(f"- {row.role}, {label}: MAPE {verdict(mape, GOALS['mape'])}, worst "
-                         f"{verdict(worst, GOALS['worst'])} ({_at(row.worst_at['now'])}).")
-    contexts = [r for r in gpu if r.label.startswith("L = ")]
-    for role in ("target", "draft"):
-        mine = [r for r in contexts if r.role == role]
-        worst = max(mine, key=lambda r: r.by_kind["now"][1])
-        lines.append(f"- {role}, each context left out: MAPE at most "
-                     f"{verdict(max(r.by_kind['now'][0] for r in mine), GOALS['mape'])}, worst "
-                     f"{verdict(worst.by_kind['now'][1], GOALS['worst'])} ({_at(worst.worst_at['now'])}).")
+def goal_table(gpu: Sequence[HeldOut], losses: Sequence[Loss], refinements: Sequence[Refined] = ()) -> str:
+    """Each held-out figure against its goal, and the goodput the table gives up against its own."""
+    rows = [(f"{row.role}, {label}", row.chosen, row.worst_at) for label in (EVERY_OTHER_B, "b inside the grid",
+            "b beyond the grid") for row in gpu if row.label == label]
+    for role in ROLES:
+        mine = [r for r in gpu if r.label.startswith("L = ") and r.role == role]
+        worst = max(mine, key=lambda r: r.chosen[1])
+        rows.append((f"{role}, each context left out (the largest)", (max(r.chosen[0] for r in mine), worst.chosen[1]),
+                     worst.worst_at))
     for run in refinements[-1:]:
-        for row in run.rows:
-            mape, worst = row.by_kind["now"]
-            lines.append(f"- {row.role}, {row.label}, the base grid and {len(run.added)} target passes chosen by "
-                         f"the refinement (budget {run.budget}): MAPE {verdict(mape, GOALS['mape'])}, worst "
-                         f"{verdict(worst, GOALS['worst'])} ({_at(row.worst_at['now'])}).")
+        rows += [(f"{row.role}, refined (budget {run.budget}, {len(run.added)} target passes added), every b not "
+                  "fitted nor refined", row.chosen, row.worst_at) for row in run.rows]
+    lines = [f"| held out | MAPE (goal <= {GOALS['mape']:g} %) | worst (goal <= {GOALS['worst']:g} %) | worst point |",
+             "|---|---:|---:|---|"]
+    lines += [f"| {name} | {verdict(mape, GOALS['mape'])} | {verdict(worst, GOALS['worst'])} | {_at(at)} |"
+              for name, (mape, worst), at in rows]
     worst = max(losses, key=lambda loss: loss.worst_pct)
-    lines.append(f"- Goodput given up by the table, every b in 1..128 and every context: at most "
-                 f"{verdict(worst.worst_pct, GOALS['loss'])} (L = {worst.context_len}, b = {worst.where[0]}).")
+    lines += ["", f"Goodput given up by the table, every b in 1..128 and every context: at most "
+              f"{verdict(worst.worst_pct, GOALS['loss'])} (goal <= {GOALS['loss']:g} %; L = {worst.context_len}, "
+              f"b = {worst.where[0]})."]
     return "\n".join(lines)
 
 
-def refined_worst(refinements: Sequence[Refined]) -> str:
-    """Where the target's worst point lies at each budget, against the grid the refinement measures in."""
-    places = [next(r for r in run.rows if r.role == "target").worst_at["now"] for run in refinements]
-    top = max(TRAIN_BATCH_SIZES)
-    if not places or any(b <= top for b, _, _ in places):
-        return ""
-    return (f" At every budget the target's worst point lies past b = {top}, where the refinement measures nothing "
-            f"({'; '.join(f'budget {run.budget}: {_at(place)}' for run, place in zip(refinements, places))}): a "
-            "budget moves it only by what the passes it added "
-            "change in the fit.")
-
-
 def refined_table(gpu: Sequence[HeldOut], refinements: Sequence[Refined]) -> str:
-    """Held-out figures (the kinds chosen now) on the base grid alone, then with each budget's refinement."""
+    """Held-out figures (the kind `fit` chooses) on the base grid alone, then with each budget's refinement."""
     plain = {row.role: row for row in gpu if row.label == EVERY_OTHER_B}
     lines = ["| budget | target passes added | where (tokens: b x n at L; batch sizes: n = 1 at every context) | "
              "target: MAPE / worst | draft: MAPE / worst | rows predicted |", "|---|---:|---|---:|---:|---:|"]
     predicted = plain["target"].test_points + plain["draft"].test_points
-    lines.append(f"| none (the base grid) | 0 | - | {_pair(plain['target'].by_kind['now'], 1)} | "
-                 f"{_pair(plain['draft'].by_kind['now'], 1)} | {predicted} |")
+    lines.append(f"| none (the base grid) | 0 | - | {_pair(plain['target'].chosen, 1)} | "
+                 f"{_pair(plain['draft'].chosen, 1)} | {predicted} |")
     for run in refinements:
         rows = {row.role: row for row in run.rows}
         missing = f" ({run.unavailable} more not in the data)" if run.unavailable else ""
         default = " (calibrate's)" if run.budget == DEFAULT_BUDGET else ""
         lines.append(f"| {run.budget}{default} | {len(run.added)}{missing} | {where_refined(run.added)} | "
-                     f"{_pair(rows['target'].by_kind['now'], 1)} | {_pair(rows['draft'].by_kind['now'], 1)} | "
+                     f"{_pair(rows['target'].chosen, 1)} | {_pair(rows['draft'].chosen, 1)} | "
                      f"{rows['target'].test_points + rows['draft'].test_points} |")
     return "\n".join(lines)
 
@@ -433,163 +367,79 @@ def steps_table(steps: Sequence[StepsPast]) -> str:
     return "\n".join(lines)
 
 
-def steps_explained(profile: Profile, steps: Sequence[StepsPast], gpu: Sequence[HeldOut]) -> str:
-    """How the steps past the grid fall against the target's learnt tile, and why the draft's rows cannot show
-    its steps, from the figures above."""
+def notes(profile: Profile, gpu: Sequence[HeldOut], losses: Sequence[Loss]) -> str:
+    """Short facts behind the tables: the learnt tile, the draft's token curve, the draft's cost and the
+    attention's share at long contexts."""
     shape, points = role_points(profile, "target")
     train = points.subset(np.isin(points.batch_size, TRAIN_BATCH_SIZES))
-    tile = lat.fit_latency_model(shape, train, lat.STAIRCASE).staircase.tile_tokens() or 0
-    widest = max(profile.grid.target_new_tokens)
-    row = next(r for r in steps if r.role == "target" and r.new_tokens == widest)
-
-    def crossed(b: int) -> int | None:  # the multiple of the tile between b and b + 1 rows of `widest` tokens
-        multiple = (b * widest // tile + 1) * tile if tile else 0
-        return multiple if tile and multiple <= (b + 1) * widest else None
-
-    hits = [crossed(b) for b, _ in row.measured if crossed(b)]
-    others = [(b + 1) * widest for b, _ in row.measured if not crossed(b)]
-    missing = [crossed(b) for b, _ in row.predicted if crossed(b) and crossed(b) not in hits]
-    d_shape, d_points = role_points(profile, "draft")
-    d_train = d_points.subset(np.isin(d_points.batch_size, TRAIN_BATCH_SIZES))
-    d_model = lat.fit_latency_model(d_shape, d_train, lat.STAIRCASE)
-    d_b, d_n, d_L = d_train.batch_size, d_train.new_tokens, d_train.context_len
-    compute_bound = int(np.sum(d_model.roofline.compute_ms(d_shape, d_b, d_n, d_L)
-                               > d_model.roofline.memory_ms(d_shape, d_b, d_n, d_L)))
-    d_widest = max(profile.grid.draft_new_tokens)
-    d_row = next(r for r in steps if r.role == "draft" and r.new_tokens == d_widest)
-    worst = next(r for r in gpu if r.role == "target" and r.label == "b beyond the grid").worst_at["now"]
-    waves = next(r for r in steps if r.role == "target" and r.new_tokens == min(profile.grid.target_new_tokens)
-                 and r.context_len == max(profile.grid.context_lens))
-    unseen = [(b, pct) for b, pct in waves.measured if b not in {b for b, _ in waves.predicted}]
+    tile = lat.fit_latency_model(shape, train, lat.STAIRCASE).staircase.tile_tokens()
+    reach = int(np.max(train.batch_size * train.new_tokens))
+    lines = [f"- Fitted on b <= {max(TRAIN_BATCH_SIZES)}, the target's rows reach {reach} tokens; its staircase "
+             + (f"learns a tile of {tile} tokens." if tile else "learns no tile.")]
     beyond = next(r for r in gpu if r.role == "draft" and r.label == "b beyond the grid")
     ratio = gemm_work_ratio(profile.target, profile.draft)
-    if ratio is None or ALONE not in beyond.by_kind:
-        shared = ("no fit of those rows alone can place or size them, and the target's cannot be lent (their "
-                  "blocks differ, perfmodel/token_curve.py): the draft's figures past the grid show it.")
-    else:
-        alone, now = beyond.by_kind[ALONE], beyond.by_kind["now"]
-        shared = (f"no fit of those rows alone can place or size them (its staircase on its own rows: "
-                  f"{_pair(alone)} % held out past the grid). Its GEMMs have the target's widths (one layer of "
-                  f"the target's block, and its head), so `fit` continues it past its token counts along the "
-                  f"target's fit at b = {max(TRAIN_BATCH_SIZES)} and {min(profile.grid.context_lens)} cached tokens, "
-                  f"scaled by their GEMM work per token ({ratio:.4f}, from the models' shapes; "
-                  f"perfmodel/token_curve.py): {_pair(now)} % past the grid, the steps in the last column. That "
-                  "holds for drafts made of the target's layers or of its width (EAGLE); a draft of other widths "
-                  "runs other kernels and gets no curve.")
-    return (f"Where the steps fall. Fitted on b <= {max(TRAIN_BATCH_SIZES)}, the target's rows reach "
-            f"{int(np.max(train.batch_size * train.new_tokens))} tokens; its staircase learns a tile of {tile} tokens "
-            f"and puts a step at each multiple past them. At {widest} tokens per row and {row.context_len} cached "
-            f"tokens the data step at {', '.join(map(str, hits)) or 'none'} of those multiples, and also where the "
-            f"tile says nothing (the pass of {', '.join(map(str, others)) or 'no'} tokens: the library's own tile "
-            f"choices past the measured counts){'' if not missing else ', and not at ' + ', '.join(map(str, missing))}"
-            f": the target's worst point past the grid ({_at(worst)}) sits among them. No wave width is learnt "
-            f"from b = {', '.join(map(str, TRAIN_BATCH_SIZES))} (no two neighbouring batch sizes past 2), so the "
-            f"attention's waves past b = {max(TRAIN_BATCH_SIZES)} (at one token per row and {waves.context_len} cached "
-            f"tokens, the data's steps after b = {', '.join(f'{b} (+{pct:.0f} %)' for b, pct in unseen) or 'none'}) "
-            f"are averaged into the cost of a row. The draft's rows at "
-            f"b <= {max(TRAIN_BATCH_SIZES)} feed at most {int(np.max(d_b * d_n))} tokens: {compute_bound} of its "
-            f"{len(d_train)} rows are compute-bound in its own roofline (fitted FLOP rate "
-            f"{d_model.roofline.flops_TFLOPs:.0f} TFLOPs: no row sets it), its staircase learns "
-            f"{'no' if d_model.staircase.tile_tokens() is None else 'a'} tile, and past b = {max(TRAIN_BATCH_SIZES)} "
-            "its passes cross the GEMM steps its rows never reach "
-            f"(after b (tokens): {_steps(d_row.measured, d_widest, ' %')} at {d_widest} tokens per row, "
-            f"{d_row.context_len} cached): " + shared)
-
-
-def differences(profile: Profile, target: lat.LatencyModel, now: Sequence[Loss]) -> str:
-    """What differs from Su et al.'s table, with the composed figures that explain it."""
+    if ratio is not None and beyond.alone is not None:
+        lines.append(f"- Draft past the grid: {_pair(beyond.alone)} % on its own rows, {_pair(beyond.chosen)} % "
+                     f"continued along the target's fit (GEMM work per token {ratio:.4f}, perfmodel/token_curve.py).")
     rows = {(r.model, r.batch_size, r.new_tokens, r.context_len): r.median_ms for r in profile.timings}
     short, long = min(profile.grid.context_lens), max(profile.grid.context_lens)
-    best = {loss.context_len: {b: ks[0] for b, ks in loss.best_k.items()} for loss in now}
-    draft_share = 100 * rows[("draft", 1, 1, short)] / rows[("target", 1, 1, short)]
-    at_32 = (rows[("target", 32, 1, short)], rows[("target", 32, 1, long)])
-    verify_32 = (rows[("target", 32, best[long][32] + 1, long)] / at_32[1] - 1) * 100
-    big = sorted(s.after for s in (target.staircase.steps if target.staircase else ()) if s.axis == "tokens"
-                 and s.sharp and s.coefficient >= 0.1 * float(target.latency_ms(max(1.0, s.after), 1, short)))
-    first = f"the step after {big[0]:g} tokens" if big else "any step of 10 % or more"
-
-    def verify(b: int, L: int) -> str:
-        tokens = b * (best[L][b] + 1)
-        side = "before" if not big or tokens <= big[0] else "past"
-        return f"k* = {best[L][b]}, whose verify pass of {tokens} tokens is {side} {first}"
-
-    return (f"What differs from Su et al. and why. At b = 16 ({short} cached tokens) {verify(16, short)} (theirs: "
-            f"3): this draft is one Llama-2-7B layer whose composed pass costs {draft_share:.0f} % of the target's "
-            f"at b = 1 (vidur's per-operation times leave out the launch gaps between operations, which weigh most "
-            f"in a small model's pass: a separate small draft costs more than this). At b = 32, "
-            f"{verify(32, short)} (theirs: 1). At {long} cached tokens, {verify(32, long)}: the decode attention "
-            f"reads every row's cache whatever the tokens fed (a pass of 32 rows costs {at_32[1]:.1f} ms there "
-            f"against {at_32[0]:.1f} ms at {short}), "
-            f"so that verify pass adds only {verify_32:.0f} % to a pass of one token. The fitted target's steps of "
-            f"10 % or more are past {', '.join(f'{a:g}' for a in big) or 'none'} tokens.")
+    share = 100 * rows[("draft", 1, 1, short)] / rows[("target", 1, 1, short)]
+    lines.append(f"- The draft's composed pass costs {share:.0f} % of the target's at b = 1 (launch gaps left out); "
+                 "Su et al.'s separate small draft costs more.")
+    best = {loss.context_len: loss.best_k for loss in losses}
+    if 32 in best.get(long, {}):
+        k = best[long][32][0]
+        one, verify = rows[("target", 32, 1, long)], rows[("target", 32, k + 1, long)]
+        lines.append(f"- At b = 32 a pass costs {rows[('target', 32, 1, short)]:.1f} ms at {short} cached tokens and "
+                     f"{one:.1f} ms at {long}; there a verify pass of k* = {k} adds {100 * (verify / one - 1):.0f} %.")
+    return "\n".join(lines)
 
 
-def cpu_staircase(cpu: Sequence[HeldOut]) -> str:
-    """The staircase's held-out MAPE on the CPU profile beside the chosen kind's."""
-    return "held out, the staircase would give " + ", ".join(
-        f"{r.by_kind[lat.STAIRCASE][0]:.1f} % for the {r.role} (chosen: {r.by_kind['now'][0]:.1f} %)" for r in cpu)
-
-
-def render(conditions: str, command: str, seconds: float, gpu: Sequence[HeldOut], before: Sequence[Loss],
-           now: Sequence[Loss], cpu_conditions: str, cpu: Sequence[HeldOut], cpu_before: Sequence[Loss],
-           cpu_now: Sequence[Loss], differences: str, steps: Sequence[StepsPast], explained: str,
+def render(conditions: str, command: str, gpu: Sequence[HeldOut], losses: Sequence[Loss], cpu_conditions: str,
+           cpu: Sequence[HeldOut], cpu_losses: Sequence[Loss], steps: Sequence[StepsPast], facts: str,
            refinements: Sequence[Refined] = ()) -> str:
+    grid = ", ".join(map(str, TRAIN_BATCH_SIZES))
     return f"""## The GPU regime, from published timings
 
-Written by `python benchmarks/gpu_results.py` ({seconds:.0f} s here): {conditions}
+{conditions}
 
 ```bash
 {command}
 ```
 
-**Held-out pass MAPE / worst point, percent** (the kind `fit` chooses by cross-validation in the last two
-columns: among the roofline and the monotone refinement before, with the staircase now on a GPU profile; the
-draft's staircase continued past its token counts by the target's fit, as `fit` now does, below).
-Batch sizes: fitted on b = {', '.join(map(str, TRAIN_BATCH_SIZES))}, every other b the data hold predicted
-(all of them, then apart those inside the grid and those past it); contexts: each left out in turn:
+**Held-out pass MAPE, percent** (fitted on b = {grid}; every other b predicted, or each context left out):
 
 {held_out_table(gpu)}
 
-**Where one more row makes the pass {100 * STEP_SHARE:.0f} % dearer or more past b = {max(TRAIN_BATCH_SIZES)}**,
-in the composed passes and in the staircase fitted on b = {', '.join(map(str, TRAIN_BATCH_SIZES))}, at the
-narrowest and widest pass of each role:
+**Steps past b = {max(TRAIN_BATCH_SIZES)}**: where one more row makes the pass {100 * STEP_SHARE:.0f} % dearer or \
+more, in the data and in the staircase fitted on b = {grid}:
 
 {steps_table(steps)}
 
-{explained}
-
-**Calibration that looks for steps** (calibrate/refine.py, what `calibrate` runs on a GPU): the base grid
-(b = {', '.join(map(str, TRAIN_BATCH_SIZES))}), then, round after round, a target pass in the middle of every gap
-where the staircase fitted to what is measured so far ramps a step of 3 % of the pass or more (a token count
-at the smallest context; a batch size at one token per row and every context), up to a budget of passes, each
-read from the data only once chosen. Fitted on all of it (the draft continued by the target's fit as above),
-every other row the data hold predicted; the chosen passes are no longer held out. The refinement stays
-within the grid's batch sizes: past them (b > {max(TRAIN_BATCH_SIZES)}) it measures nothing.{refined_worst(refinements)}
+**Calibrate's refinement** (calibrate/refine.py): the base grid, then the target passes it chooses up to a budget;
+every row not fitted predicted:
 
 {refined_table(gpu, refinements)}
 
-**Goodput the fitted table gives up** against the best chain read from the composed passes themselves
-(both goodputs from the composed passes; same acceptance, no step overhead), every batch size 1..128:
+**Goodput the fitted table gives up** against the best chain read from the composed passes, every b in 1..128:
 
-{loss_table(before, now)}
+{loss_table(losses)}
 
-**The best k per batch size** (now), read from the composed passes (data) and chosen by the fit:
+**The best k per batch size**, from the composed passes (data) and from the fit:
 
-{best_k_table(now)}
+{best_k_table(losses)}
 
-Against the goals:
+**Against the goals**:
 
-{goal_lines(gpu, now, refinements)}
+{goal_table(gpu, losses, refinements)}
 
-{differences}
+{facts}
 
-**The same on a CPU calibration** ({cpu_conditions}): held-out pass MAPE / worst, and the goodput given
-up at the measured batch sizes. On a CPU `fit` does not offer the staircase (a shared CPU's slow spells
-last a grid cell's points and look like steps), so its choices are the ones it made before; {cpu_staircase(cpu)}:
+**A CPU calibration** ({cpu_conditions}), `fit --holdout`'s split, and the goodput given up at its batch sizes:
 
 {held_out_table(cpu)}
 
-{loss_table(cpu_before, cpu_now)}
+{loss_table(cpu_losses)}
 """
 
 
@@ -651,40 +501,25 @@ def _main(args: argparse.Namespace) -> int:
     path, command = compose(args.vidur, args.acceptance, args.max_batch, work)
     profile = load_profile(path)
     gpu = gpu_held_out(profile)
-    contexts = sorted({min(profile.grid.context_lens), max(profile.grid.context_lens)})
-    steps = steps_past_grid(profile, contexts)
-    cv = {role: lat.cross_validate(*role_points(profile, role)) for role in ("target", "draft")}
-    batch_sizes = range(1, args.max_batch + 1)
-    before = goodput_losses(profile, full_fits(profile, BEFORE, cv), batch_sizes)
-    fits_now = full_fits(profile, lat.kinds_for(profile.device.kind), cv)
-    now = goodput_losses(profile, fits_now, batch_sizes)
+    steps = steps_past_grid(profile, sorted({min(profile.grid.context_lens), max(profile.grid.context_lens)}))
+    losses = goodput_losses(profile, fitted_models(profile), range(1, args.max_batch + 1))
     cpu_profile = load_profile(args.cpu_profile)
-    cpu_cv = {role: lat.cross_validate(*role_points(cpu_profile, role)) for role in ("target", "draft")}
     cpu = cpu_held_out(cpu_profile)
-    cpu_sizes = cpu_profile.grid.batch_sizes
-    cpu_before = goodput_losses(cpu_profile, full_fits(cpu_profile, BEFORE, cpu_cv), cpu_sizes)
-    cpu_now = goodput_losses(cpu_profile, full_fits(cpu_profile, lat.kinds_for(cpu_profile.device.kind), cpu_cv),
-                             cpu_sizes)
-    grid = profile.grid
-    conditions = (f"vidur's per-operation A100 timings of Llama-2-7B (fp16, one GPU), composed by `calibrate "
-                  f"--from-vidur` into {len(profile.timings)} passes (batch sizes {grid.batch_sizes[0]}-"
-                  f"{grid.batch_sizes[-1]}, contexts {', '.join(map(str, grid.context_lens))}, verify passes of "
-                  f"1-{grid.max_k + 1} tokens; {profile.composition.padded_rows} at a token count read from the next "
-                  f"profiled one); left out: {'; '.join(profile.composition.left_out)}. Target Llama-2-7B, draft "
-                  f"one Llama-2-7B layer with its LM head, acceptance {args.acceptance} per position (given), "
-                  f"k = 0..{grid.max_k}.")
-    noise = cpu_profile.noise
-    threads = cpu_profile.device.cpu_threads
-    cpu_conditions = (f"the demo pair on {cpu_profile.device.name}, {threads} thread{'s' if threads > 1 else ''}, "
-                      f"batch sizes {', '.join(map(str, cpu_sizes))}, contexts "
-                      f"{', '.join(map(str, cpu_profile.grid.context_lens))}"
-                      + (f"; its reference pass lay {100 * noise.floor_mape:.0f} % from its own median on average"
-                         if noise is not None else ""))
+    cpu_losses = goodput_losses(cpu_profile, fitted_models(cpu_profile), cpu_profile.grid.batch_sizes)
     refinements = [refined(profile, budget) for budget in REFINE_BUDGETS]
-    section = render(conditions, "python benchmarks/gpu_results.py    # runs: " + command, time.monotonic() - started,
-                     gpu, before, now, cpu_conditions, cpu, cpu_before, cpu_now,
-                     differences(profile, fits_now["target"], now), steps, steps_explained(profile, steps, gpu),
-                     refinements)
+    grid, noise, threads = profile.grid, cpu_profile.noise, cpu_profile.device.cpu_threads
+    seconds = time.monotonic() - started
+    conditions = (f"vidur's A100 timings of Llama-2-7B (fp16) composed into {len(profile.timings)} passes (b = "
+                  f"{grid.batch_sizes[0]}-{grid.batch_sizes[-1]}, L = {', '.join(map(str, grid.context_lens))}, "
+                  f"1-{grid.max_k + 1} tokens per row; left out: {'; '.join(profile.composition.left_out)}); draft "
+                  f"one Llama-2-7B layer with its LM head; acceptance {args.acceptance} per position; k = "
+                  f"0..{grid.max_k}; {seconds:.0f} s on the CPU.")
+    cpu_conditions = (f"the demo pair on {cpu_profile.device.name}, {threads} thread{'s' if threads > 1 else ''}, "
+                      f"b = {', '.join(map(str, cpu_profile.grid.batch_sizes))}, L = "
+                      f"{', '.join(map(str, cpu_profile.grid.context_lens))}"
+                      + (f", noise floor {100 * noise.floor_mape:.0f} %" if noise is not None else ""))
+    section = render(conditions, "python benchmarks/gpu_results.py    # runs: " + command, gpu, losses,
+                     cpu_conditions, cpu, cpu_losses, steps, notes(profile, gpu, losses), refinements)
     write_section(args.out, section)
     print(section)
     print(f"wrote the GPU section of {args.out}; the composed profile is {path}")

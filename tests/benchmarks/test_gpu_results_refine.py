@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from specbatch.perfmodel import latency as lat
 from specbatch.perfmodel.profile import profile_from_json
 from perfmodel_fixtures import build_profile, roofline_latency
 
@@ -40,7 +41,7 @@ def test_the_refined_passes_are_fitted_not_held_out():
         added = len(run.added) if role == "target" else 0
         assert row.test_points == (40 - len(gpu_results.TRAIN_BATCH_SIZES)) * per_role[role] - added
         assert row.label == "every b not fitted nor refined"
-        assert np.isfinite(row.by_kind["now"]).all()
+        assert np.isfinite(row.chosen).all()
 
 
 def test_where_the_refinement_measured_and_its_table():
@@ -49,8 +50,9 @@ def test_where_the_refinement_measured_and_its_table():
     assert gpu_results.where_refined(()) == "none"
 
     def row(role: str, label: str, mape: float, worst: float, tested: int):
-        return gpu_results.HeldOut(label, role, {"now": (mape, worst)}, {"now": "roofline+staircase"},
-                                   {"now": (1, 1, 1)}, tested)
+        point = lat.PointError(1, 1, 1, 1.0, 1.0 + worst / 100, worst)
+        report = lat.HoldoutReport((), (), 0, tested, lat.STAIRCASE, mape, worst, {lat.STAIRCASE: mape}, (point,))
+        return gpu_results.HeldOut(label, role, report)
 
     plain = [row("target", gpu_results.EVERY_OTHER_B, 1.94, 8.61, 100), row("draft", gpu_results.EVERY_OTHER_B,
                                                                            2.0, 10.04, 50)]
