@@ -331,7 +331,8 @@ def goal_table(gpu: Sequence[HeldOut], losses: Sequence[Loss], refinements: Sequ
               for name, (mape, worst), at in rows]
     worst = max(losses, key=lambda loss: loss.worst_pct)
     lines += ["", f"Goodput given up by the table, every b in 1..128 and every context: at most "
-              f"{verdict(worst.worst_pct, GOALS['loss'])} (goal <= {GOALS['loss']:g} %; L = {worst.context_len}, "
+              f"{worst.worst_pct:.1f} % (goal <= {GOALS['loss']:g} %: "
+              f"{'met' if worst.worst_pct <= GOALS['loss'] else 'not met'}; L = {worst.context_len}, "
               f"b = {worst.where[0]})."]
     return "\n".join(lines)
 
@@ -511,7 +512,8 @@ def _main(args: argparse.Namespace) -> int:
     seconds = time.monotonic() - started
     conditions = (f"vidur's A100 timings of Llama-2-7B (fp16) composed into {len(profile.timings)} passes (b = "
                   f"{grid.batch_sizes[0]}-{grid.batch_sizes[-1]}, L = {', '.join(map(str, grid.context_lens))}, "
-                  f"1-{grid.max_k + 1} tokens per row; left out: {'; '.join(profile.composition.left_out)}); draft "
+                  f"1-{grid.max_k + 1} tokens per row, {profile.composition.padded_rows} of them at a token count read "
+                  f"from the next profiled one; left out: {'; '.join(profile.composition.left_out)}); draft "
                   f"one Llama-2-7B layer with its LM head; acceptance {args.acceptance} per position; k = "
                   f"0..{grid.max_k}; {seconds:.0f} s on the CPU.")
     cpu_conditions = (f"the demo pair on {cpu_profile.device.name}, {threads} thread{'s' if threads > 1 else ''}, "

@@ -125,22 +125,28 @@ def _step_stage(fit: dict[str, Any]) -> tuple[dict | None, dict | None]:
     return source, correction
 
 
+def _listed(values: Sequence[int]) -> str:
+    """A few values listed, many summarized: [2, 8] -> '2, 8'; 20 values -> '20 from 48 to 385'."""
+    return ", ".join(map(str, values)) if len(values) <= 4 else f"{len(values)} from {min(values)} to {max(values)}"
+
+
 def fit_figures(fit: dict[str, Any], noise: dict[str, Any] | None = None) -> str:
-    """The fit's held-out figures as markdown bullets: each role's held-out pass MAPE, the timing source's
-    held-out step MAPE, the in-situ step correction's held-out paired error, and the noise floor."""
-    lines = []
+    """The fit's held-out figures: a table of each role's pass MAPE in sample and held out, then bullets for the
+    timing source's held-out step MAPE, the in-situ step correction's held-out paired error and the noise floor."""
+    lines = ["| role | kind | in-sample MAPE | held out (b; L) | points | held-out MAPE | worst |",
+             "|---|---|---:|---|---:|---:|---:|"]
     for role, obj in fit.get("roles", {}).items():
         validation = obj.get("validation", {})
         holdout = validation.get("holdout")
-        line = (f"- **{role}** pass latency, {obj.get('kind', '?')}: in-sample MAPE "
-                f"{validation.get('in_sample_mape_pct', 0):.1f} %")
+        cells = ["-"] * 4
         if holdout:
-            left_out = f"b in {holdout['held_out_batch_sizes']}"
-            if holdout["held_out_context_lens"]:
-                left_out += f", L in {holdout['held_out_context_lens']}"
-            line += (f"; held out ({left_out}, {holdout['test_points']} points): MAPE {holdout['mape_pct']:.1f} %, "
-                     f"worst {holdout['max_error_pct']:.1f} %")
-        lines.append(line + ".")
+            left_out = _listed(holdout["held_out_batch_sizes"]) or "-"
+            left_out += f"; {_listed(holdout['held_out_context_lens']) or '-'}"
+            cells = [left_out, str(holdout["test_points"]), f"{holdout['mape_pct']:.1f} %",
+                     f"{holdout['max_error_pct']:.1f} %"]
+        lines.append(f"| {role} | {obj.get('kind', '?')} | {validation.get('in_sample_mape_pct', 0):.1f} % | "
+                     + " | ".join(cells) + " |")
+    lines.append("")
     source, correction = _step_stage(fit)
     if source:
         held = [f"{s['source']} {s['heldout_step_mape_pct']:.1f} %" for s in source.get("sources", [])

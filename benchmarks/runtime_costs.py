@@ -166,13 +166,16 @@ def markdown(figures: dict) -> str:
     lines = [
         "## What the runtime pays for a batch",
         "",
-        "Written by `OMP_NUM_THREADS=1 python benchmarks/runtime_costs.py --write-docs"
+        f"Demo pair, float32, {figures['machine']}, torch {figures['torch']}, {figures['threads']} thread, "
+        f"{figures['rounds']} rounds.",
+        "",
+        "```bash",
+        "OMP_NUM_THREADS=1 python benchmarks/runtime_costs.py --write-docs"
         + (f" --rounds {figures['rounds']}" if figures["rounds"] != DEFAULT_ROUNDS else "")
         + (f" --vllm-table {Path(figures['vllm']['table']).name}" if figures.get("vllm") else "")
         + (f" --vllm-rounds {figures['vllm']['rounds']}"
-           if figures.get("vllm") and figures["vllm"]["rounds"] != DEFAULT_ROUNDS else "")
-        + f"` ({figures['machine']}, "
-        f"torch {figures['torch']}, {figures['threads']} thread, demo pair, float32, {figures['rounds']} rounds).",
+           if figures.get("vllm") and figures["vllm"]["rounds"] != DEFAULT_ROUNDS else ""),
+        "```",
         "",
         f"A ragged batch ({figures['batch_size']} rows: one prompt of {figures['long']} tokens among "
         f"{figures['batch_size'] - 1} of {figures['short']}) against a uniform one ({figures['short']} tokens "

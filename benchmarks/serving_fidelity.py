@@ -372,17 +372,22 @@ def render(figures: dict, args) -> str:
     lines = [
         "## Serving fidelity",
         "",
-        "The step model beside the served steps, a mis-calibrated profile with and without `--refit`, and the drift "
-        "warning ([serving.md](serving.md#the-model-beside-the-served-steps), [adaptive.md](adaptive.md)).",
-        "",
         f"Demo pair, greedy, {platform.processor() or platform.machine()}, torch {torch.__version__}, one torch "
         f"thread; Poisson arrivals at {rates} requests/s, {args.requests} requests of "
         f"{args.max_tokens[0]}-{args.max_tokens[1]} tokens per trace, batch size up to {args.max_batch_size}; "
-        f"{args.rounds} rounds after {args.warmup_rounds} warm-up, each a new trace per rate served by every policy "
-        "in lockstep, one step of each in turn, each in its own virtual time (in-process, no HTTP; each policy's "
-        "engine kept across rounds). "
-        f"Mis-calibrated: the profile's target pass times x{args.factor:g} (slower) or /{args.factor:g} (faster), "
-        "refitted.",
+        f"{args.rounds} rounds after {args.warmup_rounds} warm-up; mis-calibrated: the profile's target pass times "
+        f"x{args.factor:g} (slower) or /{args.factor:g} (faster), refitted.",
+        "",
+        "```bash",
+        f"OMP_NUM_THREADS=1 python benchmarks/serving_fidelity.py --rounds {args.rounds} "
+        f"--rates {rates.replace(' ', '')} "
+        f"--requests {args.requests} --quiet-minutes {args.quiet_minutes:g} --write-docs",
+        "```",
+        "",
+        "Each round serves a new trace per rate to every policy in lockstep, one step of each in turn, each in its "
+        "own virtual time (in-process, no HTTP; each policy's engine kept across rounds); "
+        "[serving.md](serving.md#the-model-beside-the-served-steps) and [adaptive.md](adaptive.md) say what is "
+        "measured.",
         "",
         "| adaptive on the profile | rate /s | TPOT / correct profile's [range] | measured / predicted step "
         "seconds | with --refit: TPOT / correct [range] | measured / re-fitted |",
@@ -427,13 +432,6 @@ def render(figures: dict, args) -> str:
         lines.append(f"| {name} | {warned} | "
                      f"{number(band['change'], 'x{:.2f}')} | {band['quiet_warnings']} | "
                      f"{band['quiet_mismatch_warnings']} |")
-    lines += [
-        "",
-        "```bash",
-        f"OMP_NUM_THREADS=1 python benchmarks/serving_fidelity.py --rounds {args.rounds} "
-        f"--rates {rates.replace(' ', '')} "
-        f"--requests {args.requests} --quiet-minutes {args.quiet_minutes:g} --write-docs",
-        "```"]
     return "\n".join(lines)
 
 

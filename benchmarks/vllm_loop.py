@@ -108,16 +108,14 @@ def render(commands: list[tuple[str, float]], calibration: dict, fit: dict, tabl
         f"- **Schedules** (k by batch size, context {CONTEXT}): from vLLM's costs `{schedule_runs(tables['vllm'])}`; "
         f"from our runtime's costs `{schedule_runs(tables['ours'])}`.",
         "",
-        "Steady-state goodput in vLLM (the tokens the decode steps over the whole batch added, over their time, "
-        "each step counted at most 1.5 times the run's median full-batch step: spikes of other processes), "
-        f"{trip['max_new_tokens']} new tokens per row, greedy, EOS ignored. {trip['rounds']} screening "
-        "rounds rank every fixed K (K = 1..8 through vLLM's schedule, K = 0 without a speculative configuration); "
-        f"then {trip['paired_rounds']} rounds run the two schedules and the two best fixed K in lockstep, "
-        f"{BLOCK_STEPS} engine steps of each in turn, the first of each {BLOCK_STEPS} (caches full of the other "
-        "engines' data) left out. "
-        "Regret: 1 - the geometric mean over the paired rounds of schedule / the "
-        "faster of those fixed K, with its 95 % bootstrap interval and its verdict against the "
-        f"{100 * REGRET_GOAL:.0f} % goal.",
+        f"Steady-state goodput in vLLM, {trip['max_new_tokens']} new tokens per row, greedy, EOS ignored: "
+        f"{trip['rounds']} screening rounds rank every fixed K (K = 0 without a speculative configuration); "
+        f"{trip['paired_rounds']} rounds then run the two schedules and the two best fixed K in lockstep, "
+        f"{BLOCK_STEPS} engine steps of each in turn (the first of each block left out).",
+        "",
+        "Regret: 1 - the geometric mean over the paired rounds of schedule / the faster of those fixed K, with its "
+        f"95 % bootstrap interval and its verdict against the {100 * REGRET_GOAL:.0f} % goal; a step counts at most "
+        "1.5 times the run's median full-batch step (spikes of other processes).",
         "",
         "| b | best fixed K | its tok/s | vLLM's-costs k | regret [95 %] | our-costs k | regret [95 %] |",
         "|---:|---|---:|---:|---|---:|---|",

@@ -79,7 +79,7 @@ def test_the_figures_are_there(written):
     assert "(+staircase)" in section  # what fit chooses on these data
     k_rows = re.findall(r"^\| (\d+) \| (\d+|-) \| (\d) \| (\d) \| (\d) \| (\d) \|$", section, re.MULTILINE)
     assert [int(row[0]) for row in k_rows][:6] == [1, 2, 4, 8, 16, 32]
-    assert "(goal <= 1 %;" in section and "CPU calibration" in section
+    assert "(goal <= 1 %: " in section and "CPU calibration" in section
     # the refinement's protocol at each budget, calibrate's default last, and its goal lines
     table = section[section.index("| budget |"):].split("\n\n")[0]
     budgets = re.findall(r"^\| (\d+)(?: \(calibrate's\))? \| (\d+)(?: \(\d+ more not in the data\))? \|", table,
