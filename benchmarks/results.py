@@ -188,10 +188,8 @@ def render_results(conditions: str, commands: Sequence[tuple[str, float]], table
     listed = "\n".join(f"{command}    # {seconds:.0f} s" for command, seconds in commands)
     return f"""# Results
 
-Written by `python benchmarks/results.py`: every figure on this page (and in the README's results table)
-comes from the run below, except the sections after "The fit, held out": each is written by the script
-it names (`gpu_results.py` from published GPU timings, `vllm_loop.py`, `runtime_costs.py`,
-`serving_fidelity.py`), and `results.py` keeps them. Rerun it to get this machine's figures;
+Written by `python benchmarks/results.py` (this page down to "The fit, held out", and the README's results
+table); each later section is written by the script it names ([benchmarks/README.md](../benchmarks/README.md)).
 [validation.md](validation.md) says how each figure is measured.
 
 {conditions}
