@@ -20,6 +20,17 @@ def run_script(name: str, *args: str, timeout_s: int = 120) -> subprocess.Comple
                           text=True, timeout=timeout_s, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
+def test_the_readme_indexes_every_script_and_each_section_it_names_exists():
+    readme = (ROOT / "benchmarks" / "README.md").read_text()
+    rows = dict(re.findall(r"^\| `(\w+)\.py` \| [^|]+ \| ([^|]+) \|", readme, re.MULTILINE))
+    assert set(rows) == {path.stem for path in (ROOT / "benchmarks").glob("*.py")}
+    assert set(SCRIPTS) <= set(rows)
+    results = (ROOT / "docs" / "results.md").read_text()
+    for name, written in rows.items():
+        for section in re.findall(r"docs/results\.md `([a-z0-9-]+)`", written):
+            assert f"<!-- {section}:begin -->" in results, (name, section)
+
+
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_help_exits_0_with_the_docstrings_summary(name):
     run = run_script(name, "--help")
