@@ -81,6 +81,9 @@ def test_runtime_costs_runs_on_the_demo_pair(tmp_path):
     from runtime_costs import markdown
 
     assert "Beside vLLM" not in markdown(figures)
+    title, conditions, command = markdown(figures).split("\n\n")[:3]  # a reference section's head
+    assert conditions.startswith("Demo pair, float32, ") and "\n" not in conditions
+    assert command.startswith("```bash\nOMP_NUM_THREADS=1 python benchmarks/runtime_costs.py --write-docs --rounds 1")
     figures["vllm"] = {"vllm_version": "0.32.0", "vllm_torch_threads": 2, "torch_threads": 1, "max_new_tokens": 4,
                        "rounds": 1, "table": "/x/table-chain.json", "results": [
                            {"batch_size": 8, "policy": "k=0", "ours_tokens_per_s": [300.0],
