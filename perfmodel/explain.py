@@ -1,46 +1,11 @@
 """Why a prediction misses: one (batch size, strategy) run's predicted and measured step, term by term.
 
-A step is its draft passes (grouped by tokens fed per row: the catch-up pass of 2, the passes of 1, a
-tree's or a staged round's wider passes), its target verify pass, and the overhead outside passes.
-
-    predicted: `StepModel.schedule` (the expected passes, each at the fitted latency), the overhead
-               model plus the n-gram queries, and E(strategy);
-    measured:  the passes a generation really ran at the full batch size, each timed on its own
-               (`MeasuredSteps`, built from the generator's per-pass records), the wall time of the
-               full-batch steps and the tokens they added.
-
-For a pass group with predicted count c_p (per step) at the fitted time t_p, and measured count c_m at
-mean measured time t_m, the difference splits exactly in two:
-
-    c_p * t_p - c_m * t_m = (c_p - c_m) * t_p   ("mix": how many passes of that width ran)
-                          + c_m * (t_p - t_m)   ("pass time": how long each one took)
-
-so the terms' differences add up to S_p - S_m, and the goodput ratio is exactly
-
-    G_p / G_m = (E_p / E_m) / (1 + sum_terms (predicted_ms - measured_ms) / S_m).
-
-Each effect is given as how far it pushes the predicted goodput above the measured one, to first order:
-tokens per step +(E_p / E_m - 1), a step-time difference -(predicted_ms - measured_ms) / S_m. The term
-with the largest effect is the one that carries the error.
-
-Tokens per step are two effects. E is a mean over random steps, so the measured one is a draw: its
-95 % sampling interval is +-1.96 s / sqrt(n) over the n full-batch steps (s: the spread of a step's
-tokens per row as measured, or for a chain the model's own Var(T) / b where that is larger,
-`acceptance.tokens_variance`), and a tokens effect inside it is no evidence that the model's E is off
-(a synthetic-acceptance run's E is exact by construction, yet the gpt2-large one measured 18 % above it
-over 16 steps at b = 1, 2.2 half-widths). And a row's last step keeps only the tokens it still needed
-(`max_new_tokens`), which E does not know: "cut at max new tokens" is E drawn / E kept - 1 (about +4 %
-at b = 1 for 24 new tokens and k = 2). The interval treats steps as independent; steps of one prompt
-are not (its acceptance is its own), so for real acceptance over few prompts it is a lower bound on
-the noise.
-
-A model with the in-situ step correction (perfmodel.steps) predicts a strategy's
-step as its passes and overhead times a factor; the difference is the term "in-situ step correction",
-measured as 0, so the terms still sum to the prediction and to the measurement.
-
-Assumptions: the measured overhead is the steps' wall time minus their timed passes (so it also holds
-n-gram queries and the timing itself); the prediction is taken at one context length (the run's mean
-attended context) while the measured passes span the run's contexts.
+The predicted step (`StepModel.schedule`, the overhead model, E(strategy)) beside the passes a generation
+really ran at the full batch size, each timed on its own (`MeasuredSteps`); each pass group's difference
+splits exactly into "mix" (how many passes of that width ran) and "pass time" (how long each took), so the
+terms add up to the step-time difference, and tokens per step into E against what the steps drew (with
+its 95 % sampling interval) and "cut at max new tokens". The identity, the effects' first-order reading
+and the assumptions: docs/validation.md, "explain: the error, term by term".
 """
 from __future__ import annotations
 

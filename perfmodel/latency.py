@@ -25,7 +25,7 @@ nothing at 300 ms and everything at 2 ms.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -516,14 +516,20 @@ def evaluate_holdout(shape: RoleShape, points: Points, role: str, kinds: Sequenc
     if len(train_points) < MIN_POINTS:
         raise PerfModelError(f"--holdout: the {role} fit needs at least {MIN_POINTS} timing rows outside the "
                              f"held-out batch sizes and context lengths, found {len(train_points)}")
-    by_kind = {}
-    models = {}
-    for kind in kinds:
-        models[kind] = fit_latency_model(shape, train_points, kind)
-        predicted = models[kind].latency_ms(test_points.batch_size, test_points.new_tokens, test_points.context_len)
-        by_kind[kind] = mape_pct(predicted, test_points.latency_ms)
-    kind = select_kind(cross_validate(shape, train_points, kinds=kinds))
-    worst = worst_points(models[kind], test_points)
-    return HoldoutReport(held_b, held_L, len(train_points), len(test_points), kind, by_kind[kind],
-                         abs(worst[0].error_pct), by_kind, worst)
+    return held_out_report(shape, train_points, test_points, kinds, held_b, held_L)
 
+
+def held_out_report(shape: RoleShape, train: Points, test: Points, kinds: Sequence[str] = KINDS,
+                    held_batch_sizes: Sequence[int] = (), held_context_lens: Sequence[int] = (),
+                    adapt: Callable[[LatencyModel], LatencyModel] | None = None) -> HoldoutReport:
+    """Fit each of `kinds` on `train`, choose among them by cross-validation on `train` alone (`fit`'s rule)
+    and measure each on `test`. `adapt` turns a fitted model into the one `fit` uses (the draft's token curve)."""
+    models = {kind: fit_latency_model(shape, train, kind) for kind in kinds}
+    if adapt is not None:
+        models = {kind: adapt(model) for kind, model in models.items()}
+    by_kind = {kind: mape_pct(model.latency_ms(test.batch_size, test.new_tokens, test.context_len), test.latency_ms)
+               for kind, model in models.items()}
+    kind = select_kind(cross_validate(shape, train, kinds=kinds))
+    worst = worst_points(models[kind], test)
+    return HoldoutReport(tuple(held_batch_sizes), tuple(held_context_lens), len(train), len(test), kind,
+                         by_kind[kind], abs(worst[0].error_pct), by_kind, worst)

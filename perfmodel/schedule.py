@@ -1,62 +1,11 @@
 """The forward passes of one step, as the runtime schedules them (runtime/generator.py for chains,
-runtime/tree_decoding.py for trees), each with its expected count per step. `strategy.StepModel` weighs
+runtime/tree_decoding.py for trees), each with its expected count per step; `strategy.StepModel` weighs
 them by pass latency and adds the step overhead (`overhead.OverheadModel`).
 
-Chain step WITHOUT the second stage (`step_passes`), k draft tokens:
-- k = 0: one target pass over 1 new token per row. No draft pass.
-- k >= 1: a first draft pass of n0 tokens, then k-1 draft passes of 1 token, then one target
-  pass of k+1 tokens (the k draft tokens plus the position after them). n0 = 2 when at least one
-  row of the batch accepted all k draft tokens in the previous step (the draft must catch up its
-  own last token and the target's bonus token), else 1; the whole batch pays for the wider pass.
-So S(b, k, L) = P2 * T_d(b, 2, L) + (1 - P2) * T_d(b, 1, L) + (k - 1) * T_d(b, 1, L)
-              + T_t(b, k + 1, L) + overhead(b, k),   with P2 = 1 - (1 - prod_{i<=k} alpha_i)^b.
-Assumptions: rows accept independently with the same alphas; the previous step used the same k;
-every pass of a step sees the step's starting context length L (it grows by at most k + 1 within
-the step); a finished row leaves immediately (no padding rows).
-
-A chain is also a tree, and `tree_step` gives it the same passes. Notation: b rows, a tree of N draft
-nodes, its inner nodes (nodes with children; the root, node 0, always is one), I = inner nodes other
-than the root, H = the deepest inner node's depth. Leaves are never fed to the draft: their tokens come
-from their parent's draft logits.
-
-Catch-up width w. A row's draft cache lags its committed tokens by 2 when the path it accepted ends at
-a leaf (the leaf, then the target's bonus token), else by 1; the pass is as wide as the widest row, so
-P(w = 2) = 1 - (1 - P_leafend)^b, with P_leafend = sum over leaves of P(leaf on the accepted path).
-
-Tree step WITHOUT the second stage (`tree_step`):
-  draft pass 0 over (b, w) tokens, ending with the root, whose logits give the depth-1 nodes;
-  for each depth d = 1..H one draft pass over (b, inner nodes at depth d);
-  one target pass over (b, N + 1) tokens (root + every node, tree attention mask); plus overhead.
-
-Tree step WITH the second stage (`staged_step`; also how a chain runs with it), in rounds:
-  round 1: the n-gram guesses every non-root inner node's token (its rank-r next token given the two
-    tokens before it on the path) and ONE draft pass feeds (b, w + I) tokens: the catch-up tokens
-    ending with the root, then the I inner nodes in breadth-first order (tree mask). A node's draft
-    logits are valid when its token and every ancestor's token were the draft's own (a guess is right
-    when it equals the draft's rank-r child of the node's parent);
-  round t >= 2: re-guess what is not valid yet and feed the breadth-first SUFFIX of inner nodes from
-    the first one invalid in ANY row: one draft pass over (b, that many) tokens;
-  stop when every inner node is valid in every row; then one target pass over (b, N + 1); overhead.
-  Every round makes one n-gram query (one host round trip) that guesses, row by row, the fed nodes
-  whose true token is not known yet, i.e. whose parent's logits are not valid yet: it costs
-  query_overhead_ms + contexts * query_ms_per_context, contexts = the (row, node) guesses made.
-  Round 1 guesses all b x I; later rounds only the children of still-invalid nodes.
-
-Rounds, exactly (`staged_rounds`). Along a root-to-node path, a node that is guessed wrong costs one
-more round; in that round its token is certain (its parent is valid), and the nodes below it get
-fresh guesses, right with probability guess_accuracy[rank]. So a node is valid after round
-1 + W(v), W(v) = wrong guesses on its path, each node wrong independently with 1 - accuracy[rank].
-Rows are independent. The round-t pass starts at q_t = the first breadth-first index invalid in some
-row, and P(q_t >= j) = A_j(t - 2)^b, where A_j(m) = P(the first j inner nodes all have W <= m) in one
-row, computed by a product over the tree (`valid_within`). The guesses: node v is guessed in round
-t >= 2 when its parent u (not the root) is invalid after round t - 1, i.e. W(u) >= t - 1; summed over
-rounds that is E[W(u)], so the expected contexts per step are b * (I + sum over inner v of E[W(parent)]),
-E[W(u)] = sum of (1 - accuracy) over u's path. A Monte Carlo of the rounds themselves
-(`simulate_staged_rounds`) checks all of this in the tests.
-
-Assumptions beyond the chain step's: acceptance and guesses independent across depths, ranks and
-rows; every pass sees the step's starting context length; the n-gram query time does not depend on
-the context length or on which tokens it is asked about.
+`step_passes` (a chain), `tree_step` (a tree; a chain gives the same passes) and `staged_step` (with the
+n-gram second stage, its rounds counted exactly by `staged_rounds` and `valid_within`, checked against the
+Monte Carlo `simulate_staged_rounds` in the tests). The derivations and assumptions: docs/model.md, "The
+step's passes".
 """
 from __future__ import annotations
 

@@ -1,59 +1,11 @@
 """Kernel steps: the roofline plus the steps real kernels take, found in the data (`roofline+staircase`).
 
-A GPU kernel runs whole tiles and whole waves: a GEMM over t = b*n token rows costs the same from one
-multiple of its tile to the next and jumps past it; the decode-attention kernel launches a block per
-(row, head) and jumps when a new wave of blocks is needed, by the time one wave takes to read its rows'
-keys (so by an amount that grows with the context). Which tiles a library picks changes with t, so the
-steps are neither regular nor monotone; they are learnt from the measurements:
-
-    T(b, n, L) = w * R(b, n, L) + v * C(b, n, L) + fixed_ms + p * b + r * b * (L + n) / 1000
-               + sum over token steps  j:  c_j * u(t, after_j, until_j)               t = b * n
-               + sum over row steps    i:  (d_i + e_i * (L + n) / 1000) * u(b, after_i, until_i)
-
-R is the work term of the roofline fitted through the data (its average slopes: the effective
-bandwidth_GBps and flops_TFLOPs stay readable), C its compute time alone, b the rows and b (L + n) the
-KV rows read: their weights let the smooth part bend where the steps pulled the roofline, so that the
-steps are what the kernels do around it, not its curvature, and the row steps are waves on top of the
-attention's linear growth in b.
-u(x, a, z) is 0 up to the measured value a and 1 from the next measured value z on. Where the grid is
-dense (z - a <= the axis's resolution) the step is sharp, right after a: tiles pad upwards, so a kernel
-costs the same up to a multiple of its tile and jumps just past it. Where the grid is sparse the step's
-place between a and z is unknown and u ramps linearly across the gap: there the model is interpolating
-and says so (`interpolating_gap`).
-
-The steps are chosen by forward selection among every gap between neighbouring measured values on each
-axis: the candidate that removes the most squared relative error enters while its gain exceeds what the
-best of that many candidates would reach on noise alone (2 ln(candidates) + ln(points) times the residual
-variance); coefficients are then refit by least squares on relative error (the roofline's weight and the
-per-row cost bounded at 0). On smooth data no step enters. The steps are signed: measured data are not
-monotone (a library may switch to a faster kernel at larger t). The tile of the token steps, the spacing
-most of their size sits at multiples of, is reported as `tile_tokens`; when there is one, the selection
-runs again with every sparse token gap that holds exactly one multiple of the tile made a sharp step
-right after it.
-
-Past the measured box the fit is continued from its edge, each axis by what quantizes it (`continued_ms`):
-
-    T(b, n, L) = T_fit(b', t' / b', L) + G(t) - G(t') + rows(b) - rows(b')
-
-b' is b clipped to the measured batch sizes and t' the token count clipped to what b' rows were measured
-with (b' n_lo .. b' n_hi), so a pass past the largest b keeps the token steps the fit knows at its own
-token count. G(t) is the roofline in padded token counts: the weights read against the GEMMs' FLOPs over t
-rounded up to whole tiles (`tile_tokens`), in the roofline's own bandwidth, FLOP rate and overlap, so every
-tile past the measured token counts adds what an average tile costs, at its multiple. Past the largest
-measured b, a row costs what a row cost over the last two octaves of the measured batch sizes
-(`row_cost_from` up to the largest, read from the fit at equal tokens so that the token part cancels); the
-first rows of a small batch run alone on the GPU (a partial wave, split KV) and say nothing of that. When
-the row steps' places show a wave width W (`wave_rows`: the steps sit after floor(k W) for consecutive k),
-that cost is split into whole waves, ceil(b / W) times the waves' mean height, and a smooth rest, so the
-waves continue at their places. Past the measured contexts the fit's own context terms continue (the
-attention reads every cached token: affine in the context), never cheaper past the largest context nor
-dearer below the smallest. Below the smallest measured b the roofline's change at equal tokens.
-
-Assumes: steps in t (the GEMMs, the per-token operations) independent of b, and steps in b (attention
-waves) whose size is affine in the context. Breaks where a step's place moves with the context (a
-split-KV heuristic) or with n at fixed t; past the measured range where the library changes its tiles
-(sub-tile steps past the measured token counts are not predicted) or where the cost of a row keeps
-falling with the batch (the attention kernel's efficiency still rising past the grid).
+GEMMs run whole tiles of token rows and decode attention whole waves of (row, head) blocks, so a pass's time
+jumps at places no smooth curve follows; which tiles a library picks changes with the token count, so the
+steps are learnt from the measurements by forward selection among the gaps between measured values, and
+continued past the measured box by what quantizes each axis (`continued_ms`: the tile, the wave width, the
+cost of a row). The model, its selection rule, its continuation and where it breaks: docs/model.md, "Pass
+latency" (Kernel steps: the staircase).
 """
 from __future__ import annotations
 

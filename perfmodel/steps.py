@@ -235,7 +235,7 @@ def step_residuals(steps: Sequence, predicted_ms: Sequence[float]) -> Residuals:
 def paired_error_pct(steps: Sequence, predicted_ms: Sequence[float]) -> float | None:
     """Mean |d| in per cent: how far a model's ratios between the ks of a batch size are from the ratios
     measured side by side (None: nothing to pair). With another calibration's steps it is a held-out test of
-    a model and its correction (scripts/step_ratios.py)."""
+    a model and its correction."""
     pairs = paired(step_residuals(steps, predicted_ms))
     return 100 * statistics.fmean(abs(d) for d in pairs.values()) if pairs else None
 

@@ -11,7 +11,7 @@ PACKAGE = "specbatch"
 # Top to bottom: a package may import the packages below it, never one above it or beside it on its row.
 # `data` holds the demo pair's build scripts; the root `specbatch` module is only the version.
 LAYERS = (("cli",), ("console",), ("serve",), ("bench",), ("calibrate", "data"), ("runtime",), ("perfmodel",))
-SKIPPED = {"tests", "scripts", "docs", ".venv", "build", "dist"}  # not part of the installed package
+SKIPPED = {"tests", "benchmarks", "docs", ".venv", "build", "dist"}  # not part of the installed package
 
 
 def module_files(root: Path = ROOT) -> dict[str, Path]:

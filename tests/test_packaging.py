@@ -19,7 +19,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-NOT_SHIPPED = {"tests", "scripts", "docs"}  # source folders that stay out of the wheel
+NOT_SHIPPED = {"tests", "benchmarks", "docs"}  # source folders that stay out of the wheel
+# investigation modules that once sat inside the package; benchmarks/ holds them now
+MOVED_OUT = ("specbatch/bench/linear_layout.py", "specbatch/bench/vllm/roundtrip.py",
+             "specbatch/bench/vllm/schedule_oracle.py")
 pytestmark = pytest.mark.slow
 
 
@@ -82,7 +85,12 @@ def test_the_wheel_installs_and_generates_from_another_directory(tmp_path):
     for data in ("data/models/demo-target/model.safetensors", "data/models/demo-draft/tokenizer.json",
                  "data/models/demo-ngram.safetensors", "data/prompts/heldout.jsonl", "data/prompts/base64.jsonl"):
         assert f"specbatch/{data}" in shipped, data
-    assert not any(name.startswith(("specbatch/tests/", "specbatch/scripts/")) for name in shipped)
+    # no investigation in the wheel: its modules are exactly the package's sources, none from benchmarks/
+    assert {name for name in shipped if name.endswith(".py")} == modules
+    assert not any(name.startswith(("specbatch/tests/", "specbatch/benchmarks/", "specbatch/scripts/"))
+                   for name in shipped)
+    assert not set(MOVED_OUT) & shipped
+    assert any(name.parts[0] == "benchmarks" for name in files)  # the check above saw the scripts, and left them out
     top_level = {name.split("/")[0] for name in shipped if not name.startswith("specbatch-")}
     assert top_level == {"specbatch"}  # one installed name: nothing generic (bench, runtime, ...) at the top
 

@@ -5,5 +5,4 @@
     compare.py          ours and vLLM interleaved round by round: tokens/s ratios, greedy tokens, per-step K
     worker.py           vLLM as a long-lived process per engine configuration (VllmWorker)
     vllm_worker.py      its other side, run in vLLM's venv: LLM.generate, or the engine step by step
-    schedule_oracle.py  vLLM's own SpeculativeConfig and batch-size lookup applied to our exports
 """

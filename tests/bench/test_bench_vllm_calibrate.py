@@ -55,7 +55,7 @@ def test_vllm_steps_calibrated_resumed_fitted_tabulated_and_run_back_in_vllm(tmp
     options = ["--vllm-table", tmp_path / "t.json", "--ours-table", tmp_path / "ours.json", "--batch-sizes", "1,4",
                "--max-k", "2", "--rounds", "2", "--paired-rounds", "2", "--max-new-tokens", "12", "--threads", "1",
                "-o", tmp_path / "rt.json"]
-    run = subprocess.run([sys.executable, "-m", "specbatch.bench.vllm.roundtrip", *map(str, options)],
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "vllm_roundtrip.py"), *map(str, options)],
                          capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads((tmp_path / "rt.json").read_text())

@@ -38,7 +38,7 @@ def test_vllm_builds_its_config_from_our_exports_and_runs_our_table(tmp_path):
         write_json_atomic(paths[name], to_vllm(table_of(ks)))
     fragment = tmp_path / "fragment.json"  # the old export: the per-batch-size list alone
     write_json_atomic(fragment, {"num_speculative_tokens_per_batch_size": [[1, 2, 5], [3, 7, 4]]})
-    oracle = ROOT / "bench" / "vllm" / "schedule_oracle.py"
+    oracle = ROOT / "benchmarks" / "vllm_schedule_oracle.py"
     run = subprocess.run(["bash", str(RUN), str(oracle), str(TARGET), str(MAX_NUM_SEQS), *map(str, paths.values()),
                           str(fragment)], capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]

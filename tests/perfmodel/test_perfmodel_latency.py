@@ -68,6 +68,27 @@ def test_held_out_error_within_five_percent_on_realistic_data(name, latency, gri
         assert report.mape_pct <= 5.0, (name, role, report)
 
 
+def test_held_out_report_scores_any_split_and_the_model_fit_would_use():
+    """Oracle: noiseless roofline data, so every kind fitted on the small batch sizes predicts the large ones
+    almost exactly; a model `adapt`ed to run 1.5x slow is then off by 50 % on every held-out row."""
+    shape, points = points_of(build_profile(roofline_latency(), noise=0.0, seed=4), "target")
+    train = np.isin(points.batch_size, (1, 2, 4, 8))
+    report = lat.held_out_report(shape, points.subset(train), points.subset(~train), (lat.ROOFLINE, lat.MONOTONE))
+    assert report.kind in (lat.ROOFLINE, lat.MONOTONE) and report.test_points == int((~train).sum())
+    assert set(report.mape_pct_by_kind) == {lat.ROOFLINE, lat.MONOTONE} and report.mape_pct < 1.0
+    assert min(point.batch_size for point in report.worst) > 8  # the worst points are held-out rows
+
+    class Slow:
+        def __init__(self, model):
+            self.model = model
+
+        def latency_ms(self, b, n, L):
+            return 1.5 * self.model.latency_ms(b, n, L)
+
+    slow = lat.held_out_report(shape, points.subset(train), points.subset(~train), (lat.ROOFLINE,), adapt=Slow)
+    assert slow.mape_pct == pytest.approx(50.0 + 1.5 * report.mape_pct_by_kind[lat.ROOFLINE], abs=1.5)
+
+
 def test_cpu_steps_need_the_monotone_model():
     """On CPU-like data the roofline alone misses; cross-validation must pick the monotone kind."""
     shape, points = points_of(build_profile(cpu_like_latency, noise=0.03, seed=3, **CPU_GRID), "target")

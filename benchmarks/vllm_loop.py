@@ -1,17 +1,17 @@
 """vLLM's own step costs in, a schedule vLLM runs best out: the loop measured in vLLM, on the demo pair.
 
-    SPECBATCH_VLLM_VENV=... python scripts/vllm_loop.py [--work DIR] [--ours-model M.json] [--rounds 3]
+    SPECBATCH_VLLM_VENV=... python benchmarks/vllm_loop.py [--work DIR] [--ours-model M.json] [--rounds 3]
         [--paired-rounds 30] [--batch-sizes 1,8,32] [--max-seconds 900] [--write-docs]
         [--render-only | --rerun-roundtrip] (with --work: a finished run's folder)
 
 Runs, as a user would, from a work folder: `specbatch calibrate --engine vllm` (vLLM's steps, bounded by
 --max-seconds), `fit` (the step model and its held-out errors), `table` from those costs; our runtime's
 `calibrate`, `fit` and `table --strategies chain` (or --ours-model, a model of ours already fitted); then the
-round trip in vLLM (bench/vllm/roundtrip.py): both schedules beside every fixed K, interleaved by round, then
+round trip in vLLM (benchmarks/vllm_roundtrip.py): both schedules beside every fixed K, interleaved by round, then
 in lockstep with the two best fixed K, and each schedule's paired regret against the best fixed K. vLLM runs
 on one unbound OpenMP thread (--threads 1) and ours on one torch thread: on a shared 2-core machine vLLM's own
 binding makes every thread wait for the busiest core. --write-docs puts the figures in docs/results.md's
-"vllm-loop" section (scripts/docs_sections.py); the goals are the calibration within 15 minutes, held-out step
+"vllm-loop" section (benchmarks/docs_sections.py); the goals are the calibration within 15 minutes, held-out step
 MAPE <= 10 % and paired regret <= 3 %.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from docs_sections import replace_section  # noqa: E402
 from results import ResultsError, cpu_model, run, specbatch_command  # noqa: E402
 
-from specbatch.bench.vllm.roundtrip import BLOCK_STEPS  # noqa: E402
+from vllm_roundtrip import BLOCK_STEPS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results.md"
@@ -40,11 +40,11 @@ MAX_BATCH, CONTEXT = 32, 128  # the tables: batch sizes 1..32 at the profiles' m
 
 
 def roundtrip(args: argparse.Namespace, work: Path) -> tuple[dict, str, float]:
-    command = [sys.executable, "-m", "specbatch.bench.vllm.roundtrip", "--vllm-table", "vllm.table.json",
+    command = [sys.executable, str(ROOT / "benchmarks" / "vllm_roundtrip.py"), "--vllm-table", "vllm.table.json",
                "--ours-table", "ours.table.json", "--batch-sizes", args.batch_sizes, "--max-k", "8",
                "--rounds", str(args.rounds), "--paired-rounds", str(args.paired_rounds), "--threads", "1",
                "-o", "roundtrip.json"]
-    shown = "python -m specbatch.bench.vllm.roundtrip " + shlex.join(command[3:])
+    shown = "python benchmarks/vllm_roundtrip.py " + shlex.join(command[2:])
     print(f"$ {shown}", flush=True)
     started = time.monotonic()
     result = subprocess.run(command, cwd=work, env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -86,7 +86,7 @@ def render(commands: list[tuple[str, float]], calibration: dict, fit: dict, tabl
         "",
         f"{conditions}",
         "",
-        "Written by `python scripts/vllm_loop.py --write-docs`; the commands, from an empty folder, with the time "
+        "Written by `python benchmarks/vllm_loop.py --write-docs`; the commands, from an empty folder, with the time "
         "each took:",
         "",
         "```bash",
@@ -108,16 +108,14 @@ def render(commands: list[tuple[str, float]], calibration: dict, fit: dict, tabl
         f"- **Schedules** (k by batch size, context {CONTEXT}): from vLLM's costs `{schedule_runs(tables['vllm'])}`; "
         f"from our runtime's costs `{schedule_runs(tables['ours'])}`.",
         "",
-        "Steady-state goodput in vLLM (the tokens the decode steps over the whole batch added, over their time, "
-        "each step counted at most 1.5 times the run's median full-batch step: spikes of other processes), "
-        f"{trip['max_new_tokens']} new tokens per row, greedy, EOS ignored. {trip['rounds']} screening "
-        "rounds rank every fixed K (K = 1..8 through vLLM's schedule, K = 0 without a speculative configuration); "
-        f"then {trip['paired_rounds']} rounds run the two schedules and the two best fixed K in lockstep, "
-        f"{BLOCK_STEPS} engine steps of each in turn, the first of each {BLOCK_STEPS} (caches full of the other "
-        "engines' data) left out. "
-        "Regret: 1 - the geometric mean over the paired rounds of schedule / the "
-        "faster of those fixed K, with its 95 % bootstrap interval and its verdict against the "
-        f"{100 * REGRET_GOAL:.0f} % goal.",
+        f"Steady-state goodput in vLLM, {trip['max_new_tokens']} new tokens per row, greedy, EOS ignored: "
+        f"{trip['rounds']} screening rounds rank every fixed K (K = 0 without a speculative configuration); "
+        f"{trip['paired_rounds']} rounds then run the two schedules and the two best fixed K in lockstep, "
+        f"{BLOCK_STEPS} engine steps of each in turn (the first of each block left out).",
+        "",
+        "Regret: 1 - the geometric mean over the paired rounds of schedule / the faster of those fixed K, with its "
+        f"95 % bootstrap interval and its verdict against the {100 * REGRET_GOAL:.0f} % goal; a step counts at most "
+        "1.5 times the run's median full-batch step (spikes of other processes).",
         "",
         "| b | best fixed K | its tok/s | vLLM's-costs k | regret [95 %] | our-costs k | regret [95 %] |",
         "|---:|---|---:|---:|---|---:|---|",
@@ -151,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _main(args)
     except ResultsError as error:
-        print(f"scripts/vllm_loop.py: {error}", file=sys.stderr)
+        print(f"benchmarks/vllm_loop.py: {error}", file=sys.stderr)
         return 1
 
 

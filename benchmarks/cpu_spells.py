@@ -1,6 +1,6 @@
 """Does this machine's CPU change speed by itself, and do its cores change together?
 
-    python scripts/cpu_spells.py --seconds 60
+    python benchmarks/cpu_spells.py --seconds 60
 """
 from __future__ import annotations
 

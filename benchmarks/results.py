@@ -1,6 +1,6 @@
 """Reproduce docs/results.md: the whole loop on the bundled demo pair, on this machine, one torch thread.
 
-    python scripts/results.py [--quick] [--out DIR] [--work DIR]
+    python benchmarks/results.py [--quick] [--out DIR] [--work DIR]
 
 Runs the installed `specbatch` command (the one beside this Python) as a user would, from a work folder:
 calibrate (the default grid), fit --holdout, table, plot, and bench of the table against fixed k at batch
@@ -125,22 +125,28 @@ def _step_stage(fit: dict[str, Any]) -> tuple[dict | None, dict | None]:
     return source, correction
 
 
+def _listed(values: Sequence[int]) -> str:
+    """A few values listed, many summarized: [2, 8] -> '2, 8'; 20 values -> '20 from 48 to 385'."""
+    return ", ".join(map(str, values)) if len(values) <= 4 else f"{len(values)} from {min(values)} to {max(values)}"
+
+
 def fit_figures(fit: dict[str, Any], noise: dict[str, Any] | None = None) -> str:
-    """The fit's held-out figures as markdown bullets: each role's held-out pass MAPE, the timing source's
-    held-out step MAPE, the in-situ step correction's held-out paired error, and the noise floor."""
-    lines = []
+    """The fit's held-out figures: a table of each role's pass MAPE in sample and held out, then bullets for the
+    timing source's held-out step MAPE, the in-situ step correction's held-out paired error and the noise floor."""
+    lines = ["| role | kind | in-sample MAPE | held out (b; L) | points | held-out MAPE | worst |",
+             "|---|---|---:|---|---:|---:|---:|"]
     for role, obj in fit.get("roles", {}).items():
         validation = obj.get("validation", {})
         holdout = validation.get("holdout")
-        line = (f"- **{role}** pass latency, {obj.get('kind', '?')}: in-sample MAPE "
-                f"{validation.get('in_sample_mape_pct', 0):.1f} %")
+        cells = ["-"] * 4
         if holdout:
-            left_out = f"b in {holdout['held_out_batch_sizes']}"
-            if holdout["held_out_context_lens"]:
-                left_out += f", L in {holdout['held_out_context_lens']}"
-            line += (f"; held out ({left_out}, {holdout['test_points']} points): MAPE {holdout['mape_pct']:.1f} %, "
-                     f"worst {holdout['max_error_pct']:.1f} %")
-        lines.append(line + ".")
+            left_out = _listed(holdout["held_out_batch_sizes"]) or "-"
+            left_out += f"; {_listed(holdout['held_out_context_lens']) or '-'}"
+            cells = [left_out, str(holdout["test_points"]), f"{holdout['mape_pct']:.1f} %",
+                     f"{holdout['max_error_pct']:.1f} %"]
+        lines.append(f"| {role} | {obj.get('kind', '?')} | {validation.get('in_sample_mape_pct', 0):.1f} % | "
+                     + " | ".join(cells) + " |")
+    lines.append("")
     source, correction = _step_stage(fit)
     if source:
         held = [f"{s['source']} {s['heldout_step_mape_pct']:.1f} %" for s in source.get("sources", [])
@@ -182,10 +188,8 @@ def render_results(conditions: str, commands: Sequence[tuple[str, float]], table
     listed = "\n".join(f"{command}    # {seconds:.0f} s" for command, seconds in commands)
     return f"""# Results
 
-Written by `python scripts/results.py`: every figure on this page (and in the README's results table)
-comes from the run below, except the sections after "The fit, held out": each is written by the script
-it names (`gpu_results.py` from published GPU timings, `vllm_loop.py`, `runtime_costs.py`,
-`serving_fidelity.py`), and `results.py` keeps them. Rerun it to get this machine's figures;
+Written by `python benchmarks/results.py` (this page down to "The fit, held out", and the README's results
+table); each later section is written by the script it names ([benchmarks/README.md](../benchmarks/README.md)).
 [validation.md](validation.md) says how each figure is measured.
 
 {conditions}
@@ -290,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _main(args)
     except ResultsError as error:
-        print(f"scripts/results.py: {error}", file=sys.stderr)
+        print(f"benchmarks/results.py: {error}", file=sys.stderr)
         return 1
 
 

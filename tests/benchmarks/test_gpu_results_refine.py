@@ -1,4 +1,4 @@
-"""scripts/gpu_results.py's refinement protocol on a constructed profile: the base grid, the passes calibrate's
+"""benchmarks/gpu_results.py's refinement protocol on a constructed profile: the base grid, the passes calibrate's
 refinement chooses, and every other row predicted with the chosen ones no longer held out."""
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ from pathlib import Path
 
 import numpy as np
 
+from specbatch.perfmodel import latency as lat
 from specbatch.perfmodel.profile import profile_from_json
 from perfmodel_fixtures import build_profile, roofline_latency
 
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("gpu_results_refine", ROOT / "scripts" / "gpu_results.py")
+_spec = importlib.util.spec_from_file_location("gpu_results_refine", ROOT / "benchmarks" / "gpu_results.py")
 gpu_results = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = gpu_results  # its dataclasses look their module up by name
 _spec.loader.exec_module(gpu_results)
@@ -40,7 +41,7 @@ def test_the_refined_passes_are_fitted_not_held_out():
         added = len(run.added) if role == "target" else 0
         assert row.test_points == (40 - len(gpu_results.TRAIN_BATCH_SIZES)) * per_role[role] - added
         assert row.label == "every b not fitted nor refined"
-        assert np.isfinite(row.by_kind["now"]).all()
+        assert np.isfinite(row.chosen).all()
 
 
 def test_where_the_refinement_measured_and_its_table():
@@ -49,8 +50,9 @@ def test_where_the_refinement_measured_and_its_table():
     assert gpu_results.where_refined(()) == "none"
 
     def row(role: str, label: str, mape: float, worst: float, tested: int):
-        return gpu_results.HeldOut(label, role, {"now": (mape, worst)}, {"now": "roofline+staircase"},
-                                   {"now": (1, 1, 1)}, tested)
+        point = lat.PointError(1, 1, 1, 1.0, 1.0 + worst / 100, worst)
+        report = lat.HoldoutReport((), (), 0, tested, lat.STAIRCASE, mape, worst, {lat.STAIRCASE: mape}, (point,))
+        return gpu_results.HeldOut(label, role, report)
 
     plain = [row("target", gpu_results.EVERY_OTHER_B, 1.94, 8.61, 100), row("draft", gpu_results.EVERY_OTHER_B,
                                                                            2.0, 10.04, 50)]

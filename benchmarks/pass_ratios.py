@@ -1,6 +1,6 @@
 """Does a slow spell of this machine slow a narrow and a wide pass alike?
 
-    OMP_NUM_THREADS=1 python scripts/pass_ratios.py --seconds 60
+    OMP_NUM_THREADS=1 python benchmarks/pass_ratios.py --seconds 60
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """How much of a paired comparison is the machine: A/A and A/B pairs of fixed k, back to back and in lockstep.
 
-    OMP_NUM_THREADS=1 python scripts/pairing_noise.py --batch-size 4 --rounds 16 --ks 4,4 --ks 2,4
+    OMP_NUM_THREADS=1 python benchmarks/pairing_noise.py --batch-size 4 --rounds 16 --ks 4,4 --ks 2,4
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from specbatch.bench.vllm.roundtrip import Run, decode_rate, paired_contenders, summarize
+from vllm_roundtrip import Run, decode_rate, paired_contenders, summarize
 from vllm_helpers import table_of
 
 
@@ -104,7 +104,7 @@ class FakeEngines:
 
 
 def test_lockstep_advances_each_contender_a_block_at_a_time_and_marks_each_block_s_first_step():
-    from specbatch.bench.vllm.roundtrip import lockstep
+    from vllm_roundtrip import lockstep
 
     log: list[str] = []
     engines = FakeEngines({0: 10, 1: 6, -1: 7}, log)

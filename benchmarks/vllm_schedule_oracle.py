@@ -1,6 +1,6 @@
 """vLLM's own reading of a `specbatch table --format vllm` export: runs INSIDE vLLM's virtual environment.
 
-    python schedule_oracle.py TARGET_DIR MAX_NUM_SEQS EXPORT.json [EXPORT.json ...]
+    bash bench/vllm/run.sh benchmarks/vllm_schedule_oracle.py TARGET_DIR MAX_NUM_SEQS EXPORT.json [EXPORT.json ...]
 
 builds vLLM's engine config exactly as `LLM(model=TARGET_DIR, speculative_config=json.load(EXPORT))` does
 (EngineArgs -> VllmConfig, which constructs and validates `SpeculativeConfig` and loads both models'

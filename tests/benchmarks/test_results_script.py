@@ -1,4 +1,4 @@
-"""scripts/results.py's pure parts: the markdown it writes from a constructed bench.json and fit JSON, and
+"""benchmarks/results.py's pure parts: the markdown it writes from a constructed bench.json and fit JSON, and
 the README's results block, which must carry docs/results.md's own conditions line and table."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("results_script", ROOT / "scripts" / "results.py")
+_spec = importlib.util.spec_from_file_location("results_script", ROOT / "benchmarks" / "results.py")
 results = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(results)
 
@@ -71,12 +71,15 @@ def fit_document(nested: bool) -> dict:
 
 @pytest.mark.parametrize("nested", [False, True])
 def test_the_fit_figures_name_each_held_out_error(nested):
+    assert results._listed([48, 50, 52, 56, 58]) == "5 from 48 to 58" and results._listed([2, 8]) == "2, 8"
     noise = {"reference": "target b=1 n=1 L=128", "checks": [{}] * 12, "floor_mape": 0.0431, "drift": 0.25}
     lines = results.fit_figures(fit_document(nested), noise).splitlines()
     assert lines == [
-        "- **target** pass latency, roofline: in-sample MAPE 4.3 %; held out (b in [2, 8], L in [256], 20 points): "
-        "MAPE 7.1 %, worst 15.5 %.",
-        "- **draft** pass latency, roofline+monotone: in-sample MAPE 3.0 %.",
+        "| role | kind | in-sample MAPE | held out (b; L) | points | held-out MAPE | worst |",
+        "|---|---|---:|---|---:|---:|---:|",
+        "| target | roofline | 4.3 % | 2, 8; 256 | 20 | 7.1 % | 15.5 % |",
+        "| draft | roofline+monotone | 3.0 % | - | - | - | - |",
+        "",
         "- **Timing source**: isolated+in-situ (lowest held-out step MAPE); held-out step MAPE by batch size: "
         "isolated 12.3 %, isolated+in-situ 9.9 %.",
         "- **In-situ step correction**: applied; paired step error on held-out sweeps 2.99 % by the model alone, "
@@ -117,7 +120,7 @@ def test_the_readme_carries_the_conditions_and_table_of_docs_results_md():
     page = (ROOT / "docs" / "results.md").read_text().split("\n<!-- ", 1)[0]  # not other scripts' sections
     readme = (ROOT / "README.md").read_text()
     block = readme.split(results.README_BEGIN, 1)[1].split(results.README_END, 1)[0]
-    table = [line for line in page.splitlines() if line.startswith("| ")]
+    table = page[page.index("\n| b | table's strategy"):].strip().split("\n\n")[0].splitlines()  # the first table
     conditions = next(line for line in page.splitlines() if line.startswith("Demo pair ("))
     assert table and all(line in block.splitlines() for line in table)
     assert conditions in block.splitlines()

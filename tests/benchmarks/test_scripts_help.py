@@ -1,5 +1,5 @@
-"""The investigation scripts in scripts/ (not installed): each answers --help, and those that can finish in a
-few seconds run end to end on tiny inputs (step_ratios has its own test on constructed profiles)."""
+"""The scripts in benchmarks/ (not installed): each answers --help run as its README runs it, and those that can
+finish in a few seconds run end to end on tiny inputs."""
 from __future__ import annotations
 
 import os
@@ -11,20 +11,31 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS = ("cpu_spells", "pairing_noise", "pass_ratios", "step_ratios", "runtime_costs", "gpu_results",
-           "serving_fidelity", "vllm_loop")
+SCRIPTS = ("results", "cpu_spells", "pairing_noise", "pass_ratios", "runtime_costs", "gpu_results",
+           "serving_fidelity", "vllm_loop", "vllm_roundtrip", "linear_layout")
 
 
 def run_script(name: str, *args: str, timeout_s: int = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / f"{name}.py"), *args], capture_output=True,
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), *args], capture_output=True,
                           text=True, timeout=timeout_s, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_the_readme_indexes_every_script_and_each_section_it_names_exists():
+    readme = (ROOT / "benchmarks" / "README.md").read_text()
+    rows = dict(re.findall(r"^\| `(\w+)\.py` \| [^|]+ \| ([^|]+) \|", readme, re.MULTILINE))
+    assert set(rows) == {path.stem for path in (ROOT / "benchmarks").glob("*.py")}
+    assert set(SCRIPTS) <= set(rows)
+    results = (ROOT / "docs" / "results.md").read_text()
+    for name, written in rows.items():
+        for section in re.findall(r"docs/results\.md `([a-z0-9-]+)`", written):
+            assert f"<!-- {section}:begin -->" in results, (name, section)
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_help_exits_0_with_the_docstrings_summary(name):
     run = run_script(name, "--help")
     assert run.returncode == 0, run.stderr
-    summary = (ROOT / "scripts" / f"{name}.py").read_text().split('"""')[1].splitlines()[0]
+    summary = (ROOT / "benchmarks" / f"{name}.py").read_text().split('"""')[1].splitlines()[0]
     assert " ".join(summary.split()[:5]) in " ".join(run.stdout.split())
 
 
@@ -66,10 +77,13 @@ def test_runtime_costs_runs_on_the_demo_pair(tmp_path):
     assert [row["k"] for row in figures["ragged"]] == [0, 2]
     assert all(row["packed"] > 0 and row["padded"] > 0 for row in figures["prefill"].values())
     assert [row["syncs"] for row in figures["ops"]] == [1, 1, 1]  # one read-back per step, as CUDA runs it
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
     from runtime_costs import markdown
 
     assert "Beside vLLM" not in markdown(figures)
+    title, conditions, command = markdown(figures).split("\n\n")[:3]  # a reference section's head
+    assert conditions.startswith("Demo pair, float32, ") and "\n" not in conditions
+    assert command.startswith("```bash\nOMP_NUM_THREADS=1 python benchmarks/runtime_costs.py --write-docs --rounds 1")
     figures["vllm"] = {"vllm_version": "0.32.0", "vllm_torch_threads": 2, "torch_threads": 1, "max_new_tokens": 4,
                        "rounds": 1, "table": "/x/table-chain.json", "results": [
                            {"batch_size": 8, "policy": "k=0", "ours_tokens_per_s": [300.0],

@@ -1,7 +1,7 @@
 """The CPU weight layout of a projection, measured: `F.linear` over the usual (out, in) weight against the
 same values stored transposed, (in, out) contiguous, as `CausalLM.lay_out_for_matmul` keeps them on CPU.
 
-    python -m specbatch.bench.linear_layout [--target DIR] [--tokens 1,8,32,160,512] [--rounds 7] [--threads 1]
+    python benchmarks/linear_layout.py [--target DIR] [--tokens 1,8,32,160,512] [--rounds 7] [--threads 1]
 
 For every distinct projection shape of the target (and the demo draft when no --target is given) and every
 token count, the two layouts run alternately within each round on the same input; reported: the median

@@ -1,39 +1,15 @@
 """The round trip, measured in vLLM: schedules chosen from vLLM's own step costs and from our runtime's, run by
 vLLM beside every fixed K, and each schedule's paired regret against the best fixed K in hindsight.
 
-    python -m specbatch.bench.vllm.roundtrip --vllm-table tv.json --ours-table to.json [--batch-sizes 1,8,32]
+    python benchmarks/vllm_roundtrip.py --vllm-table tv.json --ours-table to.json [--batch-sizes 1,8,32]
         [--max-k 8] [--rounds 3] [--paired-rounds 10] [--max-new-tokens 64] [--threads 1] [-o roundtrip.json]
 
-Both tables are `specbatch.table/1` files of chains (`table --strategies chain`); each is exported as our
-`--format vllm` export is (`perfmodel.table.to_vllm`) and handed to vLLM's scheduler, which expands it with its
-own `build_dynamic_sd_schedule_lookup` (bench/vllm/vllm_worker.py). The contenders at each batch size b:
-
-- "vllm-costs" and "ours-costs": the two schedules, K looked up by vLLM at every step from the number of
-  requests it schedules (the batch thins as rows finish: K follows);
-- "K=1" .. "K=max_k": one K for every batch size, through the same schedule mechanism (engines built with
-  num_speculative_tokens = max_k), so the contenders differ in K only;
-- "K=0": vLLM without a speculative configuration, as plain decoding is configured.
-
-Two phases at each batch size, on the same prompts (the held-out prompts, cycled), greedy, EOS ignored:
-
-1. screening: `rounds` rounds, each running every contender once in a balanced order (bench.plan.balanced_order),
-   one generation after another; round -1 warms every shape and is discarded. It ranks the fixed K.
-2. paired: `paired_rounds` rounds of the two schedules and the two best fixed K of the screening in lockstep, each
-   on its own engine, BLOCK_STEPS engine steps of each in turn (the order alternating), so that they meet the same
-   moments of the machine: a shared 2-core machine's slow spells last seconds, longer than a block, shorter than a
-   round. The first step of each block is left out of the steady state: it finds the caches full of the other
-   engines' weights and KV cache, a cost no engine running alone pays, and one that charges every step the same
-   (a contender advanced one step per turn ran 12-22 % slower than alone and ranked K as a cold engine would:
-   the fixed cost of a pass grows, and larger K amortises it).
-   The contenders rotate over the engines from round to round: engines of one configuration differ by a few per
-   cent (the screening's engine, which ran every contender, measured some 3 % slower than fresh ones).
-
-A contender's goodput is its steady state's: the tokens its decode steps over the whole batch added, over their
-time (prefill and the thinning batch of a generation's last steps left out, as in our bench), each step bounded
-by 1.5 times the run's median full-batch step (`bounded_decode_s`: spikes of other processes); the decode phase's
-plain rate is kept beside it. The best fixed K in hindsight is the paired phase's faster one; each schedule's
-regret is `bench.regret.paired_regret` against it over the paired rounds: 1 - the geometric mean of schedule /
-best fixed K, with a bootstrap interval over rounds.
+Both tables (chains only) are exported as `table --format vllm` exports them and expanded by vLLM's own
+lookup (bench/vllm/vllm_worker.py). At each batch size: screening rounds rank every fixed K (K = 0 without a
+speculative configuration), then paired rounds run the two schedules and the two best fixed K in lockstep,
+BLOCK_STEPS engine steps of each in turn, the first of each block left out. Goodput is the steady state's,
+each step bounded by 1.5 times the run's median full-batch step (`bounded_decode_s`); regret is
+`bench.regret.paired_regret`. Why each choice: docs/exports.md, "Whose costs an export carries".
 """
 from __future__ import annotations
 
@@ -72,7 +48,7 @@ class Run:
     decode_steps: list = field(default_factory=list)  # [[requests, tokens added, ms], ...] of every decode step
 
 
-BLOCK_STEPS = 8  # engine steps of one contender per lockstep turn; the first of each is cold (see the docstring)
+BLOCK_STEPS = 8  # engine steps of one contender per lockstep turn; the first of each is cold (docs/exports.md)
 SPIKE_BOUND = 1.5  # a decode step counts at most this many times the median step of its batch size in its run
 
 

@@ -1,4 +1,4 @@
-"""scripts/vllm_loop.py writes its section of docs/results.md from a finished run's files (here constructed, as
+"""benchmarks/vllm_loop.py writes its section of docs/results.md from a finished run's files (here constructed, as
 the commands write them), says each goal's verdict from the figures, and keeps the page's other sections."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from specbatch.bench.vllm.roundtrip import RoundTrip, Run, summarize
+from vllm_roundtrip import RoundTrip, Run, summarize
 from vllm_helpers import table_of
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,9 +41,9 @@ def finished_run(work: Path, calibration_s: float, held_out_pct: float) -> None:
 
 
 def render(work: Path, results: Path) -> str:
-    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "vllm_loop.py"), "--render-only", "--work", str(work),
-                          "--write-docs", "--results", str(results)], capture_output=True, text=True, timeout=120,
-                         cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "vllm_loop.py"), "--render-only", "--work",
+                          str(work), "--write-docs", "--results", str(results)], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stderr
     return results.read_text()
 

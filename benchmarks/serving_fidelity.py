@@ -1,7 +1,7 @@
 """Serving that checks its own model, measured: a mis-calibrated profile with and without --refit, --refit's cost,
 and the drift warning, on the demo pair, one torch thread.
 
-    OMP_NUM_THREADS=1 python scripts/serving_fidelity.py [--out DIR] [--profile P] [--rounds 12] [--write-docs]
+    OMP_NUM_THREADS=1 python benchmarks/serving_fidelity.py [--out DIR] [--profile P] [--rounds 12] [--write-docs]
 
 1. Profiles. A quick calibration of the demo pair on one thread (`specbatch calibrate --quick --threads 1
    --no-stage2`, or --profile), and the same profile with every target pass time scaled by --factor and by its
@@ -21,7 +21,7 @@ and the drift warning, on the demo pair, one torch thread.
 4. Drift: the correct model in-process under Poisson load; after --warmup-steps steps every step is slowed to
    1.5x (the engine's step followed by a host sleep of half its time); the steps until the warning. Then
    --quiet-minutes of the same load without a change: the warnings counted.
---write-docs puts the figures in docs/results.md's "serving-fidelity" section (scripts/docs_sections.py).
+--write-docs puts the figures in docs/results.md's "serving-fidelity" section (benchmarks/docs_sections.py).
 """
 from __future__ import annotations
 
@@ -372,17 +372,22 @@ def render(figures: dict, args) -> str:
     lines = [
         "## Serving fidelity",
         "",
-        "The step model beside the served steps, a mis-calibrated profile with and without `--refit`, and the drift "
-        "warning ([serving.md](serving.md#the-model-beside-the-served-steps), [adaptive.md](adaptive.md)).",
-        "",
         f"Demo pair, greedy, {platform.processor() or platform.machine()}, torch {torch.__version__}, one torch "
         f"thread; Poisson arrivals at {rates} requests/s, {args.requests} requests of "
         f"{args.max_tokens[0]}-{args.max_tokens[1]} tokens per trace, batch size up to {args.max_batch_size}; "
-        f"{args.rounds} rounds after {args.warmup_rounds} warm-up, each a new trace per rate served by every policy "
-        "in lockstep, one step of each in turn, each in its own virtual time (in-process, no HTTP; each policy's "
-        "engine kept across rounds). "
-        f"Mis-calibrated: the profile's target pass times x{args.factor:g} (slower) or /{args.factor:g} (faster), "
-        "refitted.",
+        f"{args.rounds} rounds after {args.warmup_rounds} warm-up; mis-calibrated: the profile's target pass times "
+        f"x{args.factor:g} (slower) or /{args.factor:g} (faster), refitted.",
+        "",
+        "```bash",
+        f"OMP_NUM_THREADS=1 python benchmarks/serving_fidelity.py --rounds {args.rounds} "
+        f"--rates {rates.replace(' ', '')} "
+        f"--requests {args.requests} --quiet-minutes {args.quiet_minutes:g} --write-docs",
+        "```",
+        "",
+        "Each round serves a new trace per rate to every policy in lockstep, one step of each in turn, each in its "
+        "own virtual time (in-process, no HTTP; each policy's engine kept across rounds); "
+        "[serving.md](serving.md#the-model-beside-the-served-steps) and [adaptive.md](adaptive.md) say what is "
+        "measured.",
         "",
         "| adaptive on the profile | rate /s | TPOT / correct profile's [range] | measured / predicted step "
         "seconds | with --refit: TPOT / correct [range] | measured / re-fitted |",
@@ -427,12 +432,6 @@ def render(figures: dict, args) -> str:
         lines.append(f"| {name} | {warned} | "
                      f"{number(band['change'], 'x{:.2f}')} | {band['quiet_warnings']} | "
                      f"{band['quiet_mismatch_warnings']} |")
-    lines += [
-        "",
-        "```bash",
-        f"OMP_NUM_THREADS=1 python scripts/serving_fidelity.py --rounds {args.rounds} --rates {rates.replace(' ', '')} "
-        f"--requests {args.requests} --quiet-minutes {args.quiet_minutes:g} --write-docs",
-        "```"]
     return "\n".join(lines)
 
 

@@ -1,7 +1,7 @@
 """What the runtime pays for a batch: a ragged batch against a uniform one, a prefill's peak memory, and
 the device synchronizations and kernel launches of a step.
 
-    OMP_NUM_THREADS=1 python scripts/runtime_costs.py [--rounds 5] [--write-docs]
+    OMP_NUM_THREADS=1 python benchmarks/runtime_costs.py [--rounds 5] [--write-docs]
 
 Ragged: one prompt of --long-prompt tokens among b - 1 of --short-prompt tokens; uniform: b prompts of
 --short-prompt tokens (random token ids, EOS ignored so every row generates --new-tokens). Each round runs
@@ -22,7 +22,7 @@ prompts, greedy, EOS ignored, the engines alternating within every round), plain
 plain decoding and the table against vLLM running its `--format vllm` export, at --vllm-batch-sizes.
 A table from the bundled profile: `specbatch fit data/profiles/demo-cpu.json -o demo.model.json && specbatch
 table demo.model.json --strategies chain -o table-chain.json`.
---write-docs puts the figures in docs/results.md's "runtime-costs" section (scripts/docs_sections.py).
+--write-docs puts the figures in docs/results.md's "runtime-costs" section (benchmarks/docs_sections.py).
 """
 from __future__ import annotations
 
@@ -166,13 +166,16 @@ def markdown(figures: dict) -> str:
     lines = [
         "## What the runtime pays for a batch",
         "",
-        "Written by `OMP_NUM_THREADS=1 python scripts/runtime_costs.py --write-docs"
+        f"Demo pair, float32, {figures['machine']}, torch {figures['torch']}, {figures['threads']} thread, "
+        f"{figures['rounds']} rounds.",
+        "",
+        "```bash",
+        "OMP_NUM_THREADS=1 python benchmarks/runtime_costs.py --write-docs"
         + (f" --rounds {figures['rounds']}" if figures["rounds"] != DEFAULT_ROUNDS else "")
         + (f" --vllm-table {Path(figures['vllm']['table']).name}" if figures.get("vllm") else "")
         + (f" --vllm-rounds {figures['vllm']['rounds']}"
-           if figures.get("vllm") and figures["vllm"]["rounds"] != DEFAULT_ROUNDS else "")
-        + f"` ({figures['machine']}, "
-        f"torch {figures['torch']}, {figures['threads']} thread, demo pair, float32, {figures['rounds']} rounds).",
+           if figures.get("vllm") and figures["vllm"]["rounds"] != DEFAULT_ROUNDS else ""),
+        "```",
         "",
         f"A ragged batch ({figures['batch_size']} rows: one prompt of {figures['long']} tokens among "
         f"{figures['batch_size'] - 1} of {figures['short']}) against a uniform one ({figures['short']} tokens "
