@@ -392,6 +392,10 @@ def _calibrate(request: CalibrationRequest, plan: _Plan, on_progress, on_estimat
     watch = _machine_watch(pair, grid, plan.device, clock, memory)
     watch.start(lambda: clock() - started_s)
 
+    def out_of_time() -> None:
+        if request.max_seconds is not None and clock() - started_s > request.max_seconds and done < total:
+            raise _OutOfTime
+
     def advance(label: str, row=None) -> None:
         """Save the row (if any), then report: a point counts as done only once it is on disk."""
         nonlocal profile, done
@@ -402,19 +406,25 @@ def _calibrate(request: CalibrationRequest, plan: _Plan, on_progress, on_estimat
         if on_progress is not None:
             on_progress(ProgressEvent(done, total, label))
         watch.check()  # between points, when its interval has passed
-        if request.max_seconds is not None and clock() - started_s > request.max_seconds and done < total:
-            raise _OutOfTime
+        out_of_time()
 
+    def propose() -> None:
+        """A refinement point joins the run: it counts in `total`, and --max-seconds guards it as any other."""
+        nonlocal total
+        total += 1
+        out_of_time()
+
+    stopped = False
     try:
         insitu_batch = max((p.batch_size for p in all_insitu if p not in memory.skipped), default=0)
-        _measure(pair, plan, grid, todo, request, clock, advance, lambda: profile, memory, insitu_batch)
+        _measure(pair, plan, grid, todo, request, clock, advance, propose, lambda: profile, memory, insitu_batch)
     except _OutOfTime:
-        pass
+        stopped = True
     noise, noise_large_batch, device_state = watch.finish(lambda: clock() - started_s)
     profile = replace(profile, noise=noise, noise_large_batch=noise_large_batch, device_state=device_state)
     write_profile(request.out, profile)  # with the noise figures (and, after a finished --resume, the merged grid)
     summary = summarize(request.out, profile, done - resumed, resumed, started_s, clock)
-    return replace(summary, points_left=total - done, max_seconds=request.max_seconds,
+    return replace(summary, points_left=total - done, max_seconds=request.max_seconds, stopped_by_max_seconds=stopped,
                    points_skipped=len(memory.skipped), memory_notes=memory.notes)
 
 
@@ -460,8 +470,10 @@ def _memory_plan(plan: _Plan, profile: Profile, todo: _Todo) -> MemoryPlan:
 
 
 def _measure(pair: LoadedPair, plan: _Plan, grid: Grid, todo: _Todo, request: CalibrationRequest, clock: Clock,
-             advance: Callable, current: Callable[[], Profile], memory: MemoryPlan, insitu_batch: int) -> None:
-    """Every point still to measure, in order; `advance` saves each row; `current()` is the profile so far;
+             advance: Callable, propose: Callable[[], None], current: Callable[[], Profile], memory: MemoryPlan,
+             insitu_batch: int) -> None:
+    """Every point still to measure, in order; `advance` saves each row; `propose()` counts a refinement point
+    in the run's total before it is timed; `current()` is the profile so far;
     `insitu_batch`: the largest in-situ batch size of the whole run (the random prompts' count follows it)."""
     prompts_source = display_path(request.prompts) if request.prompts is not None else None
     greedy_rows = None  # kept for the second stage's guesses: the same continuations
@@ -487,6 +499,7 @@ def _measure(pair: LoadedPair, plan: _Plan, grid: Grid, todo: _Todo, request: Ca
                 time_point(timer, point))
     if request.refine or (request.refine is None and plan.device.startswith("cuda")):  # CPU passes are not cheap
         for point in refinement_rounds(current):  # calibrate/refine.py: where the fit cannot place a step
+            propose()
             advance(f"refine: {point.model} b={point.batch_size} n={point.new_tokens} L={point.context_len}",
                     time_point(timer, point))
     timer.forget()
