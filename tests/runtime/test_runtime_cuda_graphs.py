@@ -6,6 +6,8 @@ the device work again, the host's side not at all. On a GPU (marked), the real g
 against eager passes, and generation against target-only greedy output."""
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -13,6 +15,24 @@ from specbatch.runtime import cuda_graphs
 from specbatch.runtime.cuda_graphs import GraphedModel, bucket_for
 from specbatch.runtime.generator import SpeculativeGenerator
 from specbatch.runtime.policy import FixedK
+
+from test_runtime_engine import solo_greedy
+
+
+@pytest.fixture
+def graphed_on_cpu(greedy_target, greedy_draft_sometimes, monkeypatch):
+    """Both models on the varlen backend (its CPU reference kernel) with the stand-in capture; the captures'
+    output shapes are logged in the list returned."""
+    from specbatch.runtime import attention
+    import varlen_reference
+
+    for model in (greedy_target, greedy_draft_sometimes):
+        monkeypatch.setattr(model, "attention_backend", "varlen")
+    monkeypatch.setattr(attention, "varlen_attn", varlen_reference.varlen_attn)
+    monkeypatch.setattr(attention, "AuxRequest", varlen_reference.AuxRequest)
+    log = []
+    monkeypatch.setattr(cuda_graphs, "capture_cuda_graph", replaying_capture(log))
+    return log
 
 
 def replaying_capture(log):
@@ -59,10 +79,17 @@ def test_graphed_passes_give_the_eager_logits_and_lengths(greedy_target, prompts
             torch.testing.assert_close(ours, eager, rtol=1e-5, atol=1e-5)
             assert graphed_cache.host_lengths[:5].tolist() == eager_cache.host_lengths[:5].tolist()
             assert torch.equal(graphed_cache.lengths[:5], eager_cache.lengths[:5])
-            assert graphed_cache.host_lengths[5:].tolist() == graphed_cache.lengths[5:].tolist() == [3, 3, 3]
-        assert len(captured) == 1 and captured[0][0] == 8  # one graph, for the bucket of 8
+            # spare rows 5..7 keep what they hold (their prompts): lengths as the eager cache's, never advanced
+            assert graphed_cache.host_lengths[5:].tolist() == graphed_cache.lengths[5:].tolist() \
+                == eager_cache.host_lengths[5:].tolist() == [len(p) for p in prompts8[5:]]
+        # the bucket of 8 and every smaller one at that width (a batch shrinks through them)
+        assert [shape[0] for shape in captured] == [1, 2, 4, 8]
+        assert graphed.stats()["kept"] == 4
         graphed(rows[:2, :1], graphed_cache.rows(0, 2), last=1)
-        assert len(captured) == 2 and captured[1][:2] == (2, 1)
+        assert len(captured) == 6 and captured[-1][:2] == (2, 1)
+        del graphed_cache, cache
+        gc.collect()  # the stand-in's replay refers to its cache: a cycle
+        assert graphed.stats() == {"captures": 6, "capture_s": graphed.capture_s, "kept": 0}  # gone with the cache
 
 
 def test_generation_with_graphs_is_lossless(greedy_target, greedy_draft_sometimes, prompts8, monkeypatch):
@@ -79,6 +106,31 @@ def test_generation_with_graphs_is_lossless(greedy_target, greedy_draft_sometime
         assert generator.generate(prompts8, 12, FixedK(k)).token_ids == expected
 
 
+def test_a_prompt_prefilled_in_parts_beside_graphed_steps_stays_intact(greedy_target, greedy_draft_sometimes,
+                                                                       prompts8, graphed_on_cpu):
+    """Three running rows step in the bucket of 4 while a long prompt is prefilled in parts in row 3 (a spare
+    row of that bucket): every request gets its solo greedy tokens."""
+    from specbatch.runtime.engine import Engine, EngineConfig, Request
+
+    generator = SpeculativeGenerator(greedy_target, greedy_draft_sometimes, cuda_graphs=True)
+    engine = Engine(generator, FixedK(2), EngineConfig(max_batch_size=4, prefill_chunk_tokens=8))
+    long_prompt = (prompts8[4] * 3)[:45]  # 5 parts of 8 tokens and a last one of 5
+    timeline = []
+    requests = [Request(name, tuple(prompt), 24, on_event=timeline.append)
+                for name, prompt in (("a", prompts8[0]), ("b", prompts8[2]), ("c", prompts8[6]))]
+    requests.append(Request("long", tuple(long_prompt), 10, on_event=timeline.append))
+    for request in requests[:3]:
+        engine.submit(request)
+    engine.step()
+    engine.submit(requests[3])
+    while engine.step():
+        pass
+    assert any(shape[0] == 4 for shape in graphed_on_cpu if shape is not None)  # row 3 was spare in a graph
+    for request in requests:
+        got = [t for e in timeline if e.request_id == request.id for t in e.token_ids]
+        assert got == solo_greedy(greedy_target, list(request.prompt_ids), request.max_tokens), request.id
+
+
 @pytest.mark.gpu
 def test_cuda_graphs_match_eager_on_a_gpu(greedy_target, greedy_draft_sometimes, prompts8):
     if not torch.cuda.is_available():
@@ -91,3 +143,25 @@ def test_cuda_graphs_match_eager_on_a_gpu(greedy_target, greedy_draft_sometimes,
         assert graphed == eager
     finally:
         greedy_target.to("cpu", torch.float32), greedy_draft_sometimes.to("cpu", torch.float32)
+
+
+def test_bench_rounds_capture_only_while_warming_up(greedy_target, greedy_draft_sometimes, prompts8, graphed_on_cpu):
+    """Bench's rounds simulated: contenders in lockstep (calibrate.lockstep) in each round's rotated order
+    (bench.plan.balanced_order), synthetic acceptance drawn anew each round (rows finish at other steps).
+    After the warm-up round no cache is made and nothing is captured, and the graphs kept stay as many."""
+    from specbatch.bench.plan import balanced_order
+    from specbatch.calibrate.lockstep import run_lockstep
+
+    generator = SpeculativeGenerator(greedy_target, greedy_draft_sometimes, cuda_graphs=True)
+    policies = {"k0": FixedK(0), "k2": FixedK(2), "k3": FixedK(3)}
+    after_warmup = None
+    for round_index in range(-1, 4):
+        prompts = [p[:len(p) - (round_index + 1) % 3] for p in prompts8[:6]]  # other lengths each round
+        run_lockstep({name: generator.generation(prompts, 14, policies[name], seed=round_index,
+                                                 synthetic_acceptance=0.7)
+                      for name in balanced_order(list(policies), round_index)})
+        if round_index == -1:
+            after_warmup = generator.graph_stats(), generator._spare_caches.made
+            assert after_warmup[0]["captures"] > 0
+        else:
+            assert (generator.graph_stats(), generator._spare_caches.made) == after_warmup, round_index
