@@ -2,7 +2,9 @@
 and CUDA's versions, the attention kernel torch picks for each model's shapes, and one step's passes timed
 two ways: wall time around a pass with a barrier on each side (what a harness that synchronizes measures)
 and the device's own time between two events (what calibrate records: runtime.clock). A second generation
-with calibrate's step recorder gives the steps' wall time with nothing synchronized inside them.
+with calibrate's step recorder gives the steps' wall time with nothing synchronized inside them. Every
+figure comes for each execution mode asked for (`--modes eager,cuda-graphs`, side by side in one run), with
+the kernel launches a pass makes, counted by torch's profiler (a replayed graph is one launch).
 
     python -m specbatch.calibrate.device_probe --target llama-3.1-8b --draft llama-3.2-1b --batch-sizes 1,64
 """
@@ -58,8 +60,33 @@ def versions(device: str, dtype: torch.dtype, pair) -> list[str]:
     return lines
 
 
-def probe(pair, device: str, batch_size: int, k: int, context_len: int, new_tokens: int) -> list[str]:
-    generator = SpeculativeGenerator(pair.target, pair.draft, eos_token_ids=())
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch", "cuGraphLaunch")
+
+
+def launches_per_pass(model, batch_size: int, new_tokens: int, context_len: int, device: str) -> int:
+    """Kernel (and graph) launches of one pass of `model` (a CausalLM, or its GraphedModel) over
+    (batch_size, new_tokens) on `context_len` cached tokens, as torch's profiler sees them (after a pass that
+    captures, when graphed)."""
+    from .benchmarks import random_tokens
+
+    cache = model.new_cache(batch_size, context_len + new_tokens)
+    tokens = random_tokens(model.config.vocab_size, batch_size, new_tokens, device, seed=1)
+
+    def one_pass():
+        cache.set_lengths(None, [context_len] * batch_size)
+        model(tokens, cache, None, None)
+
+    one_pass()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+        one_pass()
+        torch.cuda.synchronize()
+    return sum(event.count for event in profiler.key_averages() if event.key in LAUNCHES)
+
+
+def probe(pair, device: str, batch_size: int, k: int, context_len: int, new_tokens: int,
+          cuda_graphs: bool = False) -> list[str]:
+    generator = SpeculativeGenerator(pair.target, pair.draft, eos_token_ids=(), cuda_graphs=cuda_graphs)
     vocab = min(pair.target.config.vocab_size, pair.draft.config.vocab_size)
     prompts = torch.randint(vocab, (batch_size, context_len), generator=torch.Generator().manual_seed(0)).tolist()
     generator.generate(prompts, new_tokens, FixedK(k), synthetic_acceptance=0.8)  # warm-up: kernels, allocator
@@ -71,7 +98,8 @@ def probe(pair, device: str, batch_size: int, k: int, context_len: int, new_toke
     for role, b, n, wall_ms, event_ms in both.rows:
         if b == batch_size:  # the full batch: the last steps run with fewer rows
             groups[(role, b, n)].append((wall_ms, event_ms))
-    lines = [f"b={batch_size} k={k} context {context_len}: per pass, median of its passes in the step loop"]
+    mode = "cuda-graphs" if cuda_graphs else "eager"
+    lines = [f"[{mode}] b={batch_size} k={k} context {context_len}: per pass, median of its passes in the step loop"]
     for (role, b, n), values in sorted(groups.items()):
         wall = statistics.median(v[0] for v in values)
         event = statistics.median(v[1] for v in values)
@@ -94,6 +122,8 @@ def main(argv=None) -> None:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--context-len", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=24)
+    parser.add_argument("--modes", default="eager,cuda-graphs", help="execution modes, side by side")
+    parser.add_argument("--launches", action="store_true", help="count kernel launches per pass (CUDA, profiler)")
     args = parser.parse_args(argv)
     try:
         sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -104,9 +134,24 @@ def main(argv=None) -> None:
     target, draft = resolve_pair(args.target, args.draft)
     pair = load_pair(target, draft, device, dtype)
     print("\n".join(versions(device, dtype, pair)), flush=True)
+    modes = [mode.strip() for mode in args.modes.split(",") if mode.strip()]
+    if not modes or any(mode not in ("eager", "cuda-graphs") for mode in modes):
+        parser.error(f"--modes {args.modes!r}: expected eager and/or cuda-graphs")
     with torch.inference_mode():
         for batch_size in sizes:
-            print("\n".join(probe(pair, device, batch_size, args.k, args.context_len, args.new_tokens)), flush=True)
+            for mode in modes:
+                print("\n".join(probe(pair, device, batch_size, args.k, args.context_len, args.new_tokens,
+                                      cuda_graphs=mode == "cuda-graphs")), flush=True)
+        if args.launches and device.startswith("cuda"):
+            from specbatch.runtime.cuda_graphs import GraphedModel
+
+            for role, model in (("target", pair.target), ("draft", pair.draft)):
+                for batch_size in sizes:
+                    for n in sorted({1, args.k + 1}):
+                        eager = launches_per_pass(model, batch_size, n, args.context_len, device)
+                        graphed = launches_per_pass(GraphedModel(model), batch_size, n, args.context_len, device)
+                        print(f"launches per pass: {role} b={batch_size} n={n}: eager {eager}, cuda-graphs "
+                              f"{graphed}", flush=True)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,12 @@ def graphs_by_default(device) -> bool:
     return torch.device(device).type == "cuda"
 
 
+def execution_on(device, cuda_graphs: bool | None = None) -> str:
+    """How passes run on `device` (a device or its kind), as a profile records it (perfmodel.execution):
+    'cuda-graphs' or 'eager'; `cuda_graphs` None: the device's default."""
+    return "cuda-graphs" if (graphs_by_default(device) if cuda_graphs is None else cuda_graphs) else "eager"
+
+
 def bucket_for(batch_size: int, capacity: int) -> int:
     """The smallest bucket holding `batch_size` rows that the cache has room for (its capacity otherwise).
 
