@@ -89,6 +89,9 @@ class ForwardTimer:
 
     def forget(self) -> None:
         self.key, self.cache = None, None
+        if self.graphs:  # the cache took its graphs along: their logits buffers can go too
+            for model in self.models.values():
+                model.release_outputs()
 
 
 def release_memory(device: str) -> None:

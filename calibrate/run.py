@@ -474,7 +474,7 @@ def _memory_plan(plan: _Plan, profile: Profile, todo: _Todo) -> MemoryPlan:
     effort = plan.effort
     memory = plan_memory(target, draft, grid, budget, math_attention, todo.timings, todo.overheads, todo.trees,
                          todo.insitu, effort.overhead_steps, effort.tree_steps, _insitu_room(plan),
-                         effort.insitu_tokens)
+                         effort.insitu_tokens, plan.graphs)
     return replace(memory, large_reference=large_reference)
 
 

@@ -16,6 +16,9 @@ be) starts at 0 for it.
 Graphs live on the cache they were captured on (an attribute of its root) and go when it goes; the
 generator keeps caches per policy (runtime.cache_pool), so a warmed-up run replays and never captures. A
 miss captures the bucket and every smaller one at that width: a batch shrinks through them as rows finish.
+A graph's logits go to one buffer per (bucket, width, logits kept) of the model, shared by every cache's
+graph of that key (lockstep generations take turns a step at a time, each step consuming its logits), so
+the memory they hold does not grow with the caches (calibrate.memory counts it).
 `capture` is injectable so the bookkeeping is tested on the CPU (tests/runtime/test_runtime_cuda_graphs.py);
 the graphs themselves are tested on a GPU (marked tests).
 """
@@ -104,6 +107,7 @@ class GraphedModel:
         self.config = model.config
         self.pool = None  # one memory pool for all of this model's graphs, made at the first capture
         self.roots = weakref.WeakSet()  # the caches holding graphs of this model
+        self.outputs: dict[tuple, torch.Tensor] = {}  # (bucket, n, last) -> the logits buffer its graphs share
         self.captures, self.capture_s = 0, 0.0
 
     def __getattr__(self, name):  # everything else is the model's (new_cache, lm_head, ...)
@@ -113,6 +117,11 @@ class GraphedModel:
         """captures so far, the host seconds they took, and the graphs alive now (on caches still alive)."""
         kept = sum(len(graphs_of(root)) for root in list(self.roots))
         return {"captures": self.captures, "capture_s": self.capture_s, "kept": kept}
+
+    def release_outputs(self) -> None:
+        """Free the shared logits buffers once no graph writes to them (every cache with graphs is gone)."""
+        if not self.stats()["kept"]:
+            self.outputs.clear()
 
     def eligible(self, cache: KVCache | None, tree, new_tokens) -> bool:
         if cache is None or tree is not None or new_tokens is not None or cache.start != 0:
@@ -170,7 +179,13 @@ class GraphedModel:
             view.set_lengths(None, safe)
 
         def run():
-            return self.model(tokens, view, None, last)
+            logits = self.model(tokens, view, None, last)
+            if logits is None:
+                return None
+            shared = self.outputs.get((bucket, n, last))
+            if shared is None:  # made by the first warm-up run, outside any graph
+                shared = self.outputs[(bucket, n, last)] = torch.empty_like(logits)
+            return shared.copy_(logits)  # the pass's own logits are the pool's again after the capture
 
         replay, output, self.pool = (self.capture or capture_cuda_graph)(run, reset, view, self.pool)
         view.set_lengths(saved[0], saved[1])  # warm-up and capture moved them; the real pass has not run

@@ -161,8 +161,9 @@ def choose_policy(options: ServeOptions, target_dir: Path, draft_dir: Path | Non
 KV_SHARE_OF_FREE = {"cuda": 0.9, "cpu": 0.5}
 
 
-def kv_cache_bytes(kv_cache_gb: float | None, device: str) -> int:
-    """The KV cache's size in bytes: --kv-cache-gb, or a share of the device's free memory now."""
+def kv_cache_bytes(kv_cache_gb: float | None, device: str, graph_bytes: int = 0) -> int:
+    """The KV cache's size in bytes: --kv-cache-gb, or a share of the device's free memory now less what the
+    CUDA graphs will hold (`graph_bytes`: calibrate.memory.serving_graph_bytes)."""
     from specbatch.calibrate.environment import available_memory_bytes
 
     if kv_cache_gb is not None:
@@ -170,7 +171,7 @@ def kv_cache_bytes(kv_cache_gb: float | None, device: str) -> int:
             raise ServeError(f"--kv-cache-gb must be > 0, got {kv_cache_gb}")
         return int(kv_cache_gb * 2**30)
     kind = "cuda" if device.startswith("cuda") else "cpu"
-    return int(KV_SHARE_OF_FREE[kind] * available_memory_bytes(device))
+    return max(0, int(KV_SHARE_OF_FREE[kind] * available_memory_bytes(device)) - graph_bytes)
 
 
 def check_policy_execution(policy, options: ServeOptions, device: str) -> None:
@@ -187,6 +188,20 @@ def check_policy_execution(policy, options: ServeOptions, device: str) -> None:
     fitted_execution = getattr(policy, "execution", None)
     if fitted_execution is not None:
         check_execution(f"--adaptive {options.adaptive}", fitted_execution, running, options.allow_mode_mismatch)
+
+
+def _graph_bytes(generator, pair, policy, options: ServeOptions) -> int:
+    """The CUDA graphs' memory the KV share leaves room for (0 without graphs)."""
+    if not generator.cuda_graphs:
+        return 0
+    from specbatch.calibrate.memory import serving_graph_bytes
+    from specbatch.calibrate.models import model_info
+
+    dtype = pair.target.lm_head.weight.dtype
+    draft = model_info(pair.draft_spec, dtype) if pair.draft_spec is not None and generator.draft_is_model else None
+    key_len = options.max_model_len or pair.target.config.max_position_embeddings
+    return serving_graph_bytes(model_info(pair.target_spec, dtype), draft, options.max_batch_size, policy.max_k,
+                               key_len)
 
 
 def build(options: ServeOptions):
@@ -222,9 +237,10 @@ def build(options: ServeOptions):
     check_policy_execution(policy, options, device)
     generator = SpeculativeGenerator(pair.target, pair.draft, pair.eos_token_ids, stage2=stage2,
                                      cuda_graphs=options.cuda_graphs)
+    graphs = _graph_bytes(generator, pair, policy, options)
     config = EngineConfig(max_batch_size=options.max_batch_size, kv_budget_tokens=options.kv_budget_tokens,
                           max_waiting=options.max_waiting, max_context_tokens=options.max_model_len,
-                          kv_cache_bytes=kv_cache_bytes(options.kv_cache_gb, device))
+                          kv_cache_bytes=kv_cache_bytes(options.kv_cache_gb, device, graphs))
     try:
         engine = Engine(generator, policy, config, decode=pair.tokenizer.decode)
     except KVCacheTooSmall as error:
