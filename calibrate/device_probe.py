@@ -3,8 +3,9 @@ and CUDA's versions, the attention kernel torch picks for each model's shapes, a
 two ways: wall time around a pass with a barrier on each side (what a harness that synchronizes measures)
 and the device's own time between two events (what calibrate records: runtime.clock). A second generation
 with calibrate's step recorder gives the steps' wall time with nothing synchronized inside them. Every
-figure comes for each execution mode asked for (`--modes eager,cuda-graphs`, side by side in one run), with
-the kernel launches a pass makes, counted by torch's profiler (a replayed graph is one launch).
+step figure comes for each execution mode asked for (`--modes eager,cuda-graphs`, in one run); then each
+model's isolated passes (b of --batch-sizes, n = 1 and k + 1) eager and graphed side by side, with the kernel
+launches a pass makes, counted by torch's profiler on CUDA (a replayed graph is one launch).
 
     python -m specbatch.calibrate.device_probe --target llama-3.1-8b --draft llama-3.2-1b --batch-sizes 1,64
 """
@@ -61,27 +62,44 @@ def versions(device: str, dtype: torch.dtype, pair) -> list[str]:
 
 
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch", "cuGraphLaunch")
+PASS_SAMPLES = 21
 
 
-def launches_per_pass(model, batch_size: int, new_tokens: int, context_len: int, device: str) -> int:
-    """Kernel (and graph) launches of one pass of `model` (a CausalLM, or its GraphedModel) over
-    (batch_size, new_tokens) on `context_len` cached tokens, as torch's profiler sees them (after a pass that
-    captures, when graphed)."""
-    from .benchmarks import random_tokens
-
-    cache = model.new_cache(batch_size, context_len + new_tokens)
-    tokens = random_tokens(model.config.vocab_size, batch_size, new_tokens, device, seed=1)
-
-    def one_pass():
-        cache.set_lengths(None, [context_len] * batch_size)
-        model(tokens, cache, None, None)
-
-    one_pass()
+def launches_of(run, device: str) -> int | None:
+    """Kernel (and graph) launches `run()` makes, as torch's profiler sees the CUDA runtime's calls; None off
+    CUDA."""
+    if not device.startswith("cuda"):
+        return None
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
-        one_pass()
+        run()
         torch.cuda.synchronize()
     return sum(event.count for event in profiler.key_averages() if event.key in LAUNCHES)
+
+
+def pass_line(role: str, model, batch_size: int, new_tokens: int, context_len: int, device: str) -> str:
+    """One isolated pass of `model` over (batch_size, new_tokens) on `context_len` cached tokens, eager and
+    graphed side by side, as calibrate times it (calibrate.benchmarks: events around the pass; graphed at
+    b's bucket, captured before the samples): median event ms and launches per pass."""
+    from specbatch.runtime.cuda_graphs import GraphedModel, bucket_for
+
+    from .benchmarks import forward_sampler, random_tokens
+
+    tokens = random_tokens(model.config.vocab_size, batch_size, new_tokens, device, seed=1)
+    last = 1 if role == "draft" else None
+    figures = []
+    for graphed in (False, True):
+        runner = GraphedModel(model) if graphed else model
+        rows = bucket_for(batch_size, 10**9) if graphed else batch_size
+        cache = runner.new_cache(rows, context_len + new_tokens).rows(0, batch_size)
+        sample = forward_sampler(runner, cache, tokens, context_len, DeviceClock(device), last)
+        sample()  # warm-up (and the capture)
+        median = statistics.median(sample() for _ in range(PASS_SAMPLES))
+        launches = launches_of(sample, device)
+        figures.append(f"{median:8.3f} ms" + ("" if launches is None else f" {launches:4d} launches"))
+        del cache, sample, runner
+    return (f"  pass {role:6} b={batch_size:<3} n={new_tokens:<2} L={context_len}: eager {figures[0]}   "
+            f"cuda-graphs {figures[1]}")
 
 
 def probe(pair, device: str, batch_size: int, k: int, context_len: int, new_tokens: int,
@@ -123,7 +141,6 @@ def main(argv=None) -> None:
     parser.add_argument("--context-len", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=24)
     parser.add_argument("--modes", default="eager,cuda-graphs", help="execution modes, side by side")
-    parser.add_argument("--launches", action="store_true", help="count kernel launches per pass (CUDA, profiler)")
     args = parser.parse_args(argv)
     try:
         sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -142,17 +159,11 @@ def main(argv=None) -> None:
             for mode in modes:
                 print("\n".join(probe(pair, device, batch_size, args.k, args.context_len, args.new_tokens,
                                       cuda_graphs=mode == "cuda-graphs")), flush=True)
-        if args.launches and device.startswith("cuda"):
-            from specbatch.runtime.cuda_graphs import GraphedModel
-
-            for role, model in (("target", pair.target), ("draft", pair.draft)):
-                for batch_size in sizes:
-                    for n in sorted({1, args.k + 1}):
-                        eager = launches_per_pass(model, batch_size, n, args.context_len, device)
-                        graphed = launches_per_pass(GraphedModel(model), batch_size, n, args.context_len, device)
-                        print(f"launches per pass: {role} b={batch_size} n={n}: eager {eager}, cuda-graphs "
-                              f"{graphed}", flush=True)
-
+        print(f"isolated passes, median event time of {PASS_SAMPLES} (and launches a pass, CUDA):", flush=True)
+        for role, model in (("target", pair.target), ("draft", pair.draft)):
+            for batch_size in sizes:
+                for n in sorted({1, args.k + 1}):
+                    print(pass_line(role, model, batch_size, n, args.context_len, device), flush=True)
 
 if __name__ == "__main__":
     main()
