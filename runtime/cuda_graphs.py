@@ -178,14 +178,16 @@ class GraphedModel:
         def reset():
             view.set_lengths(None, safe)
 
+        if last != 0 and (bucket, n, last) not in self.outputs:  # made here, on the current stream, outside graphs
+            positions = n if last is None else min(last, n)
+            self.outputs[(bucket, n, last)] = torch.empty(bucket, positions, self.config.vocab_size,
+                                                          dtype=self.model.lm_head.weight.dtype, device=root.device)
+        shared = self.outputs.get((bucket, n, last))
+
         def run():
             logits = self.model(tokens, view, None, last)
-            if logits is None:
-                return None
-            shared = self.outputs.get((bucket, n, last))
-            if shared is None:  # made by the first warm-up run, outside any graph
-                shared = self.outputs[(bucket, n, last)] = torch.empty_like(logits)
-            return shared.copy_(logits)  # the pass's own logits are the pool's again after the capture
+            # the pass's own logits go back to the pool after the capture; the graph writes the shared buffer
+            return None if logits is None else shared.copy_(logits)
 
         replay, output, self.pool = (self.capture or capture_cuda_graph)(run, reset, view, self.pool)
         view.set_lengths(saved[0], saved[1])  # warm-up and capture moved them; the real pass has not run
