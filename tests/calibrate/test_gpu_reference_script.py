@@ -59,7 +59,8 @@ def test_the_script_runs_end_to_end_on_a_cpu_with_tiny_shapes(tmp_path):
     assert "[eager] b=8 k=4" in probe and "[cuda-graphs] b=8 k=4" in probe
     assert "pass target b=8   n=5  L=32: eager" in probe and "cuda-graphs" in probe.split("pass draft  b=1")[1]
     log = (out / "run.log").read_text()
-    assert "== bench with the table" in log and '"batches"' in log and "== specbatch demo --device cpu" in log
+    assert "== bench with the table" in log and '"schema": "specbatch.bench/1"' in log
+    assert "== specbatch demo --device cpu" in log
     assert "everything is in" in log  # the demo's last line
     tests = (out / "pytest-gpu.txt").read_text()
     assert "skipped" in tests and "failed" not in tests and "error" not in tests.lower()

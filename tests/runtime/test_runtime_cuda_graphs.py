@@ -186,3 +186,38 @@ def test_the_graphs_of_every_cache_share_one_logits_buffer_per_bucket_and_width(
             assert outputs[0].data_ptr() == outputs[1].data_ptr()  # one buffer
     assert sorted(graphed.outputs) == [(1, 2, None), (2, 2, None), (4, 2, None)]
     assert graphed.stats()["kept"] == 6  # but each cache its own graphs
+
+
+@pytest.mark.gpu
+def test_graphed_serving_and_sampling_match_eager_on_a_gpu(greedy_target, greedy_draft_sometimes, prompts8):
+    """Real graphs: an engine prefilling a long prompt in parts beside graphed steps gives every request the
+    tokens the eager engine gives, and a sampled generation draws the same tokens graphed and eager."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from specbatch.runtime.engine import Engine, EngineConfig, Request
+    from specbatch.runtime.sampling import Sampling
+
+    target = greedy_target.to("cuda", torch.bfloat16)
+    draft = greedy_draft_sometimes.to("cuda", torch.bfloat16)
+    try:
+        got = {}
+        for graphs in (False, True):
+            engine = Engine(SpeculativeGenerator(target, draft, cuda_graphs=graphs), FixedK(2),
+                            EngineConfig(max_batch_size=4, prefill_chunk_tokens=8))
+            timeline = []
+            requests = [Request(name, tuple(prompt), 16, on_event=timeline.append)
+                        for name, prompt in (("a", prompts8[0]), ("b", prompts8[2]), ("c", prompts8[6]),
+                                             ("long", (prompts8[4] * 3)[:45]))]
+            for request in requests[:3]:
+                engine.submit(request)
+            engine.step()
+            engine.submit(requests[3])
+            while engine.step():
+                pass
+            got[graphs] = {r.id: [t for e in timeline if e.request_id == r.id for t in e.token_ids] for r in requests}
+        assert got[True] == got[False]
+        sampled = [SpeculativeGenerator(target, draft, cuda_graphs=graphs).generate(
+            prompts8, 12, FixedK(3), Sampling(temperature=1.0), seed=5).token_ids for graphs in (False, True)]
+        assert sampled[0] == sampled[1]
+    finally:
+        greedy_target.to("cpu", torch.float32), greedy_draft_sometimes.to("cpu", torch.float32)
