@@ -164,6 +164,13 @@ def test_bench_rounds_capture_only_while_warming_up(greedy_target, greedy_draft_
             assert after_warmup[0]["captures"] > 0
         else:
             assert (generator.graph_stats(), generator._spare_caches.made) == after_warmup, round_index
+    from specbatch.bench.rounds import graph_notes
+
+    stats = generator.graph_stats()
+    assert graph_notes(generator, 0) == [f"CUDA graphs: {stats['captures']} captured in {stats['capture_s']:.2f} s "
+                                         f"(warm-up rounds, not timed), {stats['kept']} kept"]
+    assert "2 CUDA graph(s) were captured inside timed rounds" in graph_notes(generator, 2)[1]
+    assert graph_notes(SpeculativeGenerator(greedy_target), 0) == []  # eager: nothing to say
 
 
 def test_the_graphs_of_every_cache_share_one_logits_buffer_per_bucket_and_width(greedy_target, prompts8,

@@ -90,3 +90,16 @@ def test_the_adaptive_policy_prices_a_graphed_step_at_its_buckets_rows():
     # goodput still counts the 5 rows' tokens: A_s = 5 * 1e3 / S_s(8)
     lines = graphed._lines(5, 128)
     np.testing.assert_allclose([a for a, _ in lines], 5e3 / at_eight)
+
+
+def test_every_command_that_runs_the_runtime_takes_eager_and_on_a_cpu_nothing_changes():
+    from cli_helpers import invoke
+
+    for command in ("generate", "bench", "calibrate", "demo", "serve"):
+        assert "--eager" in " ".join(invoke(command, "--help").stdout.split()), command
+    for command in ("fit", "table", "serve"):
+        assert "--allow-mode-mismatch" in " ".join(invoke(command, "--help").stdout.split()), command
+    args = ("generate", "--prompt", "def f(x):", "--max-new-tokens", "6", "--k", "2", "--threads", "1", "--json")
+    eager, default = invoke(*args, "--eager"), invoke(*args)
+    assert eager.exit_code == default.exit_code == 0, eager.output + default.output
+    assert json.loads(eager.stdout)["outputs"] == json.loads(default.stdout)["outputs"]
