@@ -21,7 +21,7 @@ import torch
 from specbatch.perfmodel.tree import Tree, tree_buffers
 
 from .attention import TreeAttention
-from .kv_cache import KVCache
+from .kv_cache import KVCache, upload
 from .model import CausalLM
 from .sampling import Sampling, probabilities, sample, uniform
 
@@ -135,10 +135,13 @@ def pick_children(scores: torch.Tensor, count: int, sampling: Sampling, rng):
 class _TreeState:
     """What the draft knows about one tree while drafting it."""
 
-    def __init__(self, plan: TreePlan, root_tokens: torch.Tensor, sampling: Sampling, vocab: int):
+    def __init__(self, plan: TreePlan, root_tokens: torch.Tensor, sampling: Sampling, vocab: int,
+                 host_guesses: bool = False):
+        """`host_guesses`: the second stage guesses on the host (a read-back a round: free on a CPU, where
+        one look-up per node costs less than a device query per level); else on the device."""
         b, size = root_tokens.shape[0], plan.tree.num_nodes + 1
         device = root_tokens.device
-        self.plan, self.sampling = plan, sampling
+        self.plan, self.sampling, self.host_guesses = plan, sampling, host_guesses
         self.tokens = torch.zeros(b, size, dtype=torch.long, device=device)
         self.tokens[:, 0] = root_tokens
         self.known = torch.zeros(b, size, dtype=torch.bool, device=device)
@@ -203,7 +206,13 @@ class _TreeState:
 
     def guess(self, stage2, before_root: torch.Tensor, nodes: list[int]) -> None:
         """The second stage's guesses (as _guess_rows) on the device, a level at a time (a guess needs its
-        parent's token, guessed or not): its device queries, nothing read back."""
+        parent's token, guessed or not): its device queries, nothing read back. With `host_guesses`, on
+        the host instead (_guess_rows)."""
+        if self.host_guesses:
+            tokens = self.tokens.tolist()
+            _guess_rows(self.plan, tokens, self.known.tolist(), stage2, before_root.tolist(), nodes)
+            self.tokens = upload(tokens, self.tokens.device)
+            return
         plan, b = self.plan, self.tokens.shape[0]
         for depth in sorted({plan.depth_list[node] for node in nodes}):
             level = [node for node in nodes if plan.depth_list[node] == depth]
@@ -310,7 +319,7 @@ def draft_tree(plan: TreePlan, draft: CausalLM, cache: KVCache, tokens: torch.Te
     if host_bookkeeping and sampling.greedy and b * (plan.tree.num_nodes + 1) <= HOST_BOOKKEEPING_MAX_CELLS:
         state = _HostState(plan, root_tokens)
     else:
-        state = _TreeState(plan, root_tokens, sampling, draft.config.vocab_size)
+        state = _TreeState(plan, root_tokens, sampling, draft.config.vocab_size, host_guesses=host_bookkeeping)
     before_root = torch.where(committed >= 2, tokens[rows, (committed - 2).clamp(min=0)], -1)
     inner = list(plan.inner)
     catch_up = catch_up_input(draft, cache, tokens, committed, host_committed, forward)
