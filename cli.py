@@ -24,6 +24,8 @@ from specbatch.console.options import (
     DeviceOpt,
     DraftOpt,
     DtypeOpt,
+    EagerOpt,
+    AllowModeMismatchOpt,
     ForceOpt,
     JsonOpt,
     MaxBatchOpt,
@@ -37,6 +39,7 @@ from specbatch.console.options import (
     acceptance_override,
     check_counts,
     check_query_options,
+    graphs_option,
     ints_text,
     one_line_errors,
     parse_int_list,
@@ -84,6 +87,7 @@ def generate(
     dtype: DtypeOpt = None,
     threads: ThreadsOpt = None,
     force: ForceOpt = False,
+    eager: EagerOpt = False,
     json_output: JsonOpt = False,
 ):
     """Generate text with batched speculative decoding (all prompts in one batch).
@@ -95,7 +99,7 @@ def generate(
     request = GenerationRequest(
         prompts=tuple(texts), target=target, draft=draft, k=k, table=table, tree=tree, stage2=stage2, model=model,
         adaptive=adaptive, refit=refit, max_new_tokens=max_new_tokens, temperature=temperature,
-        top_k=top_k, top_p=top_p, seed=seed, device=device, dtype=dtype, force=force)
+        top_k=top_k, top_p=top_p, seed=seed, device=device, dtype=dtype, force=force, cuda_graphs=graphs_option(eager))
     set_threads(threads)
     generation = generate_texts(request)
     if json_output:
@@ -149,6 +153,7 @@ def calibrate_command(
     refine: Annotated[Optional[bool], typer.Option("--refine/--no-refine", help=(
         "After the grid, time more target passes where the fit finds a kernel step between two measured token "
         "counts it cannot place (default: on CUDA, where passes are cheap; off on CPU)."))] = None,
+    eager: EagerOpt = False,
     from_vidur: Annotated[Optional[Path], typer.Option("--from-vidur", help=(
         "Time nothing: compose the target's passes from vidur's per-operation GPU timings in this folder "
         "(mlp.csv, attention.csv) for the --target/--draft shapes (presets or config.json); needs "
@@ -197,7 +202,7 @@ def calibrate_command(
         context_lens=tuple(parse_int_list("--context-lens", context_lens) or ()) or None,
         max_k=max_k, prompts=prompts or DEMO_PROMPTS, acceptance=acceptance, samplings=tuple(sampling or ()),
         resume=resume, quick=quick, stage2=stage2_for_calibration(stage2, no_stage2, draft, acceptance),
-        force=force, max_seconds=max_seconds, refine=refine,
+        force=force, max_seconds=max_seconds, refine=refine, cuda_graphs=graphs_option(eager),
     )
     set_threads(threads, resumed_profile=out if resume else None)  # the profile records torch's thread count
     summary = calibrate_with_progress(request, show=not json_output)
@@ -268,6 +273,7 @@ def bench(
     dtype: DtypeOpt = None,
     threads: ThreadsOpt = None,
     force: ForceOpt = False,
+    eager: EagerOpt = False,
     json_output: JsonOpt = False,
 ):
     """Measure k = 0, every fixed k, trees, staged drafting and the table at every batch size, interleaved;
@@ -287,7 +293,7 @@ def bench(
         synthetic_acceptance=synthetic_acceptance, seed=seed, table_path=table, model_path=model,
         peers=tuple(name.strip() for name in peers.split(",") if name.strip()) if peers else (),
         trees=tuple(tree or ()), stage2_path=stage2, adaptive_path=adaptive, adaptive_refit=refit, workload=workload,
-        second_prompts_path=second_prompts, interleave=interleave)
+        second_prompts_path=second_prompts, interleave=interleave, cuda_graphs=graphs_option(eager))
     check_input_files(table=table, model=model, prompts=prompts, stage2=stage2, adaptive=adaptive,
                       second_prompts=second_prompts)
     writable_dir(out, "--out")  # before measuring: a file in the way would lose every measurement
@@ -319,6 +325,7 @@ def fit(
     holdout: Annotated[bool, typer.Option(
         "--holdout", help="Also fit without every other interior batch size and context length and report the "
                           "error on those.")] = False,
+    allow_mode_mismatch: AllowModeMismatchOpt = False,
     json_output: JsonOpt = False,
 ):
     """Fit each role's pass latency T(b, n, L) from a profile; report parameters and errors. With in-situ
@@ -331,6 +338,11 @@ def fit(
     check_not_input(output, [profile], "--output")
     writable_path(output, "--output")  # before the fit: a bad -o fails in a second
     loaded = load_profile(profile)
+    from specbatch.perfmodel.execution import check_costs
+    from specbatch.runtime.cuda_graphs import execution_on
+
+    check_costs(f"profile {profile}", loaded.device, loaded.composition, loaded.engine,
+                execution_on(loaded.device.kind), allow_mode_mismatch)
     fitted = fit_profile(loaded, holdout=holdout)
     save_model(output, fitted)
     from specbatch.console.model import fit_json, render_fit
@@ -367,6 +379,7 @@ def table(
     clamp: Annotated[bool, typer.Option(
         "--clamp", help="trtllm: cap every k at batch size 1's k (TensorRT-LLM needs the smallest batch size's k "
                         "to be the largest) instead of refusing; the entries changed are listed.")] = False,
+    allow_mode_mismatch: AllowModeMismatchOpt = False,
 ):
     """Best strategy (none, a chain of k, a tree, with or without the second stage) for every batch size
     1..max-batch, with its predicted gain. vllm/trtllm exports express chains only (a tree's depth as k)."""
@@ -383,6 +396,11 @@ def table(
     check_not_input(output, [model], "--output")
     writable_path(output, "--output")
     fitted = load_model(model)
+    from specbatch.perfmodel.execution import check_costs
+    from specbatch.runtime.cuda_graphs import execution_on
+
+    check_costs(f"model {model}", fitted.device, fitted.composition, fitted.engine, execution_on(fitted.device.kind),
+                allow_mode_mismatch)
     lengths = lengths or fitted.table_context_lens(fmt)
     chosen = choose_acceptance(fitted, acceptance_override(acceptance), str(model))
     result = compute_table(fitted, chosen, max_batch, lengths, max_k, strategies=strategies,
@@ -480,6 +498,7 @@ def demo(
     max_batch: Annotated[int, typer.Option("--max-batch", help="Largest batch size in the table.")] = 32,
     device: DeviceOpt = None,
     threads: ThreadsOpt = None,
+    eager: EagerOpt = False,
 ):
     """The whole loop on the bundled demo pair: quick calibration, fit, table, generation, measured speedup."""
     race_sizes = parse_int_list("--batch-sizes", batch_sizes)
@@ -493,7 +512,7 @@ def demo(
     set_threads(threads)
     from specbatch.console.demo import run_demo
 
-    run_demo(out, tuple(race_sizes), prompts_shown, max_new_tokens, rounds, max_batch, device)
+    run_demo(out, tuple(race_sizes), prompts_shown, max_new_tokens, rounds, max_batch, device, graphs_option(eager))
 
 
 app.command()(one_line_errors(explain))  # commands kept in their own console/ files, listed after these

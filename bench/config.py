@@ -57,6 +57,7 @@ class BenchConfig:
     # steps: a round's policies of ours advance in lockstep, a step of each in turn (bench.timing: why);
     # runs: one whole generation after another
     interleave: str = "steps"
+    cuda_graphs: bool | None = None  # passes replay CUDA graphs: None, the device's default; False: --eager
 
     def __post_init__(self):
         check_config(self)

@@ -233,7 +233,8 @@ def plan_bench(config: BenchConfig, models: BenchModels, prompts: Sequence[list[
             notes.append(note)
     # EOS ignored on purpose: the batch must stay at b until max_new_tokens (bench.harness)
     try:
-        generator = SpeculativeGenerator(models.target, models.draft, eos_token_ids=(), stage2=models.stage2)
+        generator = SpeculativeGenerator(models.target, models.draft, eos_token_ids=(), stage2=models.stage2,
+                                         cuda_graphs=config.cuda_graphs)
     except GenerationError as error:
         raise BenchError(f"--stage2: {error}") from None
     speed = None  # the machine's speed against calibration's, when the model file has its reference pass

@@ -40,6 +40,7 @@ class RoundRunner:
     on_run: Callable[[RunRecord, int, int], None] | None = None
     runs: list[RunRecord] = field(default_factory=list)
     total: int = 0  # generations expected, raised as extra paired rounds come
+    timed_captures: int = 0  # CUDA graphs captured inside timed rounds (a warm-up should leave none)
 
     def __post_init__(self):
         self.total = max(self.total, self.plan.run_count())
@@ -54,6 +55,7 @@ class RoundRunner:
         order = balanced_order(names, round_index)
         together = [name for name in order if name in plan.policies] if config.interleave == "steps" else []
         measured: dict[str, dict[str, Any]] = {}
+        captures = plan.generator.graph_stats()["captures"]
         if len(together) > 1:  # ours in lockstep (bench.timing), then the peers back to back
             measured = time_lockstep(plan.generator, prompts, [(name, plan.policies[name].policy) for name in together],
                                      config, seed)
@@ -62,6 +64,9 @@ class RoundRunner:
             if name not in measured:
                 measured[name] = time_ours(plan.generator, prompts, plan.policies[name].policy, config, seed) \
                     if name in plan.policies else time_peer(plan.peers, name, prompts, config, seed, plan.device)
+            if round_index >= 0:
+                self.timed_captures += plan.generator.graph_stats()["captures"] - captures
+            captures = plan.generator.graph_stats()["captures"]
             self.runs.append(RunRecord(batch_size=batch_size, round=round_index, policy=name, **measured[name]))
             self.total = max(self.total, len(self.runs))
             if self.on_run is not None:
@@ -102,7 +107,21 @@ def run_rounds(plan: BenchPlan, on_run: Callable[[RunRecord, int, int], None] | 
                 notes += run_batch_size(runner, batch_size)
         except KeyboardInterrupt:
             raise BenchInterrupted(runner.runs, notes + _warning_notes(caught)) from None
-    return runner.runs, notes + _warning_notes(caught)
+    return runner.runs, notes + _warning_notes(caught) + graph_notes(plan.generator, runner.timed_captures)
+
+
+def graph_notes(generator, timed_captures: int) -> list[str]:
+    """What the CUDA graphs cost (captured in warm-up rounds, outside every timed region) and any capture a
+    timed round paid for."""
+    if not generator.cuda_graphs:
+        return []
+    stats = generator.graph_stats()
+    notes = [f"CUDA graphs: {stats['captures']} captured in {stats['capture_s']:.2f} s (warm-up rounds, not "
+             f"timed), {stats['kept']} kept"]
+    if timed_captures:
+        notes.append(f"warning: {timed_captures} CUDA graph(s) were captured inside timed rounds (a shape the "
+                     "warm-up did not meet): those rounds include the capture")
+    return notes
 
 
 def _warning_notes(caught) -> list[str]:

@@ -6,14 +6,17 @@ Runs the demo pair (or --target/--draft) on the CPU and counts, between the star
 step, what each torch call would cost on a GPU:
 - syncs: calls that make the host wait for the device: reading a tensor's values (`item`, `int()`,
   `bool()`, `tolist`, `numpy`; aten ops tagged data-dependent), and ops whose output shape depends on the
-  data (`nonzero`, boolean indexing: the host must learn the size);
+  data (`nonzero`, boolean indexing: the host must learn the size), and `multinomial`, which waits for the
+  device twice on CUDA (it checks the distribution);
 - launches: aten ops that compute (every op but views and bare allocations), a kernel each on a GPU;
 - uploads: host-to-device copies of host-planned layouts (`runtime.kv_cache.upload`; queued without
   waiting on CUDA).
 A barrier of the device clock (`runtime.clock.DeviceClock.now`, a synchronize on CUDA) counts as a sync
 whatever the device.
 Two configurations: as the CPU runs (small greedy trees keep their bookkeeping on the host, a read-back
-per draft round, free on a CPU) and as CUDA runs (bookkeeping in tensors). Greedy, random prompts.
+per draft round, free on a CPU) and as CUDA runs (bookkeeping in tensors). Greedy and sampled (a seeded
+generator) chains and trees, and a staged tree (the demo n-gram as second stage; it reads back once per
+draft round: which slots to feed again), on random prompts.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 ALLOCATIONS = {"empty", "empty_strided", "empty_like", "lift_fresh"}  # no kernel: memory only
 BOOLEAN = (torch.bool, torch.uint8)
+KNOWN_SYNCS = {"multinomial": 2}  # ops that wait for the device on CUDA without a tag saying so: waits per call
 
 
 class OpCounter(TorchDispatchMode):
@@ -44,7 +48,10 @@ class OpCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
         tags = set(func.tags)
-        if torch.Tag.data_dependent_output in tags:
+        if name in KNOWN_SYNCS:
+            for _ in range(KNOWN_SYNCS[name]):
+                self.note_sync(name)
+        elif torch.Tag.data_dependent_output in tags:
             self.note_sync(name)
         elif torch.Tag.dynamic_output_shape in tags:
             indices = args[1] if len(args) > 1 and isinstance(args[1], (list, tuple)) else ()
@@ -120,12 +127,14 @@ class StepCounts:
         self.steps.append((record.batch_size, dict(self.counter.counts)))
 
 
-def count_steps(generator, prompts, policy, new_tokens: int) -> list[dict[str, int]]:
-    """The counts of every full-batch step of one generation."""
+def count_steps(generator, prompts, policy, new_tokens: int, sampling=None, seed: int = 0) -> list[dict[str, int]]:
+    """The counts of every full-batch step of one generation (greedy unless `sampling`, a runtime Sampling)."""
+    from specbatch.runtime.sampling import Sampling
+
     counter = OpCounter()
     observer = StepCounts(counter)
     with counting(counter):
-        generator.generate(prompts, new_tokens, policy, observer=observer)
+        generator.generate(prompts, new_tokens, policy, sampling or Sampling(), seed, observer=observer)
     return [counts for batch_size, counts in observer.steps if batch_size == len(prompts)]
 
 
@@ -145,25 +154,34 @@ def main(argv=None) -> None:
     if args.batch_size < 1 or args.k < 1 or args.steps < 2:
         parser.error("need --batch-size >= 1, --k >= 1 and --steps >= 2")
     from specbatch.perfmodel.tree import Strategy, parse_tree
-    from specbatch.runtime.assembly import load_named_pair
+    from specbatch.runtime.assembly import DEMO_NGRAM, load_named_pair
     from specbatch.runtime.generator import SpeculativeGenerator
+    from specbatch.runtime.ngram import NGramModel
     from specbatch.runtime.policy import FixedK, FixedStrategy
+    from specbatch.runtime.sampling import Sampling
 
     torch.set_num_threads(1)
     pair = load_named_pair(args.target, args.draft, "cpu", None)
     generator_rng = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, pair.target.config.vocab_size, (16 + r,), generator=generator_rng).tolist()
                for r in range(args.batch_size)]
-    policies = {"plain (k = 0)": FixedK(0), f"chain k = {args.k}": FixedK(args.k),
-                f"tree {args.tree}": FixedStrategy(Strategy(parse_tree(args.tree)))}
-    print(f"per step, median over full-batch steps; b = {args.batch_size}, greedy, {pair.target.config.model_type} "
-          "pair on the CPU")
-    print(f"{'strategy':<32} {'bookkeeping':<12} {'syncs':>6} {'launches':>9} {'uploads':>8}")
-    for name, policy in policies.items():
+    tree = parse_tree(args.tree)
+    sampled = Sampling(temperature=1.0)
+    ngram = NGramModel.load(DEMO_NGRAM) if args.target is None and DEMO_NGRAM.is_file() else None
+    rows = [("plain (k = 0)", FixedK(0), None, None), (f"chain k = {args.k}", FixedK(args.k), None, None),
+            (f"tree {args.tree}", FixedStrategy(Strategy(tree)), None, None),
+            (f"chain k = {args.k}, sampled", FixedK(args.k), sampled, None),
+            (f"tree {args.tree}, sampled", FixedStrategy(Strategy(tree)), sampled, None)]
+    if ngram is not None:
+        rows.append((f"tree {args.tree} +ngram", FixedStrategy(Strategy(tree, stage2=True)), None, ngram))
+    print(f"per step, median over full-batch steps; b = {args.batch_size}, {pair.target.config.model_type} pair on "
+          "the CPU")
+    print(f"{'strategy':<40} {'bookkeeping':<12} {'syncs':>6} {'launches':>9} {'uploads':>8}")
+    for name, policy, sampling, stage2 in rows:
         for where, host in (("as on CPU", True), ("as on CUDA", False)):
-            generator = SpeculativeGenerator(pair.target, pair.draft, host_bookkeeping=host)
-            figures = summary(count_steps(generator, prompts, policy, args.steps))
-            print(f"{name:<32} {where:<12} {figures['syncs']:>6g} {figures['launches']:>9g} {figures['uploads']:>8g}")
+            generator = SpeculativeGenerator(pair.target, pair.draft, host_bookkeeping=host, stage2=stage2)
+            figures = summary(count_steps(generator, prompts, policy, args.steps, sampling, seed=1))
+            print(f"{name:<40} {where:<12} {figures['syncs']:>6g} {figures['launches']:>9g} {figures['uploads']:>8g}")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import torch
 
 from specbatch.perfmodel.profile import Grid, TimingRow
 from specbatch.runtime.clock import DeviceClock
+from specbatch.runtime.cuda_graphs import GraphedModel, bucket_for
 from specbatch.runtime.generator import SpeculativeGenerator
 from specbatch.runtime.model import CausalLM, KVCache
 from specbatch.runtime.policy import FixedK, FixedStrategy
@@ -51,12 +52,15 @@ def forward_sampler(model: CausalLM, cache: KVCache, tokens: torch.Tensor, conte
 
 class ForwardTimer:
     """Times forward passes at grid points, keeping one KV cache while consecutive points share
-    (model, b, L): allocating a cache per point would cost more than many of the passes."""
+    (model, b, L): allocating a cache per point would cost more than many of the passes. With `graphs`, a
+    pass of b rows replays the CUDA graph of b's bucket, as generation runs it (runtime.cuda_graphs): the
+    cache has the bucket's rows, and the graph is captured before the point's samples."""
 
     def __init__(self, models: dict[str, CausalLM], grid: Grid, device: str, rule: RepetitionRule,
-                 clock: Clock = time.perf_counter):
+                 clock: Clock = time.perf_counter, graphs: bool = False):
         """`clock`: the repetition budget's (host time; a fake one in tests); passes are timed on the device."""
-        self.models, self.grid, self.device, self.rule = models, grid, device, rule
+        self.models = {role: GraphedModel(model) for role, model in models.items()} if graphs else models
+        self.grid, self.device, self.rule, self.graphs = grid, device, rule, graphs
         self.clock, self.device_clock = clock, DeviceClock(device)
         self.key, self.cache = None, None
 
@@ -65,7 +69,9 @@ class ForwardTimer:
         if key != self.key:
             self.forget()  # free the previous cache before allocating the next
             new_tokens = new_tokens_at(self.grid, point.model, point.batch_size)
-            self.cache = self.models[point.model].new_cache(point.batch_size, point.context_len + max(new_tokens))
+            rows = bucket_for(point.batch_size, 10**9) if self.graphs else point.batch_size
+            cache = self.models[point.model].new_cache(rows, point.context_len + max(new_tokens))
+            self.cache = cache.rows(0, point.batch_size) if rows != point.batch_size else cache
             self.key = key
         return self.cache
 
@@ -77,10 +83,15 @@ class ForwardTimer:
         # the runtime's draft passes use their last position's logits (runtime.generator); the target's all
         sampler = forward_sampler(model, cache, tokens, point.context_len, self.device_clock,
                                   last=1 if point.model == "draft" else None)
+        if self.graphs:
+            sampler()  # the capture: never one of the point's samples
         return repeat(sampler, self.rule, self.clock)
 
     def forget(self) -> None:
         self.key, self.cache = None, None
+        if self.graphs:  # the cache took its graphs along: their logits buffers can go too
+            for model in self.models.values():
+                model.release_outputs()
 
 
 def release_memory(device: str) -> None:
@@ -107,7 +118,7 @@ def expected_tokens_per_step(acceptance: float, k: int) -> float:
 
 
 def overhead_sampler(target: CausalLM, draft: CausalLM, batch_size: int, k: int, acceptance: float,
-                     steps_per_sample: int, seed: int = 0) -> Callable[[], float]:
+                     steps_per_sample: int, seed: int = 0, cuda_graphs: bool | None = None) -> Callable[[], float]:
     """A function that generates with FixedK(k) on `batch_size` random prompts and returns the
     generator's time outside forward passes per step, in ms.
 
@@ -116,7 +127,7 @@ def overhead_sampler(target: CausalLM, draft: CausalLM, batch_size: int, k: int,
     often the 2-token catch-up runs and how ragged the rows get, both part of the overhead. EOS is
     disabled so every row runs the same number of tokens; the batch shrinks only in the last steps.
     """
-    generator = SpeculativeGenerator(target, draft, eos_token_ids=())
+    generator = SpeculativeGenerator(target, draft, eos_token_ids=(), cuda_graphs=cuda_graphs)
     prompts = random_tokens(target.config.vocab_size, batch_size, OVERHEAD_PROMPT_TOKENS, "cpu", seed).tolist()
     new_tokens = 1 + round(steps_per_sample * expected_tokens_per_step(acceptance, k))  # +1: prefill's token
     calls = itertools.count()
@@ -172,7 +183,7 @@ class TimedNGram:
 
 def tree_overhead_sampler(target: CausalLM, draft: CausalLM, prompts: list[list[int]], strategy,
                           expected_tokens: float, steps_per_sample: int, stage2=None, seed: int = 0,
-                          clock: DeviceClock | None = None) -> Callable[[], float]:
+                          clock: DeviceClock | None = None, cuda_graphs: bool | None = None) -> Callable[[], float]:
     """A function that generates with `strategy` (a perfmodel.tree.Strategy: a tree, with the second
     stage or not) from `prompts` (one per row, real text: acceptance is real) and returns the time per
     step outside forward passes and n-gram queries, in ms. `expected_tokens` (per row and step) sizes
@@ -180,7 +191,7 @@ def tree_overhead_sampler(target: CausalLM, draft: CausalLM, prompts: list[list[
     times the n-gram's queries."""
     clock = clock or DeviceClock(target.lm_head.weight.device)
     timed = TimedNGram(stage2, clock) if stage2 is not None else None
-    generator = SpeculativeGenerator(target, draft, eos_token_ids=(), stage2=timed)
+    generator = SpeculativeGenerator(target, draft, eos_token_ids=(), stage2=timed, cuda_graphs=cuda_graphs)
     policy = FixedStrategy(strategy)
     new_tokens = 1 + round(steps_per_sample * expected_tokens)  # +1: prefill's token
     calls = itertools.count()

@@ -2,7 +2,10 @@
 and CUDA's versions, the attention kernel torch picks for each model's shapes, and one step's passes timed
 two ways: wall time around a pass with a barrier on each side (what a harness that synchronizes measures)
 and the device's own time between two events (what calibrate records: runtime.clock). A second generation
-with calibrate's step recorder gives the steps' wall time with nothing synchronized inside them.
+with calibrate's step recorder gives the steps' wall time with nothing synchronized inside them. Every
+step figure comes for each execution mode asked for (`--modes eager,cuda-graphs`, in one run); then each
+model's isolated passes (b of --batch-sizes, n = 1 and k + 1) eager and graphed side by side, with the kernel
+launches a pass makes, counted by torch's profiler on CUDA (a replayed graph is one launch).
 
     python -m specbatch.calibrate.device_probe --target llama-3.1-8b --draft llama-3.2-1b --batch-sizes 1,64
 """
@@ -58,8 +61,50 @@ def versions(device: str, dtype: torch.dtype, pair) -> list[str]:
     return lines
 
 
-def probe(pair, device: str, batch_size: int, k: int, context_len: int, new_tokens: int) -> list[str]:
-    generator = SpeculativeGenerator(pair.target, pair.draft, eos_token_ids=())
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch", "cuGraphLaunch")
+PASS_SAMPLES = 21
+
+
+def launches_of(run, device: str) -> int | None:
+    """Kernel (and graph) launches `run()` makes, as torch's profiler sees the CUDA runtime's calls; None off
+    CUDA."""
+    if not device.startswith("cuda"):
+        return None
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+        run()
+        torch.cuda.synchronize()
+    return sum(event.count for event in profiler.key_averages() if event.key in LAUNCHES)
+
+
+def pass_line(role: str, model, batch_size: int, new_tokens: int, context_len: int, device: str) -> str:
+    """One isolated pass of `model` over (batch_size, new_tokens) on `context_len` cached tokens, eager and
+    graphed side by side, as calibrate times it (calibrate.benchmarks: events around the pass; graphed at
+    b's bucket, captured before the samples): median event ms and launches per pass."""
+    from specbatch.runtime.cuda_graphs import GraphedModel, bucket_for
+
+    from .benchmarks import forward_sampler, random_tokens
+
+    tokens = random_tokens(model.config.vocab_size, batch_size, new_tokens, device, seed=1)
+    last = 1 if role == "draft" else None
+    figures = []
+    for graphed in (False, True):
+        runner = GraphedModel(model) if graphed else model
+        rows = bucket_for(batch_size, 10**9) if graphed else batch_size
+        cache = runner.new_cache(rows, context_len + new_tokens).rows(0, batch_size)
+        sample = forward_sampler(runner, cache, tokens, context_len, DeviceClock(device), last)
+        sample()  # warm-up (and the capture)
+        median = statistics.median(sample() for _ in range(PASS_SAMPLES))
+        launches = launches_of(sample, device)
+        figures.append(f"{median:8.3f} ms" + ("" if launches is None else f" {launches:4d} launches"))
+        del cache, sample, runner
+    return (f"  pass {role:6} b={batch_size:<3} n={new_tokens:<2} L={context_len}: eager {figures[0]}   "
+            f"cuda-graphs {figures[1]}")
+
+
+def probe(pair, device: str, batch_size: int, k: int, context_len: int, new_tokens: int,
+          cuda_graphs: bool = False) -> list[str]:
+    generator = SpeculativeGenerator(pair.target, pair.draft, eos_token_ids=(), cuda_graphs=cuda_graphs)
     vocab = min(pair.target.config.vocab_size, pair.draft.config.vocab_size)
     prompts = torch.randint(vocab, (batch_size, context_len), generator=torch.Generator().manual_seed(0)).tolist()
     generator.generate(prompts, new_tokens, FixedK(k), synthetic_acceptance=0.8)  # warm-up: kernels, allocator
@@ -71,7 +116,8 @@ def probe(pair, device: str, batch_size: int, k: int, context_len: int, new_toke
     for role, b, n, wall_ms, event_ms in both.rows:
         if b == batch_size:  # the full batch: the last steps run with fewer rows
             groups[(role, b, n)].append((wall_ms, event_ms))
-    lines = [f"b={batch_size} k={k} context {context_len}: per pass, median of its passes in the step loop"]
+    mode = "cuda-graphs" if cuda_graphs else "eager"
+    lines = [f"[{mode}] b={batch_size} k={k} context {context_len}: per pass, median of its passes in the step loop"]
     for (role, b, n), values in sorted(groups.items()):
         wall = statistics.median(v[0] for v in values)
         event = statistics.median(v[1] for v in values)
@@ -94,6 +140,7 @@ def main(argv=None) -> None:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--context-len", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=24)
+    parser.add_argument("--modes", default="eager,cuda-graphs", help="execution modes, side by side")
     args = parser.parse_args(argv)
     try:
         sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -104,10 +151,19 @@ def main(argv=None) -> None:
     target, draft = resolve_pair(args.target, args.draft)
     pair = load_pair(target, draft, device, dtype)
     print("\n".join(versions(device, dtype, pair)), flush=True)
+    modes = [mode.strip() for mode in args.modes.split(",") if mode.strip()]
+    if not modes or any(mode not in ("eager", "cuda-graphs") for mode in modes):
+        parser.error(f"--modes {args.modes!r}: expected eager and/or cuda-graphs")
     with torch.inference_mode():
         for batch_size in sizes:
-            print("\n".join(probe(pair, device, batch_size, args.k, args.context_len, args.new_tokens)), flush=True)
-
+            for mode in modes:
+                print("\n".join(probe(pair, device, batch_size, args.k, args.context_len, args.new_tokens,
+                                      cuda_graphs=mode == "cuda-graphs")), flush=True)
+        print(f"isolated passes, median event time of {PASS_SAMPLES} (and launches a pass, CUDA):", flush=True)
+        for role, model in (("target", pair.target), ("draft", pair.draft)):
+            for batch_size in sizes:
+                for n in sorted({1, args.k + 1}):
+                    print(pass_line(role, model, batch_size, n, args.context_len, device), flush=True)
 
 if __name__ == "__main__":
     main()

@@ -122,9 +122,10 @@ def measure_insitu(generator: SpeculativeGenerator, points: Sequence[InSituPoint
         raise ValueError("in-situ points generated together must share a batch size and a sweep")
     batch = spread_batch(prompts, b, sweep, sweeps)
     # warm-up: a few steps meet every shape of a point (the first use of a shape pays the allocator)
+    # with CUDA graphs, a full-length one: the timed generation then finds its caches and graphs (none captured)
+    warmup_tokens = new_tokens if generator.cuda_graphs else min(new_tokens, WARMUP_TOKENS)
     for point in points:
-        generator.generate(batch, min(new_tokens, WARMUP_TOKENS), FixedK(point.k), Sampling(), seed,
-                           synthetic_acceptance)
+        generator.generate(batch, warmup_tokens, FixedK(point.k), Sampling(), seed, synthetic_acceptance)
     recorders = {point: StepRecorder(generator.device) for point in points}
     run_lockstep({point: generator.generation(batch, new_tokens, FixedK(point.k), Sampling(), seed + sweep,
                                               synthetic_acceptance, observer=recorders[point])

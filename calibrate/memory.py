@@ -14,6 +14,11 @@ Per stage (both models' weights are resident throughout):
 A pass's transient memory: activations of one layer at a time (the MLP's gate and up, a few hidden-size
 tensors), its logits in the model's dtype and in float32, the attention mask, and, when the attention
 kernel is the math one (`scores_materialized`), the attention scores and their softmax in float32.
+With CUDA graphs (calibrate's default on CUDA), each model's graphs add their memory pool, shared by all
+of them (the transient memory of the largest pass captured, once), and one logits buffer per batch bucket and
+width (tokens per row), shared by every cache's graph of that key (runtime.cuda_graphs); the caches get a
+bucket's rows. Graphs of a bucket are captured with every smaller bucket at that width (the ladder).
+
 Assumptions: the caching allocator reuses what a finished generation freed (calibrate empties its cache
 between stages), and HEADROOM of the free memory covers its rounding, cuBLAS workspaces and the
 temporaries not counted here.
@@ -24,6 +29,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from specbatch.perfmodel.profile import Grid, ModelInfo
+
+from specbatch.runtime.cuda_graphs import BATCH_BUCKETS, bucket_for
 
 from .errors import CalibrationError
 from .grid import new_tokens_at
@@ -57,6 +64,51 @@ def pass_bytes(info: ModelInfo, rows: int, new_tokens: int, key_len: int, logits
     return activations + logits + mask + scores
 
 
+def ladder(bucket: int) -> list[int]:
+    """The buckets captured with `bucket` (runtime.cuda_graphs: every smaller one, at the same width).
+
+    >>> ladder(8), ladder(5)
+    ([1, 2, 4, 8], [1, 2, 4, 5])
+    """
+    return [b for b in BATCH_BUCKETS if b < bucket] + [bucket]
+
+
+def logits_buffer_bytes(vocab_size: int, element_bytes: int, buckets: Sequence[int], widths: Sequence[int],
+                        last_only: bool) -> int:
+    """One logits buffer per (bucket, width): bucket rows x (the width's positions, or the last one) x vocab."""
+    positions = len(widths) if last_only else sum(widths)
+    return sum(buckets) * positions * vocab_size * element_bytes
+
+
+def graph_bytes(info: ModelInfo, top_bucket: int, widths: Sequence[int], last_only: bool, key_len: int,
+                scores_materialized: bool) -> int:
+    """One model's CUDA graphs for the ladder up to `top_bucket` at `widths`: the shared pool (the widest
+    pass's transient memory, once) and the logits buffers."""
+    widest = max(widths)
+    pool = pass_bytes(info, top_bucket, widest, key_len, top_bucket * (1 if last_only else widest),
+                      scores_materialized)
+    return pool + logits_buffer_bytes(info.vocab_size, _element_bytes(info), ladder(top_bucket), widths, last_only)
+
+
+def generation_graph_bytes(target: ModelInfo, draft: ModelInfo, rows: int, ks: Sequence[int], key_len: int,
+                           scores_materialized: bool) -> int:
+    """The graphs generations of `ks` at `rows` rows capture (shared by all of them): the target's decode and
+    verify widths 1 and k + 1 (every position's logits), the draft's 1 and 2 (catch-up; the last position's)."""
+    top = bucket_for(rows, 10**9)
+    graphs = graph_bytes(target, top, sorted({1} | {k + 1 for k in ks}), False, key_len, scores_materialized)
+    if any(k > 0 for k in ks):
+        graphs += graph_bytes(draft, top, [1, 2], True, key_len, scores_materialized)
+    return graphs
+
+
+def serving_graph_bytes(target: ModelInfo, draft: ModelInfo | None, max_batch: int, max_k: int,
+                        key_len: int, scores_materialized: bool = False) -> int:
+    """What a server's CUDA graphs may hold: every bucket to `max_batch`'s, the target at widths 1..max_k + 1,
+    the draft (when there is one and k > 0) at 1 and 2."""
+    ks = list(range(max_k + 1)) if draft is not None else [0]
+    return generation_graph_bytes(target, draft, max_batch, ks, key_len, scores_materialized)
+
+
 def generation_bytes(target: ModelInfo, draft: ModelInfo, rows: int, k: int, longest_prompt: int,
                      new_tokens: int) -> int:
     """What one generation keeps while it runs: its token buffer and caches (runtime.generator's buffer:
@@ -78,27 +130,38 @@ def generation_peak_pass_bytes(target: ModelInfo, draft: ModelInfo, rows: int, k
 
 
 def lockstep_bytes(target: ModelInfo, draft: ModelInfo, rows: int, ks: Sequence[int], longest_prompt: int,
-                   new_tokens: int, scores_materialized: bool) -> int:
-    """The generations of `ks` alive together (calibrate.lockstep) and the largest pass any of them runs."""
-    caches = sum(generation_bytes(target, draft, rows, k, longest_prompt, new_tokens) for k in ks)
-    return caches + max(generation_peak_pass_bytes(target, draft, rows, k, longest_prompt, new_tokens,
+                   new_tokens: int, scores_materialized: bool, graphs: bool = False) -> int:
+    """The generations of `ks` alive together (calibrate.lockstep) and the largest pass any of them runs
+    (with `graphs`: their caches of the bucket's rows, and the graphs they share)."""
+    cache_rows = bucket_for(rows, 10**9) if graphs else rows
+    caches = sum(generation_bytes(target, draft, cache_rows, k, longest_prompt, new_tokens) for k in ks)
+    held = caches + max(generation_peak_pass_bytes(target, draft, rows, k, longest_prompt, new_tokens,
                                                    scores_materialized) for k in ks)
+    if graphs:
+        held += generation_graph_bytes(target, draft, rows, ks, longest_prompt + new_tokens + max(ks) + 1,
+                                       scores_materialized)
+    return held
 
 
 def timing_point_bytes(info: ModelInfo, grid: Grid, role: str, rows: int, new_tokens: int, context_len: int,
-                       scores_materialized: bool) -> int:
-    """An isolated pass: the ForwardTimer's cache (room for the widest n timed at this b) and the pass."""
-    cache = kv_bytes(info, rows, context_len + max(new_tokens_at(grid, role, rows)))
-    return cache + pass_bytes(info, rows, new_tokens, context_len + new_tokens, rows * new_tokens,
-                              scores_materialized)
+                       scores_materialized: bool, graphs: bool = False) -> int:
+    """An isolated pass: the ForwardTimer's cache (room for the widest n timed at this b) and the pass; with
+    `graphs`, the cache has the bucket's rows and the graphs of every width timed at b are alive."""
+    widths = new_tokens_at(grid, role, rows)
+    key_len = context_len + max(widths)
+    if graphs:
+        top = bucket_for(rows, 10**9)
+        return kv_bytes(info, top, key_len) + graph_bytes(info, top, widths, role == "draft", key_len,
+                                                          scores_materialized)
+    return kv_bytes(info, rows, key_len) + pass_bytes(info, rows, new_tokens, context_len + new_tokens,
+                                                      rows * new_tokens, scores_materialized)
 
 
 def sampler_generation_bytes(target: ModelInfo, draft: ModelInfo, rows: int, draft_tokens: int,
-                             new_tokens: int, scores_materialized: bool) -> int:
+                             new_tokens: int, scores_materialized: bool, graphs: bool = False) -> int:
     """A step-overhead sample (chain k or a tree of `draft_tokens` nodes) on PROMPT_TOKENS-token prompts."""
-    return (generation_bytes(target, draft, rows, draft_tokens, PROMPT_TOKENS, new_tokens)
-            + generation_peak_pass_bytes(target, draft, rows, draft_tokens, PROMPT_TOKENS, new_tokens,
-                                         scores_materialized))
+    return lockstep_bytes(target, draft, rows, [draft_tokens], PROMPT_TOKENS, new_tokens, scores_materialized,
+                          graphs)
 
 
 @dataclass(frozen=True)
@@ -152,17 +215,18 @@ def memory_budget(target: ModelInfo, draft: ModelInfo, available_bytes: int, dev
 
 def lockstep_split(target: ModelInfo, draft: ModelInfo, rows: int, ks: Sequence[int], longest_prompt: int,
                    new_tokens: int, scores_materialized: bool,
-                   budget: MemoryBudget) -> tuple[list[list[int]], list[int]]:
+                   budget: MemoryBudget, graphs: bool = False) -> tuple[list[list[int]], list[int]]:
     """The ks of one in-situ batch size as consecutive lockstep groups that each fit, and the ks that do
     not fit even alone. Groups are as large as fit, in the given order, so the ks the table chooses between
     stay side by side where memory allows."""
     groups: list[list[int]] = []
     alone: list[int] = []
     for k in ks:
-        if not budget.fits(lockstep_bytes(target, draft, rows, [k], longest_prompt, new_tokens, scores_materialized)):
+        if not budget.fits(lockstep_bytes(target, draft, rows, [k], longest_prompt, new_tokens, scores_materialized,
+                                          graphs)):
             alone.append(k)
         elif groups and budget.fits(lockstep_bytes(target, draft, rows, groups[-1] + [k], longest_prompt, new_tokens,
-                                                   scores_materialized)):
+                                                   scores_materialized, graphs)):
             groups[-1].append(k)
         else:
             groups.append([k])
@@ -181,7 +245,7 @@ class MemoryPlan:
 
 def plan_memory(target: ModelInfo, draft: ModelInfo, grid: Grid, budget: MemoryBudget, scores_materialized: bool,
                 timings: Sequence, overheads: Sequence, trees: Sequence, insitu: Sequence, overhead_steps: int,
-                tree_steps: int, insitu_prompt_tokens: int, insitu_new_tokens: int) -> MemoryPlan:
+                tree_steps: int, insitu_prompt_tokens: int, insitu_new_tokens: int, graphs: bool = False) -> MemoryPlan:
     """The plan for the points still to measure (calibrate.run's lists). Sample sizes are bounded from above:
     an overhead sample of k generates at most 1 + steps x (k + 1) tokens a row, a tree's 1 + steps x (N + 1)."""
     models = {"target": target, "draft": draft}
@@ -196,15 +260,15 @@ def plan_memory(target: ModelInfo, draft: ModelInfo, grid: Grid, budget: MemoryB
     for p in timings:
         check("isolated passes", p, f"{p.model} b={p.batch_size} n={p.new_tokens} L={p.context_len}",
               timing_point_bytes(models[p.model], grid, p.model, p.batch_size, p.new_tokens, p.context_len,
-                                 scores_materialized))
+                                 scores_materialized, graphs))
     for p in overheads:
         check("step overheads", p, f"overhead b={p.batch_size} k={p.k}",
               sampler_generation_bytes(target, draft, p.batch_size, p.k, 1 + overhead_steps * (p.k + 1),
-                                       scores_materialized))
+                                       scores_materialized, graphs))
     for p in trees:
         check("tree overheads", p, f"tree overhead b={p.batch_size} nodes={p.tree_nodes}",
               sampler_generation_bytes(target, draft, p.batch_size, p.tree_nodes,
-                                       1 + tree_steps * (p.tree_nodes + 1), scores_materialized))
+                                       1 + tree_steps * (p.tree_nodes + 1), scores_materialized, graphs))
     for role in models:
         passes = [p for p in timings if p.model == role]
         if passes and all(p in skipped for p in passes):  # nothing to fit a latency model to
@@ -217,17 +281,17 @@ def plan_memory(target: ModelInfo, draft: ModelInfo, grid: Grid, budget: MemoryB
     for b in sorted({p.batch_size for p in insitu}):
         ks = sorted({p.k for p in insitu if p.batch_size == b})
         groups, alone = lockstep_split(target, draft, b, ks, insitu_prompt_tokens, insitu_new_tokens,
-                                       scores_materialized, budget)
+                                       scores_materialized, budget, graphs)
         if groups:
             lockstep_ks[b] = groups
         for p in insitu:
             if p.batch_size == b and p.k in alone:
                 check("in-situ generations", p, f"in-situ b={b} k={p.k}",
                       lockstep_bytes(target, draft, b, [p.k], insitu_prompt_tokens, insitu_new_tokens,
-                                     scores_materialized))
+                                     scores_materialized, graphs))
         if len(groups) > 1:
             together = lockstep_bytes(target, draft, b, ks, insitu_prompt_tokens, insitu_new_tokens,
-                                      scores_materialized)
+                                      scores_materialized, graphs)
             notes.append(f"memory: in situ at b={b} the ks run in {len(groups)} lockstep groups "
                          f"({' | '.join(','.join(map(str, g)) for g in groups)}): all together "
                          + "they need " + budget.reason(together))

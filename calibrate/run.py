@@ -20,6 +20,7 @@ from specbatch.perfmodel.profile import AcceptanceEntry, Grid, OverheadRow, Prof
 from specbatch.perfmodel.tree import Strategy, expected_tree_tokens, grow_tree
 from specbatch.runtime.checkpoint import parse_dtype
 from specbatch.runtime.clock import DeviceClock
+from specbatch.runtime.cuda_graphs import GraphedModel, execution_on, graphs_by_default
 from specbatch.runtime.generator import SpeculativeGenerator
 from specbatch.runtime.loading import LoadedPair, ModelSpec, display_path, load_pair, resolve_device, resolve_pair
 from specbatch.runtime.sampling import Sampling
@@ -102,6 +103,7 @@ class CalibrationRequest:
     force: bool = False  # replace an existing --out (without --resume); it is kept until a point is measured
     max_seconds: float | None = None  # stop cleanly between points after this long; --resume continues
     refine: bool | None = None  # time more passes where the fit cannot place a kernel step; None: on CUDA only
+    cuda_graphs: bool | None = None  # time graphed passes, as generation runs them: None, the device's default
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,7 @@ class _Plan:
     stage2: object | None  # the loaded runtime.ngram.NGramModel
     stage2_file: str | None  # as given: what the profile records, and what a table will ask to load
     stage2_sha256: str | None
+    graphs: bool = False  # passes replay CUDA graphs (runtime.cuda_graphs), in every stage timed
 
     @property
     def trees(self) -> bool:
@@ -186,11 +189,13 @@ def _plan(request: CalibrationRequest) -> _Plan:
     device = resolve_device(request.device)
     dtype = parse_dtype(request.dtype, device)
     effort = QUICK_EFFORT if request.quick else DEFAULT_EFFORT
-    return _Plan(target, draft, grid, device, dtype, samplings, user_acceptance, prompts, effort, ngram, file, sha256)
+    graphs = graphs_by_default(device) if request.cuda_graphs is None else request.cuda_graphs
+    return _Plan(target, draft, grid, device, dtype, samplings, user_acceptance, prompts, effort, ngram, file, sha256,
+                 graphs)
 
 
 def _start_profile(request: CalibrationRequest, plan: _Plan) -> Profile:
-    device = device_info(plan.device, plan.dtype)
+    device = replace(device_info(plan.device, plan.dtype), execution=execution_on(plan.device, plan.graphs))
     target, draft = model_info(plan.target, plan.dtype), model_info(plan.draft, plan.dtype)
     grid = plan.grid
     if request.resume and request.out.is_file():
@@ -241,7 +246,9 @@ def _overhead_row(pair: LoadedPair, plan: _Plan, point: OverheadPoint, acceptanc
     no infeasible form, so the point stays unmeasured and a later --resume tries it again)."""
     try:
         sampler = overhead_sampler(pair.target, pair.draft, point.batch_size, point.k, acceptance,
-                                   plan.effort.overhead_steps)
+                                   plan.effort.overhead_steps, cuda_graphs=plan.graphs)
+        if plan.graphs:
+            sampler()  # captures its graphs: never inside a timed sample
         return overhead_row(point, repeat(sampler, plan.effort.overhead_rule, clock))
     except Exception as error:  # noqa: BLE001 - only out-of-memory is survivable
         if not is_out_of_memory(error):
@@ -259,7 +266,9 @@ def _tree_overhead_row(pair: LoadedPair, plan: _Plan, point: TreeOverheadPoint, 
         sampler = tree_overhead_sampler(pair.target, pair.draft, _tree_prompts(encoded, point.batch_size),
                                         Strategy(tree, point.stage2), expected_tree_tokens(tree, rank_acceptance),
                                         plan.effort.tree_steps, stage2=plan.stage2 if point.stage2 else None,
-                                        clock=DeviceClock(plan.device))
+                                        clock=DeviceClock(plan.device), cuda_graphs=plan.graphs)
+        if plan.graphs:
+            sampler()  # captures its graphs: never inside a timed sample
         return tree_overhead_row(point, tree.depth, repeat(sampler, plan.effort.tree_rule, clock))
     except Exception as error:  # noqa: BLE001 - only out-of-memory is survivable
         if not is_out_of_memory(error):
@@ -389,8 +398,12 @@ def _calibrate(request: CalibrationRequest, plan: _Plan, on_progress, on_estimat
         on_estimate(todo.count, estimate_seconds(plan.effort, len(todo.acceptance) * (plan.user_acceptance is None),
                                                  len(todo.timings), len(todo.overheads), len(todo.trees),
                                                  len(todo.insitu)))
-    watch = _machine_watch(pair, grid, plan.device, clock, memory)
+    watch = _machine_watch(pair, grid, plan.device, clock, memory, plan.graphs)
     watch.start(lambda: clock() - started_s)
+
+    def out_of_time() -> None:
+        if request.max_seconds is not None and clock() - started_s > request.max_seconds and done < total:
+            raise _OutOfTime
 
     def advance(label: str, row=None) -> None:
         """Save the row (if any), then report: a point counts as done only once it is on disk."""
@@ -402,19 +415,25 @@ def _calibrate(request: CalibrationRequest, plan: _Plan, on_progress, on_estimat
         if on_progress is not None:
             on_progress(ProgressEvent(done, total, label))
         watch.check()  # between points, when its interval has passed
-        if request.max_seconds is not None and clock() - started_s > request.max_seconds and done < total:
-            raise _OutOfTime
+        out_of_time()
 
+    def propose() -> None:
+        """A refinement point joins the run: it counts in `total`, and --max-seconds guards it as any other."""
+        nonlocal total
+        total += 1
+        out_of_time()
+
+    stopped = False
     try:
         insitu_batch = max((p.batch_size for p in all_insitu if p not in memory.skipped), default=0)
-        _measure(pair, plan, grid, todo, request, clock, advance, lambda: profile, memory, insitu_batch)
+        _measure(pair, plan, grid, todo, request, clock, advance, propose, lambda: profile, memory, insitu_batch)
     except _OutOfTime:
-        pass
+        stopped = True
     noise, noise_large_batch, device_state = watch.finish(lambda: clock() - started_s)
     profile = replace(profile, noise=noise, noise_large_batch=noise_large_batch, device_state=device_state)
     write_profile(request.out, profile)  # with the noise figures (and, after a finished --resume, the merged grid)
     summary = summarize(request.out, profile, done - resumed, resumed, started_s, clock)
-    return replace(summary, points_left=total - done, max_seconds=request.max_seconds,
+    return replace(summary, points_left=total - done, max_seconds=request.max_seconds, stopped_by_max_seconds=stopped,
                    points_skipped=len(memory.skipped), memory_notes=memory.notes)
 
 
@@ -455,13 +474,15 @@ def _memory_plan(plan: _Plan, profile: Profile, todo: _Todo) -> MemoryPlan:
     effort = plan.effort
     memory = plan_memory(target, draft, grid, budget, math_attention, todo.timings, todo.overheads, todo.trees,
                          todo.insitu, effort.overhead_steps, effort.tree_steps, _insitu_room(plan),
-                         effort.insitu_tokens)
+                         effort.insitu_tokens, plan.graphs)
     return replace(memory, large_reference=large_reference)
 
 
 def _measure(pair: LoadedPair, plan: _Plan, grid: Grid, todo: _Todo, request: CalibrationRequest, clock: Clock,
-             advance: Callable, current: Callable[[], Profile], memory: MemoryPlan, insitu_batch: int) -> None:
-    """Every point still to measure, in order; `advance` saves each row; `current()` is the profile so far;
+             advance: Callable, propose: Callable[[], None], current: Callable[[], Profile], memory: MemoryPlan,
+             insitu_batch: int) -> None:
+    """Every point still to measure, in order; `advance` saves each row; `propose()` counts a refinement point
+    in the run's total before it is timed; `current()` is the profile so far;
     `insitu_batch`: the largest in-situ batch size of the whole run (the random prompts' count follows it)."""
     prompts_source = display_path(request.prompts) if request.prompts is not None else None
     greedy_rows = None  # kept for the second stage's guesses: the same continuations
@@ -481,12 +502,13 @@ def _measure(pair: LoadedPair, plan: _Plan, grid: Grid, todo: _Todo, request: Ca
         advance("second stage: n-gram guesses and query time", info)
 
     timer = ForwardTimer({"target": pair.target, "draft": pair.draft}, grid, plan.device,
-                         plan.effort.forward_rule, clock)
+                         plan.effort.forward_rule, clock, graphs=plan.graphs)
     for point in todo.timings:
         advance(f"{point.model} b={point.batch_size} n={point.new_tokens} L={point.context_len}",
                 time_point(timer, point))
     if request.refine or (request.refine is None and plan.device.startswith("cuda")):  # CPU passes are not cheap
         for point in refinement_rounds(current):  # calibrate/refine.py: where the fit cannot place a step
+            propose()
             advance(f"refine: {point.model} b={point.batch_size} n={point.new_tokens} L={point.context_len}",
                     time_point(timer, point))
     timer.forget()
@@ -498,7 +520,8 @@ def _measure(pair: LoadedPair, plan: _Plan, grid: Grid, todo: _Todo, request: Ca
         label = f"overhead b={point.batch_size} k={point.k}"
         advance(label if row is not None else label + " (out of memory, not recorded)", row)
 
-    generator = SpeculativeGenerator(pair.target, pair.draft, eos_token_ids=()) if todo.insitu else None
+    generator = SpeculativeGenerator(pair.target, pair.draft, eos_token_ids=(), cuda_graphs=plan.graphs) \
+        if todo.insitu else None
     insitu_prompts = _insitu_prompts(pair, plan, insitu_batch) if todo.insitu else []
     for group in insitu_groups(todo.insitu, memory.lockstep_ks):  # ks of one batch size and sweep, in lockstep
         for point, row in zip(group, _insitu_rows(plan, generator, group, insitu_prompts)):
@@ -517,13 +540,16 @@ def _measure(pair: LoadedPair, plan: _Plan, grid: Grid, todo: _Todo, request: Ca
         advance(label if row is not None else label + " (out of memory, not recorded)", row)
 
 
-def _machine_watch(pair: LoadedPair, grid: Grid, device: str, clock: Clock, memory: MemoryPlan) -> MachineWatch:
+def _machine_watch(pair: LoadedPair, grid: Grid, device: str, clock: Clock, memory: MemoryPlan,
+                   graphs: bool = False) -> MachineWatch:
     """The reference passes: the target at the smallest context, one new token, at the smallest batch size
     (cheap) and at the largest one when its pass fits in memory; NVML on CUDA when it answers."""
     L = min(grid.context_lens)
 
+    target = GraphedModel(pair.target) if graphs else pair.target  # its first check's warm-up pass captures
+
     def monitor(b: int) -> NoiseMonitor:
-        sampler = reference_sampler(pair.target, b, L, device, DeviceClock(device))
+        sampler = reference_sampler(target, b, L, device, DeviceClock(device))
         return NoiseMonitor(sampler, f"target b={b} n=1 L={L}", clock)
 
     small, large = min(grid.batch_sizes), max(grid.batch_sizes)

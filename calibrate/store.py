@@ -112,7 +112,7 @@ def _differences(old, new, names) -> list[str]:
 
 def check_resumable(old: Profile, path: Path, device: DeviceInfo, target: ModelInfo, draft: ModelInfo) -> None:
     """Refuse to extend a profile of another pair, device or dtype; the message says what differs."""
-    device_fields = ["kind", "name", "dtype"] + (["cpu_threads"] if device.kind == "cpu" else [])
+    device_fields = ["kind", "name", "dtype", "execution"] + (["cpu_threads"] if device.kind == "cpu" else [])
     problems = _differences(old.device, device, device_fields)
     if problems:
         raise CalibrationError(f"--resume: {path} was measured on a different device ({'; '.join(problems)})")

@@ -62,6 +62,7 @@ class CalibrationSummary:
     tree_overheads: int = 0  # tree step-overhead rows in the profile
     points_left: int = 0  # not measured because --max-seconds ran out; --resume measures them
     max_seconds: float | None = None
+    stopped_by_max_seconds: bool = False  # --max-seconds ran out before every point (refinement's too) was timed
     noise: dict | None = None  # perfmodel.profile.noise.NoiseFigure.to_json(): the reference pass's drift and jitter
     warnings: tuple[str, ...] = ()  # one line each, e.g. a machine too noisy for the ±3 % rule
     insitu_passes: int = 0  # in-situ pass rows in the profile (passes timed inside real steps)

@@ -284,6 +284,7 @@ def calibrate_engine(request: EngineCalibrationRequest, on_progress: Callable[[P
     profile, count = measured
     summary = summarize(request.out, profile, count, len(points) - len(todo), started_s, clock)
     return replace(summary, points_left=len(todo) - count, max_seconds=request.max_seconds,
+                   stopped_by_max_seconds=count < len(todo),
                    engine=profile.engine.describe(), engine_steps=len(profile.engine_steps))
 
 

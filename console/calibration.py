@@ -127,7 +127,7 @@ def render_calibration(summary) -> None:
         console.print(f"in-situ: {summary.insitu_passes} pass rows and {summary.insitu_steps} step rows timed inside "
                       "real speculative steps (`specbatch fit` chooses between them and the isolated passes)",
                       markup=False, highlight=False)
-    if summary.points_left:
+    if summary.stopped_by_max_seconds:
         console.print(f"stopped after --max-seconds {summary.max_seconds:g}: {summary.points_left} points left; "
                       f"rerun with --resume to measure them", markup=False, highlight=False)
     for warning in summary.warnings:

@@ -15,7 +15,7 @@ EXPORTS = {"table.json": "json", "table.csv": "csv", "vllm.json": "vllm", "trtll
 
 
 def run_demo(out: Path, race_sizes: tuple[int, ...], prompts_shown: int, max_new_tokens: int, rounds: int,
-             max_batch: int, device: str | None) -> None:
+             max_batch: int, device: str | None, cuda_graphs: bool | None = None) -> None:
     from specbatch.bench.config import BenchConfig, BenchModels
     from specbatch.bench.outputs import write_outputs
     from specbatch.bench.results import compared_rate
@@ -49,7 +49,8 @@ def run_demo(out: Path, race_sizes: tuple[int, ...], prompts_shown: int, max_new
     console.rule("[bold]1/5 calibrate (quick): time the demo pair's passes on this machine, measure acceptance")
     stage2 = stage2_for_calibration(None, False, None, None)  # the bundled n-gram: trees and staged drafting
     request = CalibrationRequest(target=str(DEMO_TARGET), draft=str(DEMO_DRAFT), out=profile_path, device=device,
-                                 prompts=DEMO_PROMPTS, quick=True, stage2=stage2, force=True)  # the demo's own folder
+                                 prompts=DEMO_PROMPTS, quick=True, stage2=stage2, force=True,
+                                 cuda_graphs=cuda_graphs)  # the demo's own folder
     render_calibration(calibrate_with_progress(request, show=True))
 
     console.rule("[bold]2/5 fit the latency and acceptance model")
@@ -76,7 +77,7 @@ def run_demo(out: Path, race_sizes: tuple[int, ...], prompts_shown: int, max_new
     texts = read_prompts(DEMO_PROMPTS)[:prompts_shown]
     generation = generate_texts(
         GenerationRequest(prompts=tuple(texts), table=table_path, max_new_tokens=max_new_tokens,
-                          stage2=stage2 if policy.needs_stage2 else None), loaded_pair=pair)
+                          stage2=stage2 if policy.needs_stage2 else None, cuda_graphs=cuda_graphs), loaded_pair=pair)
     write_text_atomic(out / "generations.jsonl", generations_jsonl(generation))
     render_generation(generation.outputs, generation.stats, generation.policy, generation.sampling)
 
@@ -84,7 +85,7 @@ def run_demo(out: Path, race_sizes: tuple[int, ...], prompts_shown: int, max_new
     ngram = second_stage_for(policy, stage2 if policy.needs_stage2 else None, pair.target_spec)
     config = BenchConfig(batch_sizes=race_sizes, ks=(0,), max_new_tokens=max_new_tokens, rounds=rounds,
                          table_path=table_path, model_path=model_path,
-                         stage2_path=stage2 if ngram is not None else None)
+                         stage2_path=stage2 if ngram is not None else None, cuda_graphs=cuda_graphs)
     models = BenchModels(target=pair.target, draft=pair.draft, target_source=str(DEMO_TARGET),
                          draft_source=str(DEMO_DRAFT), target_dir=DEMO_TARGET, draft_dir=DEMO_DRAFT,
                          random_weights=False, stage2=ngram)

@@ -248,6 +248,19 @@ AcceptanceOpt = Annotated[Optional[str], typer.Option(
                          "default: the profile's measurement.")]
 ThreadsOpt = Annotated[Optional[int], typer.Option(
     "--threads", help="CPU threads torch may use (default: torch's choice, usually one per core).")]
+EagerOpt = Annotated[bool, typer.Option(
+    "--eager", help="Run every pass eagerly, kernel by kernel, instead of replaying CUDA graphs (graphs are how the "
+                    "runtime runs on CUDA; this is for comparison; nothing changes on a CPU).")]
+AllowModeMismatchOpt = Annotated[bool, typer.Option(
+    "--allow-mode-mismatch", help="Use costs measured with eager passes for a runtime that replays CUDA graphs, or "
+                                  "the other way round (the step costs then describe another runtime).")]
+
+
+def graphs_option(eager: bool) -> bool | None:
+    """--eager: no CUDA graphs; otherwise the device's default (runtime.cuda_graphs.graphs_by_default)."""
+    return False if eager else None
+
+
 ForceOpt = Annotated[bool, typer.Option(
     "--force", help="Use a table or model made for another target/draft pair anyway.")]
 MaxKOpt = Annotated[Optional[int], typer.Option("--max-k", help="Largest k considered (default: the profile's max_k).")]

@@ -42,9 +42,12 @@ def serve_command(
         "--kv-cache-gb", help=(
             "GiB both models' KV slots may take; the running requests are capped at the slots that fit "
             "(default: 90 % of a GPU's free memory, half of a CPU machine's, after loading the models)."))] = None,
-    cuda_graphs: Annotated[bool, typer.Option(
-        "--cuda-graphs", help="Replay decode and verify passes as CUDA graphs, one per batch bucket and width, "
-                              "captured on first use (CUDA, bfloat16/float16).")] = False,
+    eager: Annotated[bool, typer.Option(
+        "--eager", help="Run every pass eagerly instead of replaying CUDA graphs (on CUDA, graphs are the default: "
+                        "one per batch bucket and width, captured on first use).")] = False,
+    allow_mode_mismatch: Annotated[bool, typer.Option(
+        "--allow-mode-mismatch", help="Serve with a table or model measured in the other execution mode (eager "
+                                      "vs CUDA graphs).")] = False,
     max_waiting: Annotated[int, typer.Option(
         "--max-waiting", help="Queued requests beyond which new ones get 429.")] = 1024,
     max_tokens_limit: Annotated[int, typer.Option(
@@ -67,7 +70,8 @@ def serve_command(
     serve(ServeOptions(target=target, draft=draft, table=table, k=k, tree=tree, adaptive=adaptive, refit=refit,
                        host=host, port=port,
                        max_batch_size=max_batch_size, kv_budget_tokens=kv_budget_tokens, max_waiting=max_waiting,
-                       max_model_len=max_model_len, kv_cache_gb=kv_cache_gb, cuda_graphs=cuda_graphs,
+                       max_model_len=max_model_len, kv_cache_gb=kv_cache_gb, cuda_graphs=False if eager else None,
+                       allow_mode_mismatch=allow_mode_mismatch,
                        max_tokens_limit=max_tokens_limit, device=device, dtype=dtype, profile=profile,
                        threads=threads, model_name=model_name, drain_s=drain_s, force=force))
 

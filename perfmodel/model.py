@@ -98,7 +98,7 @@ class FittedModel:
         device = self.device
         return {"name": "specbatch", "version": device.git_revision,
                 "settings": {"device": device.name, "dtype": device.dtype, "torch_threads": device.cpu_threads,
-                             "torch_version": device.torch_version}}
+                             "torch_version": device.torch_version, "execution": device.execution}}
 
     def fingerprints(self) -> dict | None:
         """{"target", "draft"} content fingerprints of the pair (None when the profile predates them)."""

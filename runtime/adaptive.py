@@ -235,6 +235,9 @@ class AdaptivePolicy:
         # per candidate, the rho above which E_r = 1 + rho (E_cal - 1) passes its k + 1 cap (`predicted_goodput`)
         self._caps = [k / x if k > 0 and x > 0 else float("inf") for k, x in zip(self._depths, self._prior_extra)]
         self._rho_cap = min(self._caps)
+        # rows a pass of b rows costs: b, or with CUDA graphs the bucket that runs (serve sets it)
+        self.cost_rows: Callable[[int], int] | None = None
+        self.execution = None  # the execution its model's costs were measured in (adaptive_policy sets it)
         self._reset()
 
     # ------------------------------------------------------------------ the policy protocol
@@ -352,14 +355,17 @@ class AdaptivePolicy:
         return cached(self._step_ms, (batch_size, bucket, level), make)
 
     def _parts_at(self, batch_size: int, bucket: int, level: int) -> np.ndarray:
-        """(candidates, parts) ms: the model's step times split by role and width (runtime.refit.step_parts)."""
+        """(candidates, parts) ms: the model's step times split by role and width (runtime.refit.step_parts),
+        at the rows the passes of b rows cost (`cost_rows`)."""
+        rows = batch_size if self.cost_rows is None else self.cost_rows(batch_size)
+
         def plain():
-            self.model.prefetch(batch_size, bucket, self.max_k + 2)  # every pass width a candidate runs, at once
-            return [step_parts(self.model, s, batch_size, bucket) if not s.stage2 else None for s in self.candidates]
+            self.model.prefetch(rows, bucket, self.max_k + 2)  # every pass width a candidate runs, at once
+            return [step_parts(self.model, s, rows, bucket) if not s.stage2 else None for s in self.candidates]
 
         def make():  # at a new guess level only the staged candidates are evaluated again
             staged = self._staged_model(level)
-            return np.array([parts if parts is not None else step_parts(staged, s, batch_size, bucket)
+            return np.array([parts if parts is not None else step_parts(staged, s, rows, bucket)
                              for s, parts in zip(self.candidates, cached(self._plain_parts, (batch_size, bucket),
                                                                          plain))])
         return cached(self._parts, (batch_size, bucket, level), make)
@@ -406,6 +412,7 @@ def adaptive_policy(model_file: Path, max_k: int | None = None, staged: bool = F
                             staged=staged and fitted.stage2 is not None,
                             name=f"adaptive {Path(model_file).name}" + (" --refit" if refit else ""),
                             fidelity=fidelity, refit=correction)
+    policy.execution = fitted.device.execution
     policy.stage2_record = {"file": fitted.stage2.file, "sha256": fitted.stage2.sha256} \
         if policy.needs_stage2 else None
     policy.made_for = {"target": (fitted.target_info.source, fitted.target_info.fingerprint),

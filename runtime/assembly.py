@@ -192,6 +192,7 @@ class GenerationRequest:
     seed: int = 0
     device: str | None = None
     dtype: str | None = None
+    cuda_graphs: bool | None = None  # None: the device's default (runtime.cuda_graphs); False: --eager
 
     def __post_init__(self):
         if self.k is not None and self.k < 0:
@@ -274,7 +275,8 @@ def generate_texts(request: GenerationRequest, loaded_pair=None) -> Generation:
     if draft_runner is None and policy.max_k > 0:
         raise UsageError("k > 0 needs a draft model (--draft)")
     encoded = [pair.tokenizer.encode(text) for text in request.prompts]
-    generator = SpeculativeGenerator(pair.target, draft_runner, pair.eos_token_ids, stage2=second_stage)
+    generator = SpeculativeGenerator(pair.target, draft_runner, pair.eos_token_ids, stage2=second_stage,
+                                     cuda_graphs=request.cuda_graphs)
     result = generator.generate(encoded, request.max_new_tokens, policy, sampling, request.seed)
     decode = pair.tokenizer.decode
     outputs = [{"prompt": text, "text": decode(ids), "token_ids": ids}

@@ -32,6 +32,7 @@ from specbatch.perfmodel.tree import chain
 from . import policy as hooks
 from .attention import TreeAttention
 from .batch import BatchState, apply_moves, fill_holes
+from .cache_pool import CachePool, owner_key
 from .clock import DeviceClock
 from .devices import device_kind
 from .kv_cache import KVCache, upload
@@ -179,14 +180,15 @@ def context_limit(target: CausalLM, draft) -> int:
 
 class SpeculativeGenerator:
     def __init__(self, target: CausalLM, draft=None, eos_token_ids=(), stage2=None,
-                 host_bookkeeping: bool | None = None, cuda_graphs: bool = False):
+                 host_bookkeeping: bool | None = None, cuda_graphs: bool | None = None):
         """`draft`: a CausalLM, an n-gram model (runtime.ngram.NGramModel) used alone, or None.
         `stage2`: an n-gram model that speeds up a CausalLM draft's tree drafting (lossless for it).
         `host_bookkeeping`: small greedy trees keep their drafting bookkeeping on the host, a read-back
         per draft round (default: where the device's record allows it, runtime.devices: on the CPU, where
         reading back costs nothing and small tensor operations cost most; never on CUDA).
         `cuda_graphs`: decode and verify passes replay CUDA graphs (runtime.cuda_graphs; CUDA, half
-        precision), captured on first use per batch bucket and width for each KV cache."""
+        precision), captured on first use per batch bucket and width for each KV cache; None: the device's
+        default (on CUDA; `--eager` says False)."""
         vocab = target.config.vocab_size
         for role, model in (("draft", draft), ("second-stage n-gram", stage2)):
             size = None if model is None else getattr(model, "vocab_size", None) or model.config.vocab_size
@@ -203,12 +205,26 @@ class SpeculativeGenerator:
         self.host_bookkeeping = (self.kind.host_bookkeeping_max_cells > 0 if host_bookkeeping is None
                                  else host_bookkeeping)
         self.target_runner, self.draft_runner = target, draft  # what runs the step passes of each model
-        self._spare_caches: dict[str, KVCache] = {}  # kept from a finished generation (`release_caches`)
-        if cuda_graphs:
-            from .cuda_graphs import GraphedModel
+        from .cuda_graphs import SLOT_GRANULARITY, GraphedModel, graphs_by_default
 
+        self.cuda_graphs = graphs_by_default(self.device) if cuda_graphs is None else cuda_graphs
+        # kept from finished generations, per policy (`release_caches`)
+        self._spare_caches = CachePool(lambda role, b, max_len: self.models[role].new_cache(b, max_len),
+                                       SLOT_GRANULARITY if self.cuda_graphs else 1)
+        if self.cuda_graphs:
             self.target_runner = GraphedModel(target)
             self.draft_runner = GraphedModel(draft) if self.draft_is_model else draft
+
+    @property
+    def models(self) -> dict:
+        return {"target": self.target, "draft": self.draft}
+
+    def graph_stats(self) -> dict:
+        """CUDA graphs so far (runtime.cuda_graphs.GraphedModel.stats), both models added up: captures,
+        capture_s (host seconds spent capturing, outside any step's time) and kept (graphs alive now)."""
+        runners = [r for r in (self.target_runner, self.draft_runner) if hasattr(r, "stats")]
+        stats = [r.stats() for r in runners]
+        return {name: sum(s[name] for s in stats) for name in ("captures", "capture_s", "kept")}
 
     @property
     def context_limit(self) -> int:
@@ -247,8 +263,9 @@ class SpeculativeGenerator:
         rows = slot_order(prompts)  # original index of each running row, by slot
         prompts = [prompts[r] for r in rows]
         rng = torch.Generator(device=self.device).manual_seed(seed)
+        owner = owner_key(policy)  # each policy gets its own kept caches back (runtime.cache_pool)
         state = self._new_batch(prompts, max_new_tokens, policy.max_k if self.draft is not None else 0, sampling,
-                                rng, synthetic_acceptance)
+                                rng, synthetic_acceptance, owner)
         started = clock()
         first = self.prefill(state, prompts)
         stats.prefill_s = clock() - started
@@ -296,7 +313,8 @@ class SpeculativeGenerator:
                                                   kept, sum(counts), decision_s))
         stats.generated_tokens = sum(len(o) for o in outputs)
         stats.total_s = own_s + clock() - resumed
-        self._keep_caches(state)
+        for role, cache in (("target", state.target_cache), ("draft", state.draft_cache)):
+            self._spare_caches.keep(role, cache, owner)
         return GenerationResult(token_ids=outputs, stats=stats)
 
     @staticmethod
@@ -310,7 +328,7 @@ class SpeculativeGenerator:
         return time.perf_counter() - started
 
     def _new_batch(self, prompts: list[list[int]], max_new_tokens: int, max_k: int, sampling: Sampling, rng,
-                   synthetic_acceptance) -> BatchState:
+                   synthetic_acceptance, owner=None) -> BatchState:
         """The prompts in a buffer with room for every token of the generation, and empty caches;
         `committed` holds each prompt's length until the prefill."""
         b, prompt_lens = len(prompts), [len(p) for p in prompts]
@@ -319,31 +337,11 @@ class SpeculativeGenerator:
         for r, prompt in enumerate(prompts):
             host_tokens[r, :len(prompt)] = prompt
         # a policy that never drafts (k = 0 throughout) gets no draft cache and no draft prefill: plain decoding
-        draft_cache = self._cache("draft", b, buffer_len) if self.draft_is_model and max_k > 0 else None
+        take = self._spare_caches.take
+        draft_cache = take("draft", b, buffer_len, owner) if self.draft_is_model and max_k > 0 else None
         host_committed = np.asarray(prompt_lens, dtype=np.int64)
         return BatchState(upload(host_tokens, self.device), upload(host_committed, self.device), host_committed,
-                          self._cache("target", b, buffer_len), draft_cache, max_k, sampling, rng, synthetic_acceptance)
-
-    # ------------------------------------------------------------------ KV caches kept between generations
-    def _cache(self, role: str, b: int, max_len: int) -> KVCache:
-        """A KV cache of b rows and max_len slots per row: the one a finished generation left when it is large
-        enough (its first b rows), as an engine keeps its KV memory allocated; else a new one (the kept one
-        freed first). Memory new to the process costs a page fault per page touched: about 15,000 a
-        generation of the demo pair at b = 32 with 64 new tokens, 2-3 % of its time on a CPU."""
-        spare = self._spare_caches.pop(role, None)
-        if spare is not None and spare.batch_size >= b and spare.max_len >= max_len:
-            return spare.rows(0, b)
-        del spare
-        return (self.target if role == "target" else self.draft).new_cache(b, max_len)
-
-    def _keep_caches(self, state: BatchState) -> None:
-        """Keep a finished generation's caches for the next (the larger, when another is kept already: two
-        generations may run in turns)."""
-        for role, cache in (("target", state.target_cache), ("draft", state.draft_cache)):
-            if cache is not None:
-                kept = self._spare_caches.get(role)
-                if kept is None or cache.root.keys.numel() > kept.keys.numel():
-                    self._spare_caches[role] = cache.root
+                          take("target", b, buffer_len, owner), draft_cache, max_k, sampling, rng, synthetic_acceptance)
 
     def release_caches(self) -> None:
         """Free the KV caches kept from earlier generations."""

@@ -218,17 +218,15 @@ def _row_probabilities(logits: torch.Tensor, sampling: RowSampling) -> torch.Ten
 
 
 def sample(probs: torch.Tensor, generator) -> torch.Tensor:
-    """One token per distribution: probs (..., vocab) -> ids (...). `generator`: a torch.Generator (or
-    None) for the whole batch, or RowGenerators (row r of `probs`, batch first, draws from its own stream:
-    the inverse of the row's cumulative distribution at a 53-bit uniform; a token of probability 0 is
-    never drawn)."""
-    if isinstance(generator, RowGenerators):
-        cumulative = probs.double().cumsum(-1)
-        u = uniform(probs.shape[:-1], generator, probs.device, torch.float64)
-        drawn = torch.searchsorted(cumulative, (u * cumulative[..., -1])[..., None], right=True).squeeze(-1)
-        return drawn.clamp_(max=probs.shape[-1] - 1)
-    flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+    """One token per distribution: probs (..., vocab) -> ids (...), the inverse of each cumulative
+    distribution at a 53-bit uniform, all on the device: nothing is read back (torch.multinomial waits for
+    the device twice a draw on CUDA). `generator`: a torch.Generator (or None) for the whole batch, or
+    RowGenerators (row r of `probs`, batch first, draws from its own stream). A token of probability 0 is
+    never drawn."""
+    cumulative = probs.double().cumsum(-1)
+    u = uniform(probs.shape[:-1], generator, probs.device, torch.float64)
+    drawn = torch.searchsorted(cumulative, (u * cumulative[..., -1])[..., None], right=True).squeeze(-1)
+    return drawn.clamp_(max=probs.shape[-1] - 1)
 
 
 def uniform(shape: tuple[int, ...], generator, device, dtype=torch.float32) -> torch.Tensor:

@@ -47,6 +47,7 @@ class TreePlan:
     rank_of: torch.Tensor  # (N+1,)
     ancestor_at_depth: torch.Tensor  # (N+1, depth): a node's ancestor at depth 1..depth (itself at its own), 0 past it
     parent_list: tuple[int, ...]  # the same parents as Python ints, for host-side guessing
+    depth_list: tuple[int, ...] = ()  # every node's depth (the root's 0), for guessing a level at a time
     _indices: dict = field(default_factory=dict, compare=False, repr=False)  # at() and children_of(), built once
 
     def at(self, nodes) -> torch.Tensor:
@@ -102,6 +103,7 @@ def plan_for(tree: Tree, device: torch.device) -> TreePlan:
         inner_offsets=(depths[inner_t] - 1).to(**to) if inner else torch.zeros(0, dtype=torch.long, **to),
         level_ends=level_ends, by_depth=by_depth, parent_of=parents.to(**to), rank_of=ranks.to(**to),
         ancestor_at_depth=ancestors.to(**to), parent_list=tuple(max(p, 0) for p in tree.parents),
+        depth_list=tuple(tree.depths),
     )
 
 
@@ -130,10 +132,13 @@ def pick_children(scores: torch.Tensor, count: int, sampling: Sampling, rng):
 class _TreeState:
     """What the draft knows about one tree while drafting it."""
 
-    def __init__(self, plan: TreePlan, root_tokens: torch.Tensor, sampling: Sampling, vocab: int):
+    def __init__(self, plan: TreePlan, root_tokens: torch.Tensor, sampling: Sampling, vocab: int,
+                 host_guesses: bool = False):
+        """`host_guesses`: the second stage guesses on the host (a read-back a round: free on a CPU, where
+        one look-up per node costs less than a device query per level); else on the device."""
         b, size = root_tokens.shape[0], plan.tree.num_nodes + 1
         device = root_tokens.device
-        self.plan, self.sampling = plan, sampling
+        self.plan, self.sampling, self.host_guesses = plan, sampling, host_guesses
         self.tokens = torch.zeros(b, size, dtype=torch.long, device=device)
         self.tokens[:, 0] = root_tokens
         self.known = torch.zeros(b, size, dtype=torch.bool, device=device)
@@ -197,17 +202,32 @@ class _TreeState:
         self.expand(nodes, picked, newly)  # a no-op in rows where nothing became valid
 
     def guess(self, stage2, before_root: torch.Tensor, nodes: list[int]) -> None:
-        tokens = self.tokens.tolist()
-        _guess_rows(self.plan, tokens, self.known.tolist(), stage2, before_root.tolist(), nodes)
-        self.tokens = upload(tokens, self.tokens.device)
+        """The second stage's guesses (as _guess_rows) on the device, a level at a time (a guess needs its
+        parent's token, guessed or not): its device queries, nothing read back. With `host_guesses`, on
+        the host instead (_guess_rows)."""
+        if self.host_guesses:
+            tokens = self.tokens.tolist()
+            _guess_rows(self.plan, tokens, self.known.tolist(), stage2, before_root.tolist(), nodes)
+            self.tokens = upload(tokens, self.tokens.device)
+            return
+        plan, b = self.plan, self.tokens.shape[0]
+        for depth in sorted({plan.depth_list[node] for node in nodes}):
+            level = [node for node in nodes if plan.depth_list[node] == depth]
+            ids = plan.at(level)
+            parents = [plan.parent_list[node] for node in level]
+            top = stage2.top_tokens(_context(plan, self, before_root, parents), plan.tree.max_children)
+            guessed = top.view(b, len(level), -1).gather(-1, plan.rank_of[ids].expand(b, -1)[..., None])[..., 0]
+            self.tokens[:, ids] = torch.where(self.known[:, ids], self.tokens[:, ids], guessed)
 
     def fed_tokens(self, nodes: list[int]) -> torch.Tensor:
         return self.tokens[:, self.plan.at(nodes)]
 
     def first_invalid(self) -> int | None:
-        """The first inner slot that is not valid in some row; None when all are valid."""
-        missing = (~self.valid[:, 1:]).any(0).nonzero()
-        return int(missing[0]) if len(missing) else None
+        """The first inner slot that is not valid in some row; None when all are valid (one read-back)."""
+        invalid = (~self.valid[:, 1:]).any(0)
+        slots = invalid.shape[0]
+        first = int(torch.where(invalid, torch.arange(slots, device=invalid.device), slots).min()) if slots else 0
+        return None if first == slots else first
 
     def result(self, rounds: int) -> DraftedTree:
         return DraftedTree(self.tokens, self.unusable, self.probs, rounds)
@@ -297,7 +317,7 @@ def draft_tree(plan: TreePlan, draft: CausalLM, cache: KVCache, tokens: torch.Te
     if host_bookkeeping and sampling.greedy and b * (plan.tree.num_nodes + 1) <= most:
         state = _HostState(plan, root_tokens)
     else:
-        state = _TreeState(plan, root_tokens, sampling, draft.config.vocab_size)
+        state = _TreeState(plan, root_tokens, sampling, draft.config.vocab_size, host_guesses=host_bookkeeping)
     before_root = torch.where(committed >= 2, tokens[rows, (committed - 2).clamp(min=0)], -1)
     inner = list(plan.inner)
     catch_up = catch_up_input(draft, cache, tokens, committed, host_committed, forward)

@@ -43,7 +43,8 @@ class ServeOptions:
     kv_budget_tokens: int | None = None
     max_model_len: int | None = None  # prompt + max_tokens of one request; sizes every KV slot (None: the models')
     kv_cache_gb: float | None = None  # GiB both models' KV slots may take (None: a share of the free memory)
-    cuda_graphs: bool = False  # decode and verify passes replay CUDA graphs (CUDA, half precision)
+    cuda_graphs: bool | None = None  # passes replay CUDA graphs: None, the device's default; False: --eager
+    allow_mode_mismatch: bool = False  # a table or model of eager costs for graphed passes (or the reverse)
     max_waiting: int = 1024
     max_tokens_limit: int = 1024  # the largest max_tokens a request may ask for
     device: str | None = None
@@ -160,8 +161,9 @@ def choose_policy(options: ServeOptions, target_dir: Path, draft_dir: Path | Non
 KV_SHARE_OF_FREE = {"cuda": 0.9, "cpu": 0.5}
 
 
-def kv_cache_bytes(kv_cache_gb: float | None, device: str) -> int:
-    """The KV cache's size in bytes: --kv-cache-gb, or a share of the device's free memory now."""
+def kv_cache_bytes(kv_cache_gb: float | None, device: str, graph_bytes: int = 0) -> int:
+    """The KV cache's size in bytes: --kv-cache-gb, or a share of the device's free memory now less what the
+    CUDA graphs will hold (`graph_bytes`: calibrate.memory.serving_graph_bytes)."""
     from specbatch.calibrate.environment import available_memory_bytes
 
     if kv_cache_gb is not None:
@@ -169,7 +171,37 @@ def kv_cache_bytes(kv_cache_gb: float | None, device: str) -> int:
             raise ServeError(f"--kv-cache-gb must be > 0, got {kv_cache_gb}")
         return int(kv_cache_gb * 2**30)
     kind = "cuda" if device.startswith("cuda") else "cpu"
-    return int(KV_SHARE_OF_FREE[kind] * available_memory_bytes(device))
+    return max(0, int(KV_SHARE_OF_FREE[kind] * available_memory_bytes(device)) - graph_bytes)
+
+
+def check_policy_execution(policy, options: ServeOptions, device: str) -> None:
+    """A table or adaptive model whose costs were measured in the other execution mode is refused (one line)
+    unless --allow-mode-mismatch; fixed strategies carry no costs."""
+    from specbatch.perfmodel.execution import check_execution, table_execution
+    from specbatch.runtime.cuda_graphs import execution_on
+
+    running = execution_on(device, options.cuda_graphs)
+    table = getattr(policy, "table", None)
+    if table is not None and options.table is not None:
+        check_execution(f"--table {options.table}", table_execution(table.costs), running,
+                        options.allow_mode_mismatch)
+    fitted_execution = getattr(policy, "execution", None)
+    if fitted_execution is not None:
+        check_execution(f"--adaptive {options.adaptive}", fitted_execution, running, options.allow_mode_mismatch)
+
+
+def _graph_bytes(generator, pair, policy, options: ServeOptions) -> int:
+    """The CUDA graphs' memory the KV share leaves room for (0 without graphs)."""
+    if not generator.cuda_graphs:
+        return 0
+    from specbatch.calibrate.memory import serving_graph_bytes
+    from specbatch.calibrate.models import model_info
+
+    dtype = pair.target.lm_head.weight.dtype
+    draft = model_info(pair.draft_spec, dtype) if pair.draft_spec is not None and generator.draft_is_model else None
+    key_len = options.max_model_len or pair.target.config.max_position_embeddings
+    return serving_graph_bytes(model_info(pair.target_spec, dtype), draft, options.max_batch_size, policy.max_k,
+                               key_len)
 
 
 def build(options: ServeOptions):
@@ -201,17 +233,24 @@ def build(options: ServeOptions):
     policy = choose_policy(options, target_dir, draft_dir, device, torch.get_num_threads(), pair.running())
     stage2 = second_stage_for(policy, None, target_spec)  # a table's staged entries: the n-gram it names (by sha256)
     if options.cuda_graphs and not device.startswith("cuda"):
-        raise ServeError(f"--cuda-graphs needs a CUDA device, got --device {device}")
+        raise ServeError(f"CUDA graphs need a CUDA device, got --device {device}")
+    check_policy_execution(policy, options, device)
     generator = SpeculativeGenerator(pair.target, pair.draft, pair.eos_token_ids, stage2=stage2,
                                      cuda_graphs=options.cuda_graphs)
+    graphs = _graph_bytes(generator, pair, policy, options)
     config = EngineConfig(max_batch_size=options.max_batch_size, kv_budget_tokens=options.kv_budget_tokens,
                           max_waiting=options.max_waiting, max_context_tokens=options.max_model_len,
-                          kv_cache_bytes=kv_cache_bytes(options.kv_cache_gb, device))
+                          kv_cache_bytes=kv_cache_bytes(options.kv_cache_gb, device, graphs))
     try:
         engine = Engine(generator, policy, config, decode=pair.tokenizer.decode)
     except KVCacheTooSmall as error:
         given = "--kv-cache-gb" if options.kv_cache_gb is not None else "the free memory (set --kv-cache-gb)"
         raise ServeError(f"{given}: {error}") from None
+    if generator.cuda_graphs and hasattr(policy, "cost_rows"):  # the adaptive policy: costs at the bucket run
+        from specbatch.runtime.cuda_graphs import bucket_for
+
+        capacity = engine.max_batch_size
+        policy.cost_rows = lambda b: bucket_for(b, capacity)
     name = options.model_name or target_dir.name
     log.info("serving %s (draft %s) as model %r with %s; max batch %d (%d KV slots of %d tokens fit in %.3g GiB), "
              "KV budget %d tokens", target_dir, draft_dir, name, policy.describe(), engine.max_batch_size,

@@ -24,6 +24,9 @@ Optional engine steps (`engine` and `engine_steps`, profile/engine.py): steps me
 engine (`calibrate --engine vllm`), with the engine's name, version and settings; such a profile is the
 engine's and holds no pass timings of ours.
 
+The device section says how the passes ran (`execution`: eager, or cuda-graphs replayed; older profiles:
+eager): perfmodel/execution.py keeps a runtime from using the costs of the other.
+
 Reading is strict: a missing or mistyped field is a PerfModelError that names the file and the
 field (`profile.json: timings[3].median_ms: expected a number, found 'fast'`).
 """
@@ -57,6 +60,7 @@ from .noise import NoiseFigure, noise_from_json
 PROFILE_SCHEMA = "specbatch.profile/1"
 DEVICE_KINDS = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
+EXECUTIONS = ("eager", "cuda-graphs")  # how the runtime ran the passes it timed
 ACCEPTANCE_MODES = ("greedy", "sampling")
 ACCEPTANCE_SOURCES = ("measured", "user")
 
@@ -70,6 +74,7 @@ class DeviceInfo:
     torch_version: str
     cpu_threads: int
     git_revision: str | None
+    execution: str = "eager"  # one of EXECUTIONS: eager passes, or CUDA graphs replayed (older profiles: eager)
 
 
 @dataclass(frozen=True)
@@ -266,6 +271,7 @@ def _device(obj: dict, where: str) -> DeviceInfo:
         torch_version=_str(obj, "torch_version", where),
         cpu_threads=_int(obj, "cpu_threads", where, minimum=1),
         git_revision=_str(obj, "git_revision", where, nullable=True),
+        execution=_str(obj, "execution", where, EXECUTIONS) if "execution" in obj else "eager",
     )
 
 

@@ -66,3 +66,11 @@ def resolve_device(name: str | None) -> str:
         if index and int(index) >= torch.cuda.device_count():
             raise UsageError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return name
+
+
+def synchronize(device) -> None:
+    """Wait for the work queued on `device` (a no-op where work is not queued)."""
+    if device_kind(device).asynchronous:
+        import torch
+
+        torch.cuda.synchronize(device)

@@ -148,3 +148,40 @@ def test_calibrate_says_before_measuring_which_points_it_skips_and_measures_the_
     assert {row.batch_size for row in profile.overheads} == {1} and {r.batch_size for r in profile.insitu_steps} == {1}
     # b = 10^8: 5 passes (target n = 1..3, draft n = 1, 2), 3 overheads (k = 0..2), 2 ks x 2 sweeps in situ
     assert summary.points_skipped == 5 + 3 + 4 and summary.points_left == 0
+
+
+def test_graph_logits_buffers_of_a_server_by_hand():
+    """The issue's figure: the 8B's serving buckets to 256 at n = 1..9, a logits buffer each in bfloat16:
+    (1 + 2 + 4 + 8 + 16 + 24 + 32 + 48 + 64 + 96 + 128 + 160 + 192 + 224 + 256) = 1255 rows x 45 positions x
+    128,256 x 2 bytes = 13.49 GiB. The draft keeps one position a row: widths 1 and 2 are 2 positions."""
+    from specbatch.calibrate.memory import ladder, logits_buffer_bytes
+
+    target, draft = infos("llama-3.1-8b", "llama-3.2-1b")
+    buckets = ladder(256)
+    assert sum(buckets) == 1255 and target.vocab_size == 128256
+    logits = logits_buffer_bytes(target.vocab_size, 2, buckets, range(1, 10), last_only=False)
+    assert logits == 1255 * 45 * 128256 * 2 and logits / GIB == pytest.approx(13.49, abs=0.01)
+    assert logits_buffer_bytes(draft.vocab_size, 2, buckets, [1, 2], last_only=True) == 1255 * 2 * 128256 * 2
+
+
+def test_graphs_are_counted_once_per_lockstep_group_and_the_caches_get_the_buckets_rows():
+    """At b = 5 (bucket 8) with ks 0 and 3: the caches of 8 rows, the peak pass of 5, and the graphs both
+    generations share: the target's pool (its widest pass at the bucket: 8 x 4 tokens) and logits buffers
+    for buckets 1, 2, 4, 8 at widths 1 and 4 (5 positions), the draft's pool (8 x 2, last position) and its
+    buffers at widths 1 and 2 (a position each)."""
+    from specbatch.calibrate.memory import generation_peak_pass_bytes, pass_bytes
+
+    target, draft = infos("llama-3.2-1b", "llama-68m")
+    prompt, new = 16, 8
+    key_len = prompt + new + 3 + 1
+    eager = lockstep_bytes(target, draft, 5, [0, 3], prompt, new, False)
+    graphed = lockstep_bytes(target, draft, 5, [0, 3], prompt, new, False, graphs=True)
+    caches = generation_bytes(target, draft, 8, 0, prompt, new) + generation_bytes(target, draft, 8, 3, prompt, new)
+    peak = max(generation_peak_pass_bytes(target, draft, 5, k, prompt, new, False) for k in (0, 3))
+    pools = (pass_bytes(target, 8, 4, key_len, 8 * 4, False) + pass_bytes(draft, 8, 2, key_len, 8, False))
+    buffers = (15 * 5 * target.vocab_size * 2) + (15 * 2 * draft.vocab_size * 2)
+    assert graphed == caches + peak + pools + buffers
+    assert eager == generation_bytes(target, draft, 5, 0, prompt, new) + generation_bytes(target, draft, 5, 3, prompt,
+                                                                                          new) + peak
+    three = lockstep_bytes(target, draft, 5, [0, 3, 3], prompt, new, False, graphs=True)
+    assert three - graphed == generation_bytes(target, draft, 8, 3, prompt, new)  # a third generation: its caches

@@ -73,15 +73,30 @@ def test_the_budget_bounds_the_passes():
     assert len(proposed) == 3
 
 
-def test_calibrate_refines_after_the_grid(tmp_path: Path):
+def rendered(summary, monkeypatch) -> str:
+    """What `calibrate` prints for `summary` (console.calibration.render_calibration), on one line."""
+    import rich.console
+
+    from specbatch.console.calibration import render_calibration
+
+    console = rich.console.Console(record=True, width=400)
+    with monkeypatch.context() as patch:
+        patch.setattr(rich.console, "Console", lambda *args, **kwargs: console)
+        render_calibration(summary)
+    return " ".join(console.export_text().split())
+
+
+def test_calibrate_refines_after_the_grid(tmp_path: Path, monkeypatch):
     """A real run resumed on a profile whose target rows jump between 32 and 64 tokens per pass (measured at
     32 and 64 tokens, none between; rewritten so): calibrate --refine times passes inside that gap on the
-    real pair."""
+    real pair (forced on the CPU, where refinement is off by default); the progress total grows with the
+    points refinement proposes, and --max-seconds guards them as any other point."""
     config = dict(model_type="llama", vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, intermediate_size=64, max_position_embeddings=128)
     (tmp_path / "target.json").write_text(json.dumps(config))
     (tmp_path / "draft.json").write_text(json.dumps(dict(config, num_hidden_layers=1)))
     out = tmp_path / "profile.json"
+    ticks = iter(range(10**6))
     request = CalibrationRequest(target=str(tmp_path / "target.json"), draft=str(tmp_path / "draft.json"), out=out,
                                  device="cpu", batch_sizes=(1, 2, 32), context_lens=(16,), max_k=3, acceptance="0.8",
                                  quick=True)
@@ -93,7 +108,17 @@ def test_calibrate_refines_after_the_grid(tmp_path: Path):
                       for ms in [1.0 + 0.001 * r.batch_size * r.new_tokens + (1.0 if r.batch_size * r.new_tokens > 32
                                                                               else 0.0)])
     write_profile(out, replace(profile, timings=rewritten))
-    calibrate(replace(request, resume=True, refine=True))
+    stopped = calibrate(replace(request, resume=True, refine=True, max_seconds=0.5),
+                        clock=lambda: float(next(ticks)))  # 1 s per tick: out of time at the first proposal
+    assert stopped.stopped_by_max_seconds and stopped.points_left == 1 and stopped.points_measured == 0
+    assert "stopped after --max-seconds 0.5: 1 points left" in rendered(stopped, monkeypatch)
+    events = []
+    summary = calibrate(replace(request, resume=True, refine=True), on_progress=events.append)
+    assert events and all(e.done <= e.total for e in events)  # the total grows as refinement proposes points
+    assert [e.total for e in events] == sorted(e.total for e in events) and events[-1].done == events[-1].total
+    assert summary.points_measured == len(events) and summary.points_left == 0
+    assert not summary.stopped_by_max_seconds  # and no stop line, though max_seconds is None (no :g of None)
+    assert "stopped after" not in rendered(summary, monkeypatch)
     added = [r for r in load_profile(out).timings_of("target") if r.batch_size not in (1, 2, 32)]
     assert added, "refinement must time passes inside the 32-64 token gap"
     assert all(32 < r.batch_size * r.new_tokens < 64 or r.new_tokens == 1 for r in added)

@@ -6,6 +6,8 @@ the device work again, the host's side not at all. On a GPU (marked), the real g
 against eager passes, and generation against target-only greedy output."""
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -14,6 +16,24 @@ from specbatch.runtime.cuda_graphs import GraphedModel, bucket_for
 from specbatch.runtime.generator import SpeculativeGenerator
 from specbatch.runtime.policy import FixedK
 
+from test_runtime_engine import solo_greedy
+
+
+@pytest.fixture
+def graphed_on_cpu(greedy_target, greedy_draft_sometimes, monkeypatch):
+    """Both models on the varlen backend (its CPU reference kernel) with the stand-in capture; the captures'
+    output shapes are logged in the list returned."""
+    from specbatch.runtime import attention
+    import varlen_reference
+
+    for model in (greedy_target, greedy_draft_sometimes):
+        monkeypatch.setattr(model, "attention_backend", "varlen")
+    monkeypatch.setattr(attention, "varlen_attn", varlen_reference.varlen_attn)
+    monkeypatch.setattr(attention, "AuxRequest", varlen_reference.AuxRequest)
+    log = []
+    monkeypatch.setattr(cuda_graphs, "capture_cuda_graph", replaying_capture(log))
+    return log
+
 
 def replaying_capture(log):
     """A capture whose replay reruns the pass's device work and leaves the host untouched, as a graph does."""
@@ -21,13 +41,12 @@ def replaying_capture(log):
     def capture(run, reset, cache, pool):
         reset()
         output = run()
-        output = None if output is None else output.clone()
         log.append(None if output is None else output.shape)
 
         def replay():
             host = cache.root.host_lengths.copy()
             fresh = run()
-            if output is not None:
+            if output is not None and fresh is not output:  # a graph writes where it wrote when captured
                 output.copy_(fresh)
             cache.root.host_lengths[:] = host
 
@@ -59,10 +78,17 @@ def test_graphed_passes_give_the_eager_logits_and_lengths(greedy_target, prompts
             torch.testing.assert_close(ours, eager, rtol=1e-5, atol=1e-5)
             assert graphed_cache.host_lengths[:5].tolist() == eager_cache.host_lengths[:5].tolist()
             assert torch.equal(graphed_cache.lengths[:5], eager_cache.lengths[:5])
-            assert graphed_cache.host_lengths[5:].tolist() == graphed_cache.lengths[5:].tolist() == [3, 3, 3]
-        assert len(captured) == 1 and captured[0][0] == 8  # one graph, for the bucket of 8
+            # spare rows 5..7 keep what they hold (their prompts): lengths as the eager cache's, never advanced
+            assert graphed_cache.host_lengths[5:].tolist() == graphed_cache.lengths[5:].tolist() \
+                == eager_cache.host_lengths[5:].tolist() == [len(p) for p in prompts8[5:]]
+        # the bucket of 8 and every smaller one at that width (a batch shrinks through them)
+        assert [shape[0] for shape in captured] == [1, 2, 4, 8]
+        assert graphed.stats()["kept"] == 4
         graphed(rows[:2, :1], graphed_cache.rows(0, 2), last=1)
-        assert len(captured) == 2 and captured[1][:2] == (2, 1)
+        assert len(captured) == 6 and captured[-1][:2] == (2, 1)
+        del graphed_cache, cache
+        gc.collect()  # the stand-in's replay refers to its cache: a cycle
+        assert graphed.stats() == {"captures": 6, "capture_s": graphed.capture_s, "kept": 0}  # gone with the cache
 
 
 def test_generation_with_graphs_is_lossless(greedy_target, greedy_draft_sometimes, prompts8, monkeypatch):
@@ -78,6 +104,31 @@ def test_generation_with_graphs_is_lossless(greedy_target, greedy_draft_sometime
         assert generator.generate(prompts8, 12, FixedK(k)).token_ids == expected
 
 
+def test_a_prompt_prefilled_in_parts_beside_graphed_steps_stays_intact(greedy_target, greedy_draft_sometimes,
+                                                                       prompts8, graphed_on_cpu):
+    """Three running rows step in the bucket of 4 while a long prompt is prefilled in parts in row 3 (a spare
+    row of that bucket): every request gets its solo greedy tokens."""
+    from specbatch.runtime.engine import Engine, EngineConfig, Request
+
+    generator = SpeculativeGenerator(greedy_target, greedy_draft_sometimes, cuda_graphs=True)
+    engine = Engine(generator, FixedK(2), EngineConfig(max_batch_size=4, prefill_chunk_tokens=8))
+    long_prompt = (prompts8[4] * 3)[:45]  # 5 parts of 8 tokens and a last one of 5
+    timeline = []
+    requests = [Request(name, tuple(prompt), 24, on_event=timeline.append)
+                for name, prompt in (("a", prompts8[0]), ("b", prompts8[2]), ("c", prompts8[6]))]
+    requests.append(Request("long", tuple(long_prompt), 10, on_event=timeline.append))
+    for request in requests[:3]:
+        engine.submit(request)
+    engine.step()
+    engine.submit(requests[3])
+    while engine.step():
+        pass
+    assert any(shape[0] == 4 for shape in graphed_on_cpu if shape is not None)  # row 3 was spare in a graph
+    for request in requests:
+        got = [t for e in timeline if e.request_id == request.id for t in e.token_ids]
+        assert got == solo_greedy(greedy_target, list(request.prompt_ids), request.max_tokens), request.id
+
+
 @pytest.mark.gpu
 def test_cuda_graphs_match_eager_on_a_gpu(greedy_target, greedy_draft_sometimes, prompts8):
     if not torch.cuda.is_available():
@@ -88,5 +139,91 @@ def test_cuda_graphs_match_eager_on_a_gpu(greedy_target, greedy_draft_sometimes,
         eager = SpeculativeGenerator(target, draft).generate(prompts8, 12, FixedK(3)).token_ids
         graphed = SpeculativeGenerator(target, draft, cuda_graphs=True).generate(prompts8, 12, FixedK(3)).token_ids
         assert graphed == eager
+    finally:
+        greedy_target.to("cpu", torch.float32), greedy_draft_sometimes.to("cpu", torch.float32)
+
+
+def test_bench_rounds_capture_only_while_warming_up(greedy_target, greedy_draft_sometimes, prompts8, graphed_on_cpu):
+    """Bench's rounds simulated: contenders in lockstep (calibrate.lockstep) in each round's rotated order
+    (bench.plan.balanced_order), synthetic acceptance drawn anew each round (rows finish at other steps).
+    After the warm-up round no cache is made and nothing is captured, and the graphs kept stay as many."""
+    from specbatch.bench.plan import balanced_order
+    from specbatch.calibrate.lockstep import run_lockstep
+
+    generator = SpeculativeGenerator(greedy_target, greedy_draft_sometimes, cuda_graphs=True)
+    policies = {"k0": FixedK(0), "k2": FixedK(2), "k3": FixedK(3)}
+    after_warmup = None
+    for round_index in range(-1, 4):
+        prompts = [p[:len(p) - (round_index + 1) % 3] for p in prompts8[:6]]  # other lengths each round
+        run_lockstep({name: generator.generation(prompts, 14, policies[name], seed=round_index,
+                                                 synthetic_acceptance=0.7)
+                      for name in balanced_order(list(policies), round_index)})
+        if round_index == -1:
+            after_warmup = generator.graph_stats(), generator._spare_caches.made
+            assert after_warmup[0]["captures"] > 0
+        else:
+            assert (generator.graph_stats(), generator._spare_caches.made) == after_warmup, round_index
+    from specbatch.bench.rounds import graph_notes
+
+    stats = generator.graph_stats()
+    assert graph_notes(generator, 0) == [f"CUDA graphs: {stats['captures']} captured in {stats['capture_s']:.2f} s "
+                                         f"(warm-up rounds, not timed), {stats['kept']} kept"]
+    assert "2 CUDA graph(s) were captured inside timed rounds" in graph_notes(generator, 2)[1]
+    assert graph_notes(SpeculativeGenerator(greedy_target), 0) == []  # eager: nothing to say
+
+
+def test_the_graphs_of_every_cache_share_one_logits_buffer_per_bucket_and_width(greedy_target, prompts8,
+                                                                               graphed_on_cpu):
+    """Two caches (two lockstep generations) graph the same passes: one buffer per (bucket, width, logits
+    kept), written by both caches' graphs, each replay still giving its own cache's logits."""
+    graphed = GraphedModel(greedy_target)
+    caches = [greedy_target.new_cache(4, 32) for _ in range(4)]  # two graphed, two eager twins
+    batches = (prompts8[:4], prompts8[4:], prompts8[:4], prompts8[4:])
+    with torch.no_grad():
+        for cache, prompts in zip(caches, batches):
+            greedy_target(torch.tensor([t for p in prompts for t in p]), cache, last=1,
+                          new_tokens=[len(p) for p in prompts])
+        tokens = torch.tensor([[1, 2], [3, 4], [5, 6]])
+        for step in range(2):
+            outputs = []
+            for graphed_cache, eager_cache in zip(caches[:2], caches[2:]):
+                outputs.append(graphed(tokens, graphed_cache.rows(0, 3)))
+                torch.testing.assert_close(outputs[-1], greedy_target(tokens, eager_cache.rows(0, 3)))
+            assert outputs[0].data_ptr() == outputs[1].data_ptr()  # one buffer
+    assert sorted(graphed.outputs) == [(1, 2, None), (2, 2, None), (4, 2, None)]
+    assert graphed.stats()["kept"] == 6  # but each cache its own graphs
+
+
+@pytest.mark.gpu
+def test_graphed_serving_and_sampling_match_eager_on_a_gpu(greedy_target, greedy_draft_sometimes, prompts8):
+    """Real graphs: an engine prefilling a long prompt in parts beside graphed steps gives every request the
+    tokens the eager engine gives, and a sampled generation draws the same tokens graphed and eager."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from specbatch.runtime.engine import Engine, EngineConfig, Request
+    from specbatch.runtime.sampling import Sampling
+
+    target = greedy_target.to("cuda", torch.bfloat16)
+    draft = greedy_draft_sometimes.to("cuda", torch.bfloat16)
+    try:
+        got = {}
+        for graphs in (False, True):
+            engine = Engine(SpeculativeGenerator(target, draft, cuda_graphs=graphs), FixedK(2),
+                            EngineConfig(max_batch_size=4, prefill_chunk_tokens=8))
+            timeline = []
+            requests = [Request(name, tuple(prompt), 16, on_event=timeline.append)
+                        for name, prompt in (("a", prompts8[0]), ("b", prompts8[2]), ("c", prompts8[6]),
+                                             ("long", (prompts8[4] * 3)[:45]))]
+            for request in requests[:3]:
+                engine.submit(request)
+            engine.step()
+            engine.submit(requests[3])
+            while engine.step():
+                pass
+            got[graphs] = {r.id: [t for e in timeline if e.request_id == r.id for t in e.token_ids] for r in requests}
+        assert got[True] == got[False]
+        sampled = [SpeculativeGenerator(target, draft, cuda_graphs=graphs).generate(
+            prompts8, 12, FixedK(3), Sampling(temperature=1.0), seed=5).token_ids for graphs in (False, True)]
+        assert sampled[0] == sampled[1]
     finally:
         greedy_target.to("cpu", torch.float32), greedy_draft_sometimes.to("cpu", torch.float32)

@@ -37,6 +37,9 @@ class PerfectGuess:
     def top_tokens_host(self, u, v):
         return tuple(self.draft(torch.tensor([[v]]))[0, -1].topk(4).indices.tolist())
 
+    def top_tokens(self, contexts, count):  # the device query: (n, 2) contexts -> (n, count)
+        return torch.stack([torch.tensor(self.top_tokens_host(int(u), int(v))[:count]) for u, v in contexts.tolist()])
+
 
 class RandomGuess:
     """A second stage that is nearly always wrong."""
@@ -46,6 +49,9 @@ class RandomGuess:
 
     def top_tokens_host(self, u, v):
         return tuple(torch.randperm(self.vocab_size, generator=self.gen)[:4].tolist())
+
+    def top_tokens(self, contexts, count):
+        return torch.stack([torch.randperm(self.vocab_size, generator=self.gen)[:count] for _ in range(len(contexts))])
 
 
 @pytest.fixture(scope="module")

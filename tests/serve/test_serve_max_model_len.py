@@ -44,5 +44,5 @@ def test_the_kv_cache_size_caps_the_running_requests_at_the_slots_that_fit():
 
 
 def test_cuda_graphs_on_a_cpu_are_one_line():
-    with pytest.raises(ServeError, match=r"^--cuda-graphs needs a CUDA device, got --device cpu$"):
+    with pytest.raises(ServeError, match=r"^CUDA graphs need a CUDA device, got --device cpu$"):
         build(ServeOptions(k=3, max_model_len=64, cuda_graphs=True, device="cpu"))
