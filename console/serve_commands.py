@@ -109,7 +109,8 @@ def loadtest_command(
 ):
     """Open-loop load test: the same Poisson/Gamma arrival trace against a server per policy (loopback)."""
     from specbatch.serve.loadtest import LoadtestConfig, run_loadtest
-    from specbatch.serve.loadtest_report import Slo, render_runs
+    from specbatch.serve.loadtest_report import Slo, failed_runs, render_runs
+    from specbatch.serve.loadtest_servers import LoadtestError
 
     low, _, high = max_tokens.partition("-")
     if not (low.isdigit() and high.isdigit() and 0 < int(low) <= int(high)):
@@ -136,3 +137,6 @@ def loadtest_command(
     for note in report["notes"]:
         typer.echo(f"note: {note}")
     typer.echo(f"wrote {out / 'loadtest.json'}, {out / 'loadtest.csv'} and {out / 'latency.png'}")
+    if failed := failed_runs(report["runs"]):
+        raise LoadtestError(f"{failed[0]}; the servers' logs are in {out}" if len(failed) == 1 else
+                            f"{len(failed)} runs had no successful request, first: {failed[0]}; logs in {out}")

@@ -274,6 +274,10 @@ def generate_texts(request: GenerationRequest, loaded_pair=None) -> Generation:
     if draft_runner is None and policy.max_k > 0:
         raise UsageError("k > 0 needs a draft model (--draft)")
     encoded = [pair.tokenizer.encode(text) for text in request.prompts]
+    vocab = pair.target.config.vocab_size
+    if outside := sorted({t for ids in encoded for t in ids if not 0 <= t < vocab}):
+        raise UsageError(f"--target {pair.target_spec.source}: its tokenizer gives token id {outside[0]} (an added "
+                         f"token?) but the model's vocabulary has {vocab} tokens; a prompt uses that token")
     generator = SpeculativeGenerator(pair.target, draft_runner, pair.eos_token_ids, stage2=second_stage)
     result = generator.generate(encoded, request.max_new_tokens, policy, sampling, request.seed)
     decode = pair.tokenizer.decode

@@ -159,6 +159,9 @@ def test_stop_strings_end_the_text_before_them(greedy_target, greedy_draft_somet
                                 Request("b", tuple(prompts8[1]), 20)]})
     assert "".join(e.text for e in events["a"]) == reference[:cut]
     assert events["a"][-1].finish_reason == "stop"
+    # one character per token: the client gets the tokens of its text, and the count says so, nothing past it
+    assert tokens_of(events["a"]) == solo_greedy(greedy_target, prompts8[4], 20)[:cut]
+    assert events["a"][-1].completion_tokens == cut
     assert "".join(e.text for e in events["b"]) == decode(solo_greedy(greedy_target, prompts8[1], 20))
 
 
