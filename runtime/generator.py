@@ -520,8 +520,8 @@ class SpeculativeGenerator:
         if longest + max_new_tokens + max_k > limit:
             raise GenerationError(
                 f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) + draft tokens per step ({max_k}: "
-                f"{policy.describe()}) exceeds the {limiter} model's context of {limit} positions; lower --max-new-tokens, "
-                f"k or the tree's size"
+                f"{policy.describe()}) exceeds the {limiter} model's context of {limit} positions; lower "
+                f"--max-new-tokens, k or the tree's size"
             )
 
     def finished_rows(self, generated: list[list[int]], counts: list[int], max_new_tokens: list[int]) -> dict[int, int]:
