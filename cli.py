@@ -45,7 +45,11 @@ from specbatch.console.options import (
 )
 from specbatch.console.serve_commands import loadtest_command, serve_command
 from specbatch.perfmodel.errors import UsageError
-from specbatch.runtime.assembly import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET  # imports runtime: OpenMP default first
+from specbatch.runtime.assembly import (  # imports runtime: OpenMP default first
+    DEMO_PROMPTS,
+    DEMO_TARGET,
+    required_draft,
+)
 
 app = App(
     add_completion=False,
@@ -183,7 +187,8 @@ def calibrate_command(
         if given:
             raise UsageError(f"--engine vllm: {', '.join(given)} do not apply (vLLM runs float32 on this CPU and "
                              "its acceptance is measured on the prompts)")
-        calibrate_vllm(target or str(DEMO_TARGET), draft or str(DEMO_DRAFT), out, prompts or DEMO_PROMPTS,
+        calibrate_vllm(target or str(DEMO_TARGET), required_draft(target, draft, "calibrate"), out,
+                       prompts or DEMO_PROMPTS,
                        parse_int_list("--batch-sizes", batch_sizes), parse_int_list("--context-lens", context_lens),
                        max_k, quick, threads, resume, force, max_seconds, json_output)
         return
@@ -191,8 +196,9 @@ def calibrate_command(
     from specbatch.calibrate.stage2 import stage2_for_calibration
     from specbatch.console.calibration import calibrate_with_progress, render_calibration
 
+    draft = required_draft(target, draft, "calibrate")
     request = CalibrationRequest(
-        target=target or str(DEMO_TARGET), draft=draft or str(DEMO_DRAFT), out=out, device=device, dtype=dtype,
+        target=target or str(DEMO_TARGET), draft=draft, out=out, device=device, dtype=dtype,
         batch_sizes=tuple(parse_int_list("--batch-sizes", batch_sizes) or ()) or None,
         context_lens=tuple(parse_int_list("--context-lens", context_lens) or ()) or None,
         max_k=max_k, prompts=prompts or DEMO_PROMPTS, acceptance=acceptance, samplings=tuple(sampling or ()),

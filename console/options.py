@@ -223,10 +223,12 @@ def check_query_options(model: Path | None, table: Path | None, acceptance: str 
 
 
 # Shared options, defined once.
+DRAFT_DEFAULT_HELP = ("Draft model directory. Default: the bundled demo draft when the target is the demo target; "
+                      "with another --target, no draft (a command that needs one says so)")
 TargetOpt = Annotated[Optional[str], typer.Option(
     "--target", help="Target model directory (default: bundled demo target).")]
 DraftOpt = Annotated[Optional[str], typer.Option(
-    "--draft", help="Draft model directory (default: bundled demo draft).")]
+    "--draft", help=DRAFT_DEFAULT_HELP)]
 DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="cpu or cuda (default: cuda if available).")]
 DtypeOpt = Annotated[Optional[str], typer.Option(
     "--dtype", help="float32 | bfloat16 | float16 (default: float32 on CPU, bfloat16 on CUDA).")]
@@ -258,4 +260,4 @@ MODEL_FORMS_HELP = ("Model directory (real weights), config.json or shape preset
 AnyTargetOpt = Annotated[Optional[str], typer.Option(  # calibrate and bench: every form runtime.loading reads
     "--target", help=f"{MODEL_FORMS_HELP}. Default: bundled demo target.")]
 AnyDraftOpt = Annotated[Optional[str], typer.Option(
-    "--draft", help="Same forms as --target. Default: bundled demo draft.")]
+    "--draft", help=f"Same forms as --target. {DRAFT_DEFAULT_HELP}")]

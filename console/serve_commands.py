@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from specbatch.perfmodel.errors import UsageError
-from specbatch.runtime.assembly import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET
+from specbatch.runtime.assembly import DEMO_PROMPTS, DEMO_TARGET, default_draft
 
 from .options import DeviceOpt, DraftOpt, DtypeOpt, ForceOpt, RefitOpt, TargetOpt, read_prompts_file
 
@@ -123,6 +123,7 @@ def loadtest_command(
     for flag, value in (("--target", target), ("--draft", draft), ("--table", table), ("--profile", profile)):
         if value is not None:
             server_args += [flag, str(value)]
+    vllm_draft = None if (named := default_draft(target, draft)) is None else Path(named)
     config = LoadtestConfig(
         policies=tuple(p.strip() for p in policies.split(",") if p.strip()),
         rates_per_s=rates_per_s, cvs=cv_values,
@@ -130,7 +131,7 @@ def loadtest_command(
         slo=Slo(slo_ttft_ms, slo_tpot_ms, slo_e2e_ms),
         prompts=tuple(read_prompts_file(prompts_file or DEMO_PROMPTS)), server_args=tuple(server_args),
         in_process=in_process, check_greedy=check_greedy, adversarial_share=adversarial,
-        vllm_target=Path(target) if target else DEMO_TARGET, vllm_draft=Path(draft) if draft else DEMO_DRAFT,
+        vllm_target=Path(target) if target else DEMO_TARGET, vllm_draft=vllm_draft,
         vllm_table=table, vllm_max_num_seqs=max_batch_size)
     report = run_loadtest(config, out)
     render_runs(report["runs"])
