@@ -15,8 +15,8 @@ from typing import Callable
 
 import torch
 
-from specbatch.perfmodel.jsonio import exclusive_lock, file_sha256, writable_path
-from specbatch.perfmodel.profile import AcceptanceEntry, Grid, OverheadRow, Profile
+from specbatch.perfmodel.jsonio import check_replace, exclusive_lock, file_sha256, writable_path
+from specbatch.perfmodel.profile import PROFILE_KIND, AcceptanceEntry, Grid, OverheadRow, Profile
 from specbatch.perfmodel.tree import Strategy, expected_tree_tokens, grow_tree
 from specbatch.runtime.checkpoint import parse_dtype
 from specbatch.runtime.clock import DeviceClock
@@ -146,9 +146,8 @@ def _check_out(request: CalibrationRequest) -> None:
                                "profile a .json name")
     if request.max_seconds is not None and not request.max_seconds > 0:  # also refuses nan
         raise CalibrationError(f"--max-seconds must be a positive number of seconds, got {request.max_seconds}")
-    if request.out.is_file() and not request.resume and not request.force:
-        raise CalibrationError(f"--out {request.out}: a file is already there; pass --resume to continue that "
-                               "profile, --force to replace it, or another --out")
+    if not request.resume:
+        check_replace(request.out, PROFILE_KIND, request.force, "--out", "--resume to continue it")
 
 
 def _plan(request: CalibrationRequest) -> _Plan:

@@ -18,6 +18,7 @@ from typer.core import TyperCommand, TyperGroup
 
 from specbatch.runtime import presets as _presets
 from specbatch.perfmodel.errors import SpecbatchError, UsageError
+from specbatch.perfmodel.jsonio import REPLACE_RULE_HELP
 from specbatch.perfmodel.table import MAX_TABLE_BATCH
 
 
@@ -250,6 +251,7 @@ AcceptanceOpt = Annotated[Optional[str], typer.Option(
                          "default: the profile's measurement.")]
 ThreadsOpt = Annotated[Optional[int], typer.Option(
     "--threads", help="CPU threads torch may use (default: torch's choice, usually one per core).")]
+ReplaceOpt = Annotated[bool, typer.Option("--force", help=REPLACE_RULE_HELP)]  # every command that writes files
 ForceOpt = Annotated[bool, typer.Option(
     "--force", help="Use a table or model made for another target/draft pair anyway.")]
 MaxKOpt = Annotated[Optional[int], typer.Option("--max-k", help="Largest k considered (default: the profile's max_k).")]

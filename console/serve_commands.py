@@ -10,7 +10,7 @@ import typer
 from specbatch.perfmodel.errors import UsageError
 from specbatch.runtime.assembly import DEMO_PROMPTS, DEMO_TARGET, default_draft
 
-from .options import DeviceOpt, DraftOpt, DtypeOpt, ForceOpt, RefitOpt, TargetOpt, read_prompts_file
+from .options import DeviceOpt, DraftOpt, DtypeOpt, ForceOpt, RefitOpt, ReplaceOpt, TargetOpt, read_prompts_file
 
 
 def serve_command(
@@ -106,9 +106,11 @@ def loadtest_command(
     max_batch_size: Annotated[int, typer.Option("--max-batch-size")] = 32,
     threads: Annotated[int, typer.Option("--threads", help="torch threads of each server.")] = 1,
     profile: Annotated[Optional[Path], typer.Option("--profile", help="Quick-profile file the servers share.")] = None,
+    force: ReplaceOpt = False,
 ):
     """Open-loop load test: the same Poisson/Gamma arrival trace against a server per policy (loopback)."""
-    from specbatch.serve.loadtest import LoadtestConfig, run_loadtest
+    from specbatch.perfmodel.jsonio import check_replace_in
+    from specbatch.serve.loadtest import OUTPUT_KINDS, LoadtestConfig, run_loadtest
     from specbatch.serve.loadtest_report import Slo, failed_runs, render_runs
     from specbatch.serve.loadtest_servers import LoadtestError
 
@@ -133,6 +135,7 @@ def loadtest_command(
         in_process=in_process, check_greedy=check_greedy, adversarial_share=adversarial,
         vllm_target=Path(target) if target else DEMO_TARGET, vllm_draft=vllm_draft,
         vllm_table=table, vllm_max_num_seqs=max_batch_size)
+    check_replace_in(out, OUTPUT_KINDS, force, "--out")
     report = run_loadtest(config, out)
     render_runs(report["runs"])
     for note in report["notes"]:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .loadtest_report import RequestRecord, Slo, summarize
+from .loadtest_report import CSV_COLUMNS, RequestRecord, Slo, summarize
 from .loadtest_servers import (LoadtestError, ServerProcess, VllmServerProcess, engine_counters, engine_use,
                                machine_note, own_cpu_s, scrape_counters)
 
@@ -53,6 +53,10 @@ def make_trace(count: int, rate_per_s: float, cv: float, seed: int, prompts: int
     hostile = np.flatnonzero(np.random.default_rng(seed + 2).random(count) < adversarial_share)
     kinds = {int(i): KINDS[j % len(KINDS)] for j, i in enumerate(hostile)}
     return [TraceItem(float(t), i % prompts, int(n), kinds.get(i)) for i, (t, n) in enumerate(zip(times, lengths))]
+
+
+OUTPUT_KINDS = {"loadtest.json": "specbatch.loadtest", "loadtest.csv": "csv:" + ",".join(CSV_COLUMNS),
+                "latency.png": "image"}  # what run_loadtest writes, as perfmodel.jsonio.check_replace names kinds
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,7 @@ from .insitu import InSituPassRow, InSituStepRow, check_unique, rows_json, secti
 from .noise import NoiseFigure, noise_from_json
 
 PROFILE_SCHEMA = "specbatch.profile/1"
+PROFILE_KIND = "specbatch.profile"  # what perfmodel.jsonio.check_replace calls a profile
 DEVICE_KINDS = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
 ACCEPTANCE_MODES = ("greedy", "sampling")
