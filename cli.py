@@ -354,6 +354,8 @@ def fit(
         typer.echo(json.dumps(fit_json(fitted, output)))
         return
     render_fit(fitted, output, holdout, loaded.noise)
+    if fitted.coverage is not None:
+        typer.echo(f"note: {fitted.coverage.describe()}")
 
 
 @app.command()
@@ -382,7 +384,8 @@ def table(
     clamp: Annotated[bool, typer.Option(
         "--clamp", help="trtllm: cap every k at batch size 1's k (TensorRT-LLM needs the smallest batch size's k "
                         "to be the largest) instead of refusing; the entries changed are listed.")] = False,
-    force: ReplaceOpt = False,
+    force: Annotated[bool, typer.Option("--force", help=f"{REPLACE_RULE_HELP} Also: compute the table over grid "
+                                                         "regions a cut-short profile did not measure.")] = False,
 ):
     """Best strategy (none, a chain of k, a tree, with or without the second stage) for every batch size
     1..max-batch, with its predicted gain. vllm/trtllm exports express chains only (a tree's depth as k)."""
@@ -395,11 +398,12 @@ def table(
         raise UsageError(f"--max-tree-nodes must be >= 1, got {max_tree_nodes}")
     lengths = parse_int_list("--context-lens", context_lens)
     from specbatch.perfmodel.jsonio import check_not_input, check_replace
-    from specbatch.perfmodel.model import choose_acceptance, compute_table, load_model
+    from specbatch.perfmodel.model import check_coverage, choose_acceptance, compute_table, load_model
 
     check_not_input(output, [model], "--output")
     check_replace(output, table_output_kind(fmt), force, "--output")
     fitted = load_model(model)
+    check_coverage(fitted, model, max_batch, force)
     lengths = lengths or fitted.table_context_lens(fmt)
     chosen = choose_acceptance(fitted, acceptance_override(acceptance), str(model))
     engine = fmt in ENGINE_FORMATS  # an engine runs chains only: rank those, and show their predictions

@@ -360,7 +360,7 @@ def calibrate(request: CalibrationRequest, on_progress: Callable[[ProgressEvent]
 
 def _calibrate(request: CalibrationRequest, plan: _Plan, on_progress, on_estimate, on_notice, clock: Clock,
                started_s: float) -> CalibrationSummary:
-    profile = _start_profile(request, plan)
+    profile = replace(_start_profile(request, plan), stopped_early="an interruption")  # until it finishes
     grid = profile.grid  # on resume, the union of the old grid and the requested one
     done_acceptance = {acc.entry_key(e) for e in profile.acceptance if _acceptance_done(e, plan.trees)}
     done_timings, done_overheads = measured_timing_points(profile), measured_overhead_points(profile)
@@ -404,13 +404,15 @@ def _calibrate(request: CalibrationRequest, plan: _Plan, on_progress, on_estimat
         if request.max_seconds is not None and clock() - started_s > request.max_seconds and done < total:
             raise _OutOfTime
 
+    stopped_early = None
     try:
         insitu_batch = max((p.batch_size for p in all_insitu if p not in memory.skipped), default=0)
         _measure(pair, plan, grid, todo, request, clock, advance, lambda: profile, memory, insitu_batch)
     except _OutOfTime:
-        pass
+        stopped_early = f"--max-seconds {request.max_seconds:g}"  # fit and table say what this left out
     noise, noise_large_batch, device_state = watch.finish(lambda: clock() - started_s)
-    profile = replace(profile, noise=noise, noise_large_batch=noise_large_batch, device_state=device_state)
+    profile = replace(profile, noise=noise, noise_large_batch=noise_large_batch, device_state=device_state,
+                      stopped_early=stopped_early)
     write_profile(request.out, profile)  # with the noise figures (and, after a finished --resume, the merged grid)
     summary = summarize(request.out, profile, done - resumed, resumed, started_s, clock)
     return replace(summary, points_left=total - done, max_seconds=request.max_seconds,

@@ -105,12 +105,13 @@ def _discard_stdout() -> None:
 
 
 def _say_warnings(caught) -> None:
-    """Each distinct TableRangeWarning once, as a note; any other warning as Python would show it."""
-    from specbatch.perfmodel.table import TableRangeWarning
+    """Each distinct NoteWarning (a table's range, a pair's tokenizers) once, as a note; any other warning as
+    Python would show it."""
+    from specbatch.perfmodel.errors import NoteWarning
 
     said = set()
     for warning in caught:
-        if issubclass(warning.category, TableRangeWarning):
+        if issubclass(warning.category, NoteWarning):
             if str(warning.message) not in said:
                 said.add(str(warning.message))
                 typer.echo(f"note: {warning.message}", err=True)

@@ -38,7 +38,7 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import PerfModelError
+from .errors import NoteWarning, PerfModelError
 from .jsonio import read_json, rounded, write_json_atomic, write_text_atomic
 from .tree import Strategy
 
@@ -48,7 +48,7 @@ TABLE_SCHEMA = "specbatch.table/1"
 MAX_TABLE_BATCH = 4096
 
 
-class TableRangeWarning(UserWarning):
+class TableRangeWarning(NoteWarning):
     """A lookup outside the batch sizes or context lengths the table was computed for."""
 
 

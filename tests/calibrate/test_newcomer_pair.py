@@ -145,3 +145,4 @@ def test_calibrate_says_its_estimate_first_and_what_max_seconds_left(pair, tmp_p
     assert "points to measure, about ~" in said and "--max-seconds 0.001 will stop it early" in said
     said = " ".join(result.stdout.split())  # rich wraps long lines
     assert "stopped after --max-seconds 0.001:" in said and "rerun with --resume" in said
+    assert json.loads((tmp_path / "p.json").read_text())["stopped_early"] == "--max-seconds 0.001"  # fit says so

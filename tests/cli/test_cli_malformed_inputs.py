@@ -201,3 +201,29 @@ def test_loadtest_numbers_that_describe_no_run_are_one_line_before_any_server_st
     result = invoke("loadtest", "--requests", "2", option, value, "--out", tmp_path / "out")
     assert_one_line_error(result, option)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_draft_with_another_tokenizer_of_the_same_size_is_one_line(tmp_path):
+    """Same vocabulary size, two byte ids swapped: every draft token would mean another text."""
+    from specbatch.runtime.assembly import DEMO_DRAFT, DEMO_TARGET
+
+    draft = tmp_path / "draft"
+    shutil.copytree(DEMO_DRAFT, draft)
+    tokenizer = json.loads((draft / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    first, second = sorted(vocab, key=vocab.get)[97:99]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (draft / "tokenizer.json").write_text(json.dumps(tokenizer))
+    result = invoke("generate", "--target", DEMO_TARGET, "--draft", draft, "--prompt", "x", "--max-new-tokens", "2")
+    assert_one_line_error(result, f"--draft {draft}", f"{draft}/tokenizer.json", "every draft token would be rejected")
+
+
+def test_a_draft_without_tokenizer_files_is_said_to_be_unchecked(tmp_path):
+    from specbatch.runtime.assembly import DEMO_DRAFT, DEMO_TARGET
+
+    draft = tmp_path / "draft"
+    shutil.copytree(DEMO_DRAFT, draft)
+    (draft / "tokenizer.json").unlink()
+    result = invoke("generate", "--target", DEMO_TARGET, "--draft", draft, "--prompt", "x", "--max-new-tokens", "2")
+    assert result.exit_code == 0, result.output
+    assert f"note: --draft {draft} has no tokenizer.json" in " ".join(result.stderr.split())

@@ -266,3 +266,43 @@ def test_an_engine_export_ranks_the_chains_the_engine_runs_and_prints_their_pred
     for_bench = load_table(tmp_path / "t.json")
     check_chains_only(for_bench, "t.json")  # bench --peers vllm takes it
     assert to_vllm(for_bench, draft=DEMO_DRAFT) == export
+
+
+# ------------------------------------------------------------------------------ a profile cut short
+def _cut_short(tmp_path):
+    """A grid of b = 1..16 whose calibration stopped before the target's b = 16 passes and half the overheads."""
+    profile = build_profile(roofline_latency(), batch_sizes=(1, 2, 4, 8, 16), context_lens=(64, 256), max_k=3,
+                            acceptance=[0.6])
+    full = len(profile["timings"])
+    profile["timings"] = [row for row in profile["timings"] if not (row["model"] == "target" and
+                                                                    row["batch_size"] == 16)]
+    profile["stopped_early"] = "--max-seconds 30"
+    write_profile(tmp_path / "p.json", profile)
+    return full, full - len(profile["timings"])
+
+
+def test_fit_and_table_say_what_a_cut_short_profile_misses_and_table_refuses_to_extrapolate(tmp_path):
+    full, missing = _cut_short(tmp_path)
+    result = invoke("fit", tmp_path / "p.json", "-o", tmp_path / "m.json")
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.stdout.split())
+    assert f"{full - missing} of {full} planned pass timings" in said
+    assert "calibrate stopped by --max-seconds 30" in said
+    assert "no timing at all for target b=16 L=64, target b=16 L=256" in said
+    result = invoke("table", tmp_path / "m.json", "--max-batch", 12, "-o", tmp_path / "t.json")
+    assert_one_line_error(result, f"{tmp_path / 'm.json'}: the profile is incomplete", "target b=16 L=64",
+                          "--force")
+    assert not (tmp_path / "t.json").exists()
+    result = invoke("table", tmp_path / "m.json", "--max-batch", 12, "-o", tmp_path / "t.json", "--force")
+    assert result.exit_code == 0 and "the profile is incomplete" in " ".join(result.stdout.split())
+    result = invoke("table", tmp_path / "m.json", "--max-batch", 8, "-o", tmp_path / "t8.json")
+    assert result.exit_code == 0, result.output  # b = 1..8 rests on measured cells only; the gap is still said
+    assert "the profile is incomplete" in " ".join(result.stdout.split())
+
+
+def test_a_profile_that_ran_its_plan_has_no_coverage_note(tmp_path):
+    profile = build_profile(roofline_latency(), batch_sizes=(1, 2, 4), context_lens=(64, 256), max_k=3,
+                            acceptance=[0.6])
+    write_profile(tmp_path / "p.json", profile)
+    result = invoke("fit", tmp_path / "p.json", "-o", tmp_path / "m.json", "--json")
+    assert result.exit_code == 0 and json.loads(result.stdout)["coverage"] is None
