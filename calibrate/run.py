@@ -37,9 +37,9 @@ from .memory import MemoryPlan, memory_budget, plan_memory, reference_bytes
 from .models import model_info
 from .noise import MachineWatch, NoiseMonitor, reference_sampler
 from .refine import refinement_rounds
-from .store import (check_resumable, csv_path_for, load_for_resume, measured_insitu_points, measured_overhead_points,
-                    measured_timing_points, measured_tree_overhead_points, new_profile, overhead_row,
-                    tree_overhead_row, with_row, write_profile)
+from .store import (TIMINGS_CSV_KIND, check_resumable, csv_path_for, load_for_resume, measured_insitu_points,
+                    measured_overhead_points, measured_timing_points, measured_tree_overhead_points, new_profile,
+                    overhead_row, tree_overhead_row, with_row, write_profile)
 from .summary import CalibrationSummary, ProgressEvent, summarize
 from .timing import Clock, RepetitionRule, is_out_of_memory, repeat
 
@@ -146,8 +146,9 @@ def _check_out(request: CalibrationRequest) -> None:
                                "profile a .json name")
     if request.max_seconds is not None and not request.max_seconds > 0:  # also refuses nan
         raise CalibrationError(f"--max-seconds must be a positive number of seconds, got {request.max_seconds}")
-    if not request.resume:
+    if not request.resume:  # the profile and the timing CSV beside it: the one replace rule
         check_replace(request.out, PROFILE_KIND, request.force, "--out", "--resume to continue it")
+        check_replace(csv_path_for(request.out), TIMINGS_CSV_KIND, request.force, "--out")
 
 
 def _plan(request: CalibrationRequest) -> _Plan:

@@ -41,7 +41,7 @@ from .acceptance import parse_acceptance, user_entry
 from .errors import CalibrationError
 from .grid import DRAFT_NEW_TOKENS, DEFAULT_MAX_K
 from .models import model_info
-from .store import new_profile, write_profile
+from .store import TIMINGS_CSV_KIND, csv_path_for, new_profile, write_profile
 
 MLP_FILE = "mlp.csv"
 ATTENTION_FILE = "attention.csv"  # vidur's own file: every attention row it profiled
@@ -319,6 +319,7 @@ def import_vidur(request: VidurRequest) -> VidurImport:
     """Compose the profile and write it (JSON and the timing CSV beside it), refusing to replace a file
     without `force`."""
     check_replace(request.out, PROFILE_KIND, request.force, "--out")
+    check_replace(csv_path_for(request.out), TIMINGS_CSV_KIND, request.force, "--out")
     result = compose_profile(request)
     write_profile(request.out, result.profile)
     return result

@@ -76,6 +76,12 @@ def test_calibrate_never_replaces_another_kind_even_with_force(files, tmp_path):
     result = invoke("calibrate", "--target", "gpt2", "--draft", "gpt2", "--acceptance", "0.8", "-o", notes, "--force")
     assert_one_line_error(result, f"--out {notes}", "never replaced")
     assert notes.read_text() == '{"my": "notes"}'
+    beside = tmp_path / "q.csv"  # the timing CSV calibrate writes beside its profile
+    beside.write_text("my,own,notes\n")
+    result = invoke("calibrate", "--target", "gpt2", "--draft", "gpt2", "--acceptance", "0.8",
+                    "-o", tmp_path / "q.json", "--force")
+    assert_one_line_error(result, f"--out {beside}", "never replaced")
+    assert beside.read_text() == "my,own,notes\n" and not (tmp_path / "q.json").exists()
 
 
 def test_every_command_that_writes_files_states_the_rule_identically():
