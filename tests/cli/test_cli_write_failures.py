@@ -72,10 +72,11 @@ def test_replacing_a_file_on_a_full_disk_keeps_the_old_one(files, tmp_path, comm
 @pytest.mark.slow
 def test_calibrate_on_a_full_disk_keeps_the_profile_it_would_replace(tmp_path):
     disk, keep = tmp_path / "disk", tmp_path / "after"
-    prefix = on_full_disk(disk, _seed(tmp_path, p_json="the old profile"), keep)
+    old = '{"schema": "specbatch.profile/1", "the old": "profile"}'
+    prefix = on_full_disk(disk, _seed(tmp_path, p_json=old), keep)
     result = run_specbatch("calibrate", "-o", disk / "p.json", "--force", *TINY_CALIBRATION, prefix=prefix)
     assert_one_error_line(result, f"{disk}/p.json", FULL, "lock file")
-    assert (keep / "p.json").read_text() == "the old profile"
+    assert (keep / "p.json").read_text() == old
     assert sorted(p.name for p in keep.iterdir()) == ["p.json"]  # neither a temporary file nor a lock
 
 
