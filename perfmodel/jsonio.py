@@ -81,12 +81,14 @@ def check_replace(path: str | os.PathLike, kind: str, force: bool, option: str =
     if not path.exists():
         return
     found = output_kind(path)
-    if found != kind:
+    empty = path.stat().st_size == 0  # a placeholder (touch, mktemp) holds nothing to lose: as the same kind
+    if found != kind and not empty:
         raise PerfModelError(f"{option} {path}: {describe_kind(found)} is there, not {describe_kind(kind)}; it is "
                              "never replaced: remove it or choose another path")
     if not force:
         also = f", {other_way}," if other_way else ""
-        raise PerfModelError(f"{option} {path}: {describe_kind(kind)} is already there; pass --force to replace it"
+        what = "an empty file" if empty else describe_kind(kind)
+        raise PerfModelError(f"{option} {path}: {what} is already there; pass --force to replace it"
                              f"{also} or give another path")
 
 

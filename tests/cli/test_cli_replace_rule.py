@@ -70,6 +70,14 @@ def test_plot_and_bench_refuse_other_kinds_before_any_work(files, tmp_path):
     assert_one_line_error(invoke("bench", "--out", tmp_path / "bench", "--force"), "bench.csv", "never replaced")
 
 
+def test_an_empty_placeholder_is_replaced_with_force(files, tmp_path):
+    placeholder = tmp_path / "m.json"
+    placeholder.touch()
+    assert_one_line_error(invoke("fit", files["profile"], "-o", placeholder), "an empty file is already there",
+                          "--force")
+    assert invoke("fit", files["profile"], "-o", placeholder, "--force").exit_code == 0
+
+
 def test_calibrate_never_replaces_another_kind_even_with_force(files, tmp_path):
     notes = tmp_path / "p.json"
     notes.write_text('{"my": "notes"}')
