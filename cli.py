@@ -32,6 +32,7 @@ from specbatch.console.options import (
     MaxKOpt,
     ModelFileArg,
     RefitOpt,
+    ReplaceOpt,
     Stage2Opt,
     TargetOpt,
     ThreadsOpt,
@@ -48,7 +49,12 @@ from specbatch.console.options import (
 )
 from specbatch.console.serve_commands import loadtest_command, serve_command
 from specbatch.perfmodel.errors import UsageError
-from specbatch.runtime.assembly import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET  # imports runtime: OpenMP default first
+from specbatch.perfmodel.jsonio import REPLACE_RULE_HELP
+from specbatch.runtime.assembly import (  # imports runtime: OpenMP default first
+    DEMO_PROMPTS,
+    DEMO_TARGET,
+    required_draft,
+)
 
 app = App(
     add_completion=False,
@@ -144,8 +150,9 @@ def calibrate_command(
         "n-gram file to measure as the draft's second stage (default: the bundled n-gram with the bundled "
         "draft)."))] = None,
     no_stage2: Annotated[bool, typer.Option("--no-stage2", help="Measure no second stage.")] = False,
-    force: Annotated[bool, typer.Option(
-        "--force", help="Replace an existing --out profile (kept until the new run has measured a point).")] = False,
+    force: Annotated[bool, typer.Option("--force", help=f"{REPLACE_RULE_HELP} --resume continues a profile instead; "
+                                                         "a replaced one is kept until the new run has measured a "
+                                                         "point.")] = False,
     max_seconds: Annotated[Optional[float], typer.Option("--max-seconds", help=(
         "Stop cleanly between points after this many seconds; the profile keeps what was measured and "
         "--resume continues."))] = None,
@@ -188,7 +195,8 @@ def calibrate_command(
         if given:
             raise UsageError(f"--engine vllm: {', '.join(given)} do not apply (vLLM runs float32 on this CPU and "
                              "its acceptance is measured on the prompts)")
-        calibrate_vllm(target or str(DEMO_TARGET), draft or str(DEMO_DRAFT), out, prompts or DEMO_PROMPTS,
+        calibrate_vllm(target or str(DEMO_TARGET), required_draft(target, draft, "calibrate"), out,
+                       prompts or DEMO_PROMPTS,
                        parse_int_list("--batch-sizes", batch_sizes), parse_int_list("--context-lens", context_lens),
                        max_k, quick, threads, resume, force, max_seconds, json_output)
         return
@@ -196,8 +204,9 @@ def calibrate_command(
     from specbatch.calibrate.stage2 import stage2_for_calibration
     from specbatch.console.calibration import calibrate_with_progress, render_calibration
 
+    draft = required_draft(target, draft, "calibrate")
     request = CalibrationRequest(
-        target=target or str(DEMO_TARGET), draft=draft or str(DEMO_DRAFT), out=out, device=device, dtype=dtype,
+        target=target or str(DEMO_TARGET), draft=draft, out=out, device=device, dtype=dtype,
         batch_sizes=tuple(parse_int_list("--batch-sizes", batch_sizes) or ()) or None,
         context_lens=tuple(parse_int_list("--context-lens", context_lens) or ()) or None,
         max_k=max_k, prompts=prompts or DEMO_PROMPTS, acceptance=acceptance, samplings=tuple(sampling or ()),
@@ -272,7 +281,8 @@ def bench(
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     threads: ThreadsOpt = None,
-    force: ForceOpt = False,
+    force: Annotated[bool, typer.Option("--force", help=f"{REPLACE_RULE_HELP} Also: use a --table or --model made "
+                                                         "for another target/draft pair anyway.")] = False,
     eager: EagerOpt = False,
     json_output: JsonOpt = False,
 ):
@@ -297,6 +307,10 @@ def bench(
     check_input_files(table=table, model=model, prompts=prompts, stage2=stage2, adaptive=adaptive,
                       second_prompts=second_prompts)
     writable_dir(out, "--out")  # before measuring: a file in the way would lose every measurement
+    from specbatch.bench.outputs import output_kinds
+    from specbatch.perfmodel.jsonio import check_replace_in
+
+    check_replace_in(out, output_kinds(), force, "--out")
     set_threads(threads)  # after the checks: a note must not come before a one-line error
     inputs = load_bench_inputs(config, target, draft, prompts, device, dtype, force)
     config = inputs.config  # with the table's own n-gram when it names one
@@ -326,17 +340,18 @@ def fit(
         "--holdout", help="Also fit without every other interior batch size and context length and report the "
                           "error on those.")] = False,
     allow_mode_mismatch: AllowModeMismatchOpt = False,
+    force: ReplaceOpt = False,
     json_output: JsonOpt = False,
 ):
     """Fit each role's pass latency T(b, n, L) from a profile; report parameters and errors. With in-situ
     rows in the profile, from the timing source (isolated, in-situ, both) that predicts measured steps best."""
     from specbatch.perfmodel.fit import fit_profile
-    from specbatch.perfmodel.jsonio import check_not_input, writable_path
-    from specbatch.perfmodel.model import save_model
+    from specbatch.perfmodel.jsonio import check_not_input, check_replace
+    from specbatch.perfmodel.model import MODEL_SCHEMA, save_model
     from specbatch.perfmodel.profile import load_profile
 
     check_not_input(output, [profile], "--output")
-    writable_path(output, "--output")  # before the fit: a bad -o fails in a second
+    check_replace(output, MODEL_SCHEMA.split("/")[0], force, "--output")  # before the fit: fails in a second
     loaded = load_profile(profile)
     from specbatch.perfmodel.execution import check_costs
     from specbatch.runtime.cuda_graphs import execution_on
@@ -351,6 +366,8 @@ def fit(
         typer.echo(json.dumps(fit_json(fitted, output)))
         return
     render_fit(fitted, output, holdout, loaded.noise)
+    if fitted.coverage is not None:
+        typer.echo(f"note: {fitted.coverage.describe()}")
 
 
 @app.command()
@@ -380,32 +397,39 @@ def table(
         "--clamp", help="trtllm: cap every k at batch size 1's k (TensorRT-LLM needs the smallest batch size's k "
                         "to be the largest) instead of refusing; the entries changed are listed.")] = False,
     allow_mode_mismatch: AllowModeMismatchOpt = False,
+    force: Annotated[bool, typer.Option("--force", help=f"{REPLACE_RULE_HELP} Also: compute the table over grid "
+                                                         "regions a cut-short profile did not measure.")] = False,
 ):
     """Best strategy (none, a chain of k, a tree, with or without the second stage) for every batch size
     1..max-batch, with its predicted gain. vllm/trtllm exports express chains only (a tree's depth as k)."""
     check_counts(max_batch=max_batch, max_k=max_k)
-    from specbatch.perfmodel.table import check_table_format, write_table
+    from specbatch.perfmodel.table import (ENGINE_FORMATS, check_table_format, engine_family_note, table_output_kind,
+                                           write_table)
 
     check_table_format(fmt, draft, clamp)
     if max_tree_nodes < 1:
         raise UsageError(f"--max-tree-nodes must be >= 1, got {max_tree_nodes}")
     lengths = parse_int_list("--context-lens", context_lens)
-    from specbatch.perfmodel.jsonio import check_not_input, writable_path
-    from specbatch.perfmodel.model import choose_acceptance, compute_table, load_model
+    from specbatch.perfmodel.jsonio import check_not_input, check_replace
+    from specbatch.perfmodel.model import check_coverage, choose_acceptance, compute_table, load_model
 
     check_not_input(output, [model], "--output")
-    writable_path(output, "--output")
+    check_replace(output, table_output_kind(fmt), force, "--output")
     fitted = load_model(model)
     from specbatch.perfmodel.execution import check_costs
     from specbatch.runtime.cuda_graphs import execution_on
 
     check_costs(f"model {model}", fitted.device, fitted.composition, fitted.engine, execution_on(fitted.device.kind),
                 allow_mode_mismatch)
+    check_coverage(fitted, model, max_batch, force)
     lengths = lengths or fitted.table_context_lens(fmt)
     chosen = choose_acceptance(fitted, acceptance_override(acceptance), str(model))
-    result = compute_table(fitted, chosen, max_batch, lengths, max_k, strategies=strategies,
+    engine = fmt in ENGINE_FORMATS  # an engine runs chains only: rank those, and show their predictions
+    result = compute_table(fitted, chosen, max_batch, lengths, max_k, strategies="chain" if engine else strategies,
                            max_tree_nodes=max_tree_nodes)
     export_notes = write_table(output, result, fmt, draft=draft, clamp=clamp)
+    if engine and strategies != "chain":
+        export_notes.insert(0, engine_family_note(fmt, model, result.buckets[0].context_len))
     from specbatch.console.model import render_table
     from specbatch.perfmodel.kernel_notes import row_gap_notes, table_step_notes
     from specbatch.perfmodel.model import step_model
@@ -474,12 +498,16 @@ def plot(
     context_len: Annotated[Optional[int], typer.Option("--context-len", help="Context length of the heatmap.")] = None,
     acceptance: AcceptanceOpt = None,
     max_k: MaxKOpt = None,
+    force: ReplaceOpt = False,
 ):
     """Goodput heatmap over (b, k) with the k*(b) curve, and fitted vs measured latency per role."""
     check_counts(max_batch=max_batch, max_k=max_k, context_len=context_len)
     from specbatch.perfmodel.model import choose_acceptance, load_model
     from specbatch.perfmodel.plot import plot_model
 
+    from specbatch.perfmodel.jsonio import check_replace
+
+    check_replace(output, "image", force, "--output")
     fitted = load_model(model)
     chosen = choose_acceptance(fitted, acceptance_override(acceptance), str(model))
     plot_model(fitted, chosen, output, max_batch, context_len, max_k)
@@ -499,6 +527,7 @@ def demo(
     device: DeviceOpt = None,
     threads: ThreadsOpt = None,
     eager: EagerOpt = False,
+    force: ReplaceOpt = False,
 ):
     """The whole loop on the bundled demo pair: quick calibration, fit, table, generation, measured speedup."""
     race_sizes = parse_int_list("--batch-sizes", batch_sizes)
@@ -509,6 +538,12 @@ def demo(
 
     writable_dir(out, "--out")  # before the first measurement
     writable_dir(out / "bench", "--out")  # where the race's files go
+    from specbatch.bench.outputs import output_kinds
+    from specbatch.console.demo import output_kinds as demo_kinds
+    from specbatch.perfmodel.jsonio import check_replace_in
+
+    check_replace_in(out, demo_kinds(), force, "--out")
+    check_replace_in(out / "bench", output_kinds(), force, "--out")
     set_threads(threads)
     from specbatch.console.demo import run_demo
 

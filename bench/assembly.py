@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specbatch.perfmodel.errors import UsageError
-from specbatch.runtime.assembly import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET, LOW_ACCEPTANCE_PROMPTS
+from specbatch.runtime.assembly import DEMO_PROMPTS, DEMO_TARGET, LOW_ACCEPTANCE_PROMPTS, required_draft
 
 from .config import BenchConfig, BenchModels
 from .workload import RANDOM_PROMPT_TOKENS, Workload, random_prompts
@@ -39,7 +39,7 @@ def load_bench_inputs(config: BenchConfig, target: str | None, draft: str | None
     from specbatch.runtime.checkpoint import parse_dtype
     from specbatch.runtime.loading import load_ngram, load_pair, resolve_device, resolve_pair
 
-    target_spec, draft_spec = resolve_pair(target or str(DEMO_TARGET), draft or str(DEMO_DRAFT))
+    target_spec, draft_spec = resolve_pair(target or str(DEMO_TARGET), required_draft(target, draft, "bench"))
     running = {spec.role: (spec.source, spec.fingerprint) for spec in (target_spec, draft_spec)}
     stage2 = files_for_pair(config.table_path, config.model_path, config.stage2_path, running, force,
                             adaptive=config.adaptive_path)

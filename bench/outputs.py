@@ -82,6 +82,12 @@ def _cell(value) -> str:
     return f"{value:.6g}" if isinstance(value, float) else str(value)
 
 
+def output_kinds() -> dict[str, str]:
+    """The files `write_outputs` writes, as perfmodel.jsonio.check_replace names kinds."""
+    return {"bench.json": BENCH_SCHEMA.split("/")[0], "bench.csv": "csv:" + ",".join(CSV_COLUMNS),
+            "goodput_vs_k.png": "image", "speedup_vs_batch.png": "image"}
+
+
 def write_outputs(result: BenchResult, out_dir: str | os.PathLike) -> list[Path]:
     """bench.json, bench.csv and the PNG plots into `out_dir`; returns the paths written.
 

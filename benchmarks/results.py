@@ -312,7 +312,7 @@ def _main(args: argparse.Namespace) -> int:
         ["calibrate", "-o", "profile.json", "--threads", "1", *settings["calibrate"]],
         ["fit", "profile.json", "-o", "model.json", "--holdout", "--json"],
         ["table", "model.json", "-o", "table.json", "--max-batch", "32"],
-        ["plot", "model.json", "-o", str(plot), "--max-batch", "32"],
+        ["plot", "model.json", "-o", str(plot), "--max-batch", "32", "--force"],  # the picture the docs show
         ["bench", "--table", "table.json", "--model", "model.json", "--batch-sizes", settings["batch_sizes"],
          "--ks", settings["ks"], "--threads", "1", "--out", "bench", *settings["bench"]],
     ]

@@ -15,8 +15,8 @@ from typing import Callable
 
 import torch
 
-from specbatch.perfmodel.jsonio import exclusive_lock, file_sha256, writable_path
-from specbatch.perfmodel.profile import AcceptanceEntry, Grid, OverheadRow, Profile
+from specbatch.perfmodel.jsonio import check_replace, exclusive_lock, file_sha256, writable_path
+from specbatch.perfmodel.profile import PROFILE_KIND, AcceptanceEntry, Grid, OverheadRow, Profile
 from specbatch.perfmodel.tree import Strategy, expected_tree_tokens, grow_tree
 from specbatch.runtime.checkpoint import parse_dtype
 from specbatch.runtime.clock import DeviceClock
@@ -38,9 +38,9 @@ from .memory import MemoryPlan, memory_budget, plan_memory, reference_bytes
 from .models import model_info
 from .noise import MachineWatch, NoiseMonitor, reference_sampler
 from .refine import refinement_rounds
-from .store import (check_resumable, csv_path_for, load_for_resume, measured_insitu_points, measured_overhead_points,
-                    measured_timing_points, measured_tree_overhead_points, new_profile, overhead_row,
-                    tree_overhead_row, with_row, write_profile)
+from .store import (TIMINGS_CSV_KIND, check_resumable, csv_path_for, load_for_resume, measured_insitu_points,
+                    measured_overhead_points, measured_timing_points, measured_tree_overhead_points, new_profile,
+                    overhead_row, tree_overhead_row, with_row, write_profile)
 from .summary import CalibrationSummary, ProgressEvent, summarize
 from .timing import Clock, RepetitionRule, is_out_of_memory, repeat
 
@@ -149,9 +149,9 @@ def _check_out(request: CalibrationRequest) -> None:
                                "profile a .json name")
     if request.max_seconds is not None and not request.max_seconds > 0:  # also refuses nan
         raise CalibrationError(f"--max-seconds must be a positive number of seconds, got {request.max_seconds}")
-    if request.out.is_file() and not request.resume and not request.force:
-        raise CalibrationError(f"--out {request.out}: a file is already there; pass --resume to continue that "
-                               "profile, --force to replace it, or another --out")
+    if not request.resume:  # the profile and the timing CSV beside it: the one replace rule
+        check_replace(request.out, PROFILE_KIND, request.force, "--out", "--resume to continue it")
+        check_replace(csv_path_for(request.out), TIMINGS_CSV_KIND, request.force, "--out")
 
 
 def _plan(request: CalibrationRequest) -> _Plan:
@@ -370,7 +370,7 @@ def calibrate(request: CalibrationRequest, on_progress: Callable[[ProgressEvent]
 
 def _calibrate(request: CalibrationRequest, plan: _Plan, on_progress, on_estimate, on_notice, clock: Clock,
                started_s: float) -> CalibrationSummary:
-    profile = _start_profile(request, plan)
+    profile = replace(_start_profile(request, plan), stopped_early="an interruption")  # until it finishes
     grid = profile.grid  # on resume, the union of the old grid and the requested one
     done_acceptance = {acc.entry_key(e) for e in profile.acceptance if _acceptance_done(e, plan.trees)}
     done_timings, done_overheads = measured_timing_points(profile), measured_overhead_points(profile)
@@ -424,13 +424,16 @@ def _calibrate(request: CalibrationRequest, plan: _Plan, on_progress, on_estimat
         out_of_time()
 
     stopped = False
+    stopped_early = None
     try:
         insitu_batch = max((p.batch_size for p in all_insitu if p not in memory.skipped), default=0)
         _measure(pair, plan, grid, todo, request, clock, advance, propose, lambda: profile, memory, insitu_batch)
     except _OutOfTime:
         stopped = True
+        stopped_early = f"--max-seconds {request.max_seconds:g}"  # fit and table say what this left out
     noise, noise_large_batch, device_state = watch.finish(lambda: clock() - started_s)
-    profile = replace(profile, noise=noise, noise_large_batch=noise_large_batch, device_state=device_state)
+    profile = replace(profile, noise=noise, noise_large_batch=noise_large_batch, device_state=device_state,
+                      stopped_early=stopped_early)
     write_profile(request.out, profile)  # with the noise figures (and, after a finished --resume, the merged grid)
     summary = summarize(request.out, profile, done - resumed, resumed, started_s, clock)
     return replace(summary, points_left=total - done, max_seconds=request.max_seconds, stopped_by_max_seconds=stopped,

@@ -24,6 +24,7 @@ from .insitu import InSituPoint, InSituResult
 from .timing import Measurement
 
 CSV_COLUMNS = ("model", "batch_size", "new_tokens", "context_len", "feasible", "median_ms", "p10_ms", "p90_ms", "reps")
+TIMINGS_CSV_KIND = "csv:" + ",".join(CSV_COLUMNS)  # the CSV beside a profile, as jsonio.check_replace names kinds
 
 
 def csv_path_for(json_path: Path) -> Path:

@@ -30,8 +30,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specbatch.perfmodel.jsonio import file_sha256, writable_path
-from specbatch.perfmodel.profile import DeviceInfo, Grid, Profile, TimingRow
+from specbatch.perfmodel.jsonio import check_replace, file_sha256
+from specbatch.perfmodel.profile import PROFILE_KIND, DeviceInfo, Grid, Profile, TimingRow
 from specbatch.perfmodel.profile.composition import Composition, SourceFile
 from specbatch.runtime.config import ModelConfig
 from specbatch.runtime.loading import ModelSpec, resolve_model
@@ -41,7 +41,7 @@ from .acceptance import parse_acceptance, user_entry
 from .errors import CalibrationError
 from .grid import DRAFT_NEW_TOKENS, DEFAULT_MAX_K
 from .models import model_info
-from .store import new_profile, write_profile
+from .store import TIMINGS_CSV_KIND, csv_path_for, new_profile, write_profile
 
 MLP_FILE = "mlp.csv"
 ATTENTION_FILE = "attention.csv"  # vidur's own file: every attention row it profiled
@@ -318,9 +318,8 @@ def compose_profile(request: VidurRequest) -> VidurImport:
 def import_vidur(request: VidurRequest) -> VidurImport:
     """Compose the profile and write it (JSON and the timing CSV beside it), refusing to replace a file
     without `force`."""
-    writable_path(request.out, "--out")
-    if request.out.is_file() and not request.force:
-        raise CalibrationError(f"--out {request.out}: a file is already there; pass --force to replace it")
+    check_replace(request.out, PROFILE_KIND, request.force, "--out")
+    check_replace(csv_path_for(request.out), TIMINGS_CSV_KIND, request.force, "--out")
     result = compose_profile(request)
     write_profile(request.out, result.profile)
     return result

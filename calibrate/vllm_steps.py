@@ -174,12 +174,11 @@ def engine_settings(request: EngineCalibrationRequest, worker: Worker) -> dict:
 
 
 def _check(request: EngineCalibrationRequest) -> None:
-    from specbatch.perfmodel.jsonio import writable_path
+    from specbatch.perfmodel.jsonio import check_replace
+    from specbatch.perfmodel.profile import PROFILE_KIND
 
-    writable_path(request.out, "--out")
-    if request.out.is_file() and not request.resume and not request.force:
-        raise CalibrationError(f"--out {request.out}: a file is already there; pass --resume to continue that "
-                               "profile, --force to replace it, or another --out")
+    if not request.resume:
+        check_replace(request.out, PROFILE_KIND, request.force, "--out", "--resume to continue it")
     if request.max_seconds is not None and not request.max_seconds > 0:
         raise CalibrationError(f"--max-seconds must be a positive number of seconds, got {request.max_seconds}")
     if request.sweeps < 1 or request.decode_steps < 1:

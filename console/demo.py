@@ -14,6 +14,15 @@ from specbatch.runtime.assembly import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET
 EXPORTS = {"table.json": "json", "table.csv": "csv", "vllm.json": "vllm", "trtllm.json": "trtllm"}
 
 
+def output_kinds() -> dict[str, str]:
+    """The files the demo writes into its folder (its race's go to bench/), as jsonio.check_replace names kinds."""
+    from specbatch.perfmodel.profile import PROFILE_KIND
+    from specbatch.perfmodel.table import table_output_kind
+
+    return {"profile.json": PROFILE_KIND, "model.json": "specbatch.model",
+            **{name: table_output_kind(fmt) for name, fmt in EXPORTS.items()}}
+
+
 def run_demo(out: Path, race_sizes: tuple[int, ...], prompts_shown: int, max_new_tokens: int, rounds: int,
              max_batch: int, device: str | None, cuda_graphs: bool | None = None) -> None:
     from specbatch.bench.config import BenchConfig, BenchModels
@@ -61,7 +70,8 @@ def run_demo(out: Path, race_sizes: tuple[int, ...], prompts_shown: int, max_new
     console.rule("[bold]3/5 the table: best strategy (none, chain of k, tree, +n-gram stage) for every batch size")
     acceptance = choose_acceptance(fitted, None, str(model_path))
     table = compute_table(fitted, acceptance, max_batch)
-    engine_table = compute_table(fitted, acceptance, max_batch, fitted.table_context_lens("vllm"))  # one bucket
+    engine_table = compute_table(fitted, acceptance, max_batch, fitted.table_context_lens("vllm"),  # one bucket
+                                 strategies="chain")  # what the engines run: their exports rank chains only
     notes = fitted.extrapolation_notes(max_batch, [b.context_len for b in table.buckets], table.max_k)
     for name, fmt in EXPORTS.items():
         try:  # a rising k is capped for TensorRT-LLM; an export an engine cannot express is a note, not a stop

@@ -11,8 +11,8 @@ import typer
 from specbatch.perfmodel.errors import UsageError
 
 from .explain import render_explanation
-from .options import (DeviceOpt, DraftOpt, DtypeOpt, JsonOpt, ModelFileArg, Stage2Opt, TargetOpt, ThreadsOpt,
-                      check_counts, set_threads)
+from .options import (DeviceOpt, DraftOpt, DtypeOpt, ForceOpt, JsonOpt, ModelFileArg, Stage2Opt, TargetOpt,
+                      ThreadsOpt, check_counts, set_threads)
 
 
 def explain(
@@ -35,6 +35,7 @@ def explain(
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     threads: ThreadsOpt = None,
+    force: ForceOpt = False,
     json_output: JsonOpt = False,
 ):
     """Predicted vs measured step at one batch size, term by term (tokens per step, draft passes by width,
@@ -53,7 +54,7 @@ def explain(
                          model_path=model, trees=(tree,) if tree else (), stage2_path=stage2)
     check_input_files(model=model, table=table, prompts=prompts, stage2=stage2)
     set_threads(threads)  # after the checks: a note must not come before a one-line error
-    inputs = load_bench_inputs(config, target, draft, prompts, device, dtype)
+    inputs = load_bench_inputs(config, target, draft, prompts, device, dtype, force)
     explained, notes, machine_speed = run_explain(config, inputs.models, inputs.token_prompts, 4 if k is None else k)
     if json_output:
         typer.echo(json.dumps({**explained.to_json(), "machine_speed": machine_speed, "notes": inputs.notes + notes}))

@@ -41,6 +41,7 @@ def fit_json(fitted, output: Path) -> dict:
     correction = None if fitted.step_correction is None else fitted.step_correction.to_json()
     engine = None if fitted.engine is None else {k: v for k, v in fitted.engine.to_json().items() if k != "points"}
     return {"model": str(output), "roles": roles, "timing_source": source, "step_correction": correction,
+            "coverage": None if fitted.coverage is None else fitted.coverage.to_json(),
             "engine_steps": engine}
 
 

@@ -18,6 +18,7 @@ from typer.core import TyperCommand, TyperGroup
 
 from specbatch.runtime import presets as _presets
 from specbatch.perfmodel.errors import SpecbatchError, UsageError
+from specbatch.perfmodel.jsonio import REPLACE_RULE_HELP
 from specbatch.perfmodel.table import MAX_TABLE_BATCH
 
 
@@ -104,12 +105,13 @@ def _discard_stdout() -> None:
 
 
 def _say_warnings(caught) -> None:
-    """Each distinct TableRangeWarning once, as a note; any other warning as Python would show it."""
-    from specbatch.perfmodel.table import TableRangeWarning
+    """Each distinct NoteWarning (a table's range, a pair's tokenizers) once, as a note; any other warning as
+    Python would show it."""
+    from specbatch.perfmodel.errors import NoteWarning
 
     said = set()
     for warning in caught:
-        if issubclass(warning.category, TableRangeWarning):
+        if issubclass(warning.category, NoteWarning):
             if str(warning.message) not in said:
                 said.add(str(warning.message))
                 typer.echo(f"note: {warning.message}", err=True)
@@ -223,10 +225,12 @@ def check_query_options(model: Path | None, table: Path | None, acceptance: str 
 
 
 # Shared options, defined once.
+DRAFT_DEFAULT_HELP = ("Draft model directory. Default: the bundled demo draft when the target is the demo target; "
+                      "with another --target, no draft (a command that needs one says so)")
 TargetOpt = Annotated[Optional[str], typer.Option(
     "--target", help="Target model directory (default: bundled demo target).")]
 DraftOpt = Annotated[Optional[str], typer.Option(
-    "--draft", help="Draft model directory (default: bundled demo draft).")]
+    "--draft", help=DRAFT_DEFAULT_HELP)]
 DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="cpu or cuda (default: cuda if available).")]
 DtypeOpt = Annotated[Optional[str], typer.Option(
     "--dtype", help="float32 | bfloat16 | float16 (default: float32 on CPU, bfloat16 on CUDA).")]
@@ -248,6 +252,7 @@ AcceptanceOpt = Annotated[Optional[str], typer.Option(
                          "default: the profile's measurement.")]
 ThreadsOpt = Annotated[Optional[int], typer.Option(
     "--threads", help="CPU threads torch may use (default: torch's choice, usually one per core).")]
+ReplaceOpt = Annotated[bool, typer.Option("--force", help=REPLACE_RULE_HELP)]  # every command that writes files
 EagerOpt = Annotated[bool, typer.Option(
     "--eager", help="Run every pass eagerly, kernel by kernel, instead of replaying CUDA graphs (graphs are how the "
                     "runtime runs on CUDA; this is for comparison; nothing changes on a CPU).")]
@@ -271,4 +276,4 @@ MODEL_FORMS_HELP = ("Model directory (real weights), config.json or shape preset
 AnyTargetOpt = Annotated[Optional[str], typer.Option(  # calibrate and bench: every form runtime.loading reads
     "--target", help=f"{MODEL_FORMS_HELP}. Default: bundled demo target.")]
 AnyDraftOpt = Annotated[Optional[str], typer.Option(
-    "--draft", help="Same forms as --target. Default: bundled demo draft.")]
+    "--draft", help=f"Same forms as --target. {DRAFT_DEFAULT_HELP}")]

@@ -8,9 +8,9 @@ from typing import Annotated, Optional
 import typer
 
 from specbatch.perfmodel.errors import UsageError
-from specbatch.runtime.assembly import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET
+from specbatch.runtime.assembly import DEMO_PROMPTS, DEMO_TARGET, default_draft
 
-from .options import DeviceOpt, DraftOpt, DtypeOpt, ForceOpt, RefitOpt, TargetOpt, read_prompts_file
+from .options import DeviceOpt, DraftOpt, DtypeOpt, ForceOpt, RefitOpt, ReplaceOpt, TargetOpt, read_prompts_file
 
 
 def serve_command(
@@ -110,10 +110,13 @@ def loadtest_command(
     max_batch_size: Annotated[int, typer.Option("--max-batch-size")] = 32,
     threads: Annotated[int, typer.Option("--threads", help="torch threads of each server.")] = 1,
     profile: Annotated[Optional[Path], typer.Option("--profile", help="Quick-profile file the servers share.")] = None,
+    force: ReplaceOpt = False,
 ):
     """Open-loop load test: the same Poisson/Gamma arrival trace against a server per policy (loopback)."""
-    from specbatch.serve.loadtest import LoadtestConfig, run_loadtest
-    from specbatch.serve.loadtest_report import Slo, render_runs
+    from specbatch.perfmodel.jsonio import check_replace_in
+    from specbatch.serve.loadtest import OUTPUT_KINDS, LoadtestConfig, run_loadtest
+    from specbatch.serve.loadtest_report import Slo, failed_runs, render_runs
+    from specbatch.serve.loadtest_servers import LoadtestError
 
     low, _, high = max_tokens.partition("-")
     if not (low.isdigit() and high.isdigit() and 0 < int(low) <= int(high)):
@@ -126,6 +129,7 @@ def loadtest_command(
     for flag, value in (("--target", target), ("--draft", draft), ("--table", table), ("--profile", profile)):
         if value is not None:
             server_args += [flag, str(value)]
+    vllm_draft = None if (named := default_draft(target, draft)) is None else Path(named)
     config = LoadtestConfig(
         policies=tuple(p.strip() for p in policies.split(",") if p.strip()),
         rates_per_s=rates_per_s, cvs=cv_values,
@@ -133,10 +137,14 @@ def loadtest_command(
         slo=Slo(slo_ttft_ms, slo_tpot_ms, slo_e2e_ms),
         prompts=tuple(read_prompts_file(prompts_file or DEMO_PROMPTS)), server_args=tuple(server_args),
         in_process=in_process, check_greedy=check_greedy, adversarial_share=adversarial,
-        vllm_target=Path(target) if target else DEMO_TARGET, vllm_draft=Path(draft) if draft else DEMO_DRAFT,
+        vllm_target=Path(target) if target else DEMO_TARGET, vllm_draft=vllm_draft,
         vllm_table=table, vllm_max_num_seqs=max_batch_size)
+    check_replace_in(out, OUTPUT_KINDS, force, "--out")
     report = run_loadtest(config, out)
     render_runs(report["runs"])
     for note in report["notes"]:
         typer.echo(f"note: {note}")
     typer.echo(f"wrote {out / 'loadtest.json'}, {out / 'loadtest.csv'} and {out / 'latency.png'}")
+    if failed := failed_runs(report["runs"]):
+        raise LoadtestError(f"{failed[0]}; the servers' logs are in {out}" if len(failed) == 1 else
+                            f"{len(failed)} runs had no successful request, first: {failed[0]}; logs in {out}")

@@ -21,6 +21,10 @@ class UsageError(SpecbatchError):
     """A bad command-line option or combination of options, found by whichever layer owns the value."""
 
 
+class NoteWarning(UserWarning):
+    """Something the user should know that is no error; the CLI prints it as one `note:` line."""
+
+
 class WriteError(SpecbatchError):
     """A file or folder the operating system would not let us write (disk full, read-only, permission
     denied); the message names the path and the system's reason."""

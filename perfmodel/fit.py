@@ -31,6 +31,7 @@ import numpy as np
 
 from . import latency as lat
 from .acceptance import AcceptanceModel, acceptance_from_profile
+from .coverage import Coverage, profile_coverage
 from .errors import PerfModelError
 from .model import FittedModel, RoleFit
 from .overhead import OverheadModel
@@ -262,12 +263,21 @@ def fit_profile(profile: Profile, holdout: bool = False) -> FittedModel:
         profile_created_utc=profile.created_utc,
         device=profile.device, target_info=profile.target, draft_info=profile.draft, grid=profile.grid,
         roles=roles, overhead=overhead, acceptance=acceptance, stage2=profile.stage2, timing_source=choice,
-        noise=profile.noise, composition=profile.composition,
+        noise=profile.noise, composition=profile.composition, coverage=_gaps(profile),
     )
     if not profile.insitu_steps or greedy is None:
         return fitted
     predicted_ms = predict_steps(fitted.latency_ms, overhead, greedy, profile.insitu_steps)
     return replace(fitted, step_correction=fit_step_correction(profile.insitu_steps, predicted_ms))
+
+
+def _gaps(profile: Profile) -> Coverage | None:
+    """What the grid planned and a profile that stopped early does not hold (perfmodel.coverage); None when it
+    ran its plan (the points a plan leaves out for memory are no gap)."""
+    if profile.stopped_early is None:
+        return None
+    coverage = profile_coverage(profile)
+    return None if coverage.complete else coverage
 
 
 def with_token_curve(roles: dict[str, RoleFit], profile: Profile) -> dict[str, RoleFit]:

@@ -31,6 +31,76 @@ def writable_path(path: str | os.PathLike, option: str = "output") -> Path:
     return target
 
 
+REPLACE_RULE_HELP = ("An output already there is replaced only with --force, and only when it is the same kind of "
+                     "file; a file of another kind is never replaced.")
+IMAGE_SIGNATURES = ((b"\x89PNG", "image"), (b"%PDF", "image"), (b"<svg", "image"), (b"<?xml", "image"))
+
+
+def output_kind(path: str | os.PathLike) -> str | None:
+    """What an existing file is, as `check_replace` compares it: a specbatch JSON file's schema family
+    ('specbatch.model'), an engine's export ('vllm config', 'trtllm config'), 'image', 'csv:<header row>';
+    None for anything else (notes, a model's weights...)."""
+    with open(path, "rb") as file:
+        head = file.read(1 << 16)
+    for signature, kind in IMAGE_SIGNATURES:
+        if head.lstrip().startswith(signature):
+            return kind
+    try:
+        obj = json.loads(Path(path).read_bytes()) if head.lstrip().startswith(b"{") else None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        obj = None
+    if isinstance(obj, dict):
+        if isinstance(obj.get("schema"), str) and obj["schema"].startswith("specbatch."):
+            return obj["schema"].split("/")[0]
+        if "num_speculative_tokens" in obj:
+            return "vllm config"
+        if "decoding_type" in obj:
+            return "trtllm config"
+        return None
+    first_line = head.split(b"\n", 1)[0].strip()
+    if b"," in first_line and first_line.replace(b"_", b"").replace(b",", b"").isalnum():
+        return "csv:" + first_line.decode()
+    return None
+
+
+def describe_kind(kind: str | None) -> str:
+    if kind is None:
+        return "a file specbatch did not write"
+    if kind.startswith("csv:"):
+        return f"a CSV file with columns {kind[4:64]}{'...' if len(kind) > 64 else ''}"
+    return {"image": "an image", "vllm config": "a vLLM speculative config",
+            "trtllm config": "a TensorRT-LLM speculative config"}.get(kind, f"a {kind} file")
+
+
+def check_replace(path: str | os.PathLike, kind: str, force: bool, option: str = "--output",
+                  other_way: str = "") -> None:
+    """The one rule for every output (REPLACE_RULE_HELP): nothing there, write; the same kind there, replace
+    it only with `force`; anything else there, refuse. Called before any work, so nothing is lost.
+    `other_way`: what else the command can do with the file (calibrate: '--resume to continue it')."""
+    path = writable_path(path, option)
+    if not path.exists():
+        return
+    found = output_kind(path)
+    empty = path.stat().st_size == 0  # a placeholder (touch, mktemp) holds nothing to lose: as the same kind
+    if found != kind and not empty:
+        raise PerfModelError(f"{option} {path}: {describe_kind(found)} is there, not {describe_kind(kind)}; it is "
+                             "never replaced: remove it or choose another path")
+    if not force:
+        also = f", {other_way}," if other_way else ""
+        what = "an empty file" if empty else describe_kind(kind)
+        raise PerfModelError(f"{option} {path}: {what} is already there; pass --force to replace it"
+                             f"{also} or give another path")
+
+
+def check_replace_in(folder: str | os.PathLike, kinds: dict[str, str], force: bool, option: str = "--out") -> None:
+    """`check_replace` for each file a command writes into `folder` (name -> kind)."""
+    folder = Path(folder)
+    if folder.is_dir():
+        for name, kind in kinds.items():
+            if (folder / name).exists():
+                check_replace(folder / name, kind, force, option)
+
+
 def check_not_input(output: str | os.PathLike, inputs: Iterable[str | os.PathLike], option: str = "--output") -> None:
     """Refuse an output that is one of the command's own inputs (`fit p.json -o p.json`): the write would
     replace the file being read. Compared as files (symlinks, `./p.json` and `p.json` are one file)."""

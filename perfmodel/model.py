@@ -30,6 +30,7 @@ import numpy as np
 
 from . import latency as lat
 from .acceptance import AcceptanceModel, acceptance_from_user
+from .coverage import Coverage, describe_cells
 from .engine_steps import EngineStepFit, engine_step_model
 from .errors import PerfModelError
 from .fields import boolean, duration_ms, integer
@@ -89,6 +90,7 @@ class FittedModel:
     step_correction: StepCorrection | None = None  # chains' step ratios from lockstep in-situ steps
     composition: Composition | None = None  # the profile's pass times were composed from per-operation timings
     engine: EngineStepFit | None = None  # an engine's step model: then `roles` is empty
+    coverage: Coverage | None = None  # what a cut-short profile did not measure (None: it measured its grid)
 
     def costs(self) -> dict:
         """Whose step costs the model holds, as a table records them: our runtime's, or an engine's (its
@@ -165,6 +167,8 @@ class FittedModel:
             notes.append("the profile has no step-overhead rows: overhead taken as 0 ms")
         if self.composition is not None:
             notes.append(self.composition.summary())
+        if self.coverage is not None:
+            notes.append(self.coverage.describe())
         return notes
 
     def timing_source_notes(self) -> list[str]:
@@ -359,6 +363,7 @@ def model_to_json(fitted: FittedModel) -> dict:
         **({} if fitted.timing_source is None else {"timing_source": fitted.timing_source.to_json()}),
         **({} if fitted.step_correction is None else {"step_correction": fitted.step_correction.to_json()}),
         **({} if fitted.engine is None else {"engine_steps": fitted.engine.to_json()}),
+        **({} if fitted.coverage is None else {"coverage": fitted.coverage.to_json()}),
     }
 
 
@@ -470,13 +475,25 @@ def model_from_json(obj: dict, source: str = "model") -> FittedModel:
         timing_source = None if obj.get("timing_source") is None else SourceChoice.from_json(obj["timing_source"])
         correction = None if obj.get("step_correction") is None else \
             StepCorrection.from_json(obj["step_correction"], f"{source}: step_correction")
+        coverage = None if obj.get("coverage") is None else Coverage.from_json(obj["coverage"], source)
     except (KeyError, TypeError, ValueError, IndexError) as error:
         if isinstance(error, PerfModelError):
             raise
         raise PerfModelError(f"{source}: malformed model file ({type(error).__name__}: {error})") from None
     return FittedModel(created, stub.created_utc, stub.device, stub.target, stub.draft, stub.grid, roles,
                        overhead, acceptance, stage2, timing_source, stub.noise, correction, stub.composition,
-                       engine)
+                       engine, coverage)
+
+
+def check_coverage(fitted: FittedModel, source: str | os.PathLike, max_batch: int, force: bool) -> None:
+    """A table over b = 1..max_batch must not rest on grid cells the profile never measured (a calibration cut
+    short) unless `force`: the fitted time there is a guess nobody checked."""
+    if fitted.coverage is None:
+        return
+    cells = fitted.coverage.cells_within(max_batch, fitted.grid.batch_sizes)
+    if cells and not force:
+        raise PerfModelError(f"{source}: {fitted.coverage.describe()}; a table up to b = {max_batch} would "
+                             f"extrapolate over {describe_cells(cells)}: pass --force to compute it anyway")
 
 
 def save_model(path: str | os.PathLike, fitted: FittedModel) -> None:

@@ -38,7 +38,7 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import PerfModelError
+from .errors import NoteWarning, PerfModelError
 from .jsonio import read_json, rounded, write_json_atomic, write_text_atomic
 from .tree import Strategy
 
@@ -48,7 +48,7 @@ TABLE_SCHEMA = "specbatch.table/1"
 MAX_TABLE_BATCH = 4096
 
 
-class TableRangeWarning(UserWarning):
+class TableRangeWarning(NoteWarning):
     """A lookup outside the batch sizes or context lengths the table was computed for."""
 
 
@@ -300,6 +300,12 @@ def _single_bucket(table: Table, context_len: int | None, fmt: str) -> Bucket:
         bucket = table.buckets[0]
     else:
         bucket = table.bucket_for(context_len)
+    unrunnable = [e for e in bucket.entries if e.chosen().kind == "tree" or e.chosen().stage2]
+    if unrunnable:  # the engine would run a chain of the tree's depth: not what the table predicted
+        first = unrunnable[0]
+        raise PerfModelError(f"--format {fmt}: the table has strategies {fmt} cannot run (b = {first.batch_size}: "
+                             f"{first.chosen().describe()}); export from the model (specbatch table MODEL --format "
+                             f"{fmt} ranks chains only) or from a table built with --strategies chain")
     if all(entry.k == 0 for entry in bucket.entries):
         raise PerfModelError(f"--format {fmt}: every k in the table is 0 (speculation never pays at batch sizes "
                              f"1-{bucket.max_batch}): run the engine without speculation instead")
@@ -322,8 +328,8 @@ def to_vllm(table: Table, context_len: int | None = None, draft: str | os.PathLi
     """vLLM's complete `speculative_config` for a separate draft model: `num_speculative_tokens` is the
     largest k (vLLM caps every per-batch-size k by it and refuses 0), and
     `num_speculative_tokens_per_batch_size` is the inclusive ranges [[start_bs, end_bs, k], ...] from 1
-    (vLLM reuses the last range's k for batch sizes past it). Chains only: a tree entry exports a chain of
-    its depth k, and the n-gram second stage is not expressible."""
+    (vLLM reuses the last range's k for batch sizes past it). Chains only: a table with trees or the n-gram
+    second stage is refused (vLLM would run a chain of the tree's depth, which the table did not predict)."""
     bucket = _single_bucket(table, context_len, "vllm")
     runs = k_runs(bucket.entries)
     return {"method": VLLM_DRAFT_METHOD, "model": engine_draft_path(table, draft, "vllm"),
@@ -395,6 +401,19 @@ def to_csv(table: Table) -> str:
 
 TABLE_FORMATS = ("json", "csv", "vllm", "trtllm")
 ENGINE_FORMATS = ("vllm", "trtllm")  # schedules by batch size only: one context bucket
+
+
+def table_output_kind(fmt: str) -> str:
+    """What `write_table` writes in format `fmt`, as perfmodel.jsonio.check_replace names kinds."""
+    return {"json": TABLE_SCHEMA.split("/")[0], "csv": "csv:" + ",".join(CSV_COLUMNS), "vllm": "vllm config",
+            "trtllm": "trtllm config"}[fmt]
+
+
+def engine_family_note(fmt: str, model: str | os.PathLike, context_len: int) -> str:
+    """What an engine export ranked, said where the user asked for more strategies."""
+    return (f"--format {fmt}: chains only were ranked, the strategies {fmt} runs (no trees, no n-gram stage); the "
+            f"predictions shown are theirs. The same table as JSON, for bench --peers vllm: specbatch table {model} "
+            f"--strategies chain --context-lens {context_len} -o TABLE.json")
 
 
 def check_table_format(fmt: str, draft: str | os.PathLike | None = None, clamp: bool = False) -> None:

@@ -28,8 +28,8 @@ from specbatch.perfmodel.schedule import staged_rounds
 from specbatch.perfmodel.strategy import StepModel
 from specbatch.perfmodel.tree import Strategy, chain
 
+from .fidelity import LiveFidelity, announce_noise, noise_band, noise_band_source
 from .learning import LEARNING
-from .fidelity import LiveFidelity, noise_band, noise_band_source
 from .refit import StepCostRefit, step_parts
 
 
@@ -408,6 +408,7 @@ def adaptive_policy(model_file: Path, max_k: int | None = None, staged: bool = F
     correction = StepCostRefit() if refit else None
     fidelity = LiveFidelity(band=noise_band(fitted.noise), model_error=model_step_error(fitted), refit=correction,
                             band_source=noise_band_source(fitted.noise))
+    announce_noise(fitted.noise, str(model_file))  # at start, before any step is judged
     policy = AdaptivePolicy(step_model(fitted, acceptance), fitted.grid.max_k if max_k is None else max_k,
                             staged=staged and fitted.stage2 is not None,
                             name=f"adaptive {Path(model_file).name}" + (" --refit" if refit else ""),

@@ -30,11 +30,28 @@ def check_seed(seed: int, option: str = "--seed") -> None:
 DEFAULT_K_WITH_DRAFT = 4  # generate's k when neither --k, --table nor --tree is given
 
 
+def default_draft(target: str | None, draft: str | None) -> str | None:
+    """The one --draft default (console.options.DraftOpt states it): the draft given; else the bundled demo
+    draft when the target is the demo target (or none is given); else no draft."""
+    if draft:
+        return draft
+    if target is None or Path(target).resolve() == DEMO_TARGET.resolve():
+        return str(DEMO_DRAFT)
+    return None
+
+
+def required_draft(target: str | None, draft: str | None, command: str) -> str:
+    """`default_draft` for a command that cannot run without a draft: none is a one-line error."""
+    chosen = default_draft(target, draft)
+    if chosen is None:
+        raise UsageError(f"--draft: {command} needs a draft model, and --target {target} has none by default (the "
+                         "demo draft goes with the demo target only); give --draft DIR")
+    return chosen
+
+
 def demo_or_named(target: str | None, draft: str | None, need_draft: bool = True) -> tuple[str, str | None]:
-    """What --target/--draft name, the bundled demo pair where neither is given; a target alone runs
-    without a draft, and so does a command that needs none (`need_draft` False)."""
-    draft = draft or (str(DEMO_DRAFT) if target is None else None)
-    return target or str(DEMO_TARGET), draft if need_draft else None
+    """What --target/--draft name (`default_draft`); no draft for a command that needs none (`need_draft`)."""
+    return target or str(DEMO_TARGET), default_draft(target, draft) if need_draft else None
 
 
 def load_named_pair(target: str | None, draft: str | None, device: str | None, dtype: str | None,
@@ -275,6 +292,10 @@ def generate_texts(request: GenerationRequest, loaded_pair=None) -> Generation:
     if draft_runner is None and policy.max_k > 0:
         raise UsageError("k > 0 needs a draft model (--draft)")
     encoded = [pair.tokenizer.encode(text) for text in request.prompts]
+    vocab = pair.target.config.vocab_size
+    if outside := sorted({t for ids in encoded for t in ids if not 0 <= t < vocab}):
+        raise UsageError(f"--target {pair.target_spec.source}: its tokenizer gives token id {outside[0]} (an added "
+                         f"token?) but the model's vocabulary has {vocab} tokens; a prompt uses that token")
     generator = SpeculativeGenerator(pair.target, draft_runner, pair.eos_token_ids, stage2=second_stage,
                                      cuda_graphs=request.cuda_graphs)
     result = generator.generate(encoded, request.max_new_tokens, policy, sampling, request.seed)

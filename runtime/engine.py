@@ -34,7 +34,7 @@ import torch
 from specbatch.perfmodel.errors import SpecbatchError
 
 from . import policy as hooks
-from .detokenize import IncrementalText
+from .detokenize import INCOMPLETE, IncrementalText
 from .engine_metrics import EngineMetrics, describe_choice
 from .batch import BatchState, apply_moves, fill_holes
 from .generator import SpeculativeGenerator
@@ -450,11 +450,13 @@ class Engine:
             text, stopped = self._text(row, final=reason is not None)
             if stopped:
                 reason = "stop"
-            fresh = row.generated[row.emitted_tokens:]
-            row.emitted_tokens = len(row.generated)
+                del row.generated[self._tokens_behind_text(row):]  # tokens past the stop never reach the client
+            upto = len(row.generated) if reason or not row.request.stop else self._tokens_behind_text(row)
+            fresh = row.generated[row.emitted_tokens:upto]
+            row.emitted_tokens += len(fresh)
             emitted += len(fresh)
             if fresh or text or reason:
-                self._emit(row.request, fresh, text, reason, len(row.generated))
+                self._emit(row.request, fresh, text, reason, row.emitted_tokens)
             if reason:
                 finished.append(indices[j])
                 self.metrics.observe_finish(reason)
@@ -480,6 +482,17 @@ class Engine:
         fresh = text[row.emitted_chars:]
         row.emitted_chars = max(row.emitted_chars, len(text))
         return fresh, stopped
+
+    def _tokens_behind_text(self, row: _Row) -> int:
+        """The fewest tokens whose text covers what the client was sent (never fewer than were sent): with
+        stop strings, tokens wait with their held-back text, and those past a stop are never sent or counted."""
+        if row.emitted_chars >= len(self.decode(row.generated)):
+            return len(row.generated)
+        for count in range(row.emitted_tokens, len(row.generated)):
+            text = self.decode(row.generated[:count])
+            if len(text) >= row.emitted_chars and not text.endswith(INCOMPLETE):
+                return count
+        return len(row.generated)
 
     def _emit(self, request: Request, tokens: list[int], text: str, reason: str | None, completion: int) -> None:
         if request.on_event is None:

@@ -6,9 +6,10 @@ prediction with --refit), and the running ratio measured / predicted (geometric,
 `warmup_steps` steps, a cell's next `settle_steps` set its baseline ratio (the model's own error there); afterwards
 every step's log ratio less its cell's baseline feeds one pooled running mean (a machine that slows down slows
 every cell), and when that mean stays outside the band for `persist_steps` steps in a row one warning is logged,
-naming the cells and by how much. The band is the profile's noise figure (`noise_band`). A baseline itself
-outside the band widened by the model's own step error at calibration is a profile that does not describe this
-machine: one warning too. docs/serving.md shows the metrics; the predictions come from the policy
+naming the cells and by how much. The band is the profile's noise figure (`noise_band`), at most `max_band`. A
+baseline itself outside the band widened by the model's own step error at calibration (each at most `max_band`: a
+2x error is always seen) is a profile that does not describe this machine: one warning, and the cell counts in
+/metrics. docs/serving.md shows the metrics; the predictions come from the policy
 (runtime.adaptive).
 """
 from __future__ import annotations
@@ -46,15 +47,34 @@ def batch_bucket(batch_size: int) -> str:
 
 def noise_band(noise: NoiseFigure | None) -> float:
     """The relative band a running ratio may move within without drifting: the calibration's reference pass
-    moved ± drift around its median and its samples spread ± jitter, so max(the ±3 % rule, drift + jitter)."""
+    moved ± drift around its median and its samples spread ± jitter, so max(the ±3 % rule, drift + jitter),
+    at most `max_band`."""
     if noise is None:
         return FIDELITY.default_band
-    return max(NOISE_RULE, noise.drift + noise.jitter)
+    return min(FIDELITY.max_band, max(NOISE_RULE, noise.drift + noise.jitter))
 
 
 def noise_band_source(noise: NoiseFigure | None) -> str:
     """Where `noise_band` took the band from, as the warnings say it."""
-    return "no noise figure in the profile: the default" if noise is None else "the profile's noise figure"
+    if noise is None:
+        return "no noise figure in the profile: the default"
+    return "the profile's noise figure" + (", capped" if too_noisy_to_check(noise) else "")
+
+
+def too_noisy_to_check(noise: NoiseFigure | None) -> str | None:
+    """The line said at start when the profile's noise exceeds `max_band`, else None."""
+    if noise is None or noise.drift + noise.jitter <= FIDELITY.max_band:
+        return None
+    return (f"the profile's noise figure (±{100 * (noise.drift + noise.jitter):.0f} %: drift ±{100 * noise.drift:.0f} "
+            f"%, jitter ±{100 * noise.jitter:.0f} %) is too noisy to check the served steps closely: the self-check "
+            f"uses ±{100 * FIDELITY.max_band:.0f} %, so steps may be called off the model where the profile itself was; "
+            "recalibrate on a quiet machine")
+
+
+def announce_noise(noise: NoiseFigure | None, source: str) -> None:
+    """Log `too_noisy_to_check`'s line, naming the model file, when it has one."""
+    if (line := too_noisy_to_check(noise)) is not None:
+        log.warning("%s: %s", source, line)
 
 
 @dataclass
@@ -182,8 +202,10 @@ class LiveFidelity:
         return sorted(out, key=lambda c: -abs(math.log(c["change"])))
 
     def _check_mismatch(self, key: tuple[str, str], cell: _Cell) -> None:
-        """A baseline outside band + the model's own error: the profile does not describe this machine."""
-        if abs(cell.baseline) <= math.log1p(self.band + self.model_error):
+        """A baseline outside band + the model's own error (each at most `max_band`): the profile does not
+        describe this machine."""
+        tolerance = min(self.band, FIDELITY.max_band) + min(self.model_error, FIDELITY.max_band)
+        if abs(cell.baseline) <= math.log1p(tolerance):
             return
         found = {"strategy": key[0], "batch_sizes": key[1], "ratio": math.exp(cell.baseline)}
         self._mismatched.append(found)
@@ -193,8 +215,7 @@ class LiveFidelity:
                         "prediction over its first %d steps, beyond ±%.0f %% (the band ±%.0f %% and the "
                         "model's own step error %.0f %%); was the profile measured with other threads, another "
                         "device or another load? Recalibrate, or serve with --refit", key[0], key[1],
-                        found["ratio"], FIDELITY.settle_steps, 100 * (self.band + self.model_error), 100 * self.band,
-                        100 * self.model_error)
+                        found["ratio"], FIDELITY.settle_steps, 100 * tolerance, 100 * self.band, 100 * self.model_error)
 
     # ------------------------------------------------------------------ reading (any thread)
     def snapshot(self) -> dict:

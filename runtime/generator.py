@@ -514,14 +514,15 @@ class SpeculativeGenerator:
         if max_k < 0:
             raise GenerationError(f"k must be >= 0, got {max_k}")
         limit = self.context_limit
+        limiter = "target" if limit == self.target.config.max_position_embeddings else "draft"  # the shorter one
         longest = max(len(p) for p in prompts)
         if longest >= limit:
-            raise GenerationError(f"a prompt has {longest} tokens; the model's context is {limit} positions")
+            raise GenerationError(f"a prompt has {longest} tokens; the {limiter} model's context is {limit} positions")
         if longest + max_new_tokens + max_k > limit:
             raise GenerationError(
                 f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) + draft tokens per step ({max_k}: "
-                f"{policy.describe()}) exceeds the model's context of {limit} positions; lower --max-new-tokens, "
-                f"k or the tree's size"
+                f"{policy.describe()}) exceeds the {limiter} model's context of {limit} positions; lower "
+                f"--max-new-tokens, k or the tree's size"
             )
 
     def finished_rows(self, generated: list[list[int]], counts: list[int], max_new_tokens: list[int]) -> dict[int, int]:

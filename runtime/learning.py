@@ -52,6 +52,9 @@ class FidelitySettings:
     # of ~0.5 s warned twice in 10 minutes at its own 34 % band (benchmarks/serving_fidelity.py)
     persist_steps: int = 64
     default_band: float = 0.10  # the relative band of a profile without a noise figure
+    # the widest band (and model error) a check may allow: a profile noisier than this is announced as too noisy
+    # to check closely, and a step model off by 2x is still seen (a ±160 % band let a x0.49 run pass silently)
+    max_band: float = 0.25
     log_ratio_clip: float = math.log(4.0)  # a stalled step (swapped out, descheduled) counts as 4x, not as 40x
 
 

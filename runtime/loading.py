@@ -9,12 +9,13 @@ content, so a table or model file can tell which pair it was made for.
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from specbatch.perfmodel.errors import UsageError
+from specbatch.perfmodel.errors import NoteWarning, UsageError
 from specbatch.perfmodel.jsonio import directory_fingerprint, model_fingerprint
 
 from .checkpoint import Tokenizer, build_model, load_checkpoint
@@ -72,7 +73,35 @@ def resolve_pair(target: str, draft: str | None) -> tuple[ModelSpec, ModelSpec |
     draft_spec = None if draft is None else resolve_model(draft, "draft")
     if draft_spec is not None:
         check_vocabulary(f"--draft {draft_spec.source}", draft_spec.config.vocab_size, target_spec.config.vocab_size)
+        check_same_tokenizer(target_spec, draft_spec)
     return target_spec, draft_spec
+
+
+def check_same_tokenizer(target: ModelSpec, draft: ModelSpec) -> None:
+    """Equal vocabulary sizes are not one vocabulary: the draft's tokenizer.json must map the same tokens to
+    the same ids (`ngram.tokenizer_fingerprint`, as for an n-gram draft), or every draft token is rejected.
+    Where one checkpoint has no tokenizer.json, a note says it could not be checked (random weights have
+    no tokens to compare)."""
+    from .ngram import NGramError, tokenizer_fingerprint
+
+    if target.directory is None or draft.directory is None:
+        return
+    files = [target.directory / "tokenizer.json", draft.directory / "tokenizer.json"]
+    present = [f for f in files if f.is_file()]
+    if len(present) == 1:
+        missing = target if present[0] == files[1] else draft
+        warnings.warn(f"--{missing.role} {missing.source} has no tokenizer.json: whether the draft shares the "
+                      "target's tokens is unchecked (acceptance near 0 means it does not)", NoteWarning, stacklevel=3)
+    if len(present) < 2:
+        return
+    try:
+        same = tokenizer_fingerprint(files[0]) == tokenizer_fingerprint(files[1])
+    except NGramError as error:
+        raise UsageError(str(error)) from None
+    if not same:
+        raise UsageError(f"--draft {draft.source}: its tokenizer ({files[1]}) maps tokens to ids unlike the "
+                         f"target's ({files[0]}): same vocabulary size, other tokens, so every draft token would be "
+                         "rejected; give a draft trained with the target's tokenizer")
 
 
 @dataclass(frozen=True)

@@ -138,6 +138,13 @@ def create_app(runner: EngineRunner, served: ServedModel) -> FastAPI:
     async def models():
         return protocol.models_body(served.name, created)
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != served.name:
+            raise RequestError(f"the model `{model_id}` does not exist; this server serves `{served.name}`",
+                               param="model", code="model_not_found", status=404, kind="not_found_error")
+        return protocol.models_body(served.name, created)["data"][0]
+
     @app.get("/metrics")
     async def metrics():
         engine = runner.engine
@@ -215,7 +222,10 @@ class Reply:
 
     def chunk(self, text: str, finish_reason: str | None, token_ids: list[int], first: bool) -> dict:
         ids = token_ids if self.params.return_token_ids else None
-        return self.shape.chunk(self.id, self.created_s, self.model, text, finish_reason, ids, first=first)
+        body = self.shape.chunk(self.id, self.created_s, self.model, text, finish_reason, ids, first=first)
+        if self.params.include_usage:  # OpenAI's shape: every chunk but the usage chunk says "usage": null
+            body["usage"] = None
+        return body
 
 
 async def _cancel_when_gone(request: Request, runner, completion_id: str) -> None:

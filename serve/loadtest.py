@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from .loadtest_report import RequestRecord, Slo, summarize
+from .loadtest_report import CSV_COLUMNS, RequestRecord, Slo, summarize
 from .loadtest_servers import (LoadtestError, ServerProcess, VllmServerProcess, engine_counters, engine_use,
                                machine_note, own_cpu_s, scrape_counters)
 
@@ -52,6 +53,10 @@ def make_trace(count: int, rate_per_s: float, cv: float, seed: int, prompts: int
     hostile = np.flatnonzero(np.random.default_rng(seed + 2).random(count) < adversarial_share)
     kinds = {int(i): KINDS[j % len(KINDS)] for j, i in enumerate(hostile)}
     return [TraceItem(float(t), i % prompts, int(n), kinds.get(i)) for i, (t, n) in enumerate(zip(times, lengths))]
+
+
+OUTPUT_KINDS = {"loadtest.json": "specbatch.loadtest", "loadtest.csv": "csv:" + ",".join(CSV_COLUMNS),
+                "latency.png": "image"}  # what run_loadtest writes, as perfmodel.jsonio.check_replace names kinds
 
 
 @dataclass(frozen=True)
@@ -209,6 +214,8 @@ async def _run_all(trace, one, start: float, max_duration_s: float) -> list[Requ
             record.error = f"{type(error).__name__}: {error}"
 
     tasks = [asyncio.create_task(guarded(item, record)) for item, record in zip(trace, records)]
+    if not tasks:  # no arrival within the duration
+        return records
     _done, pending = await asyncio.wait(tasks, timeout=max(0.0, start + max_duration_s - time.perf_counter()))
     for task in pending:
         task.cancel()
@@ -381,6 +388,25 @@ def candidate_set_notes(config: LoadtestConfig) -> list[str]:
             for path in adaptive if load_model(Path(path)).stage2 is not None]
 
 
+def check_config(config: LoadtestConfig) -> None:
+    """Numbers that cannot describe a run are refused before any server starts."""
+    if not config.prompts:
+        raise LoadtestError("no prompts")
+    if config.requests < 1:
+        raise LoadtestError(f"--requests {config.requests}: give at least 1")
+    if not config.max_duration_s > 0:
+        raise LoadtestError(f"--max-duration-s {config.max_duration_s:g}: give a positive number of seconds")
+    for name, values in (("--rates", config.rates_per_s), ("--cvs", config.cvs)):
+        if not values or not all(value > 0 and math.isfinite(value) for value in values):
+            raise LoadtestError(f"{name} {','.join(f'{v:g}' for v in values)}: every value must be > 0")
+    for name, limit_ms in (("--slo-ttft-ms", config.slo.ttft_ms), ("--slo-tpot-ms", config.slo.tpot_ms),
+                           ("--slo-e2e-ms", config.slo.e2e_ms)):
+        if limit_ms is not None and not (limit_ms > 0 and math.isfinite(limit_ms)):
+            raise LoadtestError(f"{name} {limit_ms:g}: give a positive number of milliseconds")
+    if not 0.0 <= config.adversarial_share <= 0.5:
+        raise LoadtestError(f"--adversarial {config.adversarial_share}: give a share in [0, 0.5]")
+
+
 def run_loadtest(config: LoadtestConfig, out: Path, on_run=None) -> dict:
     """Every policy against the same traces; writes loadtest.json, loadtest.csv and latency.png in `out`."""
     import torch
@@ -389,14 +415,11 @@ def run_loadtest(config: LoadtestConfig, out: Path, on_run=None) -> dict:
 
     from .loadtest_report import plot_latency, to_csv
 
-    if not config.prompts:
-        raise LoadtestError("no prompts")
+    check_config(config)
     check_vllm_policies(config)
     notes = candidate_set_notes(config)
     make_dir(out, "--out")
     torch.set_num_threads(1)  # this process shares the machine with the server it measures
-    if not 0.0 <= config.adversarial_share <= 0.5:
-        raise LoadtestError(f"--adversarial {config.adversarial_share}: give a share in [0, 0.5]")
     traces = {(rate, cv): make_trace(config.requests, rate, cv, config.seed, len(config.prompts), config.max_tokens,
                                      config.adversarial_share)
               for cv in config.cvs for rate in config.rates_per_s}

@@ -96,9 +96,18 @@ def summarize(records: list[RequestRecord], trace_len: int, slo: Slo, mismatched
         "goodput_requests_per_s": len(good) / span_s if span_s else None,
         "goodput_tokens_per_s": sum(r.completion_tokens for r in good) / span_s if span_s else None,
         "slo": slo.describe(),
+        "error_examples": sorted({r.error for r in records if r.error is not None})[:3],
         "adversarial": {"sent": len(hostile), "as_expected": sum(1 for r in hostile if r.as_expected),
                         "unexpected": sorted({f"{r.adversarial}: {r.error}" for r in hostile if not r.as_expected})},
     }
+
+
+def failed_runs(runs: list[dict]) -> list[str]:
+    """One line per run in which no well-formed request succeeded, with the errors it saw: such a run has no
+    figures, and a load test made only of them has failed."""
+    return [f"policy {run['policy']} ({run['mode']}) at {run['rate_per_s']:g}/s: none of {run['requests']} requests "
+            f"succeeded ({'; '.join(run.get('error_examples') or ['no answer'])})"
+            for run in runs if run["requests"] > 0 and run["ok"] == 0]
 
 
 CSV_COLUMNS = ["policy", "mode", "rate_per_s", "cv", "requests", "ok", "errors", "unfinished", "mismatched",

@@ -86,6 +86,9 @@ def _fidelity(metric, fidelity: dict) -> None:
     metric("step_model_drift", "gauge", "1 while the step times have drifted out of the band.",
            [("", 0 if fidelity["drift"] is None else 1)])
     metric("step_model_drift_warnings_total", "counter", "Drift warnings logged.", [("", fidelity["drift_warnings"])])
+    metric("step_model_mismatched_cells_total", "counter", "Cells (strategy, batch sizes) whose served steps settled "
+           "beyond the band and the model's error of the prediction (logged as a mismatch).",
+           [("", len(fidelity["mismatched"]))])
     if fidelity["refit"] is not None:
         rows = fidelity["refit"]["factors"]
         for name, key, help_text in (("step_refit_factor", "factor", "Re-fitted step-cost factor per role and width."),

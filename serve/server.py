@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specbatch.perfmodel.errors import SpecbatchError
-from specbatch.runtime.assembly import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET
+from specbatch.runtime.assembly import DEMO_PROMPTS, DEMO_TARGET, default_draft
 
 log = logging.getLogger("specbatch.serve")
 
@@ -221,7 +221,8 @@ def build(options: ServeOptions):
         torch.set_num_threads(options.threads)
     device = resolve_device(options.device)
     target_dir = Path(options.target) if options.target else DEMO_TARGET
-    draft_dir = Path(options.draft) if options.draft else (DEMO_DRAFT if options.target is None else None)
+    draft_name = default_draft(options.target, options.draft)
+    draft_dir = None if draft_name is None else Path(draft_name)
     target_spec, draft_spec = resolve_pair(str(target_dir), None if draft_dir is None else str(draft_dir))
     pair = load_pair(target_spec, draft_spec, device, parse_dtype(options.dtype, device))
     if pair.tokenizer is None:

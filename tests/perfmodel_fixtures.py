@@ -134,3 +134,15 @@ def build_profile(latency_ms: Callable[[str, int, int, int], float], *, models: 
 def write_profile(path: Path, profile: dict) -> Path:
     path.write_text(json.dumps(profile))
     return path
+
+
+def tree_profile() -> dict:
+    """A 7B-class target and a 125M-class draft on a GPU-like roofline: verifying many tokens is free at
+    batch 1 (weight reads dominate) and costly at batch 64 (matmuls dominate). Acceptance per position
+    and at rank 0 agree."""
+    obj = build_profile(roofline_latency(), batch_sizes=(1, 2, 4, 8, 16, 32, 64), context_lens=(128, 512),
+                        max_k=4, acceptance=[0.7] * 4)
+    obj["acceptance"][0]["rank_acceptance"] = [[0.7, 0.15, 0.05]] * 4
+    obj["stage2"] = {"file": "ngram.bin", "sha256": "ab" * 32, "guess_accuracy": [0.7, 0.4, 0.2],
+                     "query_overhead_ms": 0.05, "query_ms_per_context": 0.0005}
+    return obj

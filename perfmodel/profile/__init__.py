@@ -58,6 +58,7 @@ from .insitu import InSituPassRow, InSituStepRow, check_unique, rows_json, secti
 from .noise import NoiseFigure, noise_from_json
 
 PROFILE_SCHEMA = "specbatch.profile/1"
+PROFILE_KIND = "specbatch.profile"  # what perfmodel.jsonio.check_replace calls a profile
 DEVICE_KINDS = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
 EXECUTIONS = ("eager", "cuda-graphs")  # how the runtime ran the passes it timed
@@ -209,6 +210,7 @@ class Profile:
     noise_large_batch: NoiseFigure | None = None  # optional: the drift reference at the largest batch size
     engine: EngineInfo | None = None  # optional: the serving engine whose steps these are (profile/engine.py)
     engine_steps: tuple[EngineStepRow, ...] = ()
+    stopped_early: str | None = None  # optional: why calibrate stopped before its plan ('--max-seconds 30')
 
     def warnings(self) -> tuple[str, ...]:
         """One line for each figure of the machine's state that exceeds its rule."""
@@ -244,6 +246,7 @@ class Profile:
             **({} if self.composition is None else {"composition": self.composition.to_json()}),
             **({} if self.engine is None else {"engine": self.engine.to_json()}),
             **({"engine_steps": engine_rows_json(self.engine_steps)} if self.engine_steps else {}),
+            **({} if self.stopped_early is None else {"stopped_early": self.stopped_early}),
         }
 
 
@@ -495,6 +498,7 @@ def profile_from_json(obj: dict, source: str = "profile") -> Profile:
         composition=None if obj.get("composition") is None else composition_from_json(obj["composition"],
                                                                                       f"{top} composition"),
         engine=engine, engine_steps=engine_steps,
+        stopped_early=_str(obj, "stopped_early", top) if obj.get("stopped_early") is not None else None,
     )
     validate(profile, source)
     return profile

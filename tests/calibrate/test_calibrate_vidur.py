@@ -139,10 +139,10 @@ def test_acceptance_is_required_and_an_existing_profile_is_kept(tmp_path, draft_
     out = tmp_path / "p.json"
     assert_one_line_error(invoke("calibrate", "--from-vidur", A100, "--target", "llama-2-7b", "--draft",
                                  draft_config, "-o", out), "--acceptance")
-    out.write_text("{}")
+    out.write_text('{"schema": "specbatch.profile/1"}')
     assert_one_line_error(invoke("calibrate", "--from-vidur", A100, "--target", "llama-2-7b", "--draft",
                                  draft_config, "--acceptance", "0.8", "-o", out), "--force")
-    assert out.read_text() == "{}"
+    assert out.read_text() == '{"schema": "specbatch.profile/1"}'
 
 
 def test_the_device_is_named_after_vidur_s_gpu_folder(composed):

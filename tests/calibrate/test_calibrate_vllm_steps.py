@@ -12,6 +12,7 @@ import pytest
 from specbatch.calibrate.errors import CalibrationError
 from specbatch.calibrate.vllm_steps import (EngineCalibrationRequest, EnginePoint, _check, new_tokens_for,
                                             plan_points, step_row, window_prompts)
+from specbatch.perfmodel.errors import PerfModelError
 
 
 def test_every_configuration_once_per_sweep_k_reversed_every_other_sweep():
@@ -48,9 +49,12 @@ def test_a_prompt_and_its_generation_must_fit_vllm_s_max_model_len(tmp_path):
     _check(fits)
     with pytest.raises(CalibrationError, match="exceed vLLM's max_model_len 1024"):
         _check(request(out=tmp_path / "p.json", context_lens=(1000,)))
-    (tmp_path / "p.json").write_text("{}")
-    with pytest.raises(CalibrationError, match="pass --resume"):
+    (tmp_path / "p.json").write_text('{"schema": "specbatch.profile/1"}')
+    with pytest.raises(PerfModelError, match="pass --force to replace it, --resume to continue it"):
         _check(fits)
+    (tmp_path / "p.json").write_text("{}")  # not a profile: never replaced, --force or not
+    with pytest.raises(PerfModelError, match="never replaced"):
+        _check(request(out=tmp_path / "p.json", force=True))
 
 
 def steps(b: int, k: int, times_ms: list[float], contexts: list[float]) -> list[dict]:

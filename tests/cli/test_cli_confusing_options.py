@@ -49,3 +49,32 @@ def test_generate_needs_a_directory_with_a_tokenizer_as_the_readme_says():
                           "--target llama-68m: no tokenizer.json")
     assert_one_line_error(invoke("generate", "--target", DEMO_TARGET / "config.json", "--prompt", "x", "--k", "0"),
                           "no tokenizer.json")
+
+
+# ------------------------------------------------------------------------------ the one --draft default
+def test_the_draft_default_is_stated_once_for_every_command_that_takes_a_draft():
+    from specbatch.console.options import DRAFT_DEFAULT_HELP
+
+    group = get_command(cli.app)
+    helps = {name: param.help for name, command in group.commands.items() for param in command.params
+             if "--draft" in param.opts and name != "table"}  # table's --draft names the export's draft
+    assert {"generate", "serve", "calibrate", "bench", "explain", "loadtest"} <= set(helps)
+    assert all(DRAFT_DEFAULT_HELP in text for text in helps.values()), helps
+
+
+def test_the_demo_draft_goes_with_the_demo_target_only(tmp_path):
+    import json
+    import shutil
+
+    from specbatch.runtime.assembly import DEMO_TARGET
+
+    result = invoke("generate", "--target", DEMO_TARGET, "--prompt", "def f", "--max-new-tokens", 2, "--json")
+    assert result.exit_code == 0 and json.loads(result.stdout)["policy"] == "k=4"  # the demo pair
+    other = tmp_path / "target"
+    shutil.copytree(DEMO_TARGET, other)
+    result = invoke("generate", "--target", other, "--prompt", "def f", "--max-new-tokens", 2, "--json")
+    assert result.exit_code == 0 and json.loads(result.stdout)["policy"] == "k=0"  # no draft
+    for command in ("calibrate", "bench"):
+        assert_one_line_error(invoke(command, "--target", other, "-o", tmp_path / "out.json"),
+                              f"--draft: {command} needs a draft model", f"--target {other}")
+    assert not (tmp_path / "out.json").exists()

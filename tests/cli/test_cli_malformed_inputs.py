@@ -127,6 +127,19 @@ def test_a_config_json_with_an_impossible_size_is_one_line(tmp_path, field, valu
     assert_one_line_error(result, f"{target}/config.json", fragment)
 
 
+def test_a_tokenizer_token_past_the_models_vocabulary_is_one_line(tmp_path):
+    from specbatch.runtime.assembly import DEMO_TARGET
+
+    target = tmp_path / "target"
+    shutil.copytree(DEMO_TARGET, target)
+    tokenizer = json.loads((target / "tokenizer.json").read_text())
+    tokenizer["added_tokens"].append({"id": 300, "content": "<extra>", "single_word": False, "lstrip": False,
+                                      "rstrip": False, "normalized": False, "special": False})
+    (target / "tokenizer.json").write_text(json.dumps(tokenizer))
+    result = invoke("generate", "--target", target, "--prompt", "a <extra> b", "--max-new-tokens", "2", "--k", "0")
+    assert_one_line_error(result, f"--target {target}", "its tokenizer gives token id", "vocabulary has 259 tokens")
+
+
 # ---------------------------------------------------------------------------------------------- seeds
 @pytest.mark.parametrize("args", [
     ["generate", "--prompt", "x", "--seed", "99999999999999999999999"],
@@ -179,3 +192,38 @@ def test_at_the_greedy_floor_sampling_is_computed_and_is_the_argmax():
 def test_a_sampling_option_below_the_floor_asks_for_greedy(text):
     assert_one_line_error(invoke("bench", "--sampling", text), f"--sampling {text!r}", "below 1e-05",
                           "write 'greedy'")
+
+
+@pytest.mark.parametrize(("option", "value"), [("--slo-ttft-ms", "-5"), ("--slo-tpot-ms", "0"),
+                                               ("--slo-e2e-ms", "nan"), ("--max-duration-s", "0"),
+                                               ("--requests", "0"), ("--rates", "-1"), ("--cvs", "0")])
+def test_loadtest_numbers_that_describe_no_run_are_one_line_before_any_server_starts(tmp_path, option, value):
+    result = invoke("loadtest", "--requests", "2", option, value, "--out", tmp_path / "out")
+    assert_one_line_error(result, option)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_draft_with_another_tokenizer_of_the_same_size_is_one_line(tmp_path):
+    """Same vocabulary size, two byte ids swapped: every draft token would mean another text."""
+    from specbatch.runtime.assembly import DEMO_DRAFT, DEMO_TARGET
+
+    draft = tmp_path / "draft"
+    shutil.copytree(DEMO_DRAFT, draft)
+    tokenizer = json.loads((draft / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    first, second = sorted(vocab, key=vocab.get)[97:99]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (draft / "tokenizer.json").write_text(json.dumps(tokenizer))
+    result = invoke("generate", "--target", DEMO_TARGET, "--draft", draft, "--prompt", "x", "--max-new-tokens", "2")
+    assert_one_line_error(result, f"--draft {draft}", f"{draft}/tokenizer.json", "every draft token would be rejected")
+
+
+def test_a_draft_without_tokenizer_files_is_said_to_be_unchecked(tmp_path):
+    from specbatch.runtime.assembly import DEMO_DRAFT, DEMO_TARGET
+
+    draft = tmp_path / "draft"
+    shutil.copytree(DEMO_DRAFT, draft)
+    (draft / "tokenizer.json").unlink()
+    result = invoke("generate", "--target", DEMO_TARGET, "--draft", draft, "--prompt", "x", "--max-new-tokens", "2")
+    assert result.exit_code == 0, result.output
+    assert f"note: --draft {draft} has no tokenizer.json" in " ".join(result.stderr.split())

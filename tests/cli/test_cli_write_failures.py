@@ -57,25 +57,26 @@ def test_a_full_disk_is_one_line_and_leaves_nothing_behind(files, tmp_path, comm
     assert sorted(p.name for p in keep.iterdir()) == []  # no temporary file left
 
 
-@pytest.mark.parametrize("command, name", [
-    (["fit", "{profile}", "-o", "{disk}/m.json"], "m.json"),
-    (["table", "{model}", "-o", "{disk}/t.json"], "t.json"),
+@pytest.mark.parametrize("command, name, old", [
+    (["fit", "{profile}", "-o", "{disk}/m.json", "--force"], "m.json", '{"schema": "specbatch.model/1"}'),
+    (["table", "{model}", "-o", "{disk}/t.json", "--force"], "t.json", '{"schema": "specbatch.table/1"}'),
 ])
-def test_replacing_a_file_on_a_full_disk_keeps_the_old_one(files, tmp_path, command, name):
+def test_replacing_a_file_on_a_full_disk_keeps_the_old_one(files, tmp_path, command, name, old):
     disk, keep = tmp_path / "disk", tmp_path / "after"
-    prefix = on_full_disk(disk, _seed(tmp_path, **{name.replace(".", "_"): "the old file"}), keep)
+    prefix = on_full_disk(disk, _seed(tmp_path, **{name.replace(".", "_"): old}), keep)
     args = [part.format(disk=disk, **files) for part in command]
     assert_one_error_line(run_specbatch(*args, prefix=prefix), f"{disk}/{name}", FULL, "existing file is unchanged")
-    assert [p.name for p in keep.iterdir()] == [name] and (keep / name).read_text() == "the old file"
+    assert [p.name for p in keep.iterdir()] == [name] and (keep / name).read_text() == old
 
 
 @pytest.mark.slow
 def test_calibrate_on_a_full_disk_keeps_the_profile_it_would_replace(tmp_path):
     disk, keep = tmp_path / "disk", tmp_path / "after"
-    prefix = on_full_disk(disk, _seed(tmp_path, p_json="the old profile"), keep)
+    old = '{"schema": "specbatch.profile/1", "the old": "profile"}'
+    prefix = on_full_disk(disk, _seed(tmp_path, p_json=old), keep)
     result = run_specbatch("calibrate", "-o", disk / "p.json", "--force", *TINY_CALIBRATION, prefix=prefix)
     assert_one_error_line(result, f"{disk}/p.json", FULL, "lock file")
-    assert (keep / "p.json").read_text() == "the old profile"
+    assert (keep / "p.json").read_text() == old
     assert sorted(p.name for p in keep.iterdir()) == ["p.json"]  # neither a temporary file nor a lock
 
 
@@ -140,13 +141,13 @@ def test_an_unreadable_config_json_is_one_line(tmp_path):
 
 
 def test_unreadable_weights_are_reported_as_unreadable_not_missing(tmp_path):
-    from specbatch.runtime.assembly import DEMO_TARGET
+    from specbatch.runtime.assembly import DEMO_DRAFT, DEMO_TARGET
 
     target = tmp_path / "target"
     shutil.copytree(DEMO_TARGET, target)
     (target / "model.safetensors").chmod(0o000)
     for command in (["generate", "--prompt", "x", "--max-new-tokens", "2", "--k", "0"],
-                    ["bench", "--batch-sizes", "1", "--ks", "0", "--out", tmp_path / "b"]):
+                    ["bench", "--batch-sizes", "1", "--ks", "0", "--out", tmp_path / "b", "--draft", DEMO_DRAFT]):
         result = run_specbatch(*command, "--target", target, prefix=without_root_override())
         line = assert_one_error_line(result, f"{target}/model.safetensors", "Permission denied")
         assert "no weights" not in line

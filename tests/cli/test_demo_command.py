@@ -45,6 +45,13 @@ def test_demo_end_to_end(tmp_path, monkeypatch):
     assert [e.batch_size for e in table.buckets[0].entries] == list(range(1, 9))
     vllm = json.loads((out / "vllm.json").read_text())["num_speculative_tokens_per_batch_size"]
     assert vllm[0][0] == 1 and vllm[-1][1] == 8
+    # the engines' exports rank the chains they run, not the trees and n-gram stage table.json may hold
+    from specbatch.perfmodel.model import choose_acceptance, compute_table, load_model
+
+    fitted = load_model(out / "model.json")
+    chains = compute_table(fitted, choose_acceptance(fitted, None), 8, fitted.table_context_lens("vllm"),
+                           strategies="chain")
+    assert [k for start, end, k in vllm for _ in range(start, end + 1)] == [e.k for e in chains.buckets[0].entries]
     bench = json.loads((out / "bench" / "bench.json").read_text())
     assert [b["batch_size"] for b in bench["batch_sizes"]] == [1, 2]
     assert "median of 1 interleaved rounds" in " ".join(result.output.split())  # rich wraps long lines

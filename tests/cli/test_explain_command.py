@@ -127,3 +127,17 @@ def test_a_tokens_term_inside_its_sampling_interval_is_called_noise():
     assert near["tokens_per_step"]["within_noise"] is True
     assert "inside its 95 % sampling interval" in culprit_line(near) and "over 16 steps" in culprit_line(near)
     assert "cut at max new tokens" in explanation_table(near).columns[0].cells
+
+
+def test_explain_has_the_force_its_refusal_suggests(tmp_path):
+    """A model file made for another pair is refused with 'pass --force'; explain takes --force and runs."""
+    profile = build_profile(roofline_latency(), batch_sizes=(1, 2, 4), context_lens=(64, 256), max_k=4,
+                            acceptance=[0.6])
+    profile["models"]["target"]["fingerprint"] = "ab" * 32  # not the demo target's
+    write_profile(tmp_path / "profile.json", profile)
+    assert invoke("fit", tmp_path / "profile.json", "-o", tmp_path / "model.json").exit_code == 0
+    args = ("explain", tmp_path / "model.json", "--batch-size", 1, "--k", 1, "--max-new-tokens", 4, "--rounds", 1,
+            "--device", "cpu", "--json")
+    assert_one_line_error(invoke(*args), "was made for another pair", "--force")
+    result = invoke(*args, "--force")
+    assert result.exit_code == 0, result.output

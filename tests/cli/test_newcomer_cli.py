@@ -102,7 +102,7 @@ def test_calibrate_refuses_an_existing_profile_without_resume_or_force(files):
     before = files["profile"].read_bytes()
     result = invoke("calibrate", "--target", "gpt2", "--draft", "gpt2", "--acceptance", "0.8",
                     "-o", files["profile"])
-    assert_one_line_error(result, "--out", "a file is already there", "--resume", "--force")
+    assert_one_line_error(result, "--out", "a specbatch.profile file is already there", "--resume", "--force")
     assert files["profile"].read_bytes() == before
 
 

@@ -233,3 +233,76 @@ def test_other_bad_options(files, tmp_path):
     assert_one_line_error(invoke("table", files["model"], "-o", tmp_path / "t.json", "--clamp"), "--clamp", "trtllm")
     assert_one_line_error(invoke("table", files["model"], "-o", tmp_path / "t.csv", "--format", "csv", "--draft",
                                  tmp_path), "--draft", "vllm or trtllm")
+
+
+def test_an_engine_export_ranks_the_chains_the_engine_runs_and_prints_their_prediction(tmp_path):
+    """With trees and the n-gram stage winning at b = 1 (`--strategies all`, the default), the vllm export is
+    the best chain's, the printed prediction is that chain's, and the same table as JSON is what
+    bench --peers vllm accepts (its export is the same)."""
+    from perfmodel_fixtures import tree_profile
+
+    from specbatch.bench.vllm.compare import check_chains_only
+    from specbatch.perfmodel.model import choose_acceptance, compute_table, load_model
+    from specbatch.perfmodel.table import load_table, to_vllm
+    from specbatch.runtime.assembly import DEMO_DRAFT
+
+    write_profile(tmp_path / "p.json", tree_profile())
+    assert invoke("fit", tmp_path / "p.json", "-o", tmp_path / "m.json").exit_code == 0
+    fitted = load_model(tmp_path / "m.json")
+    everything = compute_table(fitted, choose_acceptance(fitted, None), 8, [128])
+    assert everything.buckets[0].entries[0].chosen().kind == "tree"  # what the export must not carry
+    result = invoke("table", tmp_path / "m.json", "--format", "vllm", "--max-batch", 8, "--context-lens", 128,
+                    "--draft", DEMO_DRAFT, "-o", tmp_path / "spec.json")
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.stdout.split())
+    assert "chains only were ranked" in said and "tree" not in said.split("chains only")[0]
+    chains = compute_table(fitted, choose_acceptance(fitted, None), 8, [128], strategies="chain")
+    best = chains.buckets[0].entries[0]
+    assert f"{best.predicted_speedup:.2f}x" in said  # the chain's prediction, not the tree's
+    export = json.loads((tmp_path / "spec.json").read_text())
+    assert export == to_vllm(chains, draft=DEMO_DRAFT)
+    assert invoke("table", tmp_path / "m.json", "--strategies", "chain", "--max-batch", 8, "--context-lens", 128,
+                  "-o", tmp_path / "t.json").exit_code == 0
+    for_bench = load_table(tmp_path / "t.json")
+    check_chains_only(for_bench, "t.json")  # bench --peers vllm takes it
+    assert to_vllm(for_bench, draft=DEMO_DRAFT) == export
+
+
+# ------------------------------------------------------------------------------ a profile cut short
+def _cut_short(tmp_path):
+    """A grid of b = 1..16 whose calibration stopped before the target's b = 16 passes and half the overheads."""
+    profile = build_profile(roofline_latency(), batch_sizes=(1, 2, 4, 8, 16), context_lens=(64, 256), max_k=3,
+                            acceptance=[0.6])
+    full = len(profile["timings"])
+    profile["timings"] = [row for row in profile["timings"] if not (row["model"] == "target" and
+                                                                    row["batch_size"] == 16)]
+    profile["stopped_early"] = "--max-seconds 30"
+    write_profile(tmp_path / "p.json", profile)
+    return full, full - len(profile["timings"])
+
+
+def test_fit_and_table_say_what_a_cut_short_profile_misses_and_table_refuses_to_extrapolate(tmp_path):
+    full, missing = _cut_short(tmp_path)
+    result = invoke("fit", tmp_path / "p.json", "-o", tmp_path / "m.json")
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.stdout.split())
+    assert f"{full - missing} of {full} planned pass timings" in said
+    assert "calibrate stopped by --max-seconds 30" in said
+    assert "no timing at all for target b=16 L=64, target b=16 L=256" in said
+    result = invoke("table", tmp_path / "m.json", "--max-batch", 12, "-o", tmp_path / "t.json")
+    assert_one_line_error(result, f"{tmp_path / 'm.json'}: the profile is incomplete", "target b=16 L=64",
+                          "--force")
+    assert not (tmp_path / "t.json").exists()
+    result = invoke("table", tmp_path / "m.json", "--max-batch", 12, "-o", tmp_path / "t.json", "--force")
+    assert result.exit_code == 0 and "the profile is incomplete" in " ".join(result.stdout.split())
+    result = invoke("table", tmp_path / "m.json", "--max-batch", 8, "-o", tmp_path / "t8.json")
+    assert result.exit_code == 0, result.output  # b = 1..8 rests on measured cells only; the gap is still said
+    assert "the profile is incomplete" in " ".join(result.stdout.split())
+
+
+def test_a_profile_that_ran_its_plan_has_no_coverage_note(tmp_path):
+    profile = build_profile(roofline_latency(), batch_sizes=(1, 2, 4), context_lens=(64, 256), max_k=3,
+                            acceptance=[0.6])
+    write_profile(tmp_path / "p.json", profile)
+    result = invoke("fit", tmp_path / "p.json", "-o", tmp_path / "m.json", "--json")
+    assert result.exit_code == 0 and json.loads(result.stdout)["coverage"] is None

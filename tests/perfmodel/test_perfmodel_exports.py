@@ -110,15 +110,19 @@ def test_trtllm_zero_inside_the_table_keeps_its_key(draft_dir):
     assert export["draft_len_schedule"] == {"1": 4, "3": 0, "5": 3} and export["max_draft_len"] == 4
 
 
-def test_trees_export_chains_of_their_depth(draft_dir):
+@pytest.mark.parametrize("export", [to_vllm, to_trtllm])
+@pytest.mark.parametrize("spec, stage2", [("0,1,0.0", False), ("chain:2", True)])
+def test_trees_and_staged_entries_are_refused_not_exported_as_chains(draft_dir, export, spec, stage2):
+    """The engine would run a chain of the tree's depth (or without the n-gram stage): a strategy the table
+    never predicted."""
     from specbatch.perfmodel.tree import Strategy, parse_tree
 
-    tree = Strategy(parse_tree("0,1,0.0"))  # depth 2
-    entries = (TableEntry(1, 2, 300.0, 2.0, None, None, tree), TableEntry(2, 1, 400.0, 1.5, None, None,
-                                                                          Strategy.from_k(1)))
+    shaped = Strategy(parse_tree(spec), stage2=stage2)
+    entries = (TableEntry(1, 2, 300.0, 2.0, None, None, shaped), TableEntry(2, 1, 400.0, 1.5, None, None,
+                                                                            Strategy.from_k(1)))
     table = Table("t", str(draft_dir), "dev", "2026-11-30T01:00:00Z", 2, {}, (Bucket(512, entries),))
-    assert to_vllm(table)["num_speculative_tokens_per_batch_size"] == [[1, 1, 2], [2, 2, 1]]
-    assert to_trtllm(table)["draft_len_schedule"] == {"1": 2, "2": 1}
+    with pytest.raises(PerfModelError, match=r"strategies .* cannot run \(b = 1: .*--strategies chain"):
+        export(table)
 
 
 # ---------------------------------------------------------------- refusals, each one line

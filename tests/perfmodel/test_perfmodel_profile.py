@@ -169,3 +169,17 @@ def test_not_json_and_missing_file(tmp_path):
         load_profile(path)
     with pytest.raises(PerfModelError, match="nothere.json: no such file"):
         load_profile(tmp_path / "nothere.json")
+
+
+def test_the_committed_profiles_pass_the_noise_rule_or_their_readme_says_why_they_are_kept():
+    from pathlib import Path
+
+    from specbatch.perfmodel.profile import load_profile
+
+    folder = Path(__file__).parents[2] / "data" / "profiles"
+    readme = (folder / "README.md").read_text()
+    paragraphs = {p.split("`")[1]: p for p in readme.split("\n- ") if p.startswith("`")}
+    for path in sorted(folder.glob("*.json")):
+        noise = load_profile(path).noise
+        if noise is not None and noise.too_noisy:
+            assert "noise rule" in paragraphs[path.name] and "kept because" in paragraphs[path.name], path.name

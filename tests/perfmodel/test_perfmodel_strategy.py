@@ -17,7 +17,7 @@ from specbatch.perfmodel.profile import Stage2Info, profile_from_json
 from specbatch.perfmodel.strategy import StepModel, candidate_strategies
 from specbatch.perfmodel.table import load_table, save_table, table_from_json, to_csv, to_vllm
 from specbatch.perfmodel.tree import Strategy, chain, parse_tree
-from perfmodel_fixtures import build_profile, roofline_latency
+from perfmodel_fixtures import build_profile, roofline_latency, tree_profile
 
 RANKS = ((0.5, 0.3), (0.4, 0.2))
 FAN = parse_tree("0,1,0.0,0.1,1.0")  # nodes 0, 1, 0.0, 0.1, 1.0: inner 0 and 1 at depth 1
@@ -109,19 +109,6 @@ def test_candidate_family():
 
 
 # ---------------------------------------------------------------- end to end on a fitted synthetic profile
-
-def tree_profile() -> dict:
-    """A 7B-class target and a 125M-class draft on a GPU-like roofline: verifying many tokens is free at
-    batch 1 (weight reads dominate) and costly at batch 64 (matmuls dominate). Acceptance per position
-    and at rank 0 agree."""
-    obj = build_profile(roofline_latency(), batch_sizes=(1, 2, 4, 8, 16, 32, 64), context_lens=(128, 512),
-                        max_k=4, acceptance=[0.7] * 4)
-    obj["acceptance"][0]["rank_acceptance"] = [[0.7, 0.15, 0.05]] * 4
-    obj["stage2"] = {"file": "ngram.bin", "sha256": "ab" * 32, "guess_accuracy": [0.7, 0.4, 0.2],
-                     "query_overhead_ms": 0.05, "query_ms_per_context": 0.0005}
-    return obj
-
-
 @pytest.fixture(scope="module")
 def fitted():
     return fit_profile(profile_from_json(tree_profile()))
@@ -140,9 +127,8 @@ def test_table_picks_a_tree_at_batch_one_and_a_chain_or_nothing_at_large_batch(f
     assert [loaded.strategy(b, 128) for b in range(1, 65)] == [e.strategy for e in entries]
     assert [loaded.lookup(b, 128) for b in range(1, 65)] == [e.strategy.k for e in entries]
     (tmp_path / "config.json").write_text("{}")  # the draft directory vLLM would load
-    ranges = to_vllm(loaded, draft=tmp_path)["num_speculative_tokens_per_batch_size"]
-    ks = [k for start, end, k in ranges for _ in range(start, end + 1)]
-    assert ks == [e.k for e in entries]  # engines get the depth: a chain of the tree's length
+    with pytest.raises(PerfModelError, match="--format vllm: the table has strategies vllm cannot run .b = 1: tree"):
+        to_vllm(loaded, draft=tmp_path)  # vLLM would run a chain of the tree's depth, which nobody predicted
     assert "tree 0,1" in to_csv(loaded).splitlines()[1]
 
 

@@ -115,3 +115,26 @@ def test_a_cold_start_is_not_a_drift(caplog):
         fidelity.observe(strategy, b, predicted_s, predicted_s * level * math.exp(rng.normal(0.0, 0.05)))
     assert warnings_of(caplog) == [] and not fidelity.drifting
     assert FIDELITY.persist_steps <= 200 - 40  # room, within the goal's 200 steps, for the mean to cross the band
+
+
+@pytest.mark.parametrize("level", [0.49, 2.0])
+def test_a_profile_too_noisy_to_check_closely_is_announced_and_a_2x_error_still_seen(caplog, level):
+    """A figure like data/profiles/demo-cpu.json's (drift ±133 %, jitter ±27 %) would make a band of ±160 %,
+    within which a run at x0.49 of the prediction passes silently. The band is capped, said at start, and the
+    mismatch is warned about and counted for /metrics."""
+    from specbatch.runtime.fidelity import announce_noise, noise_band_source
+
+    checks = (NoiseCheck(0, 10.0, 8.6, 11.4), NoiseCheck(5, 57.0, 49.0, 65.0), NoiseCheck(9, 1.0, 0.86, 1.14))
+    noisy = NoiseFigure("target b=1 n=1 L=64", checks)
+    assert noisy.drift + noisy.jitter > 1.0 and noise_band(noisy) == FIDELITY.max_band
+    announce_noise(noisy, "model.json")
+    said = warnings_of(caplog)
+    assert len(said) == 1 and "model.json: the profile's noise figure" in said[0].getMessage()
+    assert "too noisy to check the served steps closely" in said[0].getMessage()
+    caplog.clear()
+    fidelity = LiveFidelity(band=noise_band(noisy), model_error=0.6, band_source=noise_band_source(noisy))
+    run(fidelity, FIDELITY.warmup_steps * 3 + FIDELITY.settle_steps * 3 + 30, level, np.random.default_rng(5))
+    records = warnings_of(caplog)
+    assert len(records) == 1 and "do not match the profile" in records[0].getMessage()
+    assert len(fidelity.snapshot()["mismatched"]) == len(CELLS)
+

@@ -149,6 +149,25 @@ def test_seeded_sampled_request_is_reproducible_whoever_shares_the_batch(greedy_
     assert tokens_of(other_seed["s"]) != tokens_of(alone["s"])
 
 
+@pytest.mark.filterwarnings("ignore:table. context length")
+def test_with_a_table_a_seeded_request_repeats_its_text_when_its_strategies_repeat(greedy_target,
+                                                                                   greedy_draft_sometimes, prompts8,
+                                                                                   write_table):
+    """What docs/serving.md promises a seeded sampled request under the table policy: the same text when the
+    same sequence of strategies verifies it (a table of one k at every batch size: whoever shares the batch;
+    a table whose k follows the batch size: the same arrivals replayed), the target's distribution always."""
+    generator = SpeculativeGenerator(greedy_target, greedy_draft_sometimes)
+    hot = Sampling(temperature=1.5, top_p=0.95)
+    crowd = {0: [Request("g", tuple(prompts8[0]), 16), Request("x", tuple(prompts8[5]), 12, hot, seed=1)],
+             1: [Request("s", tuple(prompts8[3]), 20, hot, seed=7)]}
+    one_k = write_table({b: 3 for b in range(1, 6)}, "one-k.json")
+    alone = drive(Engine(generator, TableK(one_k)), {0: [Request("s", tuple(prompts8[3]), 20, hot, seed=7)]})
+    assert tokens_of(drive(Engine(generator, TableK(one_k)), crowd)["s"]) == tokens_of(alone["s"])
+    by_batch = write_table({1: 4, 2: 3, 3: 2, 4: 1, 5: 0}, "by-batch.json")
+    first, again = (drive(Engine(generator, TableK(by_batch)), crowd) for _ in range(2))
+    assert tokens_of(first["s"]) == tokens_of(again["s"])
+
+
 def test_stop_strings_end_the_text_before_them(greedy_target, greedy_draft_sometimes, prompts8):
     decode = lambda ids: "".join(chr(97 + t % 26) for t in ids)  # noqa: E731 - one char per token
     reference = decode(solo_greedy(greedy_target, prompts8[4], 20))
@@ -159,6 +178,9 @@ def test_stop_strings_end_the_text_before_them(greedy_target, greedy_draft_somet
                                 Request("b", tuple(prompts8[1]), 20)]})
     assert "".join(e.text for e in events["a"]) == reference[:cut]
     assert events["a"][-1].finish_reason == "stop"
+    # one character per token: the client gets the tokens of its text, and the count says so, nothing past it
+    assert tokens_of(events["a"]) == solo_greedy(greedy_target, prompts8[4], 20)[:cut]
+    assert events["a"][-1].completion_tokens == cut
     assert "".join(e.text for e in events["b"]) == decode(solo_greedy(greedy_target, prompts8[1], 20))
 
 

@@ -6,6 +6,8 @@ The failing request is made at the generator's boundary: a generator whose passe
 is among the rows they run (what a bug or a bad value in one row does)."""
 from __future__ import annotations
 
+import pytest
+
 from specbatch.runtime.engine import Engine, EngineConfig, Request
 from specbatch.runtime.generator import SpeculativeGenerator
 from specbatch.runtime.policy import FixedK
@@ -81,3 +83,19 @@ def test_a_failing_prefill_ends_its_request_and_no_running_one(greedy_target, pr
     events = drive(engine, {0: [running], 2: [bad]})
     assert [e.finish_reason for e in events["bad"]] == ["error"] and tokens_of(events["bad"]) == []
     assert tokens_of(events["running"]) == solo_greedy(greedy_target, prompts8[1], 12)
+
+
+@pytest.mark.parametrize(("target_positions", "draft_positions", "limiter"), [(128, 48, "draft"), (40, 128, "target")])
+def test_a_context_error_names_the_model_that_limits_it(target_positions, draft_positions, limiter):
+    from specbatch.runtime.checkpoint import build_model
+    from specbatch.runtime.generator import GenerationError
+    from torch_fixtures import tiny_llama_config
+
+    target = build_model(tiny_llama_config(max_position_embeddings=target_positions), seed=1)
+    draft = build_model(tiny_llama_config(max_position_embeddings=draft_positions, num_layers=1), seed=2)
+    generator = SpeculativeGenerator(target, draft)
+    limit = min(target_positions, draft_positions)
+    with pytest.raises(GenerationError, match=f"the {limiter} model's context is {limit} positions"):
+        generator.generate([[3] * limit], 4, FixedK(2))
+    with pytest.raises(GenerationError, match=f"exceeds the {limiter} model's context of {limit} positions"):
+        generator.generate([[3] * (limit - 4)], 8, FixedK(2))

@@ -195,9 +195,15 @@ def test_a_stop_string_ends_the_text_before_it(server, endpoint):
     stop = reference[12:15]
     assert stop and reference.index(stop) > 0
     response = httpx.post(url(server, endpoint), json=body(server, endpoint, max_tokens=40, temperature=0,
-                                                           stop=[stop, "never appears §"]), timeout=60)
-    assert answer_text(endpoint, response) == reference[:reference.index(stop)]
+                                                           stop=[stop, "never appears §"],
+                                                           return_token_ids=True), timeout=60)
+    text = reference[:reference.index(stop)]
+    assert answer_text(endpoint, response) == text
     assert response.json()["choices"][0]["finish_reason"] == "stop"
+    # the tokens sent and counted are those of the text: none accepted past the stop in the same step
+    ids = response.json()["choices"][0]["token_ids"]
+    assert response.json()["usage"]["completion_tokens"] == len(ids)
+    assert server.served.decode(ids).startswith(text) and len(server.served.decode(ids[:-1])) < len(text)
 
 
 def test_an_empty_prompt_is_refused(server):

@@ -131,3 +131,20 @@ def test_the_load_test_starts_refit_servers_and_reads_a_run():
     assert [c["strategy"] for c in run["cells"]] == ["chain k=2", "none"]
     assert describe_fidelity(run) == "1.40 (refit 1.00), 1 drift"
     assert step_model_use(None, after) is None and describe_fidelity(None) == "-"
+
+
+def test_the_mismatched_cells_are_a_counter_in_metrics():
+    """Steps at 2x their prediction from the start: every cell settles beyond the band, and /metrics counts it."""
+    import math
+
+    from specbatch.runtime.fidelity import LiveFidelity
+    from specbatch.serve.metrics import _fidelity
+
+    fidelity = LiveFidelity(band=0.10, model_error=0.05)
+    cells = [("chain k=3", 3), ("none", 12)]
+    for step in range(400):
+        strategy, batch_size = cells[step % 2]
+        fidelity.observe(strategy, batch_size, 0.01, 0.02 * math.exp(0.01 * (step % 5 - 2)))
+    series = {}
+    _fidelity(lambda name, kind, help_text, samples: series.update({name: (kind, samples)}), fidelity.snapshot())
+    assert series["step_model_mismatched_cells_total"] == ("counter", [("", 2)])

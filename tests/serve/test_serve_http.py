@@ -92,6 +92,7 @@ def test_streaming_gives_the_same_text_then_usage_and_done(server):
     assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == len(ids)
     assert "".join(b["choices"][0]["text"] for b in bodies) == text
     assert [b["choices"][0]["finish_reason"] for b in bodies[:-1]] == [None] * (len(bodies) - 1)
+    assert all("usage" in b and b["usage"] is None for b in bodies)  # as OpenAI: null until the usage chunk
     assert bodies[-1]["choices"][0]["finish_reason"] in ("stop", "length")
     assert len({b["id"] for b in bodies}) == 1
 

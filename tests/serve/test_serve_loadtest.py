@@ -187,3 +187,19 @@ def test_a_chain_table_against_a_staged_adaptive_is_called_out(tmp_path):
     assert found.startswith(f"the table {chain} has no second-stage entries but {model} measured the second stage")
     assert notes(golden / "table.json", ("table", f"adaptive={model}")) == []
     assert notes(chain, ("table", "k=2")) == []
+
+
+def test_a_replay_with_no_arrival_within_the_duration_sends_nothing():
+    trace = [TraceItem(5.0, 0, 4)]
+    records = asyncio.run(replay_engine(None, lambda text: [1], trace, ("x",), 1.0))
+    assert records == []
+
+
+def test_a_run_where_every_request_failed_is_named_with_its_errors():
+    from specbatch.serve.loadtest_report import RequestRecord, Slo, failed_runs, summarize
+
+    failed = [RequestRecord(i, 0.1 * i, error="HTTP 400") for i in range(3)]
+    mixed = [RequestRecord(0, 0.0, 0.1, 0.5, completion_tokens=4), RequestRecord(1, 0.2, error="HTTP 503")]
+    runs = [{"policy": "table", "mode": "http", "rate_per_s": 2.0, "cv": 1.0, **summarize(failed, 3, Slo(), None)},
+            {"policy": "k=0", "mode": "http", "rate_per_s": 2.0, "cv": 1.0, **summarize(mixed, 2, Slo(), None)}]
+    assert failed_runs(runs) == ["policy table (http) at 2/s: none of 3 requests succeeded (HTTP 400)"]

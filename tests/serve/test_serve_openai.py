@@ -35,6 +35,10 @@ def test_completion_and_streaming_equal_solo_greedy(client_and_server):
 def test_models_and_errors(client_and_server):
     client, server = client_and_server
     assert [m.id for m in client.models.list()] == [server.served.name]
+    assert client.models.retrieve(server.served.name).id == server.served.name
+    with pytest.raises(openai.NotFoundError) as unknown:
+        client.models.retrieve("gpt-4")
+    assert unknown.value.body["code"] == "model_not_found"
     with pytest.raises(openai.NotFoundError) as missing:
         client.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=4)
     assert missing.value.body["code"] == "model_not_found"
