@@ -67,8 +67,8 @@ def too_noisy_to_check(noise: NoiseFigure | None) -> str | None:
         return None
     return (f"the profile's noise figure (±{100 * (noise.drift + noise.jitter):.0f} %: drift ±{100 * noise.drift:.0f} "
             f"%, jitter ±{100 * noise.jitter:.0f} %) is too noisy to check the served steps closely: the self-check "
-            f"uses ±{100 * FIDELITY.max_band:.0f} %, so steps may be called off the model where the profile itself was; "
-            "recalibrate on a quiet machine")
+            f"uses ±{100 * FIDELITY.max_band:.0f} %, so steps may be called off the model where the profile itself "
+            "was; recalibrate on a quiet machine")
 
 
 def announce_noise(noise: NoiseFigure | None, source: str) -> None:
