@@ -192,6 +192,8 @@ class SpeculativeGenerator:
         vocab = target.config.vocab_size
         for role, model in (("draft", draft), ("second-stage n-gram", stage2)):
             size = None if model is None else getattr(model, "vocab_size", None) or model.config.vocab_size
+            if isinstance(model, CausalLM) and size < vocab and model.logits_size == vocab:
+                continue  # a draft padded to the target's vocabulary (loading checked that the tokens agree)
             if size is not None and size != vocab:
                 raise GenerationError(f"{role} vocabulary ({size} tokens) differs from the target's "
                                       f"({vocab} tokens): the tokenizers must agree")

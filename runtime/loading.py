@@ -72,20 +72,33 @@ def resolve_pair(target: str, draft: str | None) -> tuple[ModelSpec, ModelSpec |
     target_spec = resolve_model(target, "target")
     draft_spec = None if draft is None else resolve_model(draft, "draft")
     if draft_spec is not None:
-        check_vocabulary(f"--draft {draft_spec.source}", draft_spec.config.vocab_size, target_spec.config.vocab_size)
-        check_same_tokenizer(target_spec, draft_spec)
+        same = check_same_tokenizer(target_spec, draft_spec)
+        if not draft_pads_to_target(target_spec, draft_spec, same):
+            check_vocabulary(f"--draft {draft_spec.source}", draft_spec.config.vocab_size,
+                             target_spec.config.vocab_size)
     return target_spec, draft_spec
 
 
-def check_same_tokenizer(target: ModelSpec, draft: ModelSpec) -> None:
-    """Equal vocabulary sizes are not one vocabulary: the draft's tokenizer.json must map the same tokens to
-    the same ids (`ngram.tokenizer_fingerprint`, as for an n-gram draft), or every draft token is rejected.
-    Where one checkpoint has no tokenizer.json, a note says it could not be checked (random weights have
-    no tokens to compare)."""
+def draft_pads_to_target(target: ModelSpec, draft: ModelSpec, same_tokenizer: bool | None) -> bool:
+    """A draft whose vocabulary is the first ids of the target's: one tokenizer, the target's embedding table
+    padded past it (Gemma 3 1B, 262,144 ids, for Gemma 3 12B's 262,208). It proposes from its own ids and its
+    logits are padded with -inf (`CausalLM.pad_vocabulary_to`): lossless, as the target verifies every token.
+    Allowed when the tokenizer files are the same, or for random weights (timing) of one model type."""
+    if draft.config.vocab_size >= target.config.vocab_size:
+        return False
+    shapes_only = draft.random_weights and target.random_weights and draft.config.model_type == target.config.model_type
+    return bool(same_tokenizer) or shapes_only
+
+
+def check_same_tokenizer(target: ModelSpec, draft: ModelSpec) -> bool | None:
+    """The draft's tokenizer.json must map the same tokens to the same ids as the target's
+    (`ngram.tokenizer_fingerprint`, as for an n-gram draft), or every draft token is rejected: True when it
+    does; a one-line error when it does not; None where it cannot be checked (random weights have no tokens;
+    where one checkpoint has no tokenizer.json, a note says so)."""
     from .ngram import NGramError, tokenizer_fingerprint
 
     if target.directory is None or draft.directory is None:
-        return
+        return None
     files = [target.directory / "tokenizer.json", draft.directory / "tokenizer.json"]
     present = [f for f in files if f.is_file()]
     if len(present) == 1:
@@ -93,15 +106,16 @@ def check_same_tokenizer(target: ModelSpec, draft: ModelSpec) -> None:
         warnings.warn(f"--{missing.role} {missing.source} has no tokenizer.json: whether the draft shares the "
                       "target's tokens is unchecked (acceptance near 0 means it does not)", NoteWarning, stacklevel=3)
     if len(present) < 2:
-        return
+        return None
     try:
         same = tokenizer_fingerprint(files[0]) == tokenizer_fingerprint(files[1])
     except NGramError as error:
         raise UsageError(str(error)) from None
     if not same:
         raise UsageError(f"--draft {draft.source}: its tokenizer ({files[1]}) maps tokens to ids unlike the "
-                         f"target's ({files[0]}): same vocabulary size, other tokens, so every draft token would be "
-                         "rejected; give a draft trained with the target's tokenizer")
+                         f"target's ({files[0]}), so every draft token would be rejected; give a draft trained with "
+                         "the target's tokenizer")
+    return True
 
 
 @dataclass(frozen=True)
@@ -132,6 +146,8 @@ def load_pair(target: ModelSpec, draft: ModelSpec | None, device: str, dtype: to
             models.append(loaded.model)
             if spec.role == "target":
                 tokenizer, eos = loaded.tokenizer, loaded.eos_token_ids
+    if models[1] is not None and draft.config.vocab_size < target.config.vocab_size:  # resolve_pair allowed it
+        models[1].pad_vocabulary_to(target.config.vocab_size)
     return LoadedPair(models[0], models[1], tokenizer, tuple(eos), target, draft)
 
 

@@ -240,6 +240,9 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.attention_backend: str | None = None  # None: by device (runtime.attention.choose_backend)
+        # a draft whose vocabulary is the start of its target's (one tokenizer, the target's table padded, as
+        # Gemma 3 1B for 12B): logits padded with -inf to the target's size (`pad_vocabulary_to`)
+        self.logits_size = config.vocab_size
         d = config.hidden_size
         embed_dim = config.word_embed_proj_dim or d
         self.embed = nn.Embedding(config.vocab_size, embed_dim)
@@ -339,6 +342,8 @@ class CausalLM(nn.Module):
                          "positions, which inside a tree are not the cache slots' order")
             attention = UniformPass(cache, n, tree, window, backend)
             positions = attention.positions
+        if self.logits_size > self.config.vocab_size:
+            tokens = tokens.clamp(max=self.config.vocab_size - 1)
         x = self.embed(tokens)
         if self.config.embed_scale is not None:  # Gemma: the scale rounded to the weights' dtype, as transformers
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
@@ -372,4 +377,15 @@ class CausalLM(nn.Module):
             x = self.project_out(x)
         logits = self.lm_head(x)
         cap = self.config.final_logit_softcap
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        if self.logits_size > self.config.vocab_size:  # ids past our table: probability 0, never an argmax
+            logits = F.pad(logits, (0, self.logits_size - self.config.vocab_size), value=float("-inf"))
+        return logits
+
+    def pad_vocabulary_to(self, size: int) -> None:
+        """Serve as a draft for a target whose vocabulary has `size` ids, ours being its first ones: logits
+        are padded with -inf to `size`, and an id past ours (the target's, fed back) reads our last row."""
+        if size < self.config.vocab_size:
+            raise ValueError(f"a vocabulary of {size} ids cannot hold this model's {self.config.vocab_size}")
+        self.logits_size = size

@@ -15,6 +15,8 @@ recorded, the probability of every outcome is enumerated in rational steps and e
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -348,3 +350,23 @@ def test_parse_sampling(text, expected):
 def test_parse_sampling_refuses(text):
     with pytest.raises(SamplingError, match="--sampling"):
         parse_sampling(text)
+
+
+def test_speculative_sampling_with_a_draft_padded_to_the_targets_vocabulary(pair):
+    """A draft over the target's first V - 1 ids (its logits padded with -inf: q is 0 on the last id, which the
+    draft reads as its own last when the target produces it): still exactly the target's distribution."""
+    target, draft = pair
+    small = build_model(replace(draft.config, vocab_size=V - 1), seed=0)
+    with torch.no_grad():
+        for name, param in small.named_parameters():
+            source = dict(draft.named_parameters())[name]
+            param.copy_(source[:V - 1] if name in ("embed.weight", "lm_head.weight") else source)
+    small.pad_vocabulary_to(V)
+    sampling = Sampling(temperature=1.0)
+    p1, p2, p3 = _exact(target, sampling)
+    result = SpeculativeGenerator(target, small).generate([PROMPT] * ROWS, 3, FixedK(2), sampling, seed=99)
+    assert 0.1 < result.stats.acceptance_per_position[0] < 0.95
+    counts = _counts(result.token_ids, 3)
+    assert counts[V - 1].sum() > 0  # the target did produce the id the draft has no row for
+    joint3 = (p1[:, None, None] * p2[:, :, None] * p3).numpy()
+    assert _chi2_pvalue(counts, joint3) > ALPHA
