@@ -347,11 +347,16 @@ def build_model(config: ModelConfig, device: str = "cpu", dtype: torch.dtype | N
     """A model of `config`'s shape with seeded random weights (small), as for shape presets. The weights are
     made in `dtype` on `device` directly: an 8B model in bfloat16 needs 16 GB, not the 32 of float32 first."""
     dtype = dtype or default_dtype(device)
-    model = empty_model(config, device, dtype)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(std=0.02, generator=generator) if param.dim() > 1 else param.fill_(1.0)
+    torch.manual_seed(seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # parameters are born in `dtype`: no float32 copy of the whole model first
+    try:
+        with torch.device(device):
+            model = CausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    for param in model.parameters():
+        torch.nn.init.normal_(param, std=0.02) if param.dim() > 1 else torch.nn.init.ones_(param)
     return _finish(model, config, device, dtype)
 
 

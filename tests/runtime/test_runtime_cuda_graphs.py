@@ -23,13 +23,11 @@ from test_runtime_engine import solo_greedy
 def graphed_on_cpu(greedy_target, greedy_draft_sometimes, monkeypatch):
     """Both models on the varlen backend (its CPU reference kernel) with the stand-in capture; the captures'
     output shapes are logged in the list returned."""
-    from specbatch.runtime import attention
     import varlen_reference
 
     for model in (greedy_target, greedy_draft_sometimes):
         monkeypatch.setattr(model, "attention_backend", "varlen")
-    monkeypatch.setattr(attention, "varlen_attn", varlen_reference.varlen_attn)
-    monkeypatch.setattr(attention, "AuxRequest", varlen_reference.AuxRequest)
+    varlen_reference.use_reference_flash(monkeypatch)
     log = []
     monkeypatch.setattr(cuda_graphs, "capture_cuda_graph", replaying_capture(log))
     return log
