@@ -354,7 +354,7 @@ def fit(
     check_replace(output, MODEL_SCHEMA.split("/")[0], force, "--output")  # before the fit: fails in a second
     loaded = load_profile(profile)
     from specbatch.perfmodel.execution import check_costs
-    from specbatch.runtime.cuda_graphs import execution_on
+    from specbatch.runtime.devices import execution_on
 
     check_costs(f"profile {profile}", loaded.device, loaded.composition, loaded.engine,
                 execution_on(loaded.device.kind), allow_mode_mismatch)
@@ -417,7 +417,7 @@ def table(
     check_replace(output, table_output_kind(fmt), force, "--output")
     fitted = load_model(model)
     from specbatch.perfmodel.execution import check_costs
-    from specbatch.runtime.cuda_graphs import execution_on
+    from specbatch.runtime.devices import execution_on
 
     check_costs(f"model {model}", fitted.device, fitted.composition, fitted.engine, execution_on(fitted.device.kind),
                 allow_mode_mismatch)

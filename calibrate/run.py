@@ -20,7 +20,8 @@ from specbatch.perfmodel.profile import PROFILE_KIND, AcceptanceEntry, Grid, Ove
 from specbatch.perfmodel.tree import Strategy, expected_tree_tokens, grow_tree
 from specbatch.runtime.checkpoint import parse_dtype
 from specbatch.runtime.clock import DeviceClock
-from specbatch.runtime.cuda_graphs import GraphedModel, execution_on, graphs_by_default
+from specbatch.runtime.cuda_graphs import GraphedModel
+from specbatch.runtime.devices import execution_on, graphs_by_default
 from specbatch.runtime.generator import SpeculativeGenerator
 from specbatch.runtime.loading import LoadedPair, ModelSpec, display_path, load_pair, resolve_device, resolve_pair
 from specbatch.runtime.sampling import Sampling

@@ -262,7 +262,7 @@ AllowModeMismatchOpt = Annotated[bool, typer.Option(
 
 
 def graphs_option(eager: bool) -> bool | None:
-    """--eager: no CUDA graphs; otherwise the device's default (runtime.cuda_graphs.graphs_by_default)."""
+    """--eager: no CUDA graphs; otherwise the device's default (runtime.devices.graphs_by_default)."""
     return False if eager else None
 
 

@@ -22,7 +22,7 @@ def check_execution(what: str, measured: str, running: str, allowed: bool = Fals
 
 def check_costs(what: str, device, composition, engine, running: str, allowed: bool = False) -> None:
     """`fit`/`table`: a profile's (or model's) costs against `running`, the runtime's default execution on
-    its device kind (runtime.cuda_graphs.execution_on); composed costs (vidur's kernels) and an engine's own
+    its device kind (runtime.devices.execution_on); composed costs (vidur's kernels) and an engine's own
     steps describe no execution of ours."""
     if composition is None and engine is None:
         check_execution(what, device.execution, running, allowed)

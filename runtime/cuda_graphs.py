@@ -32,25 +32,13 @@ from typing import Callable
 import torch
 
 from .attention import choose_backend
-from .devices import device_kind, synchronize
+from .devices import synchronize
 from .kv_cache import KVCache
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 WARMUP_RUNS = 2  # before a capture, on a side stream (cuBLAS and the allocator settle their workspaces)
 SLOT_GRANULARITY = 128  # with graphs, caches get slots per row in multiples of this: a kept one fits longer prompts
 GRAPHS_ATTRIBUTE = "cuda_graphs"  # a root KVCache's graphs: {(bucket, tokens per row, last): _Graph}
-
-
-def graphs_by_default(device) -> bool:
-    """Whether passes replay CUDA graphs unless told otherwise (`--eager`): the device's record says
-    (runtime.devices: on CUDA they are how the runtime runs, a pass otherwise bound by the host's launches)."""
-    return device_kind(device).graphs_by_default
-
-
-def execution_on(device, cuda_graphs: bool | None = None) -> str:
-    """How passes run on `device` (a device or its kind), as a profile records it (perfmodel.execution):
-    'cuda-graphs' or 'eager'; `cuda_graphs` None: the device's default."""
-    return "cuda-graphs" if (graphs_by_default(device) if cuda_graphs is None else cuda_graphs) else "eager"
 
 
 def bucket_for(batch_size: int, capacity: int) -> int:

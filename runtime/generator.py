@@ -207,7 +207,8 @@ class SpeculativeGenerator:
         self.host_bookkeeping = (self.kind.host_bookkeeping_max_cells > 0 if host_bookkeeping is None
                                  else host_bookkeeping)
         self.target_runner, self.draft_runner = target, draft  # what runs the step passes of each model
-        from .cuda_graphs import SLOT_GRANULARITY, GraphedModel, graphs_by_default
+        from .cuda_graphs import SLOT_GRANULARITY, GraphedModel
+        from .devices import graphs_by_default
 
         self.cuda_graphs = graphs_by_default(self.device) if cuda_graphs is None else cuda_graphs
         # kept from finished generations, per policy (`release_caches`)

@@ -178,7 +178,7 @@ def check_policy_execution(policy, options: ServeOptions, device: str) -> None:
     """A table or adaptive model whose costs were measured in the other execution mode is refused (one line)
     unless --allow-mode-mismatch; fixed strategies carry no costs."""
     from specbatch.perfmodel.execution import check_execution, table_execution
-    from specbatch.runtime.cuda_graphs import execution_on
+    from specbatch.runtime.devices import execution_on
 
     running = execution_on(device, options.cuda_graphs)
     table = getattr(policy, "table", None)

@@ -37,8 +37,16 @@ def device_kind(device) -> DeviceKind:
     return found
 
 
-def is_cpu(device) -> bool:
-    return kind_name(device) == "cpu"
+def graphs_by_default(device) -> bool:
+    """Whether passes replay CUDA graphs unless told otherwise (`--eager`): on CUDA they are how the runtime runs
+    (a pass otherwise waits on the host's kernel launches); elsewhere there are none."""
+    return device_kind(device).graphs_by_default
+
+
+def execution_on(device, cuda_graphs: bool | None = None) -> str:
+    """How passes run on `device` (a device or its kind), as a profile records it (perfmodel.execution):
+    'cuda-graphs' or 'eager'; `cuda_graphs` None: the device's default. Torch-free: fit and table ask it."""
+    return "cuda-graphs" if (graphs_by_default(device) if cuda_graphs is None else cuda_graphs) else "eager"
 
 
 def attention_backend(device, dtype) -> str:

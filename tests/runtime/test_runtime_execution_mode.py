@@ -20,7 +20,8 @@ from specbatch.calibrate.timing import RepetitionRule
 from specbatch.perfmodel.errors import UsageError
 from specbatch.perfmodel.profile import Grid
 from specbatch.runtime.adaptive import AdaptivePolicy
-from specbatch.runtime.cuda_graphs import bucket_for, graphs_by_default
+from specbatch.runtime.cuda_graphs import bucket_for
+from specbatch.runtime.devices import graphs_by_default
 from specbatch.runtime.generator import SpeculativeGenerator
 from specbatch.runtime.policy import TableK
 from specbatch.serve.server import ServeOptions, check_policy_execution
