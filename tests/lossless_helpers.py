@@ -41,3 +41,12 @@ def divergences_at_near_ties(target, prompts: list[list[int]], plain: list[list[
         if abs(gap) > rounding:  # the uncached pass rounds differently again: a tie either way
             bad.append(f"row {row} parts at token {position}: logit gap {gap:.4g} beyond rounding {rounding:.4g}")
     return parted, bad
+
+
+@torch.no_grad()
+def naive_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """Argmax decoding with a full forward pass over the whole sequence at every token (no cache)."""
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+    return seq[len(prompt):]

@@ -19,6 +19,7 @@ from specbatch.runtime.checkpoint import build_model
 from specbatch.runtime.config import config_from_dict
 from specbatch.runtime.generator import SpeculativeGenerator
 from specbatch.runtime.policy import FixedK, FixedStrategy
+from lossless_helpers import naive_greedy
 
 V = 64
 N_NEW = 12
@@ -65,17 +66,10 @@ def reference(pairs, prompts32):
     for name, (target, _) in pairs.items():
         plain = SpeculativeGenerator(target, None).generate(prompts32, N_NEW, FixedK(0)).token_ids
         for row in (0, 5, 17, 31):
-            assert plain[row] == _naive_greedy(target, prompts32[row], N_NEW), (name, row)
+            assert plain[row] == naive_greedy(target, prompts32[row], N_NEW), (name, row)
         out[name] = plain
     return out
 
-
-@torch.no_grad()
-def _naive_greedy(model, prompt: list[int], n: int) -> list[int]:
-    seq = list(prompt)
-    for _ in range(n):
-        seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
-    return seq[len(prompt):]
 
 
 TREE = Strategy(parse_tree("0,1,2,0.0,0.1,1.0,0.0.0"), stage2=False)

@@ -12,6 +12,7 @@ import torch
 
 from specbatch.runtime.generator import SpeculativeGenerator
 from specbatch.runtime.policy import FixedK
+from lossless_helpers import naive_greedy
 
 N_NEW = 16
 BATCHES = {1: [4], 3: [0, 1, 2], 8: list(range(8))}  # batch size -> indices into prompts8
@@ -28,17 +29,9 @@ def reference(greedy_target, prompts8):
     return out
 
 
-@torch.no_grad()
-def _naive_greedy(model, prompt: list[int], n: int) -> list[int]:
-    """Argmax decoding with a full forward pass over the whole sequence at every token (no cache)."""
-    seq = list(prompt)
-    for _ in range(n):
-        seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
-    return seq[len(prompt):]
-
 
 def test_target_only_equals_naive_greedy(greedy_target, prompts8, reference):
-    expected = [_naive_greedy(greedy_target, p, N_NEW) for p in prompts8]
+    expected = [naive_greedy(greedy_target, p, N_NEW) for p in prompts8]
     assert reference[8] == expected
     assert reference[3] == expected[:3]
     assert reference[1] == [expected[4]]
@@ -85,7 +78,7 @@ def test_short_prompts_and_tiny_budgets(greedy_target, greedy_draft_sometimes):
     """One-token prompts next to a long one; max_new_tokens of 1 (prefill only) and 2."""
     prompts = [[7], [9, 10], [3] * 20, [5]]
     reference = SpeculativeGenerator(greedy_target, None).generate(prompts, 10, FixedK(0)).token_ids
-    assert reference == [_naive_greedy(greedy_target, p, 10) for p in prompts]
+    assert reference == [naive_greedy(greedy_target, p, 10) for p in prompts]
     for k in (1, 3, 6):
         result = SpeculativeGenerator(greedy_target, greedy_draft_sometimes).generate(prompts, 10, FixedK(k))
         assert result.token_ids == reference
@@ -231,7 +224,7 @@ def test_far_apart_prompts_are_lossless_on_every_backend(policy, backend, monkey
         monkeypatch.setattr(model, "attention_backend", backend)
     prompts = [prompts8[4] * 4 + [5, 6]] + prompts8[1:]
     assert len(prompts[0]) >= 70
-    expected = [_naive_greedy(greedy_target, p, N_NEW) for p in prompts]
+    expected = [naive_greedy(greedy_target, p, N_NEW) for p in prompts]
     tree = Strategy(parse_tree("0,1,2,0.0,0.1,1.0,0.0.0"), stage2=policy == "tree+stage2")
     chosen = {"k=0": FixedK(0), "k=3": FixedK(3)}.get(policy) or FixedStrategy(tree)
     generator = SpeculativeGenerator(greedy_target, greedy_draft_sometimes,
