@@ -6,7 +6,7 @@ import typer
 
 def estimate_line(points: int, estimated_s: float, max_seconds: float | None) -> str:
     """The one line said before measuring: how many points and about how long, and what to do about it."""
-    line = (f"calibrate: {points} points to measure, about ~{estimated_s:.0f} s by the repetition budgets "
+    line = (f"calibrate: {points} points to measure, about {estimated_s:.0f} s by the repetition budgets "
             "(longer when passes are slow: large models, a busy machine; the ETA follows)")
     if max_seconds is not None and estimated_s > max_seconds:
         line += (f"; --max-seconds {max_seconds:g} will stop it early with the profile saved (--resume continues), "
