@@ -106,25 +106,32 @@ def test_a_prompt_prefilled_in_parts_beside_graphed_steps_stays_intact(greedy_ta
                                                                        prompts8, graphed_on_cpu):
     """Three running rows step in the bucket of 4 while a long prompt is prefilled in parts in row 3 (a spare
     row of that bucket): every request gets its solo greedy tokens."""
+    generator = SpeculativeGenerator(greedy_target, greedy_draft_sometimes, cuda_graphs=True)
+    requests, got = serve_beside_a_part_prefill(generator, prompts8, max_tokens=(24, 10))
+    assert any(shape[0] == 4 for shape in graphed_on_cpu if shape is not None)  # row 3 was spare in a graph
+    for request in requests:
+        assert got[request.id] == solo_greedy(greedy_target, list(request.prompt_ids), request.max_tokens), \
+            request.id
+
+
+def serve_beside_a_part_prefill(generator, prompts8, max_tokens: tuple[int, int]):
+    """Three requests step in a batch of 4 while a fourth, long prompt (5 parts of 8 tokens and a last one of
+    5) is prefilled in parts in row 3; max_tokens: (the three's, the long one's). The requests, and the tokens
+    each received."""
     from specbatch.runtime.engine import Engine, EngineConfig, Request
 
-    generator = SpeculativeGenerator(greedy_target, greedy_draft_sometimes, cuda_graphs=True)
     engine = Engine(generator, FixedK(2), EngineConfig(max_batch_size=4, prefill_chunk_tokens=8))
-    long_prompt = (prompts8[4] * 3)[:45]  # 5 parts of 8 tokens and a last one of 5
     timeline = []
-    requests = [Request(name, tuple(prompt), 24, on_event=timeline.append)
+    requests = [Request(name, tuple(prompt), max_tokens[0], on_event=timeline.append)
                 for name, prompt in (("a", prompts8[0]), ("b", prompts8[2]), ("c", prompts8[6]))]
-    requests.append(Request("long", tuple(long_prompt), 10, on_event=timeline.append))
+    requests.append(Request("long", tuple((prompts8[4] * 3)[:45]), max_tokens[1], on_event=timeline.append))
     for request in requests[:3]:
         engine.submit(request)
     engine.step()
     engine.submit(requests[3])
     while engine.step():
         pass
-    assert any(shape[0] == 4 for shape in graphed_on_cpu if shape is not None)  # row 3 was spare in a graph
-    for request in requests:
-        got = [t for e in timeline if e.request_id == request.id for t in e.token_ids]
-        assert got == solo_greedy(greedy_target, list(request.prompt_ids), request.max_tokens), request.id
+    return requests, {r.id: [t for e in timeline if e.request_id == r.id for t in e.token_ids] for r in requests}
 
 
 @pytest.mark.gpu
@@ -198,27 +205,13 @@ def test_graphed_serving_and_sampling_match_eager_on_a_gpu(greedy_target, greedy
     tokens the eager engine gives, and a sampled generation draws the same tokens graphed and eager."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from specbatch.runtime.engine import Engine, EngineConfig, Request
     from specbatch.runtime.sampling import Sampling
 
     target = greedy_target.to("cuda", torch.bfloat16)
     draft = greedy_draft_sometimes.to("cuda", torch.bfloat16)
     try:
-        got = {}
-        for graphs in (False, True):
-            engine = Engine(SpeculativeGenerator(target, draft, cuda_graphs=graphs), FixedK(2),
-                            EngineConfig(max_batch_size=4, prefill_chunk_tokens=8))
-            timeline = []
-            requests = [Request(name, tuple(prompt), 16, on_event=timeline.append)
-                        for name, prompt in (("a", prompts8[0]), ("b", prompts8[2]), ("c", prompts8[6]),
-                                             ("long", (prompts8[4] * 3)[:45]))]
-            for request in requests[:3]:
-                engine.submit(request)
-            engine.step()
-            engine.submit(requests[3])
-            while engine.step():
-                pass
-            got[graphs] = {r.id: [t for e in timeline if e.request_id == r.id for t in e.token_ids] for r in requests}
+        got = {graphs: serve_beside_a_part_prefill(SpeculativeGenerator(target, draft, cuda_graphs=graphs), prompts8,
+                                                   max_tokens=(16, 16))[1] for graphs in (False, True)}
         assert got[True] == got[False]
         sampled = [SpeculativeGenerator(target, draft, cuda_graphs=graphs).generate(
             prompts8, 12, FixedK(3), Sampling(temperature=1.0), seed=5).token_ids for graphs in (False, True)]
