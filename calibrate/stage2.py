@@ -4,7 +4,8 @@ tokens, and what does one query cost; filled into the profile's `stage2` (perfmo
 Guess accuracy per rank r: how often the n-gram's rank-r token after (x_{j-1}, x_j) is the draft's rank-r
 token at j, teacher-forced at every position of the greedy continuations acceptance is scored on. Query
 cost: host look-ups timed as runtime.tree_decoding makes them, at QUERY_CONTEXTS contexts, fitted as
-query_overhead_ms + n * query_ms_per_context (both clipped at 0).
+query_overhead_ms + n * query_ms_per_context (both clipped at 0; a term under a nanosecond, which no clock
+resolves and a profile may not record, is 0).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from specbatch.perfmodel.fields import MIN_MEASURED_MS
 from specbatch.perfmodel.profile import Stage2Info
 from specbatch.runtime.assembly import DEMO_DRAFT, DEMO_NGRAM
 from specbatch.runtime.loading import ModelSpec, load_ngram
@@ -97,6 +99,8 @@ def fit_line(contexts: Sequence[int], times_ms: Sequence[float]) -> tuple[float,
 
     >>> fit_line([1, 4, 16], [1.1, 1.4, 2.6])
     (1.0, 0.1)
+    >>> fit_line([1, 4, 16], [0.0010003, 0.0040003, 0.0160003])  # an intercept of 0.3 ns is no overhead
+    (0.0, 0.001)
     """
     x, y = np.asarray(contexts, dtype=float), np.asarray(times_ms, dtype=float)
     slope, intercept = np.polyfit(x, y, 1) if len(x) > 1 else (0.0, float(y[0]))
@@ -104,7 +108,12 @@ def fit_line(contexts: Sequence[int], times_ms: Sequence[float]) -> tuple[float,
         slope, intercept = 0.0, float(np.median(y))
     elif intercept < 0:
         slope, intercept = float((x * y).sum() / (x * x).sum()), 0.0
-    return round(float(intercept), 9), round(float(slope), 9)
+    return _recordable_ms(intercept), _recordable_ms(slope)
+
+
+def _recordable_ms(value: float) -> float:
+    """`value` as a profile records it: 0 below the least time a profile accepts (perfmodel.fields)."""
+    return 0.0 if value < MIN_MEASURED_MS else round(float(value), 9)
 
 
 def measure_stage2(ngram: NGramModel, file: str, sha256: str, rows: Sequence[ScoredRow], rule: RepetitionRule,

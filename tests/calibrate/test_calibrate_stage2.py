@@ -10,6 +10,7 @@ from specbatch.calibrate import benchmarks
 from specbatch.calibrate.acceptance import ScoredRow
 from specbatch.calibrate.stage2 import QUERY_CALLS_PER_SAMPLE, QUERY_CONTEXTS, fit_line, guess_accuracy, measure_stage2
 from specbatch.calibrate.timing import RepetitionRule
+from specbatch.perfmodel.profile import stage2_from_json
 
 
 class FakeClock:
@@ -86,3 +87,13 @@ def test_query_time_is_kept_out_of_tree_step_overheads():
     assert timed.top_tokens_host(1, 2) == (3, 4, 5, 6) and timed.vocab_size == 10
     timed.top_tokens(torch.tensor([[1, 2], [3, 4]]), 2)  # two look-ups inside one device query
     assert timed.seconds == pytest.approx(1.5)
+
+
+def test_line_fit_records_a_sub_nanosecond_term_as_zero():
+    """A least-squares intercept of 0.3 ns is noise no clock resolves, and a profile refuses a nonzero time
+    under 1 ns (perfmodel.fields): the fit must write 0, or `specbatch fit` refuses the profile calibrate wrote."""
+    overhead_ms, per_context_ms = fit_line([1, 4, 16, 64], [n * 0.001 + 3.02e-7 for n in (1, 4, 16, 64)])
+    assert (overhead_ms, per_context_ms) == (0.0, pytest.approx(0.001))
+    stage2 = {"file": "n.safetensors", "sha256": "ab" * 32, "guess_accuracy": [0.5],
+              "query_overhead_ms": overhead_ms, "query_ms_per_context": per_context_ms}
+    assert stage2_from_json(stage2, "stage2").query_overhead_ms == 0.0
