@@ -357,7 +357,7 @@ def fit(
     from specbatch.runtime.devices import execution_on
 
     check_costs(f"profile {profile}", loaded.device, loaded.composition, loaded.engine,
-                execution_on(loaded.device.kind), allow_mode_mismatch)
+                execution_on(loaded.device.kind, loaded.device.dtype), allow_mode_mismatch)
     fitted = fit_profile(loaded, holdout=holdout)
     save_model(output, fitted)
     from specbatch.console.model import fit_json, render_fit
@@ -419,8 +419,8 @@ def table(
     from specbatch.perfmodel.execution import check_costs
     from specbatch.runtime.devices import execution_on
 
-    check_costs(f"model {model}", fitted.device, fitted.composition, fitted.engine, execution_on(fitted.device.kind),
-                allow_mode_mismatch)
+    check_costs(f"model {model}", fitted.device, fitted.composition, fitted.engine,
+                execution_on(fitted.device.kind, fitted.device.dtype), allow_mode_mismatch)
     check_coverage(fitted, model, max_batch, force)
     lengths = lengths or fitted.table_context_lens(fmt)
     chosen = choose_acceptance(fitted, acceptance_override(acceptance), str(model))

@@ -190,13 +190,13 @@ def _plan(request: CalibrationRequest) -> _Plan:
     device = resolve_device(request.device)
     dtype = parse_dtype(request.dtype, device)
     effort = QUICK_EFFORT if request.quick else DEFAULT_EFFORT
-    graphs = graphs_by_default(device) if request.cuda_graphs is None else request.cuda_graphs
+    graphs = graphs_by_default(device, dtype) if request.cuda_graphs is None else request.cuda_graphs
     return _Plan(target, draft, grid, device, dtype, samplings, user_acceptance, prompts, effort, ngram, file, sha256,
                  graphs)
 
 
 def _start_profile(request: CalibrationRequest, plan: _Plan) -> Profile:
-    device = replace(device_info(plan.device, plan.dtype), execution=execution_on(plan.device, plan.graphs))
+    device = replace(device_info(plan.device, plan.dtype), execution=execution_on(plan.device, plan.dtype, plan.graphs))
     target, draft = model_info(plan.target, plan.dtype), model_info(plan.draft, plan.dtype)
     grid = plan.grid
     if request.resume and request.out.is_file():

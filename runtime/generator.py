@@ -188,7 +188,7 @@ class SpeculativeGenerator:
         reading back costs nothing and small tensor operations cost most; never on CUDA).
         `cuda_graphs`: decode and verify passes replay CUDA graphs (runtime.cuda_graphs; CUDA, half
         precision), captured on first use per batch bucket and width for each KV cache; None: the device's
-        default (on CUDA; `--eager` says False)."""
+        default (on CUDA in half precision; `--eager` says False)."""
         vocab = target.config.vocab_size
         for role, model in (("draft", draft), ("second-stage n-gram", stage2)):
             size = None if model is None else getattr(model, "vocab_size", None) or model.config.vocab_size
@@ -210,7 +210,8 @@ class SpeculativeGenerator:
         from .cuda_graphs import SLOT_GRANULARITY, GraphedModel
         from .devices import graphs_by_default
 
-        self.cuda_graphs = graphs_by_default(self.device) if cuda_graphs is None else cuda_graphs
+        self.cuda_graphs = (graphs_by_default(self.device, target.lm_head.weight.dtype) if cuda_graphs is None
+                            else cuda_graphs)
         # kept from finished generations, per policy (`release_caches`)
         self._spare_caches = CachePool(lambda role, b, max_len: self.models[role].new_cache(b, max_len),
                                        SLOT_GRANULARITY if self.cuda_graphs else 1)

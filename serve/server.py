@@ -174,13 +174,13 @@ def kv_cache_bytes(kv_cache_gb: float | None, device: str, graph_bytes: int = 0)
     return max(0, int(KV_SHARE_OF_FREE[kind] * available_memory_bytes(device)) - graph_bytes)
 
 
-def check_policy_execution(policy, options: ServeOptions, device: str) -> None:
+def check_policy_execution(policy, options: ServeOptions, device: str, dtype) -> None:
     """A table or adaptive model whose costs were measured in the other execution mode is refused (one line)
     unless --allow-mode-mismatch; fixed strategies carry no costs."""
     from specbatch.perfmodel.execution import check_execution, table_execution
     from specbatch.runtime.devices import execution_on
 
-    running = execution_on(device, options.cuda_graphs)
+    running = execution_on(device, dtype, options.cuda_graphs)
     table = getattr(policy, "table", None)
     if table is not None and options.table is not None:
         check_execution(f"--table {options.table}", table_execution(table.costs), running,
@@ -235,7 +235,7 @@ def build(options: ServeOptions):
     stage2 = second_stage_for(policy, None, target_spec)  # a table's staged entries: the n-gram it names (by sha256)
     if options.cuda_graphs and not device.startswith("cuda"):
         raise ServeError(f"CUDA graphs need a CUDA device, got --device {device}")
-    check_policy_execution(policy, options, device)
+    check_policy_execution(policy, options, device, pair.target.lm_head.weight.dtype)
     generator = SpeculativeGenerator(pair.target, pair.draft, pair.eos_token_ids, stage2=stage2,
                                      cuda_graphs=options.cuda_graphs)
     graphs = _graph_bytes(generator, pair, policy, options)

@@ -37,16 +37,23 @@ def device_kind(device) -> DeviceKind:
     return found
 
 
-def graphs_by_default(device) -> bool:
-    """Whether passes replay CUDA graphs unless told otherwise (`--eager`): on CUDA they are how the runtime runs
-    (a pass otherwise waits on the host's kernel launches); elsewhere there are none."""
-    return device_kind(device).graphs_by_default
+HALF_PRECISION = ("float16", "bfloat16")  # what the flash varlen kernel takes, so what a graph can capture
 
 
-def execution_on(device, cuda_graphs: bool | None = None) -> str:
-    """How passes run on `device` (a device or its kind), as a profile records it (perfmodel.execution):
-    'cuda-graphs' or 'eager'; `cuda_graphs` None: the device's default. Torch-free: fit and table ask it."""
-    return "cuda-graphs" if (graphs_by_default(device) if cuda_graphs is None else cuda_graphs) else "eager"
+def graphs_by_default(device, dtype) -> bool:
+    """Whether passes replay CUDA graphs unless told otherwise (`--eager`): on CUDA in half precision they are
+    how the runtime runs (a pass otherwise waits on the host's kernel launches). A float32 pass takes sdpa,
+    which no graph captures (runtime.cuda_graphs), so it runs eager and a profile says so; elsewhere there
+    are none. `dtype`: a torch dtype or its name ('bfloat16', as a profile records it)."""
+    return device_kind(device).graphs_by_default and str(dtype).removeprefix("torch.") in HALF_PRECISION
+
+
+def execution_on(device, dtype, cuda_graphs: bool | None = None) -> str:
+    """How passes run on `device` (a device or its kind) in `dtype`, as a profile records it
+    (perfmodel.execution): 'cuda-graphs' or 'eager'; `cuda_graphs` None: the default (graphs_by_default).
+    Torch-free: fit and table ask it."""
+    graphs = graphs_by_default(device, dtype) if cuda_graphs is None else cuda_graphs
+    return "cuda-graphs" if graphs else "eager"
 
 
 def attention_backend(device, dtype) -> str:

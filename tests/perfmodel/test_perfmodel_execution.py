@@ -50,3 +50,19 @@ def test_graphed_cuda_costs_and_cpu_costs_pass_and_tables_record_them(tmp_path):
     graphed_on_cpu = write(tmp_path, "odd.json", "cpu", "cuda-graphs")
     assert_one_line_error(invoke("fit", graphed_on_cpu, "-o", tmp_path / "m.json"), "costs of cuda-graphs passes",
                           "runs eager passes", "calibrate with --eager")
+
+
+def test_a_float32_cuda_profile_is_eager_and_fit_takes_it_as_the_runtime_runs_it(tmp_path):
+    """float32 passes take sdpa, which no CUDA graph captures (runtime.devices.graphs_by_default): the
+    runtime runs them eager, so an eager float32 profile is the runtime's and a graphed one is not."""
+    def float32(name, execution):
+        path = write(tmp_path, name, "cuda", execution)
+        profile = json.loads(path.read_text())
+        profile["device"]["dtype"] = "float32"
+        path.write_text(json.dumps(profile))
+        return path
+
+    assert invoke("fit", float32("eager.json", "eager"), "-o", tmp_path / "m.json").exit_code == 0
+    assert invoke("table", tmp_path / "m.json", "-o", tmp_path / "t.json").exit_code == 0
+    assert_one_line_error(invoke("fit", float32("graphed.json", "cuda-graphs"), "-o", tmp_path / "m2.json"),
+                          "costs of cuda-graphs passes", "runs eager passes")

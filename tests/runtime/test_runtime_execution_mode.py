@@ -21,7 +21,7 @@ from specbatch.perfmodel.errors import UsageError
 from specbatch.perfmodel.profile import Grid
 from specbatch.runtime.adaptive import AdaptivePolicy
 from specbatch.runtime.cuda_graphs import bucket_for
-from specbatch.runtime.devices import graphs_by_default
+from specbatch.runtime.devices import execution_on, graphs_by_default
 from specbatch.runtime.generator import SpeculativeGenerator
 from specbatch.runtime.policy import TableK
 from specbatch.serve.server import ServeOptions, check_policy_execution
@@ -30,9 +30,13 @@ from test_adaptive_policy import constructed_model
 from test_runtime_cuda_graphs import graphed_on_cpu  # noqa: F401 - a fixture
 
 
-def test_graphs_are_the_default_on_cuda_only(greedy_target):
-    assert graphs_by_default("cuda") and graphs_by_default(torch.device("cuda", 0))
-    assert not graphs_by_default("cpu")
+def test_graphs_are_the_default_on_cuda_in_half_precision_only(greedy_target):
+    assert graphs_by_default("cuda", torch.bfloat16) and graphs_by_default(torch.device("cuda", 0), "float16")
+    assert not graphs_by_default("cpu", torch.bfloat16)
+    # float32 takes sdpa, which no graph captures: it runs eager, and its profile must say so
+    assert not graphs_by_default("cuda", torch.float32) and not graphs_by_default("cuda", "float32")
+    assert execution_on("cuda", "float32") == "eager" and execution_on("cuda", "bfloat16") == "cuda-graphs"
+    assert execution_on("cuda", "float32", cuda_graphs=True) == "cuda-graphs"  # asked for: as asked
     assert SpeculativeGenerator(greedy_target).cuda_graphs is False  # on this CPU: eager, as before
     assert SpeculativeGenerator(greedy_target, cuda_graphs=True).cuda_graphs is True
 
@@ -74,12 +78,14 @@ def test_serve_refuses_a_table_of_the_other_execution_unless_told(tmp_path):
     with pytest.raises(UsageError, match=r"^--table .*graphed.json holds costs of cuda-graphs passes but the runtime "
                                          r"runs eager passes here: calibrate with --eager, or pass "
                                          r"--allow-mode-mismatch$"):
-        check_policy_execution(TableK(graphed), ServeOptions(table=graphed), "cpu")
-    check_policy_execution(TableK(graphed), ServeOptions(table=graphed, allow_mode_mismatch=True), "cpu")
-    check_policy_execution(TableK(eager), ServeOptions(table=eager), "cpu")
+        check_policy_execution(TableK(graphed), ServeOptions(table=graphed), "cpu", torch.float32)
+    check_policy_execution(TableK(graphed), ServeOptions(table=graphed, allow_mode_mismatch=True), "cpu",
+                           torch.float32)
+    check_policy_execution(TableK(eager), ServeOptions(table=eager), "cpu", torch.float32)
     with pytest.raises(UsageError, match="costs of eager passes but the runtime runs cuda-graphs passes"):
-        check_policy_execution(TableK(eager), ServeOptions(table=eager), "cuda")  # no GPU needed: no model runs
-    check_policy_execution(TableK(eager), ServeOptions(table=eager, cuda_graphs=False), "cuda")  # serve --eager
+        check_policy_execution(TableK(eager), ServeOptions(table=eager), "cuda", torch.bfloat16)  # no model runs
+    check_policy_execution(TableK(eager), ServeOptions(table=eager, cuda_graphs=False), "cuda", torch.bfloat16)  # --eager
+    check_policy_execution(TableK(eager), ServeOptions(table=eager), "cuda", torch.float32)  # float32 runs eager
 
 
 def test_the_adaptive_policy_prices_a_graphed_step_at_its_buckets_rows():
