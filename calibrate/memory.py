@@ -17,7 +17,7 @@ kernel is the math one (`scores_materialized`), the attention scores and their s
 With CUDA graphs (calibrate's default on CUDA), each model's graphs add their memory pool, shared by all
 of them (the transient memory of the largest pass captured, once), and one logits buffer per batch bucket and
 width (tokens per row), shared by every cache's graph of that key (runtime.cuda_graphs); the caches get a
-bucket's rows. Graphs of a bucket are captured with every smaller bucket at that width (the ladder).
+bucket's rows, and a generation's cache its slots per row rounded up to a multiple of 128 (runtime.cache_pool). Graphs of a bucket are captured with every smaller bucket at that width (the ladder).
 
 Assumptions: the caching allocator reuses what a finished generation freed (calibrate empties its cache
 between stages), and HEADROOM of the free memory covers its rounding, cuBLAS workspaces and the
@@ -30,7 +30,7 @@ from typing import Sequence
 
 from specbatch.perfmodel.profile import Grid, ModelInfo
 
-from specbatch.runtime.cuda_graphs import BATCH_BUCKETS, bucket_for
+from specbatch.runtime.cuda_graphs import BATCH_BUCKETS, SLOT_GRANULARITY, bucket_for
 
 from .errors import CalibrationError
 from .grid import new_tokens_at
@@ -110,11 +110,13 @@ def serving_graph_bytes(target: ModelInfo, draft: ModelInfo | None, max_batch: i
 
 
 def generation_bytes(target: ModelInfo, draft: ModelInfo, rows: int, k: int, longest_prompt: int,
-                     new_tokens: int) -> int:
+                     new_tokens: int, slot_granularity: int = 1) -> int:
     """What one generation keeps while it runs: its token buffer and caches (runtime.generator's buffer:
-    longest prompt + new tokens + k + 1 per row; no draft cache at k = 0)."""
+    longest prompt + new tokens + k + 1 per row; no draft cache at k = 0). A cache's slots per row are the
+    buffer rounded up to `slot_granularity` (with graphs, runtime.cache_pool rounds to SLOT_GRANULARITY)."""
     buffer = longest_prompt + new_tokens + k + 1
-    caches = kv_bytes(target, rows, buffer) + (kv_bytes(draft, rows, buffer) if k > 0 else 0)
+    slots = -(-buffer // slot_granularity) * slot_granularity
+    caches = kv_bytes(target, rows, slots) + (kv_bytes(draft, rows, slots) if k > 0 else 0)
     return caches + rows * buffer * TOKEN_ID_BYTES
 
 
@@ -133,8 +135,8 @@ def lockstep_bytes(target: ModelInfo, draft: ModelInfo, rows: int, ks: Sequence[
                    new_tokens: int, scores_materialized: bool, graphs: bool = False) -> int:
     """The generations of `ks` alive together (calibrate.lockstep) and the largest pass any of them runs
     (with `graphs`: their caches of the bucket's rows, and the graphs they share)."""
-    cache_rows = bucket_for(rows, 10**9) if graphs else rows
-    caches = sum(generation_bytes(target, draft, cache_rows, k, longest_prompt, new_tokens) for k in ks)
+    cache_rows, granularity = (bucket_for(rows, 10**9), SLOT_GRANULARITY) if graphs else (rows, 1)
+    caches = sum(generation_bytes(target, draft, cache_rows, k, longest_prompt, new_tokens, granularity) for k in ks)
     held = caches + max(generation_peak_pass_bytes(target, draft, rows, k, longest_prompt, new_tokens,
                                                    scores_materialized) for k in ks)
     if graphs:

@@ -176,7 +176,10 @@ def test_graphs_are_counted_once_per_lockstep_group_and_the_caches_get_the_bucke
     key_len = prompt + new + 3 + 1
     eager = lockstep_bytes(target, draft, 5, [0, 3], prompt, new, False)
     graphed = lockstep_bytes(target, draft, 5, [0, 3], prompt, new, False, graphs=True)
-    caches = generation_bytes(target, draft, 8, 0, prompt, new) + generation_bytes(target, draft, 8, 3, prompt, new)
+    caches = (generation_bytes(target, draft, 8, 0, prompt, new, 128)
+              + generation_bytes(target, draft, 8, 3, prompt, new, 128))
+    # by hand: 8 rows x 128 slots (28 positions rounded up) of each model's cache, the token buffers unrounded
+    assert caches == 2 * kv_bytes(target, 8, 128) + kv_bytes(draft, 8, 128) + 8 * (25 + 28) * 8
     peak = max(generation_peak_pass_bytes(target, draft, 5, k, prompt, new, False) for k in (0, 3))
     pools = (pass_bytes(target, 8, 4, key_len, 8 * 4, False) + pass_bytes(draft, 8, 2, key_len, 8, False))
     buffers = (15 * 5 * target.vocab_size * 2) + (15 * 2 * draft.vocab_size * 2)
@@ -184,4 +187,4 @@ def test_graphs_are_counted_once_per_lockstep_group_and_the_caches_get_the_bucke
     assert eager == generation_bytes(target, draft, 5, 0, prompt, new) + generation_bytes(target, draft, 5, 3, prompt,
                                                                                           new) + peak
     three = lockstep_bytes(target, draft, 5, [0, 3, 3], prompt, new, False, graphs=True)
-    assert three - graphed == generation_bytes(target, draft, 8, 3, prompt, new)  # a third generation: its caches
+    assert three - graphed == generation_bytes(target, draft, 8, 3, prompt, new, 128)  # a third generation's caches
