@@ -1,0 +1,54 @@
+"""Kernels a decode pass launches on the CUDA path (the varlen backend), counted on the CPU by the step-op
+counter (bench.step_ops) with the attention kernel's CPU stand-in counted as the one kernel it is on a GPU.
+Once CUDA graphs make launches cheap, each kernel still costs its gap on the GPU; this is the budget a
+change to the model's code has to argue with. Oracle: the layer's kernels listed by hand."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+import varlen_reference
+from specbatch.bench.step_ops import OpCounter, counting
+from specbatch.runtime.checkpoint import build_model
+from specbatch.runtime import devices
+from specbatch.runtime.devices import cuda
+from torch_fixtures import tiny_llama_config
+
+# input norm, qkv, RoPE (x * cos, roll, * signed sin, add), K and V written, attention, o, residual add,
+# norm, gate_up, SiLU, its multiply, down, residual add
+LLAMA_LAYER_KERNELS = 17
+
+
+def kernels_of_a_decode_pass(monkeypatch, layers: int, new_tokens: int) -> int:
+    """Launches of one pass of `new_tokens` a row on top of a prompt, with the CPU running by the CUDA record
+    (runtime.devices: no lazy cache, projections as stored, scatter writes) and the varlen backend."""
+    monkeypatch.setitem(devices.KINDS, "cpu", replace(devices.KINDS["cuda"], name="cpu"))
+    reference = cuda.varlen_from(varlen_reference.flash_attention_forward)
+    counter = OpCounter()
+
+    def one_kernel(*args, **kwargs):  # the stand-in's own ops are the CPU's business, not the pass's
+        before = dict(counter.counts)
+        result = reference.attend(*args, **kwargs)
+        counter.counts.update(before, launches=before["launches"] + 1)
+        return result
+
+    monkeypatch.setattr(cuda, "flash_varlen", lambda device: cuda.FlashVarlen(one_kernel, None))
+    model = build_model(tiny_llama_config(num_layers=layers), "cpu", torch.bfloat16)
+    model.attention_backend = "varlen"
+    cache = model.new_cache(2, 32)
+    with torch.inference_mode():
+        model(torch.ones(2, 4, dtype=torch.long), cache)  # a prompt first: the pass below decodes on top
+        tokens = torch.ones(2, new_tokens, dtype=torch.long)
+        counter.counts.update(syncs=0, launches=0, uploads=0)  # the prompt's attention calls counted themselves
+        with counting(counter):
+            model(tokens, cache, None, 1)
+    assert counter.counts["syncs"] == 0 and counter.counts["uploads"] == 0
+    return counter.counts["launches"]
+
+
+@pytest.mark.parametrize("new_tokens", [1, 5])
+def test_a_llama_layer_launches_its_listed_kernels_and_no_more(monkeypatch, new_tokens):
+    one, three = (kernels_of_a_decode_pass(monkeypatch, layers, new_tokens) for layers in (1, 3))
+    assert (three - one) / 2 == LLAMA_LAYER_KERNELS
