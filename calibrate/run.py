@@ -21,7 +21,7 @@ from specbatch.perfmodel.tree import Strategy, expected_tree_tokens, grow_tree
 from specbatch.runtime.checkpoint import parse_dtype
 from specbatch.runtime.clock import DeviceClock
 from specbatch.runtime.cuda_graphs import GraphedModel
-from specbatch.runtime.devices import execution_on, graphs_by_default
+from specbatch.runtime.devices import execution_on, graphs_by_default, host_bookkeeping_by_default
 from specbatch.runtime.generator import SpeculativeGenerator
 from specbatch.runtime.loading import LoadedPair, ModelSpec, display_path, load_pair, resolve_device, resolve_pair
 from specbatch.runtime.sampling import Sampling
@@ -501,8 +501,9 @@ def _measure(pair: LoadedPair, plan: _Plan, grid: Grid, todo: _Todo, request: Ca
 
     if todo.stage2:
         rows = greedy_rows if greedy_rows is not None else _scored_rows(pair, plan, Sampling())[0]
+        on_device = None if host_bookkeeping_by_default(plan.device) else torch.device(plan.device)
         info = st2.measure_stage2(plan.stage2, plan.stage2_file, plan.stage2_sha256, rows, plan.effort.forward_rule,
-                                  clock)
+                                  clock, on_device)
         advance("second stage: n-gram guesses and query time", info)
 
     timer = ForwardTimer({"target": pair.target, "draft": pair.draft}, grid, plan.device,

@@ -3,7 +3,9 @@ tokens, and what does one query cost; filled into the profile's `stage2` (perfmo
 
 Guess accuracy per rank r: how often the n-gram's rank-r token after (x_{j-1}, x_j) is the draft's rank-r
 token at j, teacher-forced at every position of the greedy continuations acceptance is scored on. Query
-cost: host look-ups timed as runtime.tree_decoding makes them, at QUERY_CONTEXTS contexts, fitted as
+cost: timed where runtime.tree_decoding queries, at QUERY_CONTEXTS contexts: host look-ups one context at a
+time where tree bookkeeping stays on the host (the CPU), one batched device query over all of them elsewhere
+(CUDA: device work, timed by the device clock's marks); fitted as
 query_overhead_ms + n * query_ms_per_context (both clipped at 0; a term under a nanosecond, which no clock
 resolves and a profile may not record, is 0).
 """
@@ -24,7 +26,7 @@ from specbatch.runtime.ngram import NGramModel
 
 from .acceptance import RANKS, ScoredRow
 from .errors import CalibrationError
-from .timing import Clock, RepetitionRule, repeat, timed_ms
+from .timing import Clock, RepetitionRule, device_timed_ms, repeat, timed_ms
 
 QUERY_CONTEXTS = (1, 4, 16, 64, 256)  # b x (nodes of one level): 1 at b = 1 up to hundreds at large b
 QUERY_CALLS_PER_SAMPLE = 10
@@ -81,10 +83,22 @@ def guess_accuracy(ngram: NGramModel, rows: Sequence[ScoredRow]) -> tuple[float,
     return tuple(float(x) for x in (guesses == draft_top).mean(0))
 
 
-def query_sampler(ngram: NGramModel, contexts: list[tuple[int, int]],
-                  clock: Clock = time.perf_counter) -> Callable[[], float]:
-    """A function returning the mean time of one query over `contexts` (the runtime's host look-ups), in ms."""
+def query_sampler(ngram: NGramModel, contexts: list[tuple[int, int]], clock: Clock = time.perf_counter,
+                  device: torch.device | None = None) -> Callable[[], float]:
+    """A function returning the mean time of one query over `contexts`, in ms: the runtime's host look-ups,
+    or with `device` one batched `top_tokens` call there (its contexts uploaded here, once; `clock` then a
+    runtime.clock.DeviceClock, or anything with its mark and elapsed_s)."""
+    if device is not None:
+        table = torch.tensor(contexts, dtype=torch.long, device=device)
+        ngram.top_tokens(table, RANKS)  # the first query moves the n-gram's tables to the device
+
+        def device_queries():
+            for _ in range(QUERY_CALLS_PER_SAMPLE):
+                ngram.top_tokens(table, RANKS)
+
+        return lambda: device_timed_ms(device_queries, clock) / QUERY_CALLS_PER_SAMPLE
     lookup = ngram.top_tokens_host
+    lookup(*contexts[0])  # the first look-up builds the host tables
 
     def queries():
         for _ in range(QUERY_CALLS_PER_SAMPLE):
@@ -117,15 +131,15 @@ def _recordable_ms(value: float) -> float:
 
 
 def measure_stage2(ngram: NGramModel, file: str, sha256: str, rows: Sequence[ScoredRow], rule: RepetitionRule,
-                   clock: Clock = time.perf_counter) -> Stage2Info:
-    """The profile's stage2 object: guess accuracy over `rows` (greedy), query cost (on the host)."""
+                   clock: Clock = time.perf_counter, device: torch.device | None = None) -> Stage2Info:
+    """The profile's stage2 object: guess accuracy over `rows` (greedy), query cost (host look-ups, or with
+    `device` batched queries there: see the module docstring)."""
     accuracy = guess_accuracy(ngram, rows)
     pool, _ = _positions(rows)
     medians = []
     for n in QUERY_CONTEXTS:
         contexts = [(int(u), int(v)) for u, v in np.resize(pool, (n, 2))]  # the first n positions, cycled
-        ngram.top_tokens_host(*contexts[0])  # the first look-up builds the host tables
-        medians.append(repeat(query_sampler(ngram, contexts, clock), rule, clock).median_ms)
+        medians.append(repeat(query_sampler(ngram, contexts, clock, device), rule, clock).median_ms)
     overhead_ms, per_context_ms = fit_line(QUERY_CONTEXTS, medians)
     return Stage2Info(file=file, sha256=sha256, guess_accuracy=accuracy, query_overhead_ms=overhead_ms,
                       query_ms_per_context=per_context_ms)

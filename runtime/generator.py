@@ -34,7 +34,7 @@ from .attention import TreeAttention
 from .batch import BatchState, apply_moves, fill_holes
 from .cache_pool import CachePool, owner_key
 from .clock import DeviceClock
-from .devices import device_kind
+from .devices import device_kind, host_bookkeeping_by_default
 from .kv_cache import KVCache, upload
 from .model import CausalLM
 from .acceptance import accept, count_acceptance
@@ -204,7 +204,7 @@ class SpeculativeGenerator:
         self.eos_token_ids = tuple(eos_token_ids)
         self.device = target.lm_head.weight.device
         self.kind = device_kind(self.device)
-        self.host_bookkeeping = (self.kind.host_bookkeeping_max_cells > 0 if host_bookkeeping is None
+        self.host_bookkeeping = (host_bookkeeping_by_default(self.device) if host_bookkeeping is None
                                  else host_bookkeeping)
         self.target_runner, self.draft_runner = target, draft  # what runs the step passes of each model
         from .cuda_graphs import SLOT_GRANULARITY, GraphedModel

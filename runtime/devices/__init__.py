@@ -37,6 +37,13 @@ def device_kind(device) -> DeviceKind:
     return found
 
 
+def host_bookkeeping_by_default(device) -> bool:
+    """Whether tree steps keep their drafting bookkeeping (and a second stage's guesses) on the host, a
+    read-back per draft round: where the record allows any (the CPU, where reading back is free), never on
+    CUDA (runtime.generator's default; calibration times the second stage's queries where they run)."""
+    return device_kind(device).host_bookkeeping_max_cells > 0
+
+
 HALF_PRECISION = ("float16", "bfloat16")  # what the flash varlen kernel takes, so what a graph can capture
 
 

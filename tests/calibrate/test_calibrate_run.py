@@ -157,6 +157,26 @@ class StopAfter:
             raise KeyboardInterrupt
 
 
+def test_the_second_stage_is_timed_where_the_runtime_guesses(pair, tmp_path, monkeypatch):
+    """Where tree bookkeeping stays off the host (CUDA's record; here the CPU's tuned so), the runtime guesses
+    with batched device queries, and calibration times those, not host look-ups."""
+    from specbatch.calibrate import stage2 as stage2_module
+    from torch_fixtures import tune_cpu
+
+    devices, real = [], stage2_module.measure_stage2
+
+    def spy(*args, **kwargs):
+        devices.append(args[6] if len(args) > 6 else kwargs.get("device"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(stage2_module, "measure_stage2", spy)
+    tune_cpu(monkeypatch, host_bookkeeping_max_cells=0)
+    with pytest.raises(KeyboardInterrupt):
+        calibrate(request(pair, tmp_path / "p.json", stage2=pair / "ngram.safetensors"), on_progress=StopAfter(2))
+    assert [str(device) for device in devices] == ["cpu"]
+    assert load_profile(tmp_path / "p.json").stage2.query_ms_per_context >= 0
+
+
 def test_an_interrupted_run_resumes_with_only_the_rest(pair, tmp_path):
     out = tmp_path / "profile.json"
     with pytest.raises(KeyboardInterrupt):

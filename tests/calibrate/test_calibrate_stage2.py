@@ -97,3 +97,31 @@ def test_line_fit_records_a_sub_nanosecond_term_as_zero():
     stage2 = {"file": "n.safetensors", "sha256": "ab" * 32, "guess_accuracy": [0.5],
               "query_overhead_ms": overhead_ms, "query_ms_per_context": per_context_ms}
     assert stage2_from_json(stage2, "stage2").query_overhead_ms == 0.0
+
+
+class BatchedNGram(FakeNGram):
+    """The fake whose batched query is one call (as the device tables answer it) that costs `query_s` plus
+    `per_context_s` a context on the clock; its host look-ups are counted apart, to see which path ran."""
+
+    def __init__(self, clock, query_s: float, per_context_s: float):
+        super().__init__(clock)
+        self.query_s, self.per_context_s, self.batched_calls = query_s, per_context_s, 0
+
+    def top_tokens(self, contexts: torch.Tensor, count: int) -> torch.Tensor:
+        self.batched_calls += 1
+        self.clock.now_s += self.query_s + self.per_context_s * len(contexts)
+        return torch.tensor([[(u + v + r) % 10 for r in range(count)] for u, v in contexts.tolist()])
+
+
+def test_where_guesses_run_on_the_device_the_batched_query_is_timed_not_host_lookups():
+    """On a device whose trees keep no host bookkeeping (CUDA), runtime.tree_decoding guesses with one
+    top_tokens call per level over every context: calibration times that call (0.05 ms + 0.001 ms a context
+    on the fake clock), and makes no host look-up."""
+    clock = FakeClock()
+    ngram = BatchedNGram(clock, query_s=5e-5, per_context_s=1e-6)
+    rows = [row([(1, 2), (3, 4), (5, 6)], [[3, 4, 5, 6]] * 3)]
+    info = measure_stage2(ngram, "n.safetensors", "ab" * 32, rows, RepetitionRule(warmup_reps=1, min_reps=6),
+                          clock, device=torch.device("cpu"))
+    assert (info.query_overhead_ms, info.query_ms_per_context) == pytest.approx((0.05, 0.001), abs=1e-9)
+    assert ngram.lookups == 0 and ngram.batched_calls > len(QUERY_CONTEXTS) * 7 * QUERY_CALLS_PER_SAMPLE
+
