@@ -17,7 +17,8 @@ kernel is the math one (`scores_materialized`), the attention scores and their s
 With CUDA graphs (calibrate's default on CUDA), each model's graphs add their memory pool, shared by all
 of them (the transient memory of the largest pass captured, once), and one logits buffer per batch bucket and
 width (tokens per row), shared by every cache's graph of that key (runtime.cuda_graphs); the caches get a
-bucket's rows, and a generation's cache its slots per row rounded up to a multiple of 128 (runtime.cache_pool). Graphs of a bucket are captured with every smaller bucket at that width (the ladder).
+bucket's rows, and a generation's cache its slots per row rounded up to a multiple of 128 (runtime.cache_pool).
+Graphs of a bucket are captured with every smaller bucket at that width (the ladder).
 
 Assumptions: the caching allocator reuses what a finished generation freed (calibrate empties its cache
 between stages), and HEADROOM of the free memory covers its rounding, cuBLAS workspaces and the

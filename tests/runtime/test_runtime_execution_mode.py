@@ -84,7 +84,8 @@ def test_serve_refuses_a_table_of_the_other_execution_unless_told(tmp_path):
     check_policy_execution(TableK(eager), ServeOptions(table=eager), "cpu", torch.float32)
     with pytest.raises(UsageError, match="costs of eager passes but the runtime runs cuda-graphs passes"):
         check_policy_execution(TableK(eager), ServeOptions(table=eager), "cuda", torch.bfloat16)  # no model runs
-    check_policy_execution(TableK(eager), ServeOptions(table=eager, cuda_graphs=False), "cuda", torch.bfloat16)  # --eager
+    serve_eager = ServeOptions(table=eager, cuda_graphs=False)  # serve --eager
+    check_policy_execution(TableK(eager), serve_eager, "cuda", torch.bfloat16)
     check_policy_execution(TableK(eager), ServeOptions(table=eager), "cuda", torch.float32)  # float32 runs eager
 
 
