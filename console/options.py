@@ -255,8 +255,8 @@ ThreadsOpt = Annotated[Optional[int], typer.Option(
 ReplaceOpt = Annotated[bool, typer.Option("--force", help=REPLACE_RULE_HELP)]  # every command that writes files
 EagerOpt = Annotated[bool, typer.Option(
     "--eager", help="Run every pass eagerly, kernel by kernel, instead of replaying CUDA graphs (graphs are how the "
-                    "runtime runs on CUDA in bfloat16/float16; this is for comparison; float32 and CPU passes run eagerly "
-                    "anyway).")]
+                    "runtime runs on CUDA in bfloat16/float16; this is for comparison; float32 and CPU passes run "
+                    "eagerly anyway).")]
 AllowModeMismatchOpt = Annotated[bool, typer.Option(
     "--allow-mode-mismatch", help="Use costs measured with eager passes for a runtime that replays CUDA graphs, or "
                                   "the other way round (the step costs then describe another runtime).")]
