@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ("results", "cpu_spells", "pairing_noise", "pass_ratios", "runtime_costs", "gpu_results",
-           "serving_fidelity", "vllm_loop", "vllm_roundtrip", "linear_layout")
+           "serving_fidelity", "vllm_loop", "vllm_roundtrip", "linear_layout", "host_step_cost")
 
 
 def run_script(name: str, *args: str, timeout_s: int = 120) -> subprocess.CompletedProcess:
@@ -41,7 +41,8 @@ def test_help_exits_0_with_the_docstrings_summary(name):
 
 @pytest.mark.parametrize("name, args", [("cpu_spells", ["--seconds", "0.5"]), ("pass_ratios", ["--seconds", "0"]),
                                         ("pairing_noise", ["--rounds", "1"]), ("pairing_noise", ["--ks", "4"]),
-                                        ("runtime_costs", ["--k", "x"]), ("runtime_costs", ["--batch-size", "1"])])
+                                        ("runtime_costs", ["--k", "x"]), ("runtime_costs", ["--batch-size", "1"]),
+                                        ("host_step_cost", ["--ks", "x"]), ("host_step_cost", ["--batch-sizes", "0"])])
 def test_bad_options_are_one_line_exit_2(name, args):
     run = run_script(name, *args)
     assert run.returncode == 2 and run.stderr.strip().splitlines()[-1].startswith(f"{name}.py: error:"), run.stderr
@@ -55,6 +56,15 @@ def test_pairing_noise_runs_on_the_demo_pair():
     for line, mode in zip(lines[1:], ("back to back", "lockstep")):
         assert re.fullmatch(rf"k=1 / k=1 +{mode}: geometric mean [\d.]+, sd of log ratio [\d.]+ %, "
                             r"standard error [\d.]+ %", line), line
+
+
+def test_host_step_cost_runs_on_the_demo_pair():
+    """A row per (b, k); a chain's step issues more ops than a plain one (its draft passes and their picks)."""
+    run = run_script("host_step_cost", "--batch-sizes", "2", "--ks", "0,2", "--new-tokens", "6")
+    assert run.returncode == 0, run.stderr
+    rows = [line.split() for line in run.stdout.splitlines()[2:]]
+    assert [row[:2] for row in rows] == [["2", "0"], ["2", "2"]]
+    assert all(float(row[2]) > 0 for row in rows) and int(rows[1][3]) > int(rows[0][3]) > 0
 
 
 def test_pass_ratios_runs_on_the_demo_pair():
