@@ -52,3 +52,18 @@ def kernels_of_a_decode_pass(monkeypatch, layers: int, new_tokens: int) -> int:
 def test_a_llama_layer_launches_its_listed_kernels_and_no_more(monkeypatch, new_tokens):
     one, three = (kernels_of_a_decode_pass(monkeypatch, layers, new_tokens) for layers in (1, 3))
     assert (three - one) / 2 == LLAMA_LAYER_KERNELS
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_in_four_kernels_is_the_rotate_half_formula_bit_for_bit(dtype):
+    """x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1), as transformers writes it: the same values."""
+    from specbatch.runtime.model import _rotate
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 4, 16, generator=generator).to(dtype)
+    angles = torch.rand(3, 5, 1, 8, generator=generator) * 100
+    cos, sin = torch.cat((angles.cos(), angles.cos()), -1), torch.cat((angles.sin(), angles.sin()), -1)
+    rotate_half = torch.cat((-x[..., 8:], x[..., :8]), dim=-1)
+    textbook = x * cos.to(dtype) + rotate_half * sin.to(dtype)
+    signed_sin = torch.cat((-angles.sin(), angles.sin()), -1).to(dtype)
+    assert torch.equal(_rotate(x, cos.to(dtype), signed_sin), textbook)
