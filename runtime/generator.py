@@ -34,7 +34,7 @@ from .attention import TreeAttention
 from .batch import BatchState, apply_moves, fill_holes
 from .cache_pool import CachePool, owner_key
 from .clock import DeviceClock
-from .devices import device_kind, host_bookkeeping_by_default
+from .devices import device_kind, graphs_by_default, host_bookkeeping_by_default
 from .kv_cache import KVCache, upload
 from .model import CausalLM
 from .acceptance import accept, count_acceptance
@@ -208,7 +208,6 @@ class SpeculativeGenerator:
                                  else host_bookkeeping)
         self.target_runner, self.draft_runner = target, draft  # what runs the step passes of each model
         from .cuda_graphs import SLOT_GRANULARITY, GraphedModel
-        from .devices import graphs_by_default
 
         self.cuda_graphs = (graphs_by_default(self.device, target.lm_head.weight.dtype) if cuda_graphs is None
                             else cuda_graphs)
