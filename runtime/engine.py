@@ -141,7 +141,7 @@ class Engine:
         b = self.max_batch_size = min(config.max_batch_size, self.slots_that_fit(slot_len))
         self.kv_budget_tokens = config.kv_budget_tokens or b * slot_len
         device = generator.device
-        draft_pool = generator.draft.new_cache(b, slot_len) if generator.draft_is_model else None
+        draft_pool = generator.drafter.new_cache(b, slot_len) if self.max_k > 0 else None
         self._pool = BatchState(torch.zeros(b, slot_len, dtype=torch.long, device=device),
                                 torch.zeros(b, dtype=torch.long, device=device), np.zeros(b, dtype=np.int64),
                                 generator.target.new_cache(b, slot_len), draft_pool, self.max_k)
@@ -157,8 +157,9 @@ class Engine:
 
     def kv_bytes_per_token(self) -> int:
         """Both models' KV-cache bytes per token (in the models' dtype)."""
-        models = [self.generator.target] + ([self.generator.draft] if self.generator.draft_is_model else [])
-        return sum(m.config.kv_bytes_per_token(m.lm_head.weight.element_size()) for m in models)
+        target = self.generator.target
+        drafter = self.generator.drafter.kv_bytes_per_token() if self.max_k > 0 else 0
+        return target.config.kv_bytes_per_token(target.lm_head.weight.element_size()) + drafter
 
     def slots_that_fit(self, slot_len: int) -> int:
         """Running rows whose KV slots of `slot_len` tokens fit in `kv_cache_bytes` (unbounded: None)."""

@@ -39,7 +39,8 @@ from .kv_cache import KVCache, upload
 from .model import CausalLM
 from .acceptance import accept, count_acceptance
 from .sampling import Sampling, probabilities, sample
-from .tree_decoding import catch_up_input, compact, draft_tree, ngram_tree, plan_for, verify_and_accept
+from .drafters import drafter_for
+from .tree_decoding import compact, plan_for, verify_and_accept
 
 
 _generation_serial = itertools.count()  # request ids of `generate` rows: (serial of the call, prompt index)
@@ -189,8 +190,12 @@ class SpeculativeGenerator:
         `cuda_graphs`: decode and verify passes replay CUDA graphs (runtime.cuda_graphs; CUDA, half
         precision), captured on first use per batch bucket and width for each KV cache; None: the device's
         default (on CUDA in half precision; `--eager` says False)."""
+        from .heads import DraftHead
+
         vocab = target.config.vocab_size
         for role, model in (("draft", draft), ("second-stage n-gram", stage2)):
+            if isinstance(model, DraftHead):
+                continue  # loading checked its vocabulary against its target's (runtime.heads.config)
             size = None if model is None else getattr(model, "vocab_size", None) or model.config.vocab_size
             if isinstance(model, CausalLM) and size < vocab and model.logits_size == vocab:
                 continue  # a draft padded to the target's vocabulary (loading checked that the tokens agree)
@@ -200,23 +205,38 @@ class SpeculativeGenerator:
         if stage2 is not None and not isinstance(draft, CausalLM):
             raise GenerationError("a second stage needs a draft model to speed up (--draft)")
         self.target, self.draft, self.stage2 = target, draft, stage2
-        self.draft_is_model = isinstance(draft, CausalLM)
         self.eos_token_ids = tuple(eos_token_ids)
         self.device = target.lm_head.weight.device
         self.kind = device_kind(self.device)
         self.host_bookkeeping = (host_bookkeeping_by_default(self.device) if host_bookkeeping is None
                                  else host_bookkeeping)
-        self.target_runner, self.draft_runner = target, draft  # what runs the step passes of each model
+        self.target_runner = target  # what runs the target's step passes
         from .cuda_graphs import SLOT_GRANULARITY, GraphedModel
 
         self.cuda_graphs = (graphs_by_default(self.device, target.lm_head.weight.dtype) if cuda_graphs is None
                             else cuda_graphs)
-        # kept from finished generations, per policy (`release_caches`)
-        self._spare_caches = CachePool(lambda role, b, max_len: self.models[role].new_cache(b, max_len),
-                                       SLOT_GRANULARITY if self.cuda_graphs else 1)
+        draft_runner = None
         if self.cuda_graphs:
             self.target_runner = GraphedModel(target)
-            self.draft_runner = GraphedModel(draft) if self.draft_is_model else draft
+            draft_runner = GraphedModel(draft) if isinstance(draft, CausalLM) else None
+        self.drafter = drafter_for(draft, stage2, self.host_bookkeeping, draft_runner)
+        # kept from finished generations, per policy (`release_caches`)
+        self._spare_caches = CachePool(self._new_cache, SLOT_GRANULARITY if self.cuda_graphs else 1)
+
+    def _new_cache(self, role: str, batch_size: int, max_len: int):
+        if role == "target":
+            return self.target.new_cache(batch_size, max_len)
+        return self.drafter.new_cache(batch_size, max_len)
+
+    @property
+    def draft_is_model(self) -> bool:
+        """Whether a separate draft model drafts (its own weights and KV cache)."""
+        return self.drafter.kind == "draft_model"
+
+    @property
+    def draft_runner(self):
+        """What runs a draft model's step passes (the model, or its CUDA graphs); None for other drafters."""
+        return self.drafter.runner if self.draft_is_model else None
 
     @property
     def models(self) -> dict:
@@ -225,14 +245,14 @@ class SpeculativeGenerator:
     def graph_stats(self) -> dict:
         """CUDA graphs so far (runtime.cuda_graphs.GraphedModel.stats), both models added up: captures,
         capture_s (host seconds spent capturing, outside any step's time) and kept (graphs alive now)."""
-        runners = [r for r in (self.target_runner, self.draft_runner) if hasattr(r, "stats")]
+        runners = [r for r in (self.target_runner, *self.drafter.runners()) if hasattr(r, "stats")]
         stats = [r.stats() for r in runners]
         return {name: sum(s[name] for s in stats) for name in ("captures", "capture_s", "kept")}
 
     @property
     def context_limit(self) -> int:
         """Positions both models can address: prompt + generated + draft tokens of a step must fit."""
-        return context_limit(self.target, self.draft)
+        return min(self.target.config.max_position_embeddings, self.drafter.context_limit)
 
     # ------------------------------------------------------------------ public
     def generate(self, prompts: list[list[int]], max_new_tokens: int, policy, sampling: Sampling = Sampling(),
@@ -341,7 +361,7 @@ class SpeculativeGenerator:
             host_tokens[r, :len(prompt)] = prompt
         # a policy that never drafts (k = 0 throughout) gets no draft cache and no draft prefill: plain decoding
         take = self._spare_caches.take
-        draft_cache = take("draft", b, buffer_len, owner) if self.draft_is_model and max_k > 0 else None
+        draft_cache = take("draft", b, buffer_len, owner) if self.drafter.model is not None and max_k > 0 else None
         host_committed = np.asarray(prompt_lens, dtype=np.int64)
         return BatchState(upload(host_tokens, self.device), upload(host_committed, self.device), host_committed,
                           take("target", b, buffer_len, owner), draft_cache, max_k, sampling, rng, synthetic_acceptance)
@@ -363,20 +383,25 @@ class SpeculativeGenerator:
                     cache.set_lengths(None, np.zeros(len(prompts), dtype=np.int64))
         counts = [len(p) for p in prompts]
         passes = prefill_passes(counts, self.kind.prefill_pass_tokens)
-        last_logits = []  # the target's at each row's last token, (rows, V) per pass
+        features = self.drafter.feature_layers if state.draft_cache is not None else None
+        last_logits, after_first = [], []  # the target's at each row's last token, (rows, V) per pass
         for start, end in passes:
             packed = _packed(prompts[start:end], self.device)
-            for model, cache in ((self.target, state.target_cache), (self.draft, state.draft_cache)):
-                if cache is not None:
-                    cache = cache if len(passes) == 1 else cache.rows(start, end - start)
-                    logits = model(packed, cache, last=int(model is self.target), new_tokens=counts[start:end])
-                    if logits is not None:
-                        last_logits.append(logits[:, 0])
+            rows = state if len(passes) == 1 else state.rows(start, end - start)
+            out = self.target(packed, rows.target_cache, last=1, new_tokens=counts[start:end], features=features)
+            logits, taken = out if features is not None else (out, None)
+            last_logits.append(logits[:, 0])
+            if rows.draft_cache is not None:
+                after_first.append(self.drafter.prefill(rows.draft_cache, rows.tokens, packed, counts[start:end],
+                                                        taken))
         last_logits = last_logits[0] if len(last_logits) == 1 else torch.cat(last_logits)  # (b, V)
         sampling = state.sampling
         first = last_logits.argmax(-1) if sampling.greedy else sample(probabilities(last_logits, sampling), state.rng)
         state.tokens.scatter_(1, state.committed[:, None], first[:, None])
         state.set_committed(state.committed + 1, state.host_committed + 1)
+        for run in after_first:
+            if run is not None:
+                run()
         return first.tolist()
 
     def prefill_part(self, state: BatchState, parts: list[list[int]]) -> None:
@@ -384,9 +409,13 @@ class SpeculativeGenerator:
         decode steps between the parts of a long prompt); the last part goes through `prefill`."""
         counts = [len(p) for p in parts]
         packed = _packed(parts, self.device)
-        for model, cache in ((self.target, state.target_cache), (self.draft, state.draft_cache)):
-            if cache is not None:
-                model(packed, cache, last=0, new_tokens=counts)
+        features = self.drafter.feature_layers if state.draft_cache is not None else None
+        out = self.target(packed, state.target_cache, last=0, new_tokens=counts, features=features)
+        if state.draft_cache is not None:  # the tokens after each part are the prompt's: all written already
+            run = self.drafter.prefill(state.draft_cache, state.tokens, packed, counts,
+                                       out[1] if features is not None else None)
+            if run is not None:
+                run()
 
     def step(self, state: BatchState, choice, observer: StepObserver | None = None) -> Step:
         """One speculative step for every row of `state` with the policy's `choice` (k or a Strategy): each
@@ -397,21 +426,21 @@ class SpeculativeGenerator:
         if tree is not None and tree.num_nodes > state.max_k:
             raise GenerationError(f"policy asked for {tree.num_nodes} draft tokens per step, above the "
                                   f"{state.max_k} the KV cache was sized for")
-        passes = _DraftPasses(observer, self.draft_runner if self.draft_is_model else None)
-        if tree is not None and (staged or not tree.is_chain or not self.draft_is_model):
+        passes = _DraftPasses(observer, self.draft_runner)
+        if tree is not None and (staged or not tree.is_chain or not self.drafter.drafts_chains):
             if state.synthetic_acceptance is not None:
-                raise GenerationError("synthetic acceptance applies to chains of the draft model only")
+                raise GenerationError("synthetic acceptance applies to chains of a draft model or a head only")
             new, counts, draft_lengths = self._tree_step(state, tree, staged, passes, observer)
             k, nodes = tree.depth, tree.num_nodes
         else:
             k = nodes = 0 if tree is None else tree.depth
-            draft_tokens, draft_probs = self._draft_chain(state, k, passes) if k else (None, None)
-            target_logits = self._verify(state, draft_tokens, observer)  # (b, k + 1, vocab)
+            draft_tokens, draft_probs = self.drafter.chain(state, k, passes) if k else (None, None)
+            target_logits, features = self._verify(state, draft_tokens, observer)  # (b, k + 1, vocab)
             accepted, bonus = accept(draft_tokens, draft_probs, target_logits, state.sampling, state.rng,
                                      state.synthetic_acceptance)
             new, counts = self._chain_tokens(draft_tokens, accepted, bonus), accepted + 1
-            # the draft cache holds d1..d_{k-1} beyond the committed tokens: it keeps what was accepted of them
-            draft_lengths = state.committed + torch.clamp(accepted, max=k - 1) if k else None
+            draft_lengths = (self.drafter.settle_chain(state, k, accepted, new, features, passes)
+                             if state.draft_cache is not None else None)
         return Step(new, counts, k, nodes, passes.count, self._commit(state, new, counts, draft_lengths))
 
     def _strategy(self, choice):
@@ -422,28 +451,19 @@ class SpeculativeGenerator:
             raise GenerationError(f"strategy {choice.describe()} needs the second stage: pass --stage2 FILE")
         return choice.tree, bool(choice.stage2)
 
-    def _draft_chain(self, state: BatchState, k: int, passes: _DraftPasses):
-        """k draft tokens per row (b, k) and, when sampling, their distributions q (b, k, vocab)."""
-        step_input = catch_up_input(self.draft, state.draft_cache, state.tokens, state.committed,
-                                    state.host_committed, passes)
-        proposed, dists = [], []
-        for _ in range(k):
-            logits = passes(self.draft, step_input, state.draft_cache, last=1)[:, -1]  # (b, vocab)
-            if state.sampling.greedy:
-                token = logits.argmax(-1)
-            else:
-                q = probabilities(logits, state.sampling)
-                token = sample(q, state.rng)
-                dists.append(q)
-            proposed.append(token)
-            step_input = token[:, None]
-        return torch.stack(proposed, dim=1), (torch.stack(dists, dim=1) if dists else None)
-
     def _verify(self, state: BatchState, draft_tokens, observer: StepObserver | None) -> torch.Tensor:
-        """The target's logits (b, k + 1, vocab) over each row's last committed token and its draft tokens."""
+        """The target's logits (b, k + 1, vocab) over each row's last committed token and its draft tokens, and
+        its hidden states there when the drafter reads them (else None)."""
         last = state.tokens.gather(1, (state.committed - 1)[:, None])  # (b, 1)
         verify_input = last if draft_tokens is None else torch.cat([last, draft_tokens], dim=1)
-        return _run_pass(observer, "target", self.target_runner, verify_input, state.target_cache)
+        features = self.drafter.feature_layers if state.draft_cache is not None else None
+        if features is None:
+            return _run_pass(observer, "target", self.target_runner, verify_input, state.target_cache), None
+        runner = self.target_runner
+
+        def verify_with_features(tokens, cache, attention=None, last=None):
+            return runner(tokens, cache, attention, last, features=features)
+        return _run_pass(observer, "target", verify_with_features, verify_input, state.target_cache)
 
     @staticmethod
     def _chain_tokens(draft_tokens, accepted, bonus) -> torch.Tensor:
@@ -480,27 +500,16 @@ class SpeculativeGenerator:
             raise GenerationError(f"a tree node has {tree.max_children} children, more than the vocabulary's "
                                   f"{self.target.config.vocab_size} tokens")
         plan = plan_for(tree, self.device)
-        committed, draft_cache = state.committed, state.draft_cache
-        if self.draft_is_model:
-            drafted = draft_tree(plan, self.draft, draft_cache, state.tokens, committed, state.host_committed,
-                                 state.sampling, state.rng, stage2=self.stage2 if staged else None, forward=passes,
-                                 host_bookkeeping=self.host_bookkeeping)
-        else:
-            drafted = ngram_tree(plan, self.draft, state.tokens, committed, state.sampling, state.rng)
-            passes.count = drafted.rounds  # the n-gram's queries, a round per level
+        committed = state.committed
+        drafted = self.drafter.tree(state, plan, staged, passes)
         target_logits = _run_pass(observer, "target", self.target_runner, drafted.tokens, state.target_cache,
                                   TreeAttention(plan.depths, plan.target_mask))
         path, accepted, bonus = verify_and_accept(plan, drafted, target_logits, state.sampling, state.rng)
         keep = torch.arange(tree.depth, device=self.device) < accepted[:, None]
         if not tree.is_chain:  # in a chain, node i already sits where the i-th accepted token belongs
             compact(state.target_cache, committed, path - 1, keep)  # node j sat at slot committed - 1 + j
-        draft_lengths = None
-        if draft_cache is not None:
-            slot = plan.inner_index[path] - 1  # leaves were never fed to the draft
-            fed = keep & (slot >= 0)
-            if not tree.is_chain:
-                compact(draft_cache, committed, slot, fed)
-            draft_lengths = committed + fed.sum(1)
+        draft_lengths = (self.drafter.settle_tree(state, plan, path, keep) if state.draft_cache is not None
+                         else None)
         new = torch.cat([drafted.tokens.gather(1, path), bonus[:, None]], dim=1)
         new.scatter_(1, accepted[:, None], bonus[:, None])
         return new, accepted + 1, draft_lengths

@@ -145,6 +145,16 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, factor: float, dtype):
+    """(cos, signed sin) of every position for `_rotate`, (..., tokens, 1, rotary dims) in `dtype`."""
+    freqs = (positions[..., None].float() * inv_freq)[..., None, :]  # (..., tokens, 1, hd/2): over heads
+    cos, sin = freqs.cos(), freqs.sin()
+    cos, signed_sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+    if factor == 1.0:
+        return cos.to(dtype), signed_sin.to(dtype)
+    return (cos * factor).to(dtype), (signed_sin * factor).to(dtype)
+
+
 class Block(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -236,6 +246,58 @@ class Block(nn.Module):
         return x.add_(self.mlp(self.mlp_norm(x)))
 
 
+def plan_pass(tokens: torch.Tensor, cache: KVCache | None, tree: TreeAttention | None, last: int | None,
+              new_tokens: list[int] | None, window: int | None, backend: str | None):
+    """(how the pass attends, each fed token's position) for a pass of `tokens` (CausalLM.forward's arguments;
+    a head's passes too). `backend`: the model's requested attention backend (None: by device)."""
+    if new_tokens is not None:
+        if cache is None or last not in (0, 1):
+            raise ValueError("a ragged pass needs a cache and last=0 or 1")
+        needed = int((cache.host_lengths + np.asarray(new_tokens)).max())
+        if needed > cache.max_len:
+            raise ValueError(f"KV cache overflow: {needed} positions needed, {cache.max_len} allocated")
+        attention = RaggedPass(cache, new_tokens, window, choose_backend(cache, backend, None, window))
+        return attention, attention.positions
+    b, n = tokens.shape
+    if cache is None:
+        positions = torch.arange(n, device=tokens.device).expand(b, n)
+        if window and n > window:
+            steps = torch.arange(n, device=tokens.device)
+            return (steps <= steps[:, None]) & (steps > steps[:, None] - window), positions  # the windowed mask
+        return None, positions
+    needed = cache.longest() + n
+    if needed > cache.max_len:
+        raise ValueError(f"KV cache overflow: {needed} positions needed, {cache.max_len} allocated")
+    chosen = choose_backend(cache, backend, tree, window)
+    if tree is not None and chosen == "sdpa" and choose_backend(cache, backend, None, window) == "varlen":
+        say_once("tree passes of a sliding-window model attend through sdpa, not varlen: the window counts "
+                 "positions, which inside a tree are not the cache slots' order")
+    attention = UniformPass(cache, n, tree, window, chosen)
+    return attention, attention.positions
+
+
+def finish_pass(cache: KVCache | None, attention, tokens: torch.Tensor) -> None:
+    """Every layer wrote the pass's keys and values: advance the cache's lengths over them."""
+    if cache is None:
+        return
+    if isinstance(attention, RaggedPass):
+        cache.written(attention.ends)
+        cache.set_lengths(None, attention.ends)
+    else:
+        cache.advance(tokens.shape[1])
+
+
+NORMED_OUTPUT = -1  # a feature id: the final norm's output (what an MTP head reads), not a layer's input
+
+
+def _take_features(taken: torch.Tensor, ids: tuple[int, ...], layer_id: int, x: torch.Tensor) -> None:
+    """Copy the hidden states `x` into their slice of `taken` where `layer_id` is one of the ids asked for."""
+    width = x.shape[-1]
+    for slot, wanted in enumerate(ids):
+        if wanted == layer_id:
+            taken[..., slot * width:(slot + 1) * width].copy_(x)
+
+
 class CausalLM(nn.Module):
     """A decoder-only language model; `forward(tokens, cache)` returns logits `(b, n, vocab)`."""
 
@@ -302,15 +364,11 @@ class CausalLM(nn.Module):
         sine's first half negated (exactly: a sign flip commutes with the scaling and the rounding)."""
         inv_freq = self.local_inv_freq if local else self.inv_freq
         factor = self.local_rope_attention_factor if local else self.rope_attention_factor
-        freqs = (positions[..., None].float() * inv_freq)[..., None, :]  # (..., tokens, 1, hd/2): over heads
-        cos, sin = freqs.cos(), freqs.sin()
-        cos, signed_sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
-        if factor == 1.0:
-            return cos.to(dtype), signed_sin.to(dtype)
-        return (cos * factor).to(dtype), (signed_sin * factor).to(dtype)
+        return rope_tables(positions, inv_freq, factor, dtype)
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, tree: TreeAttention | None = None,
-                last: int | None = None, new_tokens: list[int] | None = None) -> torch.Tensor | None:
+                last: int | None = None, new_tokens: list[int] | None = None,
+                features: tuple[int, ...] | None = None):
         """Logits of a pass, (b, n, vocab) for every fed position, or only each row's `last` positions
         (b, last, vocab); `last=0` computes none and returns None (the pass only fills the cache).
         No pass reads the device back: what the attention spans comes from the cache's host lengths.
@@ -318,36 +376,14 @@ class CausalLM(nn.Module):
         `tokens` (b, n): n tokens per row, on top of `cache` when given (under `tree`: a tree of in-flight
         slots). With `new_tokens` (one count per row), `tokens` (T,) packs row 0's tokens, then row 1's...
         (a prefill: no padding, each row over its own keys) and `last` is 1 (each row's last token: (b, 1,
-        vocab)) or 0."""
+        vocab)) or 0.
+
+        `features` (a head's inputs, runtime.heads): also return the hidden states of every fed position at
+        those layer ids, concatenated, (b, n, len(ids) * hidden) or packed (T, ...): id i is the residual
+        stream entering layer i (i = num_layers: leaving the last one), `NORMED_OUTPUT` the final norm's
+        output. The pass then returns (logits or None, features)."""
         window = self.config.sliding_window
-        attention = None
-        if new_tokens is not None:
-            if cache is None or last not in (0, 1):
-                raise ValueError("a ragged pass needs a cache and last=0 or 1")
-            needed = int((cache.host_lengths + np.asarray(new_tokens)).max())
-            if needed > cache.max_len:
-                raise ValueError(f"KV cache overflow: {needed} positions needed, {cache.max_len} allocated")
-            backend = choose_backend(cache, self.attention_backend, None, window)
-            attention = RaggedPass(cache, new_tokens, window, backend)
-            positions = attention.positions
-        elif cache is None:
-            b, n = tokens.shape
-            positions = torch.arange(n, device=tokens.device).expand(b, n)
-            if window and n > window:
-                steps = torch.arange(n, device=tokens.device)
-                attention = (steps <= steps[:, None]) & (steps > steps[:, None] - window)  # the windowed layers' mask
-        else:
-            b, n = tokens.shape
-            needed = cache.longest() + n
-            if needed > cache.max_len:
-                raise ValueError(f"KV cache overflow: {needed} positions needed, {cache.max_len} allocated")
-            backend = choose_backend(cache, self.attention_backend, tree, window)
-            if tree is not None and backend == "sdpa" and choose_backend(cache, self.attention_backend, None,
-                                                                          window) == "varlen":
-                say_once("tree passes of a sliding-window model attend through sdpa, not varlen: the window counts "
-                         "positions, which inside a tree are not the cache slots' order")
-            attention = UniformPass(cache, n, tree, window, backend)
-            positions = attention.positions
+        attention, positions = plan_pass(tokens, cache, tree, last, new_tokens, window, self.attention_backend)
         if self.logits_size > self.config.vocab_size:
             tokens = tokens.clamp(max=self.config.vocab_size - 1)
         x = self.embed(tokens)
@@ -362,15 +398,22 @@ class CausalLM(nn.Module):
         rope = self._rope(positions, x.dtype) if self.config.family == "llama" else None
         local_rope = self._rope(positions, x.dtype, local=True) if self.local_inv_freq is not None else None
         sliding = self.config.sliding_layers
+        taken = None if features is None else x.new_empty(*x.shape[:-1], len(features) * x.shape[-1])
         for index, layer in enumerate(self.layers):
+            if features is not None:
+                _take_features(taken, features, index, x)  # a copy: the block sums its residual in place
             layer_rope = local_rope if local_rope is not None and sliding and sliding[index] else rope
             x = layer(x, layer_rope, cache, index, attention)
-        if cache is not None:
-            if new_tokens is not None:
-                cache.written(attention.ends)  # every layer wrote each row's tokens
-                cache.set_lengths(None, attention.ends)
-            else:
-                cache.advance(n)
+        if features is not None:
+            _take_features(taken, features, len(self.layers), x)
+            if NORMED_OUTPUT in features:
+                _take_features(taken, features, NORMED_OUTPUT, self.final_norm(x))
+        finish_pass(cache, attention, tokens)
+        if features is not None:
+            return self._logits(x, attention, last, new_tokens), taken
+        return self._logits(x, attention, last, new_tokens)
+
+    def _logits(self, x, attention, last, new_tokens):
         if last == 0:
             return None
         if new_tokens is not None:

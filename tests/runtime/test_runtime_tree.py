@@ -19,7 +19,8 @@ from specbatch.runtime.generator import GenerationError, SpeculativeGenerator
 from specbatch.runtime.model import TreeAttention
 from specbatch.runtime.policy import FixedK, FixedStrategy
 from specbatch.runtime.sampling import Sampling, probabilities
-from specbatch.runtime.tree_decoding import draft_tree, plan_for
+from specbatch.runtime.drafters.draft_model import draft_tree
+from specbatch.runtime.tree_decoding import plan_for
 from torch_fixtures import tune_cpu
 
 TREES = ["0,1", "0,1,2,0.0,0.1,1.0,0.0.0", "0,0.0,0.1,0.0.0,0.0.0.0,0.0.0.1", "chain:4"]

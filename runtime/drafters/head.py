@@ -1,0 +1,86 @@
+"""A head (EAGLE-3, MTP) drafting from the target's hidden states, on its own one-layer KV cache.
+
+Between steps the head's cache spans each row's committed tokens but the last (as the target's does) and
+`HeadCache.hidden` holds its output at the last one, so a chain step of k tokens is:
+  1. draft token 1 from that output (the LM head alone), then k - 1 passes of one token, each on the token
+     just drafted and the head's own previous output;
+  2. the target verifies [last committed, d1..dk] and returns its hidden states at those k + 1 positions;
+  3. `settle_chain`: the head's cache is cut back to the committed tokens and one pass of k + 1 tokens per row
+     re-reads the verified positions from the target's hidden states (the accepted ones and the target's
+     token after them; entries past them are dropped with the length), and keeps its output at each row's
+     last accepted position for the next step.
+So a step costs the head k - 1 one-token passes and one pass of k + 1 tokens (k = 0: that pass of one token,
+which keeps the head current). That first pass reads every verified position, accepted or not, so its width is
+k + 1 whatever was accepted (as vLLM's padded drafter batch); the step model counts it so.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..sampling import probabilities, sample
+from .base import Drafter
+
+
+class HeadDrafter(Drafter):
+    kind = "head"
+    drafts_chains = True
+
+    def __init__(self, head):
+        self.head = self.model = head
+        self.feature_layers = head.head_config.feature_layers
+        self.vocab_size = head.logits_size
+
+    def runners(self) -> list:
+        return []
+
+    def prefill(self, cache, tokens, packed, counts, features):
+        """The head's entries for the prompt's positions 1..n: each token with the target's hidden state before
+        it. The last entry pairs with the row's first generated token, so this runs once that is written."""
+        starts = cache.host_lengths.copy()  # the target's lengths before this pass: the same rows, the same tokens
+
+        def after_first_tokens():
+            rows = np.repeat(np.arange(len(counts)), counts)
+            positions = np.concatenate([np.arange(s + 1, s + 1 + n) for s, n in zip(starts, counts)])
+            shifted = tokens[torch.from_numpy(rows).to(tokens.device), torch.from_numpy(positions).to(tokens.device)]
+            _, outputs = self.head(shifted, features, cache, last=0, new_tokens=list(counts))
+            ends = torch.from_numpy(np.cumsum(counts) - 1).to(outputs.device)
+            cache.hidden.copy_(outputs[ends])
+        return after_first_tokens
+
+    def chain(self, state, k: int, passes):
+        cache, head = state.draft_cache, self.head
+        hidden = cache.hidden[:, None]  # (b, 1, hidden): the head's output at each row's last committed token
+        logits = head.logits(hidden)[:, -1]  # (b, vocab)
+        proposed, dists = [], []
+        for i in range(k):
+            if state.sampling.greedy:
+                token = logits.argmax(-1)
+            else:
+                q = probabilities(logits, state.sampling)
+                token = sample(q, state.rng)
+                dists.append(q)
+            proposed.append(token)
+            if i + 1 < k:
+                def run(tokens, cache, attention=None, last=1, hidden=hidden):
+                    return head(tokens, hidden, cache, last=last, from_target=False)
+                out, hidden = passes(run, token[:, None], cache, None, 1)
+                logits = out[:, -1]
+        return torch.stack(proposed, dim=1), (torch.stack(dists, dim=1) if dists else None)
+
+    def settle_chain(self, state, k, accepted, new, features, passes):
+        cache = state.draft_cache
+        cache.set_lengths(state.committed - 1, state.host_committed - 1)  # drop the draft tokens' entries
+        head = self.head
+
+        def run(tokens, cache, attention=None, last=0):
+            return head(tokens, features, cache, last=0)
+        _, outputs = passes(run, new, cache, None, 0)  # (b, k + 1, hidden)
+        cache.hidden.copy_(outputs.gather(1, accepted[:, None, None].expand(-1, 1, outputs.shape[-1]))[:, 0])
+        return state.committed + accepted
+
+    def tree(self, state, plan, staged: bool, passes):
+        from ..generator import GenerationError
+
+        raise GenerationError("a head drafts chains: trees with a head are not supported; use a chain strategy "
+                              "(--strategies chain, or a fixed k)")

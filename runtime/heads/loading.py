@@ -1,0 +1,139 @@
+"""A head's weights: from its safetensors (the `speculators` names, or EAGLE-3's original `midlayer`), or random
+with a preset's shapes (a head timed before its weights exist)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import Placement, _file_tensors, _llama_layer, _place, _weight_files
+from ..model import rope_inverse_frequencies
+from .config import HeadConfig, HeadError, read_head_config
+from .model import DraftHead
+
+VOCABULARY_MAPS = ("d2t", "t2d")  # integer and boolean buffers, not weights
+
+
+def head_placements(config: HeadConfig, own_embed: bool) -> dict[str, Placement]:
+    """Every tensor the head's checkpoint must hold -> where it goes in `DraftHead`."""
+    layer = _llama_layer(config.layer, 0)  # 'layers.0.self_attn.q_proj.weight' -> 'layers.0.qkv.weight', ...
+    if config.kind == "mtp":
+        plan = {"mtp_" + name: placement for name, placement in layer.items()}
+        for theirs, ours in (("hidden_layernorm", "hidden_norm"), ("token_layernorm", "token_norm"),
+                             ("input_proj", "input_proj"), ("final_layernorm", "final_norm")):
+            plan[f"mtp_layers.0.{theirs}.weight"] = Placement(f"{ours}.weight")
+        return plan
+    if config.layout == "eagle3-original":
+        layer = {name.replace("layers.0.", "midlayer.", 1): placement for name, placement in layer.items()}
+    prefix = "midlayer." if config.layout == "eagle3-original" else "layers.0."
+    plan = dict(layer)
+    plan[prefix + "hidden_norm.weight"] = Placement("hidden_norm.weight")
+    for name in ("fc.weight", "norm.weight", "lm_head.weight"):
+        plan[name] = Placement(name)
+    if config.norm_before_fc:
+        plan["input_norm.weight"] = Placement("input_norm.weight")
+    if config.fc_norm:
+        for i in range(len(config.feature_layers)):
+            plan[f"fc_norm.{i}.weight"] = Placement(f"fc_norms.{i}.weight")
+    if own_embed:
+        plan["embed_tokens.weight"] = Placement("own_embed.weight")
+    return plan
+
+
+def load_head(path: str | Path, target, device=None, dtype: torch.dtype | None = None) -> DraftHead:
+    """The head at `path` for `target` (a CausalLM), on the target's device and in its dtype."""
+    directory = Path(path)
+    config = read_head_config(directory, target.config)
+    weight = target.lm_head.weight
+    device, dtype = device or weight.device, dtype or weight.dtype
+    files = _weight_files(directory)
+    names = {name for file in files for name in _names(file)}
+    own_embed = config.kind == "eagle3" and "embed_tokens.weight" in names
+    head = DraftHead(config, target)
+    if own_embed:  # a checkpoint that carries its embeddings (speculators saves them) drafts with its own
+        head.own_embed = torch.nn.Embedding(target.config.vocab_size, config.hidden_size)
+    head = _finish(head, device, dtype)
+    placements = head_placements(config, own_embed)
+    params = dict(head.named_parameters())
+    filled, maps, unused = set(), {}, []
+    with torch.no_grad():
+        for file in files:
+            for name, tensor in _file_tensors(file, torch.device("cpu")):
+                if name in VOCABULARY_MAPS:
+                    maps[name] = tensor
+                elif name in placements:
+                    _place(params[placements[name].name], placements[name], tensor.to(device), file, name)
+                    filled.add(name)
+                elif not name.endswith("rotary_emb.inv_freq") and name not in ("verifier_norm.weight",
+                                                                                "verifier_lm_head.weight",
+                                                                                "embed_tokens.weight",
+                                                                                "lm_head.weight"):
+                    unused.append(name)
+    missing = sorted(set(placements) - filled)
+    if missing:
+        raise HeadError(f"{directory}: head weights: tensor {missing[0]!r} is missing"
+                        + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    if unused:
+        raise HeadError(f"{directory}: head weights: {len(unused)} tensor(s) its config does not describe, e.g. "
+                        f"{sorted(unused)[:3]}")
+    if config.draft_vocab_size != target.config.vocab_size:
+        head.draft_to_target = draft_to_target_ids(maps, config, target.config.vocab_size, directory).to(device)
+    return head.eval()
+
+
+def _names(file: Path) -> list[str]:
+    """The tensor names of one weight file, without reading the tensors."""
+    if file.suffix == ".bin":
+        return [name for name, _ in _file_tensors(file, torch.device("cpu"))]
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as opened:
+            return list(opened.keys())
+    except (OSError, SafetensorError) as error:
+        raise HeadError(f"{file}: head weights are not readable ({error})") from None
+
+
+def _finish(head: DraftHead, device, dtype: torch.dtype) -> DraftHead:
+    """The head on its device in its dtype, RoPE's frequencies kept in float32 (as the target's)."""
+    head = head.to(device=device, dtype=dtype)
+    head.inv_freq = rope_inverse_frequencies(head.config)[0].to(device)
+    return head
+
+
+def draft_to_target_ids(maps: dict, config: HeadConfig, vocab_size: int, where) -> torch.Tensor:
+    """Target ids of the draft vocabulary from `d2t` (target id = draft id + d2t[draft id]): distinct, rising and
+    inside the target's vocabulary, and where `t2d` is given, the same set it marks."""
+    if "d2t" not in maps:
+        raise HeadError(f"{where}: draft_vocab_size {config.draft_vocab_size} is below the target's {vocab_size} "
+                        "but the weights hold no d2t map")
+    d2t = maps["d2t"]
+    if d2t.dtype.is_floating_point or d2t.shape != (config.draft_vocab_size,):
+        raise HeadError(f"{where}: d2t must hold {config.draft_vocab_size} integer offsets, found "
+                        f"{str(d2t.dtype).removeprefix('torch.')} {tuple(d2t.shape)}")
+    ids = torch.arange(config.draft_vocab_size, dtype=torch.long) + d2t.long()
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size or not bool((ids[1:] > ids[:-1]).all()):
+        raise HeadError(f"{where}: d2t maps draft ids outside the target's vocabulary of {vocab_size} or not to "
+                        "distinct rising ids")
+    t2d = maps.get("t2d")
+    if t2d is not None:
+        marked = torch.nonzero(t2d.bool().reshape(-1)).reshape(-1)
+        if t2d.numel() != vocab_size or not torch.equal(marked, ids):
+            raise HeadError(f"{where}: t2d and d2t disagree on which target ids the draft vocabulary holds")
+    return ids
+
+
+def random_head(config: HeadConfig, target, seed: int = 0) -> DraftHead:
+    """A head of `config`'s shapes with random weights (timing before weights exist: acceptance is synthetic);
+    a draft vocabulary smaller than the target's takes every (V / draft)-th id."""
+    weight = target.lm_head.weight
+    generator = torch.Generator().manual_seed(seed)
+    head = DraftHead(config, target)
+    with torch.no_grad():
+        for param in head.parameters():
+            if param.dim() >= 2:
+                param.copy_(torch.randn(param.shape, generator=generator) * param.shape[-1] ** -0.5)
+    if config.draft_vocab_size != target.config.vocab_size:
+        step = target.config.vocab_size / config.draft_vocab_size
+        head.draft_to_target = (torch.arange(config.draft_vocab_size) * step).long()
+    return _finish(head, weight.device, weight.dtype).eval()
