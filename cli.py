@@ -387,26 +387,34 @@ def table(
                              "when the profile measured one).")] = "all",
     max_tree_nodes: Annotated[int, typer.Option("--max-tree-nodes", help="Largest tree considered.")] = 64,
     fmt: Annotated[str, typer.Option(
-        "--format", help="json (specbatch.table/1) | csv | vllm (a complete speculative_config for a draft model) | "
-                         "trtllm (DraftTargetDecodingConfig with draft_len_schedule). Engines know batch sizes only: "
-                         "one --context-lens value; --max-batch should cover the engine's max batch.")] = "json",
+        "--format", help="json (specbatch.table/1) | csv | vllm (a complete speculative_config) | trtllm (the "
+                         "decoding config with draft_len_schedule) | sglang (an adaptive config, one step per batch "
+                         "size slot, and the server flags that read it; EAGLE-3 and MTP heads only). Engine exports "
+                         "run the model's drafter (a draft model, an EAGLE-3 head or MTP heads) and know batch sizes "
+                         "only: one --context-lens value; --max-batch should cover the engine's max batch.")] = "json",
     draft: Annotated[Optional[Path], typer.Option(
-        "--draft", help="vllm/trtllm: the draft model directory the engine loads (default: the table's draft, "
-                        "resolved from the current directory).")] = None,
+        "--draft", help="vllm/trtllm/sglang: the checkpoint the engine loads, the draft model or the head's "
+                        "directory (default: the table's draft, resolved from the current directory).")] = None,
     clamp: Annotated[bool, typer.Option(
         "--clamp", help="trtllm: cap every k at batch size 1's k (TensorRT-LLM needs the smallest batch size's k "
                         "to be the largest) instead of refusing; the entries changed are listed.")] = False,
+    cuda_graph_bs: Annotated[Optional[str], typer.Option(
+        "--cuda-graph-bs", help="sglang: the decode CUDA-graph batch sizes the server will capture, e.g. 1,2,4,8 "
+                                "(default: SGLang's own up to --max-batch plus the last batch size of each run of "
+                                "equal k, which the export passes as --cuda-graph-bs-decode); refused where SGLang's "
+                                "padding would run two different k in one slot.")] = None,
     allow_mode_mismatch: AllowModeMismatchOpt = False,
     force: Annotated[bool, typer.Option("--force", help=f"{REPLACE_RULE_HELP} Also: compute the table over grid "
                                                          "regions a cut-short profile did not measure.")] = False,
 ):
     """Best strategy (none, a chain of k, a tree, with or without the second stage) for every batch size
-    1..max-batch, with its predicted gain. vllm/trtllm exports express chains only (a tree's depth as k)."""
+    1..max-batch, with its predicted gain. vllm/trtllm/sglang exports express chains only (a tree's depth as k)."""
     check_counts(max_batch=max_batch, max_k=max_k)
     from specbatch.perfmodel.table import (ENGINE_FORMATS, check_table_format, engine_family_note, table_output_kind,
                                            write_table)
 
-    check_table_format(fmt, draft, clamp)
+    graph_bs = parse_int_list("--cuda-graph-bs", cuda_graph_bs)
+    check_table_format(fmt, draft, clamp, graph_bs)
     if max_tree_nodes < 1:
         raise UsageError(f"--max-tree-nodes must be >= 1, got {max_tree_nodes}")
     lengths = parse_int_list("--context-lens", context_lens)
@@ -427,7 +435,7 @@ def table(
     engine = fmt in ENGINE_FORMATS  # an engine runs chains only: rank those, and show their predictions
     result = compute_table(fitted, chosen, max_batch, lengths, max_k, strategies="chain" if engine else strategies,
                            max_tree_nodes=max_tree_nodes)
-    export_notes = write_table(output, result, fmt, draft=draft, clamp=clamp)
+    export_notes = write_table(output, result, fmt, draft=draft, clamp=clamp, graph_bs=graph_bs)
     if engine and strategies != "chain":
         export_notes.insert(0, engine_family_note(fmt, model, result.buckets[0].context_len))
     from specbatch.console.model import render_table

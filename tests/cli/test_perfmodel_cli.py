@@ -306,3 +306,62 @@ def test_a_profile_that_ran_its_plan_has_no_coverage_note(tmp_path):
     write_profile(tmp_path / "p.json", profile)
     result = invoke("fit", tmp_path / "p.json", "-o", tmp_path / "m.json", "--json")
     assert result.exit_code == 0 and json.loads(result.stdout)["coverage"] is None
+
+
+# ------------------------------------------------------------------------------ heads and SGLang
+def test_table_exports_the_drafter_the_table_records_to_every_engine(files, tmp_path, monkeypatch):
+    """The export's method, decoding config and SGLang algorithm come from Table.drafter; --draft names the
+    head's directory. (The model file does not record a drafter yet: the table it gives is made a head's.)"""
+    import dataclasses
+
+    from specbatch.perfmodel import model as model_module
+    from specbatch.perfmodel.table import to_sglang, to_trtllm, to_vllm
+
+    computed = model_module.compute_table
+    tables = []
+
+    def as_eagle3(*args, **kwargs):
+        tables.append(dataclasses.replace(computed(*args, **kwargs), drafter="eagle3"))
+        return tables[-1]
+
+    monkeypatch.setattr(model_module, "compute_table", as_eagle3)
+    head = tmp_path / "eagle3-head"
+    head.mkdir()
+    (head / "config.json").write_text('{"architectures": ["LlamaForCausalLMEagle3"]}')
+    common = ("--max-batch", "16", "--context-lens", "512", "--draft", head)
+    for fmt, export, extra in (("vllm", to_vllm, ()), ("trtllm", to_trtllm, ("--clamp",)), ("sglang", to_sglang, ())):
+        out = tmp_path / f"{fmt}.json"
+        result = invoke("table", files["model"], "-o", out, "--format", fmt, *common, *extra)
+        assert result.exit_code == 0, result.output
+        kwargs = {"clamp": True} if fmt == "trtllm" else {"config_path": out} if fmt == "sglang" else {}
+        assert json.loads(out.read_text()) == export(tables[-1], draft=head, **kwargs)
+    assert json.loads((tmp_path / "vllm.json").read_text())["method"] == "eagle3"
+    assert json.loads((tmp_path / "trtllm.json").read_text())["decoding_type"] == "Eagle3"
+    said = " ".join(result.stdout.split())
+    assert ("sglang: serve with python -m sglang.launch_server --model-path TARGET --speculative-algorithm "
+            "EAGLE3") in said
+
+    result = invoke("table", files["model"], "-o", tmp_path / "g.json", "--format", "sglang", *common,
+                    "--cuda-graph-bs", "2,16")
+    k = [e.k for e in tables[-1].buckets[0].entries]
+    ends = [b for b in range(1, 16) if k[b - 1] != k[b] and b not in (2, 16)]  # runs SGLang would pad past
+    if ends:
+        assert_one_line_error(result, "--format sglang: SGLang pads a batch to its next CUDA-graph size",
+                              f"b={ends[0]} (k={k[ends[0] - 1]}) and b={ends[0] + 1} (k={k[ends[0]]})")
+    else:
+        assert result.exit_code == 0, result.output
+
+
+def test_table_refuses_sglang_for_a_draft_model_and_its_options_elsewhere(files, tmp_path):
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "config.json").write_text("{}")
+    assert_one_line_error(invoke("table", files["model"], "-o", tmp_path / "s.json", "--format", "sglang",
+                                 "--max-batch", "8", "--draft", draft),
+                          "--format sglang: SGLang switches speculation steps by batch size for EAGLE/EAGLE3 heads "
+                          "only", "--format vllm or trtllm")
+    assert not (tmp_path / "s.json").exists()
+    assert_one_line_error(invoke("table", files["model"], "-o", tmp_path / "v.json", "--format", "vllm",
+                                 "--cuda-graph-bs", "1,2"), "--cuda-graph-bs applies to --format sglang only")
+    assert_one_line_error(invoke("table", files["model"], "-o", tmp_path / "v.json", "--format", "sglang",
+                                 "--cuda-graph-bs", "1,x"), "--cuda-graph-bs: 'x' is not a positive integer")
