@@ -364,3 +364,30 @@ def entry_from_rows(rows: list[ScoredRow], sampling: Sampling, max_k: int, promp
                            rank_sequences=rank_sequences(rows) if sampling.greedy else None,
                            trials=tuple(int(round(r)) for r in reached), prompts=prompts_source,
                            prompt_count=prompt_count)
+
+
+def head_acceptance(target: CausalLM, head, prompts: list[list[int]], sampling: Sampling, max_k: int,
+                    new_tokens: int, eos_token_ids: tuple[int, ...] = (), prompts_source: str | None = None,
+                    seed: int = 0) -> AcceptanceEntry:
+    """The acceptance of a head, per draft position, measured as the runtime drafts: generating the prompts'
+    continuations with chains of max_k (greedy, or rejection sampling), counting at each position how often it
+    was reached and accepted. Teacher forcing does not apply: a head drafts token i from its own output at
+    i - 1, so alpha_i is a property of the chain, not of one position. The drafting of token i does not depend
+    on k, so a chain of max_k measures every shorter chain's alphas too."""
+    generator = SpeculativeGenerator(target, head, eos_token_ids)
+    accepted, trials = [0] * max_k, [0] * max_k
+    ordered = sorted(prompts, key=len)
+    for start in range(0, len(ordered), GENERATION_ROWS):
+        stats = generator.generate(ordered[start:start + GENERATION_ROWS], new_tokens, FixedK(max_k), sampling,
+                                   seed=seed + start).stats
+        for i, (a, t) in enumerate(zip(stats.accepted_per_position, stats.trials_per_position)):
+            accepted[i] += a
+            trials[i] += t
+    if not trials[0]:
+        raise CalibrationError("acceptance: the prompts gave no drafting step (every continuation ended at once)")
+    reached = [t for t in trials if t]
+    per_position = [a / t for a, t in zip(accepted, trials) if t]
+    per_position += [per_position[-1]] * (max_k - len(per_position))  # positions never reached: the last value
+    return AcceptanceEntry(**entry_fields(sampling), source="measured", per_position=tuple(per_position),
+                           trials=tuple(reached) + (0,) * (max_k - len(reached)), prompts=prompts_source,
+                           prompt_count=len(prompts))

@@ -18,6 +18,7 @@ from specbatch.perfmodel.profile import Grid, TimingRow
 from specbatch.runtime.clock import DeviceClock
 from specbatch.runtime.cuda_graphs import GraphedModel, bucket_for
 from specbatch.runtime.generator import SpeculativeGenerator
+from specbatch.runtime.heads import DraftHead, HeadPasses
 from specbatch.runtime.model import CausalLM, KVCache
 from specbatch.runtime.policy import FixedK, FixedStrategy
 from specbatch.runtime.sampling import Sampling
@@ -59,7 +60,9 @@ class ForwardTimer:
     def __init__(self, models: dict[str, CausalLM], grid: Grid, device: str, rule: RepetitionRule,
                  clock: Clock = time.perf_counter, graphs: bool = False):
         """`clock`: the repetition budget's (host time; a fake one in tests); passes are timed on the device."""
-        self.models = {role: GraphedModel(model) for role, model in models.items()} if graphs else models
+        # a head's passes run eagerly in the runtime (runtime/drafters/head.py): timed so, through HeadPasses
+        self.models = {role: HeadPasses(model) if isinstance(model, DraftHead)
+                       else GraphedModel(model) if graphs else model for role, model in models.items()}
         self.grid, self.device, self.rule, self.graphs = grid, device, rule, graphs
         self.clock, self.device_clock = clock, DeviceClock(device)
         self.key, self.cache = None, None
@@ -69,7 +72,8 @@ class ForwardTimer:
         if key != self.key:
             self.forget()  # free the previous cache before allocating the next
             new_tokens = new_tokens_at(self.grid, point.model, point.batch_size)
-            rows = bucket_for(point.batch_size, 10**9) if self.graphs else point.batch_size
+            graphed = isinstance(self.models[point.model], GraphedModel)
+            rows = bucket_for(point.batch_size, 10**9) if graphed else point.batch_size
             cache = self.models[point.model].new_cache(rows, point.context_len + max(new_tokens))
             self.cache = cache.rows(0, point.batch_size) if rows != point.batch_size else cache
             self.key = key
@@ -83,7 +87,7 @@ class ForwardTimer:
         # the runtime's draft passes use their last position's logits (runtime.generator); the target's all
         sampler = forward_sampler(model, cache, tokens, point.context_len, self.device_clock,
                                   last=1 if point.model == "draft" else None)
-        if self.graphs:
+        if isinstance(model, GraphedModel):
             sampler()  # the capture: never one of the point's samples
         return repeat(sampler, self.rule, self.clock)
 
@@ -91,7 +95,8 @@ class ForwardTimer:
         self.key, self.cache = None, None
         if self.graphs:  # the cache took its graphs along: their logits buffers can go too
             for model in self.models.values():
-                model.release_outputs()
+                if isinstance(model, GraphedModel):
+                    model.release_outputs()
 
 
 def release_memory(device: str) -> None:

@@ -54,8 +54,10 @@ class TreeOverheadPoint:
     stage2: bool
 
 
-def make_grid(batch_sizes, context_lens, max_k: int) -> Grid:
-    """A sorted, de-duplicated grid; every value is checked to be a positive integer (context >= 1)."""
+def make_grid(batch_sizes, context_lens, max_k: int, head: bool = False) -> Grid:
+    """A sorted, de-duplicated grid; every value is checked to be a positive integer (context >= 1). `head`: the
+    draft is a head, whose passes read 1 token (drafting) or k + 1 (the verified positions): 1..max_k+1, no
+    tree widths (a head drafts chains)."""
     for option, values in (("--batch-sizes", batch_sizes), ("--context-lens", context_lens)):
         if not values:
             raise CalibrationError(f"{option}: needs at least one value")
@@ -64,11 +66,18 @@ def make_grid(batch_sizes, context_lens, max_k: int) -> Grid:
                 raise CalibrationError(f"{option}: {value!r} is not a positive integer")
     if isinstance(max_k, bool) or not isinstance(max_k, int) or max_k < 1:
         raise CalibrationError(f"--max-k: must be a positive integer (the longest speculation timed), got {max_k!r}")
-    target_wide = tuple(n for n in TARGET_WIDE_NEW_TOKENS if n > max_k + 1)
+    target_wide = () if head else tuple(n for n in TARGET_WIDE_NEW_TOKENS if n > max_k + 1)
     draft_wide = tuple(n for n in DRAFT_WIDE_NEW_TOKENS if n > max(DRAFT_NEW_TOKENS))
     return Grid(batch_sizes=tuple(sorted(set(batch_sizes))), context_lens=tuple(sorted(set(context_lens))),
                 max_k=max_k, target_new_tokens=tuple(range(1, max_k + 2)) + target_wide,
-                draft_new_tokens=DRAFT_NEW_TOKENS + draft_wide)
+                draft_new_tokens=tuple(range(1, max_k + 2)) if head else DRAFT_NEW_TOKENS + draft_wide)
+
+
+def draft_chain_tokens(grid: Grid) -> int:
+    """The widest draft pass a chain step makes: a draft model's catch-up (2 tokens), a head's pass over the
+    verified positions (max_k + 1: a head's grid times exactly 1..max_k+1, `make_grid`)."""
+    head = grid.draft_new_tokens == tuple(range(1, grid.max_k + 2)) and grid.max_k + 1 > max(DRAFT_NEW_TOKENS)
+    return grid.max_k + 1 if head else max(DRAFT_NEW_TOKENS)
 
 
 def check_grid_fits(grid: Grid, target: ModelConfig, draft: ModelConfig) -> None:
@@ -87,7 +96,7 @@ def fit_wide_passes(grid: Grid, target: ModelConfig, draft: ModelConfig) -> Grid
     room = min(target.max_position_embeddings, draft.max_position_embeddings) - max(grid.context_lens)
     keep = lambda values, chain: tuple(n for n in values if n <= chain or n <= room)  # noqa: E731
     return replace(grid, target_new_tokens=keep(grid.target_new_tokens, grid.max_k + 1),
-                   draft_new_tokens=keep(grid.draft_new_tokens, max(DRAFT_NEW_TOKENS)))
+                   draft_new_tokens=keep(grid.draft_new_tokens, draft_chain_tokens(grid)))
 
 
 def wide_batch_sizes(grid: Grid) -> tuple[int, ...]:
@@ -98,7 +107,7 @@ def wide_batch_sizes(grid: Grid) -> tuple[int, ...]:
 def new_tokens_at(grid: Grid, role: str, batch_size: int) -> tuple[int, ...]:
     """The new-token counts timed for `role` at `batch_size`: the chain's always, wide ones at small b."""
     values, chain = ((grid.target_new_tokens, grid.max_k + 1) if role == "target"
-                     else (grid.draft_new_tokens, max(DRAFT_NEW_TOKENS)))
+                     else (grid.draft_new_tokens, draft_chain_tokens(grid)))
     wide = batch_size in wide_batch_sizes(grid)
     return tuple(n for n in values if n <= chain or wide)
 

@@ -20,4 +20,18 @@ def model_info(spec: ModelSpec, dtype: torch.dtype) -> ModelInfo:
         weight_bytes=config.parameter_count() * element_bytes,
         kv_bytes_per_token=config.kv_bytes_per_token(element_bytes),
         max_position_embeddings=config.max_position_embeddings, fingerprint=spec.fingerprint,
+    ) if spec.head is None else head_info(spec, element_bytes)
+
+
+def head_info(spec: ModelSpec, element_bytes: int) -> ModelInfo:
+    """A head as the draft role: one layer, the parameters a head pass reads, its draft vocabulary."""
+    head, config = spec.head, spec.config
+    return ModelInfo(
+        source=spec.source, model_type=config.model_type, random_weights=spec.random_weights,
+        parameters=head.parameter_count(), layers=1, hidden_size=config.hidden_size, heads=config.num_heads,
+        kv_heads=config.num_kv_heads, head_dim=config.head_dim, intermediate_size=config.intermediate_size,
+        vocab_size=config.vocab_size, weight_bytes=head.parameter_count() * element_bytes,
+        kv_bytes_per_token=config.kv_bytes_per_token(element_bytes),
+        max_position_embeddings=config.max_position_embeddings, fingerprint=spec.fingerprint,
+        drafter=head.kind, draft_vocab_size=head.draft_vocab_size,
     )

@@ -127,8 +127,9 @@ class _Plan:
 
     @property
     def trees(self) -> bool:
-        """Whether tree overheads are measured: they need a measured rank acceptance."""
-        return self.user_acceptance is None
+        """Whether tree overheads are measured: they need a measured rank acceptance (and a draft model: a head
+        drafts chains)."""
+        return self.user_acceptance is None and self.draft.head is None
 
 
 # ---------------------------------------------------------------- checking the request
@@ -160,7 +161,7 @@ def _plan(request: CalibrationRequest) -> _Plan:
     target, draft = resolve_pair(request.target, request.draft)
     grid = make_grid(request.batch_sizes or (QUICK_BATCH_SIZES if request.quick else DEFAULT_BATCH_SIZES),
                      request.context_lens or (QUICK_CONTEXT_LENS if request.quick else DEFAULT_CONTEXT_LENS),
-                     request.max_k)
+                     request.max_k, head=draft.head is not None)
     check_grid_fits(grid, target.config, draft.config)
     grid = fit_wide_passes(grid, target.config, draft.config)
     samplings = _samplings(request.samplings)
@@ -181,6 +182,9 @@ def _plan(request: CalibrationRequest) -> _Plan:
         prompts = tuple(acc.read_prompts(request.prompts))
     ngram = sha256 = file = None
     if request.stage2 is not None:
+        if draft.head is not None:
+            raise CalibrationError(f"--stage2 {request.stage2}: the second stage speeds up a draft model's trees; "
+                                   f"--draft {draft.source} is a {draft.head.kind} head, which drafts chains")
         if user_acceptance is not None:
             raise CalibrationError(f"--stage2 {request.stage2}: the n-gram's guesses are measured against the draft "
                                    f"on the prompts, which --acceptance skips; drop one of the two")
@@ -493,6 +497,10 @@ def _measure(pair: LoadedPair, plan: _Plan, grid: Grid, todo: _Todo, request: Ca
     for sampling in todo.acceptance:
         if plan.user_acceptance is not None:
             entry = acc.user_entry(sampling, plan.user_acceptance)
+        elif plan.draft.head is not None:  # a head drafts from its own outputs: measured by drafting
+            encoded = _encoded_prompts(pair, plan)
+            entry = acc.head_acceptance(pair.target, pair.draft, encoded, sampling, grid.max_k,
+                                        plan.effort.continuation_tokens, pair.eos_token_ids, prompts_source)
         else:
             rows, prompt_count = _scored_rows(pair, plan, sampling)
             greedy_rows = rows if sampling.greedy else greedy_rows

@@ -71,8 +71,9 @@ def describe_cells(cells: tuple[tuple[str, int, int], ...], shown: int = 6) -> s
 def profile_coverage(profile) -> Coverage:
     """`profile`: a perfmodel.profile.Profile with pass timings (not an engine's)."""
     grid = profile.grid
+    draft_chain = grid.max_k + 1 if profile.draft.is_head else DRAFT_CHAIN_TOKENS  # a head's pass reads k + 1
     chain = {"target": [n for n in grid.target_new_tokens if n <= grid.max_k + 1],
-             "draft": [n for n in grid.draft_new_tokens if n <= DRAFT_CHAIN_TOKENS]}
+             "draft": [n for n in grid.draft_new_tokens if n <= draft_chain]}
     measured = {(row.model, row.batch_size, row.new_tokens, row.context_len) for row in profile.timings}
     planned = [(role, b, n, L) for role in ("target", "draft") for L in grid.context_lens
                for b in grid.batch_sizes for n in chain[role]]

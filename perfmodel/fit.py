@@ -140,9 +140,10 @@ LatencyByRole = Callable[[str, int, int, int], float]
 
 
 def predict_steps(latency_ms: LatencyByRole, overhead: OverheadModel, acceptance: AcceptanceModel,
-                  steps: Sequence) -> np.ndarray:
-    """Predicted ms of each measured in-situ step row (a chain of its k at its batch size and context)."""
-    model = StepModel(latency_ms, overhead, acceptance)
+                  steps: Sequence, drafter: str = "draft_model") -> np.ndarray:
+    """Predicted ms of each measured in-situ step row (a chain of its k at its batch size and context);
+    `drafter`: the profile's (a head's steps have their own passes)."""
+    model = StepModel(latency_ms, overhead, acceptance, drafter=drafter)
     return np.array([model.evaluate(Strategy.from_k(s.k), s.batch_size, s.context_len).step_ms for s in steps])
 
 
@@ -187,7 +188,8 @@ def held_out_by_batch_size(profile: Profile, source: str, full: dict[str, lat.La
             continue
         models = {role: lat.fit_latency_model(full[role].shape, train[role], full[role].kind, full[role].roofline)
                   for role in ROLES}
-        predicted[at_b] = predict_steps(_latency_by_role(models), overhead, acceptance, [steps[i] for i in at_b])
+        predicted[at_b] = predict_steps(_latency_by_role(models), overhead, acceptance, [steps[i] for i in at_b],
+                                        profile.draft.drafter)
         own = {role: _rows_at(p, b) for role, p in points.items()}
         in_situ = {role: _rows_at(insitu_points(profile, role), b) for role in ROLES}
         errors.append(BatchSizeError(b, len(at_b), _mape(predicted[at_b], measured[at_b]),
@@ -200,7 +202,7 @@ def source_report(profile: Profile, source: str, fits: dict, overhead: OverheadM
     """`fits`: role -> the source's full fit (anything with `.model` and `.points`, e.g. model.RoleFit)."""
     steps = profile.insitu_steps
     full = predict_steps(_latency_by_role({r: f.model for r, f in fits.items()}),
-                         overhead, acceptance, steps)
+                         overhead, acceptance, steps, profile.draft.drafter)
     measured = np.array([s.median_ms for s in steps])
     kinds = {role: fit.model.kind for role, fit in fits.items()}
     by_b, held = held_out_by_batch_size(profile, source, {r: f.model for r, f in fits.items()}, overhead, acceptance)
@@ -267,7 +269,7 @@ def fit_profile(profile: Profile, holdout: bool = False) -> FittedModel:
     )
     if not profile.insitu_steps or greedy is None:
         return fitted
-    predicted_ms = predict_steps(fitted.latency_ms, overhead, greedy, profile.insitu_steps)
+    predicted_ms = predict_steps(fitted.latency_ms, overhead, greedy, profile.insitu_steps, profile.draft.drafter)
     return replace(fitted, step_correction=fit_step_correction(profile.insitu_steps, predicted_ms))
 
 

@@ -226,7 +226,7 @@ def step_model(fitted: FittedModel, acceptance: AcceptanceModel, stage2: Stage2I
     if fitted.engine is not None:
         return engine_step_model(fitted.engine, acceptance)
     return StepModel(fitted.latency_ms, fitted.overhead, acceptance, fitted.stage2 if stage2 is None else stage2,
-                     fitted.step_correction, vectorized_latency=True)
+                     fitted.step_correction, vectorized_latency=True, drafter=fitted.draft_info.drafter)
 
 
 def strategy_family(fitted: FittedModel, acceptance: AcceptanceModel, max_k: int | None = None,
@@ -235,7 +235,7 @@ def strategy_family(fitted: FittedModel, acceptance: AcceptanceModel, max_k: int
     and the data permits, grown trees (need rank acceptance) and the second stage (needs the profile's
     stage2). "all" on a profile without either is the chain family."""
     max_k = fitted.grid.max_k if max_k is None else max_k
-    if fitted.engine is not None:  # an engine runs chains only: trees and the second stage are ours
+    if fitted.engine is not None or fitted.draft_info.is_head:  # engines and heads run chains only
         strategies = "chain"
     return candidate_strategies(max_k, acceptance.rank_acceptance, fitted.stage2 is not None, strategies,
                                 max_tree_nodes)
@@ -297,7 +297,7 @@ def compute_table(fitted: FittedModel, acceptance: AcceptanceModel, max_batch: i
                  max_k=max([max_k] + [e.k for bucket in buckets for e in bucket.entries]),
                  acceptance=acceptance.to_json(), buckets=tuple(buckets),
                  stage2={"file": fitted.stage2.file, "sha256": fitted.stage2.sha256} if uses_stage2 else None,
-                 fingerprints=fitted.fingerprints(), costs=fitted.costs())
+                 fingerprints=fitted.fingerprints(), costs=fitted.costs(), drafter=fitted.draft_info.drafter)
 
 
 # ---------------------------------------------------------------- JSON

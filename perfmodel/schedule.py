@@ -75,6 +75,21 @@ def step_passes(batch_size: int, k: int, alphas: Sequence[float]) -> tuple[Pass,
     return tuple(first + rest + [Pass("target", k + 1, 1.0)])
 
 
+def head_step_passes(batch_size: int, k: int) -> tuple[Pass, ...]:
+    """The forward passes of one chain step drafted by a head (runtime/drafters/head.py): k - 1 head passes of
+    one token, the target's verify pass of k + 1, and the head's pass of k + 1 over the verified positions (its
+    width is k + 1 whatever was accepted: it re-reads them all). At k = 0 that pass has one token: the head
+    keeps up with the target even when it does not draft.
+
+    >>> [(p.role, p.new_tokens, p.weight) for p in head_step_passes(4, 3)]
+    [('draft', 1, 2.0), ('target', 4, 1.0), ('draft', 4, 1.0)]
+    """
+    if batch_size < 1 or k < 0:
+        raise PerfModelError(f"head_step_passes: need batch_size >= 1 and k >= 0, found {batch_size} and {k}")
+    drafting = [Pass("draft", 1, float(k - 1))] if k > 1 else []
+    return tuple(drafting + [Pass("target", k + 1, 1.0), Pass("draft", k + 1, 1.0)])
+
+
 def _check(tree: Tree, batch_size: int) -> None:
     if batch_size < 1 or tree.num_nodes < 1:
         raise PerfModelError(f"tree step: need batch_size >= 1 and a tree with nodes, found {batch_size} "

@@ -18,7 +18,8 @@ E (tokens a row gains per step):
   a tree are compared on two measurements of the same pair (both step-aligned).
 
 S (expected step time): the forward passes the runtime makes (`schedule.step_passes` for plain chains,
-`schedule.tree_step` / `schedule.staged_step` for trees and staged steps), each weighted by its
+`schedule.tree_step` / `schedule.staged_step` for trees and staged steps, `schedule.head_step_passes` for
+a head's chains, whose k = 0 still runs the head: the speedup's baseline is decoding without it), each weighted by its
 expected count, plus the n-gram queries (expected queries x query_overhead_ms + expected
 contexts x query_ms_per_context), plus the step overhead (`OverheadModel.step_overhead_ms`), times
 the in-situ step correction when the model has one (`steps.StepCorrection`, at the strategy's
@@ -39,8 +40,8 @@ import numpy as np
 from .acceptance import AcceptanceModel, accept_all_probability
 from .errors import PerfModelError
 from .overhead import OverheadModel
-from .profile import Stage2Info
-from .schedule import TreeStep, leaf_end_probability, staged_step, step_passes, tree_step
+from .profile import HEAD_DRAFTERS, Stage2Info
+from .schedule import TreeStep, head_step_passes, leaf_end_probability, staged_step, step_passes, tree_step
 from .steps import StepCorrection
 from .tree import Strategy, chain, expected_tree_tokens, grow_tree, node_probabilities, simulate_tree_steps
 
@@ -141,6 +142,12 @@ class StepModel:
     # (b, strategy) -> (passes, overhead ms): neither depends on the context, which an online policy
     # (runtime.adaptive) asks about at every new length
     _schedule_cache: dict = field(default_factory=dict, compare=False, repr=False)
+    # who drafts: "draft_model", or a head ("eagle3", "mtp": chains only, `schedule.head_step_passes`)
+    drafter: str = "draft_model"
+
+    @property
+    def head(self) -> bool:
+        return self.drafter in HEAD_DRAFTERS
 
     def _latency(self, role: str, batch_size: int, new_tokens: int, context_len: int) -> float:
         key = (role, batch_size, new_tokens, context_len)
@@ -201,6 +208,10 @@ class StepModel:
         """The passes (and n-gram queries) of one step of `strategy` over `batch_size` rows."""
         if batch_size < 1:
             raise PerfModelError(f"batch size must be >= 1, found {batch_size}")
+        if self.head:
+            if strategy.kind == "tree" or strategy.stage2:
+                raise PerfModelError(f"strategy {strategy.describe(40)}: a head ({self.drafter}) drafts chains only")
+            return TreeStep(head_step_passes(batch_size, strategy.k))
         if strategy.tree is None or (strategy.kind == "chain" and not strategy.stage2):
             return TreeStep(step_passes(batch_size, strategy.k, self.acceptance.per_position))
         p_leaf_end = self.leaf_end_probability(strategy)
@@ -245,5 +256,16 @@ class StepModel:
         ordered = tuple(dict.fromkeys((Strategy(None),) + tuple(strategies)))
         candidates = [self.evaluate(s, batch_size, context_len) for s in ordered]
         order = np.argsort([-c.tokens_per_s for c in candidates], kind="stable")
-        return StrategyChoice(batch_size, context_len, tuple(candidates[i] for i in order), candidates[0].tokens_per_s)
+        plain = self.plain_decoding(batch_size, context_len) if self.head else candidates[0]
+        baseline = plain.tokens_per_s
+        return StrategyChoice(batch_size, context_len, tuple(candidates[i] for i in order), baseline)
+
+    def plain_decoding(self, batch_size: int, context_len: int) -> StrategyCandidate:
+        """Decoding without any drafter: one target pass of one token a step. With a draft model that is k = 0;
+        a head still makes its pass at k = 0 (`schedule.head_step_passes`), so its k = 0 is not the baseline."""
+        target_ms = self._latency("target", batch_size, 1, context_len)
+        overhead_ms = self.overhead.step_overhead_ms(batch_size, Strategy(None))
+        step_ms = target_ms + overhead_ms
+        return StrategyCandidate(Strategy(None), step_ms, 1.0, batch_size / step_ms * 1e3, 0.0, target_ms, 0.0,
+                                 overhead_ms, 0.0)
 

@@ -26,7 +26,6 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from specbatch.perfmodel.errors import SpecbatchError
 from specbatch.perfmodel.tree import chain
 
 from . import policy as hooks
@@ -40,14 +39,11 @@ from .model import CausalLM
 from .acceptance import accept, count_acceptance
 from .sampling import Sampling, probabilities, sample
 from .drafters import drafter_for
+from .errors import GenerationError
 from .tree_decoding import compact, plan_for, verify_and_accept
 
 
 _generation_serial = itertools.count()  # request ids of `generate` rows: (serial of the call, prompt index)
-
-
-class GenerationError(SpecbatchError):
-    """Input the generator cannot run (prompt too long, k too large, mismatched vocabularies...)."""
 
 
 @dataclass

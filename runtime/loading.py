@@ -22,7 +22,8 @@ from .checkpoint import Tokenizer, build_model, load_checkpoint
 from .devices import resolve_device  # noqa: F401 - commands import it from here, with the loaders
 from .config import ConfigError, ModelConfig, check_vocabulary, load_config
 from .model import CausalLM
-from .presets import PRESET_NAMES, PRESETS, preset_config
+from .heads import DraftHead, HeadConfig, HeadError, is_head_dir, load_head, random_head, read_head_config
+from .presets import HEAD_PRESETS, PRESET_NAMES, PRESETS, head_preset_config, preset_config
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 
@@ -34,10 +35,16 @@ class ModelSpec:
     config: ModelConfig
     directory: Path | None  # the weights' directory; None means random weights
     fingerprint: str | None = None  # perfmodel.jsonio.model_fingerprint: the model's content, not its path
+    head: HeadConfig | None = None  # a draft that is a head (EAGLE-3, MTP); `config` is then its layer's
 
     @property
     def random_weights(self) -> bool:
         return self.directory is None
+
+    @property
+    def drafter(self) -> str:
+        """What drafts: "draft_model", or the head's kind ("eagle3", "mtp")."""
+        return self.head.kind if self.head is not None else "draft_model"
 
 
 def display_path(path: Path) -> str:
@@ -67,9 +74,39 @@ def resolve_model(text: str, role: str) -> ModelSpec:
     return ModelSpec(role, display_path(path), config, path, directory_fingerprint(path))
 
 
+def resolve_head(text: str, target: ModelSpec) -> ModelSpec | None:
+    """`--draft` as a head (a head preset, a head's directory or its config.json) checked against the target, or
+    None when it names no head; every failure names the option."""
+    path = Path(text)
+    if text in HEAD_PRESETS:
+        config = head_preset_config(text, target.config)
+        canonical = json.dumps(HEAD_PRESETS[text], sort_keys=True).encode()
+        return ModelSpec("draft", text, config.layer, None, model_fingerprint(canonical), config)
+    if not is_head_dir(path):
+        return None
+    try:
+        config = read_head_config(path, target.config)
+    except HeadError as error:
+        raise UsageError(f"--draft: {error}") from None
+    if path.is_file():
+        return ModelSpec("draft", display_path(path), config.layer, None, model_fingerprint(path.read_bytes()), config)
+    if not any((path / name).is_file() for name in WEIGHT_FILES):
+        raise UsageError(f"--draft {text}: a head without weights ({', '.join(WEIGHT_FILES)}); for random weights of "
+                         f"its shape name {path / 'config.json'} itself")
+    return ModelSpec("draft", display_path(path), config.layer, path, directory_fingerprint(path), config)
+
+
 def resolve_pair(target: str, draft: str | None) -> tuple[ModelSpec, ModelSpec | None]:
-    """Both specs, checked to share one vocabulary (the runtime verifies draft tokens by id)."""
+    """Both specs, checked to share one vocabulary (the runtime verifies draft tokens by id). `draft` may be a
+    draft model or a head (runtime.heads), which is checked against the target instead."""
     target_spec = resolve_model(target, "target")
+    if draft is not None and target_spec.config.family == "llama":
+        head = resolve_head(draft, target_spec)
+        if head is not None:
+            return target_spec, head
+    if draft is not None and (draft in HEAD_PRESETS or is_head_dir(Path(draft))):
+        raise UsageError(f"--draft {draft}: a head drafts for a llama/qwen3 target, and --target "
+                         f"{target_spec.source} is a {target_spec.config.model_type} model")
     draft_spec = None if draft is None else resolve_model(draft, "draft")
     if draft_spec is not None:
         same = check_same_tokenizer(target_spec, draft_spec)
@@ -121,7 +158,7 @@ def check_same_tokenizer(target: ModelSpec, draft: ModelSpec) -> bool | None:
 @dataclass(frozen=True)
 class LoadedPair:
     target: CausalLM
-    draft: CausalLM | None
+    draft: CausalLM | DraftHead | None
     tokenizer: Tokenizer | None  # the target's; None for random weights or a directory without tokenizer.json
     eos_token_ids: tuple[int, ...]
     target_spec: ModelSpec
@@ -139,6 +176,9 @@ def load_pair(target: ModelSpec, draft: ModelSpec | None, device: str, dtype: to
     for seed, spec in enumerate((target, draft)):
         if spec is None:
             models.append(None)
+        elif spec.head is not None:
+            models.append(random_head(spec.head, models[0], seed=seed) if spec.random_weights
+                          else load_head(spec.directory, models[0]))
         elif spec.random_weights:
             models.append(build_model(spec.config, device, dtype, seed=seed))
         else:
@@ -146,7 +186,7 @@ def load_pair(target: ModelSpec, draft: ModelSpec | None, device: str, dtype: to
             models.append(loaded.model)
             if spec.role == "target":
                 tokenizer, eos = loaded.tokenizer, loaded.eos_token_ids
-    if models[1] is not None and draft.config.vocab_size < target.config.vocab_size:  # resolve_pair allowed it
+    if models[1] is not None and draft.head is None and draft.config.vocab_size < target.config.vocab_size:
         models[1].pad_vocabulary_to(target.config.vocab_size)
     return LoadedPair(models[0], models[1], tokenizer, tuple(eos), target, draft)
 

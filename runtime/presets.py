@@ -111,5 +111,34 @@ PRESET_NAMES: tuple[str, ...] = tuple(PRESETS)
 def preset_config(name: str) -> ModelConfig:
     """The ModelConfig of a preset; the error for an unknown name lists every valid one."""
     if name not in PRESETS:
-        raise UsageError(f"unknown preset {name!r}; presets: {', '.join(PRESET_NAMES)}")
+        raise UsageError(f"unknown preset {name!r}; presets: {', '.join(PRESET_NAMES)} (heads, as --draft: "
+                         f"{', '.join(HEAD_PRESETS)})")
     return config_from_dict(PRESETS[name], source=f"preset {name}")
+
+
+# Heads' shapes, as the `speculators` config of each (runtime.heads.config reads them): timing a head before its
+# weights exist. Each names the published head its shape follows; a preset is checked against the --target.
+HEAD_PRESETS: dict[str, dict] = {
+    # yuhuili/EAGLE3-LLaMA3.1-Instruct-8B: one Llama layer of the target's width, a 32,000-token draft vocabulary
+    "eagle3-llama-3.1-8b": dict(
+        speculators_model_type="eagle3", draft_vocab_size=32000,
+        transformer_layer_config=dict(PRESETS["llama-3.1-8b"], num_hidden_layers=1)),
+    # RedHatAI/Qwen3-8B-speculator.eagle3: one layer of Qwen3-8B's shape, a 32,000-token draft vocabulary
+    "eagle3-qwen3-8b": dict(
+        speculators_model_type="eagle3", draft_vocab_size=32000,
+        transformer_layer_config=dict(PRESETS["qwen3-8b"], num_hidden_layers=1)),
+    # an MTP layer of Qwen3-8B's shape over the whole vocabulary (the layout of Qwen3-Next's MTP module)
+    "mtp-qwen3-8b": dict(
+        speculators_model_type="mtp", transformer_layer_config=dict(PRESETS["qwen3-8b"], num_hidden_layers=1)),
+}
+
+
+def head_preset_config(name: str, target: ModelConfig):
+    """The HeadConfig of a head preset for `target` (checked against it: one line when it does not fit)."""
+    from .heads import HeadError
+    from .heads.config import head_config_from_dict
+
+    try:
+        return head_config_from_dict(HEAD_PRESETS[name], target, f"head preset {name}")
+    except HeadError as error:
+        raise UsageError(f"--draft: {error}") from None

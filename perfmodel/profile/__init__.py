@@ -62,6 +62,8 @@ PROFILE_KIND = "specbatch.profile"  # what perfmodel.jsonio.check_replace calls 
 DEVICE_KINDS = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
 EXECUTIONS = ("eager", "cuda-graphs")  # how the runtime ran the passes it timed
+HEAD_DRAFTERS = ("eagle3", "mtp")
+DRAFTERS = ("draft_model",) + HEAD_DRAFTERS
 ACCEPTANCE_MODES = ("greedy", "sampling")
 ACCEPTANCE_SOURCES = ("measured", "user")
 
@@ -97,6 +99,15 @@ class ModelInfo:
     # perfmodel.jsonio.model_fingerprint: config and weights, so files made for this model are recognised
     # wherever its directory is and however its path is spelled. Optional: older profiles lack it.
     fingerprint: str | None = None
+    # the draft role: what drafts. "draft_model" (a separate model), or a head: "eagle3" | "mtp", whose
+    # `layers` is 1, `parameters` what a head pass reads (runtime.heads.config.HeadConfig.parameter_count) and
+    # `draft_vocab_size` the vocabulary it drafts over (EAGLE-3's may be a subset of the target's)
+    drafter: str = "draft_model"
+    draft_vocab_size: int | None = None
+
+    @property
+    def is_head(self) -> bool:
+        return self.drafter in HEAD_DRAFTERS
 
 
 @dataclass(frozen=True)
@@ -287,6 +298,9 @@ def _model_info(obj: dict, where: str) -> ModelInfo:
         random_weights=_bool(obj, "random_weights", where),
         **{key: _int(obj, key, where, minimum=1) for key in positive},
         fingerprint=_str(obj, "fingerprint", where, nullable=True) if "fingerprint" in obj else None,
+        drafter=_str(obj, "drafter", where, DRAFTERS) if "drafter" in obj else "draft_model",
+        draft_vocab_size=(_int(obj, "draft_vocab_size", where, minimum=1, nullable=True)
+                          if "draft_vocab_size" in obj else None),
     )
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..errors import GenerationError
 from ..sampling import probabilities, sample
 from .base import Drafter
 
@@ -80,7 +81,5 @@ class HeadDrafter(Drafter):
         return state.committed + accepted
 
     def tree(self, state, plan, staged: bool, passes):
-        from ..generator import GenerationError
-
         raise GenerationError("a head drafts chains: trees with a head are not supported; use a chain strategy "
                               "(--strategies chain, or a fixed k)")

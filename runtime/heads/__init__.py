@@ -7,7 +7,7 @@ of a preset's shapes. The drafting itself is runtime.drafters.head.
 """
 from .config import HEAD_KINDS, HeadConfig, HeadError, is_head_dir, read_head_config
 from .loading import load_head, random_head
-from .model import DraftHead, HeadCache
+from .model import DraftHead, HeadCache, HeadPasses
 
-__all__ = ["HEAD_KINDS", "DraftHead", "HeadCache", "HeadConfig", "HeadError", "is_head_dir", "load_head",
+__all__ = ["HEAD_KINDS", "DraftHead", "HeadCache", "HeadConfig", "HeadError", "HeadPasses", "is_head_dir", "load_head",
            "random_head", "read_head_config"]

@@ -11,7 +11,7 @@ Two layouts are read:
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from specbatch.perfmodel.errors import SpecbatchError
@@ -60,6 +60,22 @@ class HeadConfig:
     def feature_size(self) -> int:
         """Width of the target features a first pass reads."""
         return len(self.feature_layers) * self.hidden_size
+
+    def parameter_count(self) -> int:
+        """Parameters a head pass reads: its layer (EAGLE-3: q, k and v read 2 x hidden), EAGLE-3's projection,
+        norms and LM head over the draft vocabulary. Embedding rows are looked up, not streamed: not counted;
+        an MTP head's LM head is the target's, read by every drafting pass: counted."""
+        layer, d = self.layer, self.hidden_size
+        q_out, kv_out = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
+        qkv_in = 2 * d if self.kind == "eagle3" else d
+        attention = qkv_in * (q_out + 2 * kv_out) + q_out * d + 2 * layer.head_dim * layer.qk_norm
+        mlp = 3 * d * layer.intermediate_size
+        norms = 3 * d  # the layer's two, and the hidden state's (EAGLE-3) or the output's (MTP)
+        if self.kind == "eagle3":
+            extra = self.feature_size * d + d + self.draft_vocab_size * d  # fc, the final norm, the LM head
+        else:
+            extra = 2 * d * d + 2 * d + layer.vocab_size * d  # input_proj, the token norm and the output norm
+        return attention + mlp + norms + extra
 
     def describe(self) -> str:
         vocab = (f", draft vocabulary {self.draft_vocab_size}" if self.draft_vocab_size != self.layer.vocab_size
@@ -207,4 +223,5 @@ def _checked(config: HeadConfig, target: ModelConfig) -> HeadConfig:
                         f"{target.vocab_size}")
     if config.kind == "mtp" and config.draft_vocab_size != target.vocab_size:
         raise HeadError(f"{source}: an MTP head drafts over the target's whole vocabulary")
-    return config
+    # the head addresses the target's positions (its own config may say fewer: EAGLE-3's original says 2048)
+    return replace(config, layer=replace(layer, max_position_embeddings=target.max_position_embeddings))

@@ -150,3 +150,32 @@ class DraftHead(nn.Module):
             return self.target.lm_head(outputs)
         return self.lm_head(outputs if self.head_config.norm_output else self.norm(outputs))
 
+
+
+class HeadPasses:
+    """A head's passes with a draft model's call (`passes(tokens, cache, tree, last)`), for timing them as the
+    runtime runs them: one token is a drafting pass (the head's own previous output in, logits of its draft
+    vocabulary out); n >= 2 tokens is the pass over a verify's k + 1 positions (the target's features in, projected
+    for EAGLE-3; no logits). The inputs are random (a pass's time does not depend on their values), made once per
+    shape."""
+
+    def __init__(self, head: DraftHead):
+        self.head, self.config = head, head.config
+        self._inputs: dict[tuple, torch.Tensor] = {}
+
+    def new_cache(self, batch_size: int, max_len: int) -> HeadCache:
+        return self.head.new_cache(batch_size, max_len)
+
+    def _random(self, shape: tuple) -> torch.Tensor:
+        if shape not in self._inputs:
+            weight = self.head.layers[0].o.weight
+            generator = torch.Generator().manual_seed(len(self._inputs))
+            self._inputs[shape] = torch.randn(shape, generator=generator).to(weight.device, weight.dtype)
+        return self._inputs[shape]
+
+    def __call__(self, tokens: torch.Tensor, cache: KVCache, tree=None, last: int | None = None):
+        b, n = tokens.shape
+        if n == 1:
+            return self.head(tokens, self._random((b, 1, self.head.config.hidden_size)), cache, last=1,
+                             from_target=False)[0]
+        return self.head(tokens, self._random((b, n, self.head.head_config.feature_size)), cache, last=0)[0]
