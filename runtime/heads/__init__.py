@@ -6,8 +6,8 @@ target's features, its own one-layer KV cache); `loading` fills it from its safe
 of a preset's shapes. The drafting itself is runtime.drafters.head.
 """
 from .config import HEAD_KINDS, HeadConfig, HeadError, is_head_dir, read_head_config
-from .loading import load_head, random_head
+from .loading import load_head, random_head, save_head
 from .model import DraftHead, HeadCache, HeadPasses
 
 __all__ = ["HEAD_KINDS", "DraftHead", "HeadCache", "HeadConfig", "HeadError", "HeadPasses", "is_head_dir", "load_head",
-           "random_head", "read_head_config"]
+           "random_head", "read_head_config", "save_head"]

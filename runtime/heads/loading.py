@@ -2,6 +2,7 @@
 with a preset's shapes (a head timed before its weights exist)."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -137,3 +138,61 @@ def random_head(config: HeadConfig, target, seed: int = 0) -> DraftHead:
         step = target.config.vocab_size / config.draft_vocab_size
         head.draft_to_target = (torch.arange(config.draft_vocab_size) * step).long()
     return _finish(head, weight.device, weight.dtype).eval()
+
+
+def save_head(head: DraftHead, directory: str | Path, verifier: str | None = None, dtype: torch.dtype | None = None,
+              speculative_tokens: int = 3) -> None:
+    """Write `head` in the `speculators` format (config.json and model.safetensors, the names `speculators` and vLLM
+    read): what `load_head` reads back. `verifier`: the target's path or name, recorded for the engines."""
+    from safetensors.torch import save_file
+
+    from specbatch.perfmodel.jsonio import atomic_output, write_text_atomic
+
+    config = head.head_config
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {name: tensor.detach().cpu() for name, tensor in head.state_dict().items()}
+    placements = head_placements(config, head.own_embed is not None)
+    tensors = {}
+    for theirs, placement in placements.items():
+        tensor = state[placement.name]
+        if placement.start is not None:
+            tensor = tensor.narrow(0, placement.start, placement.rows)
+        tensors[theirs] = tensor.to(dtype or tensor.dtype).contiguous()
+    if head.draft_to_target is not None:
+        ids = head.draft_to_target.cpu()
+        tensors["d2t"] = (ids - torch.arange(len(ids))).contiguous()
+        t2d = torch.zeros(head.logits_size, dtype=torch.bool)
+        t2d[ids] = True
+        tensors["t2d"] = t2d
+    with atomic_output(directory / "model.safetensors") as temporary:
+        save_file(tensors, str(temporary), metadata={"format": "pt"})
+    write_text_atomic(directory / "config.json", json.dumps(speculators_config(config, verifier, speculative_tokens),
+                                                            indent=2) + "\n")
+
+
+def speculators_config(config: HeadConfig, verifier: str | None, speculative_tokens: int) -> dict:
+    """The head's `config.json` in the `speculators` format."""
+    layer = config.layer
+    rope = {"rope_theta": layer.rope_theta, **(layer.rope_scaling or {"rope_type": "default"})}
+    layer_config = {
+        "model_type": layer.model_type, "vocab_size": layer.vocab_size, "hidden_size": layer.hidden_size,
+        "intermediate_size": layer.intermediate_size, "num_hidden_layers": 1, "num_attention_heads": layer.num_heads,
+        "num_key_value_heads": layer.num_kv_heads, "head_dim": layer.head_dim,
+        "max_position_embeddings": layer.max_position_embeddings, "rms_norm_eps": layer.norm_eps,
+        "hidden_act": layer.activation, "attention_bias": layer.o_bias, "mlp_bias": layer.mlp_bias,
+        "rope_parameters": rope, "tie_word_embeddings": False,
+    }
+    raw = {"architectures": ["Eagle3DraftModel" if config.kind == "eagle3" else "MTPDraftModel"],
+           "speculators_model_type": config.kind, "transformer_layer_config": layer_config,
+           "speculators_config": {"algorithm": config.kind, "default_proposal_method": "greedy",
+                                  "proposal_methods": [{"proposal_type": "greedy",
+                                                        "speculative_tokens": speculative_tokens}],
+                                  "verifier": {"name_or_path": verifier, "architectures": ["LlamaForCausalLM"]}}}
+    if config.kind == "eagle3":
+        raw.update(draft_vocab_size=config.draft_vocab_size,
+                   eagle_aux_hidden_state_layer_ids=list(config.feature_layers), norm_before_residual=config.norm_before_residual, norm_before_fc=config.norm_before_fc,
+                   fc_norm=config.fc_norm, norm_output=config.norm_output)
+    else:
+        raw["num_nextn_predict_layers"] = 1
+    return raw
