@@ -191,7 +191,8 @@ def speculators_config(config: HeadConfig, verifier: str | None, speculative_tok
                                   "verifier": {"name_or_path": verifier, "architectures": ["LlamaForCausalLM"]}}}
     if config.kind == "eagle3":
         raw.update(draft_vocab_size=config.draft_vocab_size,
-                   eagle_aux_hidden_state_layer_ids=list(config.feature_layers), norm_before_residual=config.norm_before_residual, norm_before_fc=config.norm_before_fc,
+                   eagle_aux_hidden_state_layer_ids=list(config.feature_layers),
+                   norm_before_residual=config.norm_before_residual, norm_before_fc=config.norm_before_fc,
                    fc_norm=config.fc_norm, norm_output=config.norm_output)
     else:
         raw["num_nextn_predict_layers"] = 1
