@@ -278,3 +278,27 @@ def _speculators_names(state: dict, head) -> dict:
                        "hidden_norm.weight": "layers.0.hidden_norm.weight"}.get(name, name)
             out[renamed] = tensor
     return {name: tensor.contiguous() for name, tensor in out.items()}
+
+
+def test_the_demo_heads_training_forward_is_the_runtimes_drafting():
+    """data/train_demo_head.py trains on unrolled drafting steps computed in parallel over a sequence; each step's
+    logits equal what the runtime computes when it drafts there (a first pass over the positions up to i, then
+    passes of one token on its own outputs)."""
+    from specbatch.data.train_demo_head import FEATURE_LAYERS, TTT_STEPS, head_config, ttt_logits
+    from specbatch.data.train_demo_pair import TARGET
+
+    config = replace(TARGET, hidden_size=32, num_heads=2, num_kv_heads=2, head_dim=16, intermediate_size=64)
+    model = build_model(config, seed=0)
+    head = random_head(head_config(config, 100), model, seed=1)
+    tokens = torch.randint(0, config.vocab_size, (1, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        _, features = model(tokens[:, :-1], None, features=FEATURE_LAYERS)
+        unrolled = ttt_logits(head, tokens[:, 1:], features, TTT_STEPS)
+        for i in range(10):
+            cache = head.new_cache(1, 16)
+            _, outputs = head(tokens[:, 1:i + 2], features[:, :i + 1], cache, last=0)
+            hidden = outputs[:, -1:]
+            torch.testing.assert_close(head.draft_logits(hidden)[0, 0], unrolled[0][0, i])
+            for step in range(1, min(TTT_STEPS, 10 - i)):
+                _, hidden = head(tokens[:, i + 1 + step:i + 2 + step], hidden, cache, last=1, from_target=False)
+                torch.testing.assert_close(head.draft_logits(hidden)[0, 0], unrolled[step][0, i])
