@@ -366,15 +366,16 @@ def entry_from_rows(rows: list[ScoredRow], sampling: Sampling, max_k: int, promp
                            prompt_count=prompt_count)
 
 
-def head_acceptance(target: CausalLM, head, prompts: list[list[int]], sampling: Sampling, max_k: int,
-                    new_tokens: int, eos_token_ids: tuple[int, ...] = (), prompts_source: str | None = None,
-                    seed: int = 0) -> AcceptanceEntry:
-    """The acceptance of a head, per draft position, measured as the runtime drafts: generating the prompts'
-    continuations with chains of max_k (greedy, or rejection sampling), counting at each position how often it
-    was reached and accepted. Teacher forcing does not apply: a head drafts token i from its own output at
-    i - 1, so alpha_i is a property of the chain, not of one position. The drafting of token i does not depend
-    on k, so a chain of max_k measures every shorter chain's alphas too."""
-    generator = SpeculativeGenerator(target, head, eos_token_ids)
+def drafted_acceptance(target: CausalLM, draft, prompts: list[list[int]], sampling: Sampling, max_k: int,
+                       new_tokens: int, eos_token_ids: tuple[int, ...] = (), prompts_source: str | None = None,
+                       seed: int = 0) -> AcceptanceEntry:
+    """Acceptance per draft position measured as the runtime drafts: generating the prompts' continuations with
+    chains of max_k (greedy, or rejection sampling), counting at each position how often it was reached and
+    accepted. How a head's acceptance is measured: teacher forcing does not apply to it (it drafts token i from
+    its own output at i - 1, so alpha_i is a property of the chain, not of one position); any drafter can be
+    measured so, for comparison. The drafting of token i does not depend on k, so a chain of max_k measures
+    every shorter chain's alphas too."""
+    generator = SpeculativeGenerator(target, draft, eos_token_ids)
     accepted, trials = [0] * max_k, [0] * max_k
     ordered = sorted(prompts, key=len)
     for start in range(0, len(ordered), GENERATION_ROWS):

@@ -499,8 +499,8 @@ def _measure(pair: LoadedPair, plan: _Plan, grid: Grid, todo: _Todo, request: Ca
             entry = acc.user_entry(sampling, plan.user_acceptance)
         elif plan.draft.head is not None:  # a head drafts from its own outputs: measured by drafting
             encoded = _encoded_prompts(pair, plan)
-            entry = acc.head_acceptance(pair.target, pair.draft, encoded, sampling, grid.max_k,
-                                        plan.effort.continuation_tokens, pair.eos_token_ids, prompts_source)
+            entry = acc.drafted_acceptance(pair.target, pair.draft, encoded, sampling, grid.max_k,
+                                           plan.effort.continuation_tokens, pair.eos_token_ids, prompts_source)
         else:
             rows, prompt_count = _scored_rows(pair, plan, sampling)
             greedy_rows = rows if sampling.greedy else greedy_rows

@@ -84,7 +84,7 @@ def test_a_heads_profile_times_the_passes_it_makes_and_names_the_drafter(measure
 
 def test_a_heads_acceptance_is_measured_by_drafting(head_pair):
     """The MTP head is right most of the time: measured by drafting chains of max_k, as the runtime drafts."""
-    from specbatch.calibrate.acceptance import head_acceptance, read_prompts
+    from specbatch.calibrate.acceptance import drafted_acceptance, read_prompts
     from specbatch.runtime.checkpoint import load_checkpoint
     from specbatch.runtime.heads import load_head
     from specbatch.runtime.sampling import Sampling
@@ -92,7 +92,7 @@ def test_a_heads_acceptance_is_measured_by_drafting(head_pair):
     loaded = load_checkpoint(head_pair / "target")
     head = load_head(head_pair / "mtp-head", loaded.model)
     prompts = [loaded.tokenizer.encode(text) for text in read_prompts(head_pair / "prompts.jsonl")]
-    entry = head_acceptance(loaded.model, head, prompts, Sampling(), 3, 24, loaded.eos_token_ids)
+    entry = drafted_acceptance(loaded.model, head, prompts, Sampling(), 3, 24, loaded.eos_token_ids)
     assert entry.mode == "greedy" and entry.source == "measured" and len(entry.per_position) == 3
     assert entry.trials[0] >= entry.trials[1] >= entry.trials[2] > 0  # position i + 1 only after i was accepted
     assert 0.2 < entry.per_position[0] < 1.0  # accepted and rejected both
