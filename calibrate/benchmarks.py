@@ -16,7 +16,7 @@ import torch
 
 from specbatch.perfmodel.profile import Grid, TimingRow
 from specbatch.runtime.clock import DeviceClock
-from specbatch.runtime.cuda_graphs import GraphedModel, bucket_for
+from specbatch.runtime.cuda_graphs import GraphedHead, GraphedModel, GraphRunner, bucket_for
 from specbatch.runtime.generator import SpeculativeGenerator
 from specbatch.runtime.heads import DraftHead, HeadPasses
 from specbatch.runtime.model import CausalLM, KVCache
@@ -54,15 +54,18 @@ def forward_sampler(model: CausalLM, cache: KVCache, tokens: torch.Tensor, conte
 class ForwardTimer:
     """Times forward passes at grid points, keeping one KV cache while consecutive points share
     (model, b, L): allocating a cache per point would cost more than many of the passes. With `graphs`, a
-    pass of b rows replays the CUDA graph of b's bucket, as generation runs it (runtime.cuda_graphs): the
-    cache has the bucket's rows, and the graph is captured before the point's samples."""
+    pass of b rows replays the CUDA graph of b's bucket, as generation runs it (runtime.cuda_graphs; a head's
+    passes too): the cache has the bucket's rows, and the graph is captured before the point's samples."""
 
     def __init__(self, models: dict[str, CausalLM], grid: Grid, device: str, rule: RepetitionRule,
                  clock: Clock = time.perf_counter, graphs: bool = False):
         """`clock`: the repetition budget's (host time; a fake one in tests); passes are timed on the device."""
-        # a head's passes run eagerly in the runtime (runtime/drafters/head.py): timed so, through HeadPasses
-        self.models = {role: HeadPasses(model) if isinstance(model, DraftHead)
-                       else GraphedModel(model) if graphs else model for role, model in models.items()}
+        # what runs each role's passes: its graphs (a head's too, as the runtime's HeadDrafter), or the model
+        self.runners = {role: (GraphedHead if isinstance(model, DraftHead) else GraphedModel)(model) if graphs
+                        else model for role, model in models.items()}
+        # a head's passes with a model's call (drafting at 1 token, the verified positions at more)
+        self.models = {role: HeadPasses(self.runners[role]) if isinstance(model, DraftHead) else self.runners[role]
+                       for role, model in models.items()}
         self.grid, self.device, self.rule, self.graphs = grid, device, rule, graphs
         self.clock, self.device_clock = clock, DeviceClock(device)
         self.key, self.cache = None, None
@@ -72,7 +75,7 @@ class ForwardTimer:
         if key != self.key:
             self.forget()  # free the previous cache before allocating the next
             new_tokens = new_tokens_at(self.grid, point.model, point.batch_size)
-            graphed = isinstance(self.models[point.model], GraphedModel)
+            graphed = isinstance(self.runners[point.model], GraphRunner)
             rows = bucket_for(point.batch_size, 10**9) if graphed else point.batch_size
             cache = self.models[point.model].new_cache(rows, point.context_len + max(new_tokens))
             self.cache = cache.rows(0, point.batch_size) if rows != point.batch_size else cache
@@ -87,16 +90,15 @@ class ForwardTimer:
         # the runtime's draft passes use their last position's logits (runtime.generator); the target's all
         sampler = forward_sampler(model, cache, tokens, point.context_len, self.device_clock,
                                   last=1 if point.model == "draft" else None)
-        if isinstance(model, GraphedModel):
+        if isinstance(self.runners[point.model], GraphRunner):
             sampler()  # the capture: never one of the point's samples
         return repeat(sampler, self.rule, self.clock)
 
     def forget(self) -> None:
         self.key, self.cache = None, None
-        if self.graphs:  # the cache took its graphs along: their logits buffers can go too
-            for model in self.models.values():
-                if isinstance(model, GraphedModel):
-                    model.release_outputs()
+        if self.graphs:  # the cache took its graphs along: their shared buffers can go too
+            for runner in self.runners.values():
+                runner.release_outputs()
 
 
 def release_memory(device: str) -> None:

@@ -18,11 +18,14 @@ With CUDA graphs (calibrate's default on CUDA), each model's graphs add their me
 of them (the transient memory of the largest pass captured, once), and one logits buffer per batch bucket and
 width (tokens per row), shared by every cache's graph of that key (runtime.cuda_graphs); the caches get a
 bucket's rows, and a generation's cache its slots per row rounded up to a multiple of 128 (runtime.cache_pool).
-Graphs of a bucket are captured with every smaller bucket at that width (the ladder).
+Graphs of a bucket are captured with every smaller bucket at that width (the ladder). With a head drafting,
+the target's verify graphs also write the hidden states the head reads (one features buffer per bucket and
+width), and the head's graphs hold theirs: its inputs, outputs and drafting logits (`head_graph_bytes`).
 
 Assumptions: the caching allocator reuses what a finished generation freed (calibrate empties its cache
 between stages), and HEADROOM of the free memory covers its rounding, cuBLAS workspaces and the
-temporaries not counted here.
+temporaries not counted here. A head reads HEAD_FEATURE_LAYERS of the target's hidden states per position
+(EAGLE-3's default three; a head configured with other layers needs proportionally more or less).
 """
 from __future__ import annotations
 
@@ -41,6 +44,7 @@ HEADROOM = 0.9  # plan within 90 % of the free memory: allocator rounding, cuBLA
 PROMPT_TOKENS = 8  # the overhead and tree samplers' prompts (calibrate.benchmarks, calibrate.run)
 TOKEN_ID_BYTES = 8  # the generator's token buffer is int64
 SHOWN_LABELS = 8  # skipped points named in a note, per stage
+HEAD_FEATURE_LAYERS = {"eagle3": 3, "mtp": 1}  # target hidden states a head reads: low, middle, high; the normed output
 
 
 def _element_bytes(info: ModelInfo) -> int:
@@ -81,23 +85,53 @@ def logits_buffer_bytes(vocab_size: int, element_bytes: int, buckets: Sequence[i
     return sum(buckets) * positions * vocab_size * element_bytes
 
 
+def head_feature_size(head: ModelInfo) -> int:
+    """The width of the target's hidden states a head reads per position."""
+    return HEAD_FEATURE_LAYERS[head.drafter] * head.hidden_size
+
+
 def graph_bytes(info: ModelInfo, top_bucket: int, widths: Sequence[int], last_only: bool, key_len: int,
-                scores_materialized: bool) -> int:
+                scores_materialized: bool, feature_size: int = 0) -> int:
     """One model's CUDA graphs for the ladder up to `top_bucket` at `widths`: the shared pool (the widest
-    pass's transient memory, once) and the logits buffers."""
+    pass's transient memory, once), the logits buffers and, for a head's target, the features buffers
+    (`feature_size` per position)."""
     widest = max(widths)
     pool = pass_bytes(info, top_bucket, widest, key_len, top_bucket * (1 if last_only else widest),
                       scores_materialized)
-    return pool + logits_buffer_bytes(info.vocab_size, _element_bytes(info), ladder(top_bucket), widths, last_only)
+    element, buckets = _element_bytes(info), ladder(top_bucket)
+    features = sum(buckets) * sum(widths) * feature_size * element
+    return pool + logits_buffer_bytes(info.vocab_size, element, buckets, widths, last_only) + features
+
+
+def head_graph_bytes(head: ModelInfo, top_bucket: int, widths: Sequence[int], key_len: int,
+                     scores_materialized: bool) -> int:
+    """A head's CUDA graphs (runtime.cuda_graphs.GraphedHead) for the ladder up to `top_bucket`: the pool (its
+    widest pass), the drafting pass's buffers (one token: its own output in, logits over the target's vocabulary
+    out) and, at each of `widths`, a pass over verified positions' (the target's features in); every pass's
+    outputs out. An upper bound: a pass a run never makes is counted too (drafting when k < 2; calibration's
+    isolated passes at width 1, which only draft)."""
+    element, rows = _element_bytes(head), sum(ladder(top_bucket))
+    pool = pass_bytes(head, top_bucket, max(widths), key_len, top_bucket, scores_materialized)
+    drafting = rows * (head.hidden_size + head.vocab_size) * element  # inputs and logits (its outputs: at width 1)
+    verified = rows * sum(widths) * (head_feature_size(head) + head.hidden_size) * element  # inputs, outputs
+    outputs_at_one = 0 if 1 in widths else rows * head.hidden_size * element
+    return pool + drafting + verified + outputs_at_one
 
 
 def generation_graph_bytes(target: ModelInfo, draft: ModelInfo, rows: int, ks: Sequence[int], key_len: int,
                            scores_materialized: bool) -> int:
     """The graphs generations of `ks` at `rows` rows capture (shared by all of them): the target's decode and
-    verify widths 1 and k + 1 (every position's logits), the draft's 1 and 2 (catch-up; the last position's)."""
+    verify widths 1 and k + 1 (every position's logits), the draft's 1 and 2 (catch-up; the last position's).
+    A head instead: the target's features at those widths (at 1 too: a drafting generation's k = 0 steps feed the
+    head), the head's drafting pass and its passes over k + 1 verified positions."""
     top = bucket_for(rows, 10**9)
-    graphs = graph_bytes(target, top, sorted({1} | {k + 1 for k in ks}), False, key_len, scores_materialized)
-    if any(k > 0 for k in ks):
+    drafting = any(k > 0 for k in ks)
+    features = head_feature_size(draft) if drafting and draft.is_head else 0
+    graphs = graph_bytes(target, top, sorted({1} | {k + 1 for k in ks}), False, key_len, scores_materialized,
+                         features)
+    if drafting and draft.is_head:
+        graphs += head_graph_bytes(draft, top, sorted({k + 1 for k in ks}), key_len, scores_materialized)
+    elif drafting:
         graphs += graph_bytes(draft, top, [1, 2], True, key_len, scores_materialized)
     return graphs
 
@@ -154,8 +188,9 @@ def timing_point_bytes(info: ModelInfo, grid: Grid, role: str, rows: int, new_to
     key_len = context_len + max(widths)
     if graphs:
         top = bucket_for(rows, 10**9)
-        return kv_bytes(info, top, key_len) + graph_bytes(info, top, widths, role == "draft", key_len,
-                                                          scores_materialized)
+        graphed = (head_graph_bytes(info, top, widths, key_len, scores_materialized) if info.is_head
+                   else graph_bytes(info, top, widths, role == "draft", key_len, scores_materialized))
+        return kv_bytes(info, top, key_len) + graphed
     return kv_bytes(info, rows, key_len) + pass_bytes(info, rows, new_tokens, context_len + new_tokens,
                                                       rows * new_tokens, scores_materialized)
 

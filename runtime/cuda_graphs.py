@@ -1,11 +1,14 @@
-"""Decode and verify passes replayed as CUDA graphs: one graph per (batch bucket, tokens per row, logits).
+"""Decode, verify and draft-head passes replayed as CUDA graphs: one graph per (batch bucket, tokens per row, ...).
 
 A uniform pass on the varlen backend is capturable by construction: everything it computes comes from
 device tensors whose addresses never change (the weights, the cache's keys, values and lengths, updated in
 place), and nothing in it reads the device or depends on host values but its shapes. `GraphedModel` wraps a
 `CausalLM` with the same call: a uniform pass over rows 0..b-1 of a cache runs as the graph captured for the
-smallest bucket >= b; anything else (a prefill, a tree pass, the CPU) runs the model as usual. What a graph
-cannot do is the host's side of a pass: replaying checks the cache's room and advances the host lengths.
+smallest bucket >= b (keyed by the width, the logits kept and the feature layers a head reads); anything else
+(a prefill, a tree pass, the CPU) runs the model as usual. `GraphedHead` does the same for a draft head's passes
+on its HeadCache (runtime.heads), its tokens and its hidden-state inputs copied into static buffers; both share
+`GraphRunner`. What a graph cannot do is the host's side of a pass: replaying checks the cache's room and
+advances the host lengths.
 
 Spare rows. Rows b..bucket-1 of the cache run inside the graph too, and they may belong to someone (the
 serving engine prefills a long prompt in parts in the row after the running ones). So a spare row keeps its
@@ -16,11 +19,12 @@ be) starts at 0 for it.
 Graphs live on the cache they were captured on (an attribute of its root) and go when it goes; the
 generator keeps caches per policy (runtime.cache_pool), so a warmed-up run replays and never captures. A
 miss captures the bucket and every smaller one at that width: a batch shrinks through them as rows finish.
-A graph's logits go to one buffer per (bucket, width, logits kept) of the model, shared by every cache's
-graph of that key (lockstep generations take turns a step at a time, each step consuming its logits), so
-the memory they hold does not grow with the caches (calibrate.memory counts it).
-`capture` is injectable so the bookkeeping is tested on the CPU (tests/runtime/test_runtime_cuda_graphs.py);
-the graphs themselves are tested on a GPU (marked tests).
+A graph's outputs (logits, a target's features, a head's outputs) and a head's hidden-state inputs go to one
+buffer per key of the model (`GraphRunner.buffers`), shared by every cache's graph of that key (lockstep
+generations take turns a step at a time, each step consuming its outputs), so the memory they hold does not
+grow with the caches (calibrate.memory counts it).
+`capture` is injectable so the bookkeeping is tested on the CPU (tests/runtime/test_runtime_cuda_graphs.py,
+test_runtime_head_graphs.py); the graphs themselves are tested on a GPU (marked tests).
 """
 from __future__ import annotations
 
@@ -38,7 +42,7 @@ from .kv_cache import KVCache
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 WARMUP_RUNS = 2  # before a capture, on a side stream (cuBLAS and the allocator settle their workspaces)
 SLOT_GRANULARITY = 128  # with graphs, caches get slots per row in multiples of this: a kept one fits longer prompts
-GRAPHS_ATTRIBUTE = "cuda_graphs"  # a root KVCache's graphs: {(bucket, tokens per row, last): _Graph}
+GRAPHS_ATTRIBUTE = "cuda_graphs"  # a root KVCache's graphs: {(bucket, tokens per row, ...): _Graph}
 
 
 def bucket_for(batch_size: int, capacity: int) -> int:
@@ -72,10 +76,10 @@ def capture_cuda_graph(run: Callable[[], torch.Tensor], reset: Callable[[], None
 
 
 class _Graph:
-    """One captured pass: its static input and output, and how to replay it."""
+    """One captured pass: its static inputs and outputs, and how to replay it."""
 
-    def __init__(self, tokens: torch.Tensor, output: torch.Tensor, replay: Callable[[], None]):
-        self.tokens, self.output, self.replay = tokens, output, replay
+    def __init__(self, inputs: tuple[torch.Tensor, ...], output, replay: Callable[[], None]):
+        self.inputs, self.output, self.replay = inputs, output, replay
 
 
 def graphs_of(root: KVCache) -> dict:
@@ -87,8 +91,17 @@ def graphs_of(root: KVCache) -> dict:
     return graphs
 
 
-class GraphedModel:
-    """A CausalLM whose uniform varlen passes replay CUDA graphs (see the module docstring)."""
+def _first_rows(output, b: int):
+    """A graph's output (a tensor, None, or a tuple of them) cut to the pass's b rows."""
+    if isinstance(output, tuple):
+        return tuple(_first_rows(part, b) for part in output)
+    return None if output is None else output[:b]
+
+
+class GraphRunner:
+    """What graphed passes share, whatever the network (see the module docstring): the bucket, the ladder, the
+    spare rows, the host's lengths, the buffers a key's graphs share. A subclass says what a pass's static
+    inputs are and how it runs (`_static_pass`), and which calls are graphed."""
 
     def __init__(self, model, capture=None):
         """`capture`: how a pass is captured (default `capture_cuda_graph`; the tests' stand-in on a CPU)."""
@@ -96,7 +109,7 @@ class GraphedModel:
         self.config = model.config
         self.pool = None  # one memory pool for all of this model's graphs, made at the first capture
         self.roots = weakref.WeakSet()  # the caches holding graphs of this model
-        self.outputs: dict[tuple, torch.Tensor] = {}  # (bucket, n, last) -> the logits buffer its graphs share
+        self.buffers: dict[tuple, torch.Tensor] = {}  # (what, bucket, n, ...) -> the buffer its graphs share
         self.captures, self.capture_s = 0, 0.0
 
     def __getattr__(self, name):  # everything else is the model's (new_cache, lm_head, ...)
@@ -108,57 +121,63 @@ class GraphedModel:
         return {"captures": self.captures, "capture_s": self.capture_s, "kept": kept}
 
     def release_outputs(self) -> None:
-        """Free the shared logits buffers once no graph writes to them (every cache with graphs is gone)."""
+        """Free the shared buffers once no graph uses them (every cache with graphs is gone)."""
         if not self.stats()["kept"]:
-            self.outputs.clear()
+            self.buffers.clear()
 
     def eligible(self, cache: KVCache | None, tree, new_tokens) -> bool:
         if cache is None or tree is not None or new_tokens is not None or cache.start != 0:
             return False
         return choose_backend(cache, self.model.attention_backend, None, self.config.sliding_window) == "varlen"
 
-    @torch.inference_mode()
-    def __call__(self, tokens: torch.Tensor, cache: KVCache | None = None, tree=None, last: int | None = None,
-                 new_tokens: list[int] | None = None):
-        if not self.eligible(cache, tree, new_tokens):
-            return self.model(tokens, cache, tree, last, new_tokens)
-        b, n = tokens.shape
+    def _buffer(self, key: tuple, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+        """The buffer `key` names, shared by every cache's graph that uses it: made at its first capture, on the
+        current stream, outside graphs."""
+        if key not in self.buffers:  # zeros: spare rows read an input buffer's rows past the call's
+            self.buffers[key] = torch.zeros(shape, dtype=dtype, device=device)
+        return self.buffers[key]
+
+    def _replay(self, cache: KVCache, key: tuple, inputs: tuple[torch.Tensor, ...]):
+        """The pass `key` (its width n first) over rows 0..b-1 of `cache` with `inputs` ((b, n, ...) each), as
+        the graph of b's bucket: its outputs' first b rows."""
+        b, n = inputs[0].shape[:2]
         needed = cache.longest() + n
         if needed > cache.max_len:
             raise ValueError(f"KV cache overflow: {needed} positions needed, {cache.max_len} allocated")
         root = cache.root
         bucket = bucket_for(b, root.batch_size)
-        graph = graphs_of(root).get((bucket, n, last)) or self._capture_ladder(root, b, bucket, n, last)
+        graph = graphs_of(root).get((bucket, *key)) or self._capture_ladder(root, b, bucket, key)
         full = self._spare_rows_without_room(root, b, bucket, n)
         for row in full:
             root.lengths[row].zero_()
-        graph.tokens[:b].copy_(tokens)
+        for static, given in zip(graph.inputs, inputs):
+            static[:b].copy_(given)
         graph.replay()
         root.host_lengths[:b] += n  # the graph advanced the device lengths; the host's are ours
         root.lengths[b:bucket] -= n  # spare rows: back to their own lengths (device work, no read-back)
         for row in full:
             root.lengths[row].fill_(int(root.host_lengths[row]))
-        return None if graph.output is None else graph.output[:b]
+        return _first_rows(graph.output, b)
 
     @staticmethod
     def _spare_rows_without_room(root: KVCache, b: int, bucket: int, n: int) -> list[int]:
         """Spare rows whose content leaves no room for n more tokens: they run the pass from 0 instead."""
         return [row for row in range(b, bucket) if root.host_lengths[row] + n > root.max_len]
 
-    def _capture_ladder(self, root: KVCache, b: int, bucket: int, n: int, last: int | None) -> _Graph:
-        """Capture (bucket, n, last) and every smaller bucket at that width not captured yet on `root`."""
+    def _capture_ladder(self, root: KVCache, b: int, bucket: int, key: tuple) -> _Graph:
+        """Capture `key` at `bucket` and at every smaller bucket not captured yet on `root`."""
         graphs = graphs_of(root)
         for smaller in BATCH_BUCKETS:
-            if smaller < bucket and (smaller, n, last) not in graphs:
-                graphs[(smaller, n, last)] = self._capture(root, min(b, smaller), smaller, n, last)
-        graphs[(bucket, n, last)] = self._capture(root, b, bucket, n, last)
+            if smaller < bucket and (smaller, *key) not in graphs:
+                graphs[(smaller, *key)] = self._capture(root, min(b, smaller), smaller, key)
+        graphs[(bucket, *key)] = self._capture(root, b, bucket, key)
         self.roots.add(root)
-        return graphs[(bucket, n, last)]
+        return graphs[(bucket, *key)]
 
-    def _capture(self, root: KVCache, b: int, bucket: int, n: int, last: int | None) -> _Graph:
+    def _capture(self, root: KVCache, b: int, bucket: int, key: tuple) -> _Graph:
         started = time.perf_counter()
+        n = key[0]
         view = root.rows(0, bucket)
-        tokens = torch.zeros(bucket, n, dtype=torch.long, device=root.device)
         saved = view.lengths.clone(), view.host_lengths.copy()
         # warm-up runs write where the real pass will: after every row's content (spare rows' included)
         safe = saved[1].copy()
@@ -167,20 +186,76 @@ class GraphedModel:
         def reset():
             view.set_lengths(None, safe)
 
-        if last != 0 and (bucket, n, last) not in self.outputs:  # made here, on the current stream, outside graphs
-            positions = n if last is None else min(last, n)
-            self.outputs[(bucket, n, last)] = torch.empty(bucket, positions, self.config.vocab_size,
-                                                          dtype=self.model.lm_head.weight.dtype, device=root.device)
-        shared = self.outputs.get((bucket, n, last))
-
-        def run():
-            logits = self.model(tokens, view, None, last)
-            # the pass's own logits go back to the pool after the capture; the graph writes the shared buffer
-            return None if logits is None else shared.copy_(logits)
-
+        inputs, run = self._static_pass(view, bucket, key)
         replay, output, self.pool = (self.capture or capture_cuda_graph)(run, reset, view, self.pool)
         view.set_lengths(saved[0], saved[1])  # warm-up and capture moved them; the real pass has not run
         synchronize(root.device)  # the capture's time is its own, not the next step's
         self.captures += 1
         self.capture_s += time.perf_counter() - started
-        return _Graph(tokens, output, replay)
+        return _Graph(inputs, output, replay)
+
+    def _static_pass(self, view: KVCache, bucket: int, key: tuple):
+        """(the pass's static inputs, a function running it on them over `view` that returns its outputs
+        written into the shared buffers: the pass's own go back to the pool after the capture)."""
+        raise NotImplementedError
+
+
+def _into(buffer: torch.Tensor | None, value: torch.Tensor | None) -> torch.Tensor | None:
+    return None if value is None else buffer.copy_(value)
+
+
+class GraphedModel(GraphRunner):
+    """A CausalLM whose uniform varlen passes replay CUDA graphs, keyed (bucket, n, last, feature ids)."""
+
+    @torch.inference_mode()
+    def __call__(self, tokens: torch.Tensor, cache: KVCache | None = None, tree=None, last: int | None = None,
+                 new_tokens: list[int] | None = None, features: tuple[int, ...] | None = None):
+        if not self.eligible(cache, tree, new_tokens):
+            return self.model(tokens, cache, tree, last, new_tokens, features=features)
+        return self._replay(cache, (tokens.shape[1], last, features), (tokens,))
+
+    def _static_pass(self, view: KVCache, bucket: int, key: tuple):
+        n, last, features = key
+        dtype, device = self.model.lm_head.weight.dtype, view.device
+        tokens = torch.zeros(bucket, n, dtype=torch.long, device=device)  # (bucket, n)
+        logits = None if last == 0 else self._buffer(
+            ("logits", bucket, n, last), (bucket, n if last is None else min(last, n), self.config.vocab_size),
+            dtype, device)
+        taken = None if features is None else self._buffer(
+            ("features", bucket, n, features), (bucket, n, len(features) * self.config.hidden_size), dtype, device)
+
+        def run():
+            out = self.model(tokens, view, None, last, features=features)
+            return _into(logits, out) if features is None else (_into(logits, out[0]), taken.copy_(out[1]))
+
+        return (tokens,), run
+
+
+class GraphedHead(GraphRunner):
+    """A draft head (runtime.heads.DraftHead) whose passes over rows 0..b-1 of its HeadCache replay CUDA graphs,
+    keyed (bucket, n, from_target, last), with the same call: a drafting pass (one token, the head's own output in,
+    logits out) or a pass over the verified positions (the target's features in, no logits)."""
+
+    @torch.inference_mode()
+    def __call__(self, tokens: torch.Tensor, inputs: torch.Tensor, cache: KVCache, last: int | None = None,
+                 new_tokens: list[int] | None = None, from_target: bool = True):
+        if not self.eligible(cache, None, new_tokens):
+            return self.model(tokens, inputs, cache, last, new_tokens, from_target)
+        return self._replay(cache, (tokens.shape[1], from_target, last), (tokens, inputs))
+
+    def _static_pass(self, view: KVCache, bucket: int, key: tuple):
+        n, from_target, last = key
+        head, device = self.model, view.device
+        dtype, hidden = head.layers[0].o.weight.dtype, head.config.hidden_size
+        width = head.head_config.feature_size if from_target else hidden
+        tokens = torch.zeros(bucket, n, dtype=torch.long, device=device)  # (bucket, n)
+        inputs = self._buffer(("inputs", bucket, n, from_target), (bucket, n, width), dtype, device)
+        logits = None if last == 0 else self._buffer(
+            ("logits", bucket, n, last), (bucket, n if last is None else min(last, n), head.logits_size), dtype, device)
+        outputs = self._buffer(("outputs", bucket, n), (bucket, n, hidden), dtype, device)
+
+        def run():
+            out = head(tokens, inputs, view, last, None, from_target)
+            return _into(logits, out[0]), outputs.copy_(out[1])
+
+        return (tokens, inputs), run

@@ -183,7 +183,7 @@ class SpeculativeGenerator:
         `host_bookkeeping`: small greedy trees keep their drafting bookkeeping on the host, a read-back
         per draft round (default: where the device's record allows it, runtime.devices: on the CPU, where
         reading back costs nothing and small tensor operations cost most; never on CUDA).
-        `cuda_graphs`: decode and verify passes replay CUDA graphs (runtime.cuda_graphs; CUDA, half
+        `cuda_graphs`: decode, verify and draft-head passes replay CUDA graphs (runtime.cuda_graphs; CUDA, half
         precision), captured on first use per batch bucket and width for each KV cache; None: the device's
         default (on CUDA in half precision; `--eager` says False)."""
         from .heads import DraftHead
@@ -207,14 +207,15 @@ class SpeculativeGenerator:
         self.host_bookkeeping = (host_bookkeeping_by_default(self.device) if host_bookkeeping is None
                                  else host_bookkeeping)
         self.target_runner = target  # what runs the target's step passes
-        from .cuda_graphs import SLOT_GRANULARITY, GraphedModel
+        from .cuda_graphs import SLOT_GRANULARITY, GraphedHead, GraphedModel
 
         self.cuda_graphs = (graphs_by_default(self.device, target.lm_head.weight.dtype) if cuda_graphs is None
                             else cuda_graphs)
         draft_runner = None
         if self.cuda_graphs:
             self.target_runner = GraphedModel(target)
-            draft_runner = GraphedModel(draft) if isinstance(draft, CausalLM) else None
+            draft_runner = (GraphedModel(draft) if isinstance(draft, CausalLM) else GraphedHead(draft)
+                            if isinstance(draft, DraftHead) else None)
         self.drafter = drafter_for(draft, stage2, self.host_bookkeeping, draft_runner)
         # kept from finished generations, per policy (`release_caches`)
         self._spare_caches = CachePool(self._new_cache, SLOT_GRANULARITY if self.cuda_graphs else 1)

@@ -16,14 +16,14 @@ from .ngram import NGramDrafter
 
 def drafter_for(draft, stage2=None, host_bookkeeping: bool = False, runner=None) -> Drafter:
     """The drafter for a generator's `draft`: a CausalLM, a DraftHead, an n-gram model, or None.
-    `runner`: what runs a draft model's step passes (its CUDA graphs), when not the model itself."""
+    `runner`: what runs a draft model's or a head's step passes (its CUDA graphs), when not the network itself."""
     from ..heads import DraftHead
     from ..model import CausalLM
 
     if isinstance(draft, CausalLM):
         return DraftModelDrafter(draft, stage2, host_bookkeeping, runner)
     if isinstance(draft, DraftHead):
-        return HeadDrafter(draft)
+        return HeadDrafter(draft, runner)
     if draft is not None:
         return NGramDrafter(draft)
     return Drafter()

@@ -27,13 +27,15 @@ class HeadDrafter(Drafter):
     kind = "head"
     drafts_chains = True
 
-    def __init__(self, head):
+    def __init__(self, head, runner=None):
+        """`runner`: what runs the step passes (the head's CUDA graphs), default the head itself."""
         self.head = self.model = head
+        self.runner = runner or head
         self.feature_layers = head.head_config.feature_layers
         self.vocab_size = head.logits_size
 
     def runners(self) -> list:
-        return []
+        return [self.runner]
 
     def prefill(self, cache, tokens, packed, counts, features):
         """The head's entries for the prompt's positions 1..n: each token with the target's hidden state before
@@ -50,7 +52,7 @@ class HeadDrafter(Drafter):
         return after_first_tokens
 
     def chain(self, state, k: int, passes):
-        cache, head = state.draft_cache, self.head
+        cache, head, runner = state.draft_cache, self.head, self.runner
         hidden = cache.hidden[:, None]  # (b, 1, hidden): the head's output at each row's last committed token
         logits = head.logits(hidden)[:, -1]  # (b, vocab)
         proposed, dists = [], []
@@ -64,7 +66,7 @@ class HeadDrafter(Drafter):
             proposed.append(token)
             if i + 1 < k:
                 def run(tokens, cache, attention=None, last=1, hidden=hidden):
-                    return head(tokens, hidden, cache, last=last, from_target=False)
+                    return runner(tokens, hidden, cache, last=last, from_target=False)
                 out, hidden = passes(run, token[:, None], cache, None, 1)
                 logits = out[:, -1]
         return torch.stack(proposed, dim=1), (torch.stack(dists, dim=1) if dists else None)
@@ -72,10 +74,10 @@ class HeadDrafter(Drafter):
     def settle_chain(self, state, k, accepted, new, features, passes):
         cache = state.draft_cache
         cache.set_lengths(state.committed - 1, state.host_committed - 1)  # drop the draft tokens' entries
-        head = self.head
+        runner = self.runner
 
         def run(tokens, cache, attention=None, last=0):
-            return head(tokens, features, cache, last=0)
+            return runner(tokens, features, cache, last=0)
         _, outputs = passes(run, new, cache, None, 0)  # (b, k + 1, hidden)
         cache.hidden.copy_(outputs.gather(1, accepted[:, None, None].expand(-1, 1, outputs.shape[-1]))[:, 0])
         return state.committed + accepted

@@ -157,9 +157,9 @@ class HeadPasses:
     runtime runs them: one token is a drafting pass (the head's own previous output in, logits of its draft
     vocabulary out); n >= 2 tokens is the pass over a verify's k + 1 positions (the target's features in, projected
     for EAGLE-3; no logits). The inputs are random (a pass's time does not depend on their values), made once per
-    shape."""
+    shape. `head`: a DraftHead, or its CUDA graphs (runtime.cuda_graphs.GraphedHead) where the runtime graphs it."""
 
-    def __init__(self, head: DraftHead):
+    def __init__(self, head):
         self.head, self.config = head, head.config
         self._inputs: dict[tuple, torch.Tensor] = {}
 

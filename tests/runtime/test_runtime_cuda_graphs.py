@@ -39,18 +39,27 @@ def replaying_capture(log):
     def capture(run, reset, cache, pool):
         reset()
         output = run()
-        log.append(None if output is None else output.shape)
+        log.append(tuple(_shape(part) for part in output) if isinstance(output, tuple) else _shape(output))
 
         def replay():
             host = cache.root.host_lengths.copy()
             fresh = run()
-            if output is not None and fresh is not output:  # a graph writes where it wrote when captured
-                output.copy_(fresh)
+            for captured, now in zip(_parts(output), _parts(fresh)):
+                if captured is not None and now is not captured:  # a graph writes where it wrote when captured
+                    captured.copy_(now)
             cache.root.host_lengths[:] = host
 
         return replay, output, None
 
     return capture
+
+
+def _shape(output):
+    return None if output is None else output.shape
+
+
+def _parts(output) -> tuple:
+    return output if isinstance(output, tuple) else (output,)
 
 
 def test_buckets():
@@ -195,7 +204,7 @@ def test_the_graphs_of_every_cache_share_one_logits_buffer_per_bucket_and_width(
                 outputs.append(graphed(tokens, graphed_cache.rows(0, 3)))
                 torch.testing.assert_close(outputs[-1], greedy_target(tokens, eager_cache.rows(0, 3)))
             assert outputs[0].data_ptr() == outputs[1].data_ptr()  # one buffer
-    assert sorted(graphed.outputs) == [(1, 2, None), (2, 2, None), (4, 2, None)]
+    assert sorted(graphed.buffers) == [("logits", 1, 2, None), ("logits", 2, 2, None), ("logits", 4, 2, None)]
     assert graphed.stats()["kept"] == 6  # but each cache its own graphs
 
 
