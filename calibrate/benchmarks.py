@@ -51,6 +51,20 @@ def forward_sampler(model: CausalLM, cache: KVCache, tokens: torch.Tensor, conte
     return sample_ms
 
 
+class WithFeatures:
+    """A target whose passes also return the hidden states a head reads (`features`), as the runtime's verify
+    pass does when a head drafts; everything else is the wrapped runner's."""
+
+    def __init__(self, runner, features: tuple[int, ...]):
+        self.runner, self.features = runner, features
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    def __call__(self, tokens, cache, tree=None, last=None):
+        return self.runner(tokens, cache, tree, last, features=self.features)
+
+
 class ForwardTimer:
     """Times forward passes at grid points, keeping one KV cache while consecutive points share
     (model, b, L): allocating a cache per point would cost more than many of the passes. With `graphs`, a
@@ -66,6 +80,9 @@ class ForwardTimer:
         # a head's passes with a model's call (drafting at 1 token, the verified positions at more)
         self.models = {role: HeadPasses(self.runners[role]) if isinstance(model, DraftHead) else self.runners[role]
                        for role, model in models.items()}
+        head = models.get("draft")
+        if isinstance(head, DraftHead) and "target" in models:  # the target's passes copy out what the head reads
+            self.models["target"] = WithFeatures(self.models["target"], head.head_config.feature_layers)
         self.grid, self.device, self.rule, self.graphs = grid, device, rule, graphs
         self.clock, self.device_clock = clock, DeviceClock(device)
         self.key, self.cache = None, None

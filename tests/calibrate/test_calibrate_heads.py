@@ -114,3 +114,30 @@ def test_the_second_stage_with_a_head_is_refused_in_one_line(head_pair, tmp_path
         calibrate(request(head_pair, tmp_path / "p.json", draft=str(head_pair / "eagle3-head"),
                           stage2=head_pair / "prompts.jsonl"))
     assert "\n" not in str(caught.value)
+
+
+def test_with_a_head_the_target_is_timed_returning_the_states_the_head_reads(head_pair):
+    """The runtime's verify pass copies out the hidden states a head reads: calibration times it so."""
+    from specbatch.calibrate.benchmarks import ForwardTimer
+    from specbatch.calibrate.grid import TimingPoint, make_grid
+    from specbatch.calibrate.timing import RepetitionRule
+    from specbatch.runtime.checkpoint import load_checkpoint
+    from specbatch.runtime.heads import load_head
+
+    target = load_checkpoint(head_pair / "target").model
+    head = load_head(head_pair / "eagle3-head", target)
+    seen = []
+    original = type(target).forward
+
+    def watched(self, *args, **kwargs):
+        seen.append(kwargs.get("features"))
+        return original(self, *args, **kwargs)
+
+    type(target).forward = watched
+    try:
+        timer = ForwardTimer({"target": target, "draft": head}, make_grid((1,), (8,), 2, head=True), "cpu",
+                             RepetitionRule(warmup_reps=0, min_reps=2, budget_s=0.0))
+        timer.measure(TimingPoint("target", 1, 3, 8))
+    finally:
+        type(target).forward = original
+    assert seen and all(features == (0, 1, 3) for features in seen)
