@@ -98,7 +98,9 @@ def generate(
 ):
     """Generate text with batched speculative decoding (all prompts in one batch).
 
-    --draft may also be an n-gram file (.safetensors from data/train_ngram.py): the n-gram alone drafts."""
+    --draft may also be an n-gram file (.safetensors from data/train_ngram.py): the n-gram alone drafts.
+
+    A head (EAGLE-3, MTP) as --draft drafts chains: --k, --table, --adaptive or --tree chain:K."""
     from specbatch.runtime.assembly import GenerationRequest, generate_texts
 
     texts = list(prompt or []) + (read_prompts_file(prompts_file) if prompts_file is not None else [])

@@ -120,9 +120,16 @@ def device_info(model: CausalLM) -> dict[str, Any]:
 
 
 def model_info(model: CausalLM | None, source: str | None, random_weights: bool) -> dict[str, Any] | None:
+    """bench.json's record of a model, or of a head (its kind as `drafter`, the parameters its passes read)."""
     if model is None:
         return None
     config = model.config
+    head = getattr(model, "head_config", None)  # a runtime.heads.DraftHead
+    if head is not None:
+        return {"source": source, "model_type": config.model_type, "drafter": head.kind,
+                "random_weights": random_weights, "parameters": head.parameter_count(), "layers": 1,
+                "hidden_size": head.hidden_size, "vocab_size": config.vocab_size,
+                "draft_vocab_size": head.draft_vocab_size}
     return {"source": source, "model_type": config.model_type, "random_weights": random_weights,
             "parameters": config.parameter_count(), "layers": config.num_layers, "hidden_size": config.hidden_size,
             "vocab_size": config.vocab_size}

@@ -30,8 +30,14 @@ class PeerModels:
 
 
 def load_peers(models: BenchModels, device: torch.device) -> tuple[PeerModels | None, str | None]:
-    """The pair loaded with transformers, or (None, a one-line note saying why peers are skipped)."""
-    if models.target_dir is None or (models.draft is not None and models.draft_dir is None):
+    """The pair loaded with transformers, or (None, a one-line note saying why peers are skipped). A head as
+    the draft is no model transformers can assist with: its plain generation runs, with a note."""
+    from specbatch.perfmodel.table import drafter_phrase
+    from specbatch.runtime.heads import DraftHead
+
+    head = isinstance(models.draft, DraftHead)
+    assistant = models.draft is not None and not head
+    if models.target_dir is None or (assistant and models.draft_dir is None):
         return None, "--peers skipped: it needs model directories (shape presets have no Hugging Face weights)"
     try:
         import transformers
@@ -50,11 +56,13 @@ def load_peers(models: BenchModels, device: torch.device) -> tuple[PeerModels | 
         return model.to(device).eval()
 
     target = load(models.target_dir)
-    draft = load(models.draft_dir) if models.draft is not None else None
+    draft = load(models.draft_dir) if assistant else None
     config = target.config
     pad = config.pad_token_id if config.pad_token_id is not None else 0  # masked out: any id will do
+    note = (f"--peers transformers: {HF_ASSISTED} skipped: its assistant_model is a draft model, and --draft is "
+            f"{drafter_phrase(models.draft.kind)}" if head else None)
     return PeerModels(target=target, draft=draft, pad_token_id=int(pad),
-                      transformers_version=transformers.__version__), None
+                      transformers_version=transformers.__version__), note
 
 
 def left_padded(prompts: list[list[int]], pad_token_id: int, device: torch.device):

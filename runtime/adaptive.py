@@ -185,7 +185,8 @@ class AdaptivePolicy:
     The current strategy is kept unless a challenger's predicted goodput beats it by more than
     `switch_margin` on `persist_steps` consecutive steps at one batch size (after a change of batch size the
     margin alone decides). The KV margin is allocated once for max_k, so a switch costs nothing there; after
-    steps at k = 0 every chain candidate pays the draft's wider catch-up pass, spread over `horizon_steps`.
+    steps at k = 0 every chain candidate pays a draft model's wider catch-up pass, spread over `horizon_steps` (a
+    head has none: its step model, `perfmodel.schedule.head_step_passes`, runs its pass at k = 0 too).
     The state resets when the last request is released (the fidelity and the re-fit, about the machine, stay).
     `fidelity` records every step's measured time (by `clock`, from `choose` to `observe`) beside the
     prediction; with `refit` the step times are the model's parts times its re-fitted factors."""
@@ -265,7 +266,8 @@ class AdaptivePolicy:
         else:
             self._streak = 0
         self._current, self._batch_size = current, b
-        self._lag_steps = self._lag_steps + 1 if self._depths[current] == 0 else 0
+        # a draft model lags behind the steps at k = 0; a head does not (it reads the verified position then too)
+        self._lag_steps = self._lag_steps + 1 if self._depths[current] == 0 and not self.model.head else 0
         self._in_flight = (current, b, self._bucket(context_len), self._guess_level(), self._clock())
         return self._answers[current]
 
@@ -416,8 +418,6 @@ def adaptive_policy(model_file: Path, max_k: int | None = None, staged: bool = F
     policy.execution = fitted.device.execution
     policy.stage2_record = {"file": fitted.stage2.file, "sha256": fitted.stage2.sha256} \
         if policy.needs_stage2 else None
-    policy.made_for = {"target": (fitted.target_info.source, fitted.target_info.fingerprint),
-                       "draft": (fitted.draft_info.source, fitted.draft_info.fingerprint)}
     return policy
 
 

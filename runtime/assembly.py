@@ -44,8 +44,8 @@ def required_draft(target: str | None, draft: str | None, command: str) -> str:
     """`default_draft` for a command that cannot run without a draft: none is a one-line error."""
     chosen = default_draft(target, draft)
     if chosen is None:
-        raise UsageError(f"--draft: {command} needs a draft model, and --target {target} has none by default (the "
-                         "demo draft goes with the demo target only); give --draft DIR")
+        raise UsageError(f"--draft: {command} needs a draft model or a head, and --target {target} has none by "
+                         "default (the demo draft goes with the demo target only); give --draft DIR")
     return chosen
 
 
@@ -55,14 +55,41 @@ def demo_or_named(target: str | None, draft: str | None, need_draft: bool = True
 
 
 def load_named_pair(target: str | None, draft: str | None, device: str | None, dtype: str | None,
-                    need_draft: bool = True):
-    """`runtime.loading.load_pair` for what --target/--draft/--device/--dtype name (`demo_or_named`)."""
+                    need_draft: bool = True, check=None):
+    """`runtime.loading.load_pair` for what --target/--draft/--device/--dtype name (`demo_or_named`);
+    `check(draft_spec)` runs before anything is loaded."""
     from .checkpoint import parse_dtype
     from .loading import load_pair, resolve_device, resolve_pair
 
     target_spec, draft_spec = resolve_pair(*demo_or_named(target, draft, need_draft))
+    if check is not None:
+        check(draft_spec)
     device = resolve_device(device)
     return load_pair(target_spec, draft_spec, device, parse_dtype(dtype, device))
+
+
+def check_head_drafts_chains(draft_spec, tree: str | None = None, stage2: Path | None = None) -> None:
+    """A head drafts chains (runtime/drafters/head.py): a --tree that is not a chain, and --stage2 (the n-gram
+    that speeds up a draft model's own drafting), are refused in one line when `draft_spec` is a head."""
+    from specbatch.perfmodel.table import drafter_phrase
+    from specbatch.perfmodel.tree import parse_tree
+
+    if draft_spec is None or draft_spec.head is None:
+        return
+    head = f"--draft {draft_spec.source} is {drafter_phrase(draft_spec.drafter)}"
+    if stage2 is not None:
+        raise UsageError(f"--stage2 {stage2}: a head drafts chains without the n-gram second stage (which speeds up "
+                         f"a draft model's own drafting), and {head}; leave --stage2 out")
+    if tree is not None and tree != "auto" and not parse_tree(tree, "--tree").is_chain:
+        raise head_tree_error(draft_spec, tree)
+
+
+def head_tree_error(draft_spec, tree: str) -> UsageError:
+    """The one line that refuses `--tree TREE` (not a chain) with a head as --draft."""
+    from specbatch.perfmodel.table import drafter_phrase
+
+    return UsageError(f"--tree {tree}: a head drafts chains, and --draft {draft_spec.source} is "
+                      f"{drafter_phrase(draft_spec.drafter)}; give a chain (--tree chain:K, or --k K)")
 
 
 def check_stage2_file(path: Path, expected_sha256: str, what: str) -> None:
@@ -100,10 +127,20 @@ def strategy_policy(tree: str, stage2: Path | None, model_file: Path | None, max
 def check_made_for(what: str, made_for: dict, running: dict, force: bool = False) -> None:
     """Refuse a table or model computed for another pair: its k was chosen for other models' speed and
     acceptance, so it runs but silently picks wrong (an OPT table on the demo pair says k = 0). Both dicts
-    map role -> (source, fingerprint); roles or fingerprints missing on either side (older files, an
-    n-gram draft) are not compared. `force` runs anyway."""
+    map role -> (source, fingerprint), and "drafter" -> what drafts (perfmodel.table.DRAFTERS); roles,
+    fingerprints or drafters missing on either side (older files, an n-gram draft) are not compared. `force`
+    runs anyway, except for another kind of drafter: a head's step (its passes, chains only) is not a draft
+    model's, so the file's strategies and costs describe another runtime."""
+    from specbatch.perfmodel.table import drafter_phrase
+
+    made, now = made_for.get("drafter"), running.get("drafter")
+    if made and now and made != now:
+        there, here = made_for.get("draft", (None,))[0], running.get("draft", (None,))[0]
+        raise UsageError(f"{what} was made for {drafter_phrase(made)} ({there}), and --draft {here} is "
+                         f"{drafter_phrase(now)}: its strategies and step costs are another drafter's (--force does "
+                         "not apply); calibrate and fit with this --draft")
     differences = []
-    for role, (source, fingerprint) in made_for.items():
+    for role, (source, fingerprint) in ((r, v) for r, v in made_for.items() if r != "drafter"):
         now_source, now_fingerprint = running.get(role, (None, None))
         if fingerprint and now_fingerprint and fingerprint != now_fingerprint:
             differences.append(f"{role} {source} ({fingerprint[:12]}) there, {now_source} ({now_fingerprint[:12]}) "
@@ -115,7 +152,8 @@ def check_made_for(what: str, made_for: dict, running: dict, force: bool = False
 def table_made_for(table) -> dict:
     """What `check_made_for` needs from a perfmodel.table.Table."""
     fingerprints = table.fingerprints or {}
-    return {role: (getattr(table, role), fingerprints.get(role)) for role in ("target", "draft")}
+    return {**{role: (getattr(table, role), fingerprints.get(role)) for role in ("target", "draft")},
+            "drafter": table.drafter}
 
 
 def files_for_pair(table: Path | None, model: Path | None, stage2: Path | None, running: dict,
@@ -126,12 +164,11 @@ def files_for_pair(table: Path | None, model: Path | None, stage2: Path | None, 
     from specbatch.perfmodel.model import load_model
     from specbatch.perfmodel.table import load_table
 
+    from .loading import model_made_for
+
     for option, path in (("--model", model), ("--adaptive", adaptive)):
         if path is not None:
-            fitted = load_model(path)
-            check_made_for(f"{option} {path}", {"target": (fitted.target_info.source, fitted.target_info.fingerprint),
-                                                "draft": (fitted.draft_info.source, fitted.draft_info.fingerprint)},
-                           running, force)
+            check_made_for(f"{option} {path}", model_made_for(load_model(path)), running, force)
     if table is not None:
         loaded = load_table(table)
         check_made_for(f"--table {table}", table_made_for(loaded), running, force)
@@ -178,13 +215,16 @@ def adaptive_for_pair(model_file: Path, running: dict, force: bool, mode: str = 
     """`--adaptive MODEL.json`: the adaptive policy (runtime.adaptive) from a model made for the `running`
     pair (`check_made_for`); its second-stage chains only when the model measured the second stage; `refit`
     (--refit): its step costs re-fitted from the steps it runs (runtime.refit)."""
+    from specbatch.perfmodel.model import load_model
     from specbatch.runtime.adaptive import adaptive_policy
+
+    from .loading import model_made_for
 
     if not Path(model_file).is_file():
         raise UsageError(f"--adaptive {model_file}: no such file")
-    policy = adaptive_policy(Path(model_file), staged=staged, mode=mode, refit=refit)
-    check_made_for(f"--adaptive {model_file}", policy.made_for, running, force)
-    return policy
+    # before the policy is built: what it says about the model's noise is for a model it will run
+    check_made_for(f"--adaptive {model_file}", model_made_for(load_model(model_file)), running, force)
+    return adaptive_policy(Path(model_file), staged=staged, mode=mode, refit=refit)
 
 
 @dataclass(frozen=True)
@@ -193,7 +233,7 @@ class GenerationRequest:
 
     prompts: tuple[str, ...]
     target: str | None = None
-    draft: str | None = None  # a model directory, or an n-gram .safetensors file (the n-gram alone drafts)
+    draft: str | None = None  # a model directory, a head (runtime.heads), or an n-gram .safetensors file (alone)
     k: int | None = None
     table: Path | None = None
     tree: str | None = None
@@ -270,7 +310,9 @@ def generate_texts(request: GenerationRequest, loaded_pair=None) -> Generation:
     if ngram_draft and request.stage2 is not None:
         raise UsageError("--stage2 speeds up a draft MODEL; with an n-gram --draft there is nothing to stage")
     pair = loaded_pair or load_named_pair(request.target, None if ngram_draft else request.draft, request.device,
-                                          request.dtype, need_draft=request.k != 0 and not ngram_draft)
+                                          request.dtype, need_draft=request.k != 0 and not ngram_draft,
+                                          check=lambda spec: check_head_drafts_chains(spec, request.tree,
+                                                                                      request.stage2))
     if pair.tokenizer is None:
         raise UsageError(f"--target {pair.target_spec.source}: no tokenizer.json, cannot encode text prompts")
     draft_runner = load_ngram(request.draft, "--draft", pair.target_spec) if ngram_draft else pair.draft

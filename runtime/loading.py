@@ -96,6 +96,18 @@ def resolve_head(text: str, target: ModelSpec) -> ModelSpec | None:
     return ModelSpec("draft", display_path(path), config.layer, path, directory_fingerprint(path), config)
 
 
+def named_head(text: str) -> str | None:
+    """The kind of head ("eagle3", "mtp") `--draft TEXT` names (a head preset, a head's directory or its config),
+    None when it names no head."""
+    if text in HEAD_PRESETS:
+        return HEAD_PRESETS[text]["speculators_model_type"]
+    path = Path(text)
+    if not is_head_dir(path):
+        return None
+    raw = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+    return raw.get("speculators_model_type") or "eagle3"  # else EAGLE-3's original layout
+
+
 def resolve_pair(target: str, draft: str | None) -> tuple[ModelSpec, ModelSpec | None]:
     """Both specs, checked to share one vocabulary (the runtime verifies draft tokens by id). `draft` may be a
     draft model or a head (runtime.heads), which is checked against the target instead."""
@@ -164,10 +176,22 @@ class LoadedPair:
     target_spec: ModelSpec
     draft_spec: ModelSpec | None
 
-    def running(self) -> dict[str, tuple[str, str | None]]:
-        """role -> (source, fingerprint): what `assembly.check_made_for` compares a table or model with."""
-        specs = (self.target_spec, self.draft_spec)
-        return {spec.role: (spec.source, spec.fingerprint) for spec in specs if spec is not None}
+    def running(self) -> dict:
+        """role -> (source, fingerprint), and "drafter" -> what drafts (with a draft): what
+        `assembly.check_made_for` compares a table or model with."""
+        return running_pair(self.target_spec, self.draft_spec)
+
+
+def running_pair(target: ModelSpec, draft: ModelSpec | None) -> dict:
+    """`LoadedPair.running` of two specs, before anything is loaded."""
+    running = {spec.role: (spec.source, spec.fingerprint) for spec in (target, draft) if spec is not None}
+    return running if draft is None else {**running, "drafter": draft.drafter}
+
+
+def model_made_for(fitted) -> dict:
+    """`running_pair`'s counterpart for a perfmodel.model.FittedModel: the pair and drafter it was fitted for."""
+    return {"target": (fitted.target_info.source, fitted.target_info.fingerprint),
+            "draft": (fitted.draft_info.source, fitted.draft_info.fingerprint), "drafter": fitted.draft_info.drafter}
 
 
 def load_pair(target: ModelSpec, draft: ModelSpec | None, device: str, dtype: torch.dtype) -> LoadedPair:

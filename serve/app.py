@@ -46,6 +46,7 @@ class ServedModel:
     chat_template: str | None  # the tokenizer's, when it ships one
     max_prompt_chars: int  # a longer prompt cannot fit the context, whatever its tokens: refused untokenized
     special_tokens: dict = field(default_factory=dict)  # bos_token, eos_token, ... for the chat template
+    draft: dict | None = None  # what drafts, as /v1/models describes it ({"id", "kind"}); None: nothing
 
 
 @dataclass(frozen=True)
@@ -136,14 +137,14 @@ def create_app(runner: EngineRunner, served: ServedModel) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return protocol.models_body(served.name, created)
+        return protocol.models_body(served.name, created, served.draft)
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         if model_id != served.name:
             raise RequestError(f"the model `{model_id}` does not exist; this server serves `{served.name}`",
                                param="model", code="model_not_found", status=404, kind="not_found_error")
-        return protocol.models_body(served.name, created)["data"][0]
+        return protocol.models_body(served.name, created, served.draft)["data"][0]
 
     @app.get("/metrics")
     async def metrics():

@@ -84,6 +84,8 @@ class LoadtestConfig:
 
 def vllm_speculative_config(config: LoadtestConfig, policy: str) -> dict | None:
     """What `vllm:table` / `vllm:k=K` pass to vLLM's --speculative-config (None: plain decoding)."""
+    from specbatch.calibrate.errors import CalibrationError
+    from specbatch.calibrate.vllm_steps import vllm_method
     from specbatch.perfmodel.table import load_table, to_vllm
 
     name = policy.removeprefix(VLLM_PREFIX)
@@ -95,13 +97,19 @@ def vllm_speculative_config(config: LoadtestConfig, policy: str) -> dict | None:
         table = load_table(config.vllm_table)
         try:
             check_chains_only(table, f"--table {config.vllm_table}")
-        except VllmError as error:
+            vllm_method(table.drafter, str(config.vllm_draft))
+        except (VllmError, CalibrationError) as error:
             raise LoadtestError(f"policy {policy}: {error}") from None
         return to_vllm(table, draft=config.vllm_draft)
     if name.startswith("k=") and name[2:].isdigit():
+        from specbatch.perfmodel.exports import checkpoint_drafter
+
         k = int(name[2:])
-        return None if k == 0 else {"method": "draft_model", "model": str(config.vllm_draft),
-                                    "num_speculative_tokens": k}
+        try:  # the draft model, or the head --draft names (its kind from its config.json)
+            method = vllm_method(checkpoint_drafter(str(config.vllm_draft)) or "draft_model", str(config.vllm_draft))
+        except CalibrationError as error:
+            raise LoadtestError(f"policy {policy}: {error}") from None
+        return None if k == 0 else {"method": method, "model": str(config.vllm_draft), "num_speculative_tokens": k}
     raise LoadtestError(f"policy {policy!r}: expected vllm:table or vllm:k=K")
 
 

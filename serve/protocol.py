@@ -223,8 +223,11 @@ def usage_body(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def models_body(model: str, created: int) -> dict:
-    return {"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "specbatch"}]}
+def models_body(model: str, created: int, draft: dict | None = None) -> dict:
+    """The model list: the one served model and, beside OpenAI's fields, what drafts for it (`draft`: {"id",
+    "kind": draft_model | eagle3 | mtp}; None without speculation)."""
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "specbatch",
+                                        "draft": draft}]}
 
 
 def now_s() -> int:

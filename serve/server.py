@@ -191,14 +191,15 @@ def check_policy_execution(policy, options: ServeOptions, device: str, dtype) ->
 
 
 def _graph_bytes(generator, pair, policy, options: ServeOptions) -> int:
-    """The CUDA graphs' memory the KV share leaves room for (0 without graphs)."""
+    """The CUDA graphs' memory the KV share leaves room for (0 without graphs): the target's, and a draft model's
+    or a head's (its passes and the target's features it reads, calibrate.memory.generation_graph_bytes)."""
     if not generator.cuda_graphs:
         return 0
     from specbatch.calibrate.memory import serving_graph_bytes
     from specbatch.calibrate.models import model_info
 
     dtype = pair.target.lm_head.weight.dtype
-    draft = model_info(pair.draft_spec, dtype) if pair.draft_spec is not None and generator.draft_is_model else None
+    draft = model_info(pair.draft_spec, dtype) if pair.draft_spec is not None else None
     key_len = options.max_model_len or pair.target.config.max_position_embeddings
     return serving_graph_bytes(model_info(pair.target_spec, dtype), draft, options.max_batch_size, policy.max_k,
                                key_len)
@@ -208,7 +209,7 @@ def build(options: ServeOptions):
     """(runner, served model) ready for `create_app`; loads the models and chooses the policy."""
     import torch
 
-    from specbatch.runtime.assembly import second_stage_for
+    from specbatch.runtime.assembly import check_head_drafts_chains, second_stage_for
     from specbatch.runtime.checkpoint import parse_dtype
     from specbatch.runtime.engine import Engine, EngineConfig, KVCacheTooSmall
     from specbatch.runtime.generator import SpeculativeGenerator, context_limit
@@ -224,6 +225,7 @@ def build(options: ServeOptions):
     draft_name = default_draft(options.target, options.draft)
     draft_dir = None if draft_name is None else Path(draft_name)
     target_spec, draft_spec = resolve_pair(str(target_dir), None if draft_dir is None else str(draft_dir))
+    check_head_drafts_chains(draft_spec, options.tree)
     pair = load_pair(target_spec, draft_spec, device, parse_dtype(options.dtype, device))
     if pair.tokenizer is None:
         raise ServeError(f"--target {target_dir}: no tokenizer.json; serve needs one to encode prompts")
@@ -260,8 +262,19 @@ def build(options: ServeOptions):
     served = ServedModel(name, _encoder(pair.tokenizer.backend), pair.tokenizer.decode,
                          min(options.max_tokens_limit, engine.max_context_tokens - 1), template,
                          max_prompt_chars=engine.max_context_tokens * _longest_token_chars(pair.tokenizer.backend),
-                         special_tokens=special_tokens)
+                         special_tokens=special_tokens, draft=draft_description(draft_spec, policy))
     return EngineRunner(engine), served
+
+
+def draft_description(draft_spec, policy) -> dict | None:
+    """What /v1/models says drafts: the draft model's or head's name (a directory's, a preset's; never the
+    server's paths) and its kind (draft_model | eagle3 | mtp); None when nothing drafts."""
+    if draft_spec is None or policy.max_k == 0:
+        return None
+    source = Path(draft_spec.source)
+    name = source.name if draft_spec.directory is not None or not source.is_file() else \
+        f"{source.parent.name}/{source.name}"  # a config.json (random weights): its folder says which
+    return {"id": name, "kind": draft_spec.drafter}
 
 
 def _encoder(backend):

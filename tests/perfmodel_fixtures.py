@@ -87,10 +87,11 @@ def build_profile(latency_ms: Callable[[str, int, int, int], float], *, models: 
                   noise: float = 0.03, seed: int = 0, acceptance: list[float] | None = None,
                   overheads_ms: Callable[[int, int], float] | None = default_overheads,
                   infeasible: Callable[[str, int, int, int], bool] = lambda role, b, n, L: False,
-                  device_kind: str = "cuda") -> dict:
-    """A valid profile dict whose medians are `latency_ms` times lognormal noise of sigma `noise`."""
+                  device_kind: str = "cuda", draft_new_tokens=(1, 2)) -> dict:
+    """A valid profile dict whose medians are `latency_ms` times lognormal noise of sigma `noise`
+    (`draft_new_tokens`: a head's are 1..max_k+1, with `models["draft"]["drafter"]` its kind)."""
     rng = np.random.default_rng(seed)
-    new_tokens = {"target": list(range(1, max_k + 2)), "draft": [1, 2]}
+    new_tokens = {"target": list(range(1, max_k + 2)), "draft": list(draft_new_tokens)}
     timings = []
     for role in ("target", "draft"):
         for b in batch_sizes:

@@ -126,8 +126,8 @@ def test_shapes_load_with_seeded_random_weights_target_and_draft_apart(tmp_path)
     assert first.tokenizer is None and first.eos_token_ids == (1,)
     assert torch.equal(first.target.lm_head.weight, second.target.lm_head.weight)  # seeded: the same each time
     assert not torch.equal(first.target.lm_head.weight, first.draft.lm_head.weight)  # but target != draft
-    assert first.running() == {"target": (target.source, target.fingerprint), "draft": (draft.source,
-                                                                                         draft.fingerprint)}
+    assert first.running() == {"target": (target.source, target.fingerprint),
+                               "draft": (draft.source, draft.fingerprint), "drafter": "draft_model"}
     alone = load_pair(target, None, "cpu", torch.float32)
     assert alone.draft is None and alone.running() == {"target": (target.source, target.fingerprint)}
 
