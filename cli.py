@@ -539,7 +539,8 @@ def demo(
     eager: EagerOpt = False,
     force: ReplaceOpt = False,
 ):
-    """The whole loop on the bundled demo pair: quick calibration, fit, table, generation, measured speedup."""
+    """The whole loop on the bundled demo pair: quick calibration, fit, table, generation, measured speedup; then
+    the same with the demo EAGLE-3 head drafting."""
     race_sizes = parse_int_list("--batch-sizes", batch_sizes)
     if prompts_shown <= 0 or max_new_tokens <= 0 or rounds <= 0:
         raise UsageError("--prompts-shown, --max-new-tokens and --rounds must be positive")
@@ -548,12 +549,14 @@ def demo(
 
     writable_dir(out, "--out")  # before the first measurement
     writable_dir(out / "bench", "--out")  # where the race's files go
+    writable_dir(out / "head-bench", "--out")  # and the head's race's
     from specbatch.bench.outputs import output_kinds
     from specbatch.console.demo import output_kinds as demo_kinds
     from specbatch.perfmodel.jsonio import check_replace_in
 
     check_replace_in(out, demo_kinds(), force, "--out")
     check_replace_in(out / "bench", output_kinds(), force, "--out")
+    check_replace_in(out / "head-bench", output_kinds(), force, "--out")
     set_threads(threads)
     from specbatch.console.demo import run_demo
 

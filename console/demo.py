@@ -1,7 +1,9 @@
 """`specbatch demo`: the whole loop on the bundled demo pair, one rule per stage.
 
 quick calibration -> fit -> table (and its exports) -> generation with the table -> the table raced
-against plain decoding. Every stage is the same library call its own command makes.
+against plain decoding; then the same loop with the demo EAGLE-3 head drafting instead of the draft model,
+its acceptance per position beside the draft model's. Every stage is the same library call its own command
+makes.
 """
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from specbatch.runtime.assembly import DEMO_DRAFT, DEMO_PROMPTS, DEMO_TARGET
+from specbatch.runtime.assembly import DEMO_DRAFT, DEMO_HEAD, DEMO_PROMPTS, DEMO_TARGET
 
 EXPORTS = {"table.json": "json", "table.csv": "csv", "vllm.json": "vllm", "trtllm.json": "trtllm"}
 
@@ -20,7 +22,9 @@ def output_kinds() -> dict[str, str]:
     from specbatch.perfmodel.table import table_output_kind
 
     return {"profile.json": PROFILE_KIND, "model.json": "specbatch.model",
-            **{name: table_output_kind(fmt) for name, fmt in EXPORTS.items()}}
+            **{name: table_output_kind(fmt) for name, fmt in EXPORTS.items()},
+            "head-profile.json": PROFILE_KIND, "head-model.json": "specbatch.model",
+            "head-table.json": table_output_kind("json")}
 
 
 def run_demo(out: Path, race_sizes: tuple[int, ...], prompts_shown: int, max_new_tokens: int, rounds: int,
@@ -55,19 +59,19 @@ def run_demo(out: Path, race_sizes: tuple[int, ...], prompts_shown: int, max_new
     make_dir(out, "--out")
     profile_path, model_path, table_path = out / "profile.json", out / "model.json", out / "table.json"
 
-    console.rule("[bold]1/5 calibrate (quick): time the demo pair's passes on this machine, measure acceptance")
+    console.rule("[bold]1/6 calibrate (quick): time the demo pair's passes on this machine, measure acceptance")
     stage2 = stage2_for_calibration(None, False, None, None)  # the bundled n-gram: trees and staged drafting
     request = CalibrationRequest(target=str(DEMO_TARGET), draft=str(DEMO_DRAFT), out=profile_path, device=device,
                                  prompts=DEMO_PROMPTS, quick=True, stage2=stage2, force=True,
                                  cuda_graphs=cuda_graphs)  # the demo's own folder
     render_calibration(calibrate_with_progress(request, show=True))
 
-    console.rule("[bold]2/5 fit the latency and acceptance model")
+    console.rule("[bold]2/6 fit the latency and acceptance model")
     fitted = fit_profile(load_profile(profile_path))
     save_model(model_path, fitted)
     render_fit(fitted, model_path)
 
-    console.rule("[bold]3/5 the table: best strategy (none, chain of k, tree, +n-gram stage) for every batch size")
+    console.rule("[bold]3/6 the table: best strategy (none, chain of k, tree, +n-gram stage) for every batch size")
     acceptance = choose_acceptance(fitted, None, str(model_path))
     table = compute_table(fitted, acceptance, max_batch)
     engine_table = compute_table(fitted, acceptance, max_batch, fitted.table_context_lens("vllm"),  # one bucket
@@ -81,7 +85,7 @@ def run_demo(out: Path, race_sizes: tuple[int, ...], prompts_shown: int, max_new
             notes.append(f"{name} not written: {error}")
     render_table(table, notes, table_path)
 
-    console.rule("[bold]4/5 generate held-out prompts with the table")
+    console.rule("[bold]4/6 generate held-out prompts with the table")
     pair = load_named_pair(None, None, device, None)
     policy = TableK(table_path)
     texts = read_prompts(DEMO_PROMPTS)[:prompts_shown]
@@ -91,7 +95,7 @@ def run_demo(out: Path, race_sizes: tuple[int, ...], prompts_shown: int, max_new
     write_text_atomic(out / "generations.jsonl", generations_jsonl(generation))
     render_generation(generation.outputs, generation.stats, generation.policy, generation.sampling)
 
-    console.rule(f"[bold]5/5 race the table against plain decoding (k = 0) at batch sizes {list(race_sizes)}")
+    console.rule(f"[bold]5/6 race the table against plain decoding (k = 0) at batch sizes {list(race_sizes)}")
     ngram = second_stage_for(policy, stage2 if policy.needs_stage2 else None, pair.target_spec)
     config = BenchConfig(batch_sizes=race_sizes, ks=(0,), max_new_tokens=max_new_tokens, rounds=rounds,
                          table_path=table_path, model_path=model_path,
@@ -110,8 +114,62 @@ def run_demo(out: Path, race_sizes: tuple[int, ...], prompts_shown: int, max_new
         contradiction = prediction_contradiction(tabled)
         if contradiction:
             console.print(contradiction, markup=False, highlight=False)
-    console.print(f"everything is in {out.resolve()} (bench files: {', '.join(p.name for p in written)})",
+    run_head_demo(console, out, pair, prompts, race_sizes, max_new_tokens, rounds, max_batch, device, cuda_graphs)
+    console.print(f"everything is in {out.resolve()} (bench files: {', '.join(p.name for p in written)}; the "
+                  "head's in head-bench/)", markup=False, highlight=False)
+
+
+def run_head_demo(console: Console, out: Path, pair, prompts: list[list[int]], race_sizes: tuple[int, ...],
+                  max_new_tokens: int, rounds: int, max_batch: int, device: str | None,
+                  cuda_graphs: bool | None) -> None:
+    """Stage 6: the demo EAGLE-3 head drafts instead of the draft model: its quick calibration, its acceptance per
+    position beside the draft model's (both measured by drafting, on the same prompts), its table, and the table
+    raced against plain decoding."""
+    from specbatch.bench.config import BenchConfig, BenchModels
+    from specbatch.bench.outputs import write_outputs
+    from specbatch.bench.results import compared_rate
+    from specbatch.calibrate.acceptance import drafted_acceptance
+    from specbatch.calibrate.run import QUICK_EFFORT, CalibrationRequest
+    from specbatch.perfmodel.fit import fit_profile
+    from specbatch.perfmodel.model import choose_acceptance, compute_table, save_model
+    from specbatch.perfmodel.profile import load_profile
+    from specbatch.perfmodel.table import write_table
+    from specbatch.runtime.heads import load_head
+    from specbatch.runtime.sampling import Sampling
+
+    from .bench import bench_with_progress
+    from .calibration import calibrate_with_progress, render_calibration
+    from .model import render_table
+
+    profile_path, model_path, table_path = out / "head-profile.json", out / "head-model.json", out / "head-table.json"
+    console.rule("[bold]6/6 the same loop with a head: the demo EAGLE-3 head drafts from the target's hidden states")
+    request = CalibrationRequest(target=str(DEMO_TARGET), draft=str(DEMO_HEAD), out=profile_path, device=device,
+                                 prompts=DEMO_PROMPTS, quick=True, force=True, cuda_graphs=cuda_graphs)
+    render_calibration(calibrate_with_progress(request, show=True))
+    fitted = fit_profile(load_profile(profile_path))
+    save_model(model_path, fitted)
+    head = load_head(DEMO_HEAD, pair.target)
+    measured = fitted.acceptance[0].per_position
+    draft_model = drafted_acceptance(pair.target, pair.draft, prompts[:QUICK_EFFORT.prompt_count], Sampling(),
+                                     len(measured), QUICK_EFFORT.continuation_tokens, pair.eos_token_ids).per_position
+    console.print("acceptance per draft position (greedy, both drafted as the runtime drafts, the same prompts):",
                   markup=False, highlight=False)
+    for name, values in (("  head       ", measured), ("  draft model", draft_model)):
+        console.print(name + " " + " ".join(f"{value:.2f}" for value in values), markup=False, highlight=False)
+    table = compute_table(fitted, choose_acceptance(fitted, None, str(model_path)), max_batch)
+    write_table(table_path, table, "json")
+    render_table(table, fitted.extrapolation_notes(max_batch, [b.context_len for b in table.buckets], table.max_k),
+                 table_path)
+    config = BenchConfig(batch_sizes=race_sizes, ks=(0,), max_new_tokens=max_new_tokens, rounds=rounds,
+                         table_path=table_path, model_path=model_path, cuda_graphs=cuda_graphs)
+    models = BenchModels(target=pair.target, draft=head, target_source=str(DEMO_TARGET), draft_source=str(DEMO_HEAD),
+                         target_dir=DEMO_TARGET, draft_dir=DEMO_HEAD, random_weights=False)
+    race = bench_with_progress(config, models, prompts)
+    write_outputs(race, out / "head-bench")
+    for batch in race.batches:
+        plain, tabled = batch.policy("k=0"), batch.policy("table")
+        console.print(f"batch size {batch.batch_size}: head table {tabled.strategy} {compared_rate(tabled):.0f} tok/s "
+                      f"vs plain {compared_rate(plain):.0f} tok/s -> [bold]{batch.table_speedup:.2f}x[/]")
 
 
 def prediction_contradiction(policy) -> str | None:

@@ -16,6 +16,7 @@ from specbatch.perfmodel.errors import UsageError
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 DEMO_TARGET = DATA_DIR / "models" / "demo-target"
 DEMO_DRAFT = DATA_DIR / "models" / "demo-draft"
+DEMO_HEAD = DATA_DIR / "models" / "demo-head"  # an EAGLE-3 head for the demo target (data/train_demo_head.py)
 DEMO_NGRAM = DATA_DIR / "models" / "demo-ngram.safetensors"
 DEMO_PROMPTS = DATA_DIR / "prompts" / "heldout.jsonl"
 LOW_ACCEPTANCE_PROMPTS = DATA_DIR / "prompts" / "base64.jsonl"  # data/make_base64_prompts.py: the draft agrees less
