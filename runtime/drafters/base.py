@@ -4,6 +4,16 @@ from __future__ import annotations
 import torch
 
 from ..batch import BatchState
+from ..sampling import probabilities, sample
+
+
+def draw(logits: torch.Tensor, state: BatchState) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A draft token per row from the drafter's logits (b, vocab): its argmax (greedy), or a sample with its
+    distribution q (b, vocab), which verification needs."""
+    if state.sampling.greedy:
+        return logits.argmax(-1), None
+    q = probabilities(logits, state.sampling)
+    return sample(q, state.rng), q
 
 
 class Drafter:

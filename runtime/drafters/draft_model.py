@@ -14,9 +14,9 @@ from ..attention import TreeAttention
 from ..devices import device_kind
 from ..kv_cache import KVCache
 from ..model import CausalLM
-from ..sampling import Sampling, probabilities, sample
+from ..sampling import Sampling
 from ..tree_decoding import DraftedTree, TreePlan, _forward, _HostState, _TreeState, compact, level_starts
-from .base import Drafter
+from .base import Drafter, draw
 
 
 class DraftModelDrafter(Drafter):
@@ -46,13 +46,10 @@ class DraftModelDrafter(Drafter):
         proposed, dists = [], []
         for _ in range(k):
             logits = passes(self.model, step_input, state.draft_cache, last=1)[:, -1]  # (b, vocab)
-            if state.sampling.greedy:
-                token = logits.argmax(-1)
-            else:
-                q = probabilities(logits, state.sampling)
-                token = sample(q, state.rng)
-                dists.append(q)
+            token, q = draw(logits, state)
             proposed.append(token)
+            if q is not None:
+                dists.append(q)
             step_input = token[:, None]
         return torch.stack(proposed, dim=1), (torch.stack(dists, dim=1) if dists else None)
 

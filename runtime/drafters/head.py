@@ -19,8 +19,7 @@ import numpy as np
 import torch
 
 from ..errors import GenerationError
-from ..sampling import probabilities, sample
-from .base import Drafter
+from .base import Drafter, draw
 
 
 class HeadDrafter(Drafter):
@@ -57,13 +56,10 @@ class HeadDrafter(Drafter):
         logits = head.logits(hidden)[:, -1]  # (b, vocab)
         proposed, dists = [], []
         for i in range(k):
-            if state.sampling.greedy:
-                token = logits.argmax(-1)
-            else:
-                q = probabilities(logits, state.sampling)
-                token = sample(q, state.rng)
-                dists.append(q)
+            token, q = draw(logits, state)
             proposed.append(token)
+            if q is not None:
+                dists.append(q)
             if i + 1 < k:
                 def run(tokens, cache, attention=None, last=1, hidden=hidden):
                     return runner(tokens, hidden, cache, last=last, from_target=False)

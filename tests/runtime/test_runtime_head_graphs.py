@@ -12,14 +12,13 @@ import pytest
 import torch
 
 from specbatch.runtime import cuda_graphs
-from specbatch.runtime.checkpoint import build_model
 from specbatch.runtime.cuda_graphs import GraphedHead, GraphedModel
 from specbatch.runtime.generator import SpeculativeGenerator
-from specbatch.runtime.heads import random_head
 
 from lossless_helpers import naive_greedy
 from test_runtime_cuda_graphs import replaying_capture
-from test_runtime_heads import _prompts, head_config
+from test_runtime_heads import _prompts, head_config  # noqa: F401 - fixtures below
+from test_runtime_heads import eagle_head as head, target  # noqa: F401 - the same target and head, shared
 
 KS = (2, 0, 4, 1, 3)  # a step's k, in turn: every width of every pass, drafting passes (k >= 2) or none
 
@@ -46,21 +45,6 @@ EOS = (61, 30, 19)  # tokens greedy rows reach at different steps: of 8 rows 6 l
 def until_eos(tokens: list[int]) -> list[int]:
     ends = [i for i, token in enumerate(tokens) if token in EOS]
     return tokens[:ends[0] + 1] if ends else tokens
-
-
-@pytest.fixture(scope="module")
-def target(llama_config_factory, peaked):
-    return peaked(build_model(llama_config_factory(max_position_embeddings=256), seed=31))
-
-
-@pytest.fixture(scope="module")
-def head(target):
-    """An EAGLE-3 head over three target layers with a 48-token draft vocabulary, right now and then."""
-    head = random_head(head_config(target, draft_vocab=48, eagle_aux_hidden_state_layer_ids=[0, 1, 2]), target,
-                       seed=5)
-    with torch.no_grad():
-        head.lm_head.weight.mul_(6.0)
-    return head
 
 
 @pytest.fixture

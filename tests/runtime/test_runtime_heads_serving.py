@@ -18,30 +18,14 @@ from specbatch.perfmodel.overhead import OverheadModel
 from specbatch.perfmodel.strategy import StepModel
 from specbatch.perfmodel.tree import Strategy, chain
 from specbatch.runtime.adaptive import AdaptivePolicy
-from specbatch.runtime.checkpoint import build_model
 from specbatch.runtime.drafters.head import HeadDrafter
 from specbatch.runtime.engine import Engine, EngineConfig, Request
 from specbatch.runtime.generator import SpeculativeGenerator
-from specbatch.runtime.heads import random_head
 from specbatch.runtime.policy import TableK
 from specbatch.runtime.refit import StepCostRefit, part_index, step_parts
 from test_runtime_engine import Recording, drive, solo_greedy, tokens_of
-from test_runtime_heads import _fresh_drafts, head_config
-
-
-@pytest.fixture(scope="module")
-def target(llama_config_factory, peaked):
-    return peaked(build_model(llama_config_factory(max_position_embeddings=256), seed=31))
-
-
-@pytest.fixture(scope="module")
-def head(target):
-    """An EAGLE-3 head with a 48-token draft vocabulary, random: right now and then (as test_runtime_heads')."""
-    head = random_head(head_config(target, draft_vocab=48, eagle_aux_hidden_state_layer_ids=[0, 1, 2]), target,
-                       seed=5)
-    with torch.no_grad():
-        head.lm_head.weight.mul_(6.0)
-    return head
+from test_runtime_heads import _fresh_drafts, head_config  # noqa: F401
+from test_runtime_heads import eagle_head as head, target  # noqa: F401 - the same target and head, shared
 
 
 class RecordedDrafts:
