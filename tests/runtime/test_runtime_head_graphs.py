@@ -17,7 +17,7 @@ from specbatch.runtime.generator import SpeculativeGenerator
 
 from lossless_helpers import naive_greedy
 from test_runtime_cuda_graphs import replaying_capture
-from test_runtime_heads import _prompts, head_config  # noqa: F401 - fixtures below
+from test_runtime_heads import _prompts
 from test_runtime_heads import eagle_head as head, target  # noqa: F401 - the same target and head, shared
 
 KS = (2, 0, 4, 1, 3)  # a step's k, in turn: every width of every pass, drafting passes (k >= 2) or none

@@ -24,7 +24,7 @@ from specbatch.runtime.generator import SpeculativeGenerator
 from specbatch.runtime.policy import TableK
 from specbatch.runtime.refit import StepCostRefit, part_index, step_parts
 from test_runtime_engine import Recording, drive, solo_greedy, tokens_of
-from test_runtime_heads import _fresh_drafts, head_config  # noqa: F401
+from test_runtime_heads import _fresh_drafts
 from test_runtime_heads import eagle_head as head, target  # noqa: F401 - the same target and head, shared
 
 
