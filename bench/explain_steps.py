@@ -152,7 +152,8 @@ def run_explain(config, models, prompts: Sequence[list[int]],
         raise BenchError("explain: a strategy with draft tokens needs a draft model (--draft)")
     check_context(models, prompts, config, policy.max_k)
     generator = SpeculativeGenerator(models.target, models.draft, eos_token_ids=(), stage2=models.stage2)
-    speed = machine_speed_for(models.target, predictor.fitted.noise, generator.device, config.model_path)
+    speed = machine_speed_for(models.target, predictor.fitted.noise, generator.device, config.model_path,
+                              graphs=generator.cuda_graphs)
     pooled = None
     for round_index in range(-config.warmup_rounds, config.rounds):
         if speed is not None and round_index >= 0:

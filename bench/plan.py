@@ -247,7 +247,8 @@ def plan_bench(config: BenchConfig, models: BenchModels, prompts: Sequence[list[
         raise BenchError(f"--stage2: {error}") from None
     speed = None  # the machine's speed against calibration's, when the model file has its reference pass
     if predictor is not None:
-        speed = machine_speed_for(models.target, predictor.fitted.noise, device, config.model_path)
+        speed = machine_speed_for(models.target, predictor.fitted.noise, device, config.model_path,
+                                  graphs=generator.cuda_graphs)
     return BenchPlan(config=config, models=models, prompts=every_prompt, source=prompts, policies=policies,
                      generator=generator, device=device, table=table, adaptive=adaptive, predictor=predictor,
                      speed=speed, peers=peers, notes=notes)

@@ -20,11 +20,17 @@ from specbatch.runtime.clock import DeviceClock
 from .config import BenchError
 
 
-def machine_speed_for(target, calibration: NoiseFigure | None, device, model_path) -> "MachineSpeed | None":
+def machine_speed_for(target, calibration: NoiseFigure | None, device, model_path,
+                      graphs: bool = False) -> "MachineSpeed | None":
     """The reference-pass check for a model file that kept calibration's (None for older ones); a reference
-    it cannot read is refused in one line naming --model, before anything is measured."""
+    it cannot read is refused in one line naming --model, before anything is measured. `graphs`: the pass
+    replays its CUDA graph, as calibration timed it when it ran graphed (the first check's warm-up captures)."""
     if calibration is None:
         return None
+    if graphs:
+        from specbatch.runtime.cuda_graphs import GraphedModel
+
+        target = GraphedModel(target)
     try:
         return MachineSpeed(target, calibration, str(device))
     except PerfModelError as error:

@@ -62,6 +62,14 @@ def randomize_(model: torch.nn.Module, seed: int, std: float = 0.25) -> torch.nn
     return model.eval()
 
 
+def moved(model, device, dtype):
+    """`model` (a CausalLM or a DraftHead) moved to `device` in `dtype`, its RoPE tables kept in float32 as the
+    product makes them (a plain `.to(dtype)` would round the inverse frequencies to the weights' dtype)."""
+    model.to(device, dtype)
+    model.set_rope_frequencies(device)
+    return model
+
+
 def save_hf(model, directory, **kwargs):
     """`save_pretrained` and return the directory as a string."""
     model.save_pretrained(str(directory), **kwargs)

@@ -8,7 +8,6 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import Placement, _file_tensors, _llama_layer, _place, _weight_files
-from ..model import rope_inverse_frequencies
 from .config import HeadConfig, HeadError, read_head_config
 from .model import DraftHead
 
@@ -98,7 +97,7 @@ def _names(file: Path) -> list[str]:
 def _finish(head: DraftHead, device, dtype: torch.dtype) -> DraftHead:
     """The head on its device in its dtype, RoPE's frequencies kept in float32 (as the target's)."""
     head = head.to(device=device, dtype=dtype)
-    head.inv_freq = rope_inverse_frequencies(head.config)[0].to(device)
+    head.set_rope_frequencies(device)
     return head
 
 

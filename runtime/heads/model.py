@@ -76,6 +76,10 @@ class DraftHead(nn.Module):
         inv_freq, self.rope_attention_factor = rope_inverse_frequencies(config.layer)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
+    def set_rope_frequencies(self, device) -> None:
+        """RoPE's inverse frequencies in float32 whatever the weights' dtype (as CausalLM's); after a move in dtype."""
+        self.inv_freq = rope_inverse_frequencies(self.config)[0].to(device)
+
     @property
     def target(self):
         return self._target[0]

@@ -29,3 +29,23 @@ def test_bench_reports_the_reference_pass_slowdown_per_batch_size():
     add_machine_speed(batches, speed)
     assert [b.machine_speed and b.machine_speed["slowdown"] for b in batches] == [pytest.approx(1.5),
                                                                                   pytest.approx(0.9), None]
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_the_reference_pass_runs_as_calibration_timed_it(graphs, greedy_target, monkeypatch):
+    """A bench that runs graphed times the reference pass graphed, as a graphed calibration did (an eager
+    reference against a graphed one would call the machine slow); an eager bench, eager."""
+    from specbatch.bench import speed as speed_module
+    from specbatch.runtime.cuda_graphs import GraphedModel
+
+    seen = []
+
+    def recording_sampler(model, batch_size, context_len, device, clock):
+        seen.append(model)
+        return lambda: 1.0
+
+    monkeypatch.setattr(speed_module, "reference_sampler", recording_sampler)
+    calibration = NoiseFigure("target b=1 n=1 L=64", (NoiseCheck(0.0, 4.0, 4.0, 4.0),))
+    speed_module.machine_speed_for(greedy_target, calibration, "cpu", "model.json", graphs=graphs)
+    assert len(seen) == 1 and isinstance(seen[0], GraphedModel) == graphs
+    assert (seen[0].model if graphs else seen[0]) is greedy_target

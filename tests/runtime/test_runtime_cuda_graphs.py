@@ -15,6 +15,7 @@ from specbatch.runtime import cuda_graphs
 from specbatch.runtime.cuda_graphs import GraphedModel, bucket_for
 from specbatch.runtime.generator import SpeculativeGenerator
 from specbatch.runtime.policy import FixedK
+from torch_fixtures import moved
 
 from test_runtime_engine import solo_greedy
 
@@ -147,14 +148,14 @@ def serve_beside_a_part_prefill(generator, prompts8, max_tokens: tuple[int, int]
 def test_cuda_graphs_match_eager_on_a_gpu(greedy_target, greedy_draft_sometimes, prompts8):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    target = greedy_target.to("cuda", torch.bfloat16)
-    draft = greedy_draft_sometimes.to("cuda", torch.bfloat16)
+    target = moved(greedy_target, "cuda", torch.bfloat16)
+    draft = moved(greedy_draft_sometimes, "cuda", torch.bfloat16)
     try:
-        eager = SpeculativeGenerator(target, draft).generate(prompts8, 12, FixedK(3)).token_ids
+        eager = SpeculativeGenerator(target, draft, cuda_graphs=False).generate(prompts8, 12, FixedK(3)).token_ids
         graphed = SpeculativeGenerator(target, draft, cuda_graphs=True).generate(prompts8, 12, FixedK(3)).token_ids
         assert graphed == eager
     finally:
-        greedy_target.to("cpu", torch.float32), greedy_draft_sometimes.to("cpu", torch.float32)
+        moved(greedy_target, "cpu", torch.float32), moved(greedy_draft_sometimes, "cpu", torch.float32)
 
 
 def test_bench_rounds_capture_only_while_warming_up(greedy_target, greedy_draft_sometimes, prompts8, graphed_on_cpu):
@@ -216,8 +217,8 @@ def test_graphed_serving_and_sampling_match_eager_on_a_gpu(greedy_target, greedy
         pytest.skip("needs CUDA")
     from specbatch.runtime.sampling import Sampling
 
-    target = greedy_target.to("cuda", torch.bfloat16)
-    draft = greedy_draft_sometimes.to("cuda", torch.bfloat16)
+    target = moved(greedy_target, "cuda", torch.bfloat16)
+    draft = moved(greedy_draft_sometimes, "cuda", torch.bfloat16)
     try:
         got = {graphs: serve_beside_a_part_prefill(SpeculativeGenerator(target, draft, cuda_graphs=graphs), prompts8,
                                                    max_tokens=(16, 16))[1] for graphs in (False, True)}
@@ -226,4 +227,16 @@ def test_graphed_serving_and_sampling_match_eager_on_a_gpu(greedy_target, greedy
             prompts8, 12, FixedK(3), Sampling(temperature=1.0), seed=5).token_ids for graphs in (False, True)]
         assert sampled[0] == sampled[1]
     finally:
-        greedy_target.to("cpu", torch.float32), greedy_draft_sometimes.to("cpu", torch.float32)
+        moved(greedy_target, "cpu", torch.float32), moved(greedy_draft_sometimes, "cpu", torch.float32)
+
+
+def test_the_gpu_tests_move_models_keeping_float32_rope_tables(greedy_target):
+    """The GPU tests move the fixtures to bfloat16 and back (`moved`): the RoPE tables stay float32 and exact, as
+    the product makes them (a plain `.to(bfloat16)` rounds them, and moving back keeps the rounding)."""
+    before = greedy_target.inv_freq.clone()
+    try:
+        moved(greedy_target, "cpu", torch.bfloat16)
+        assert greedy_target.inv_freq.dtype == torch.float32 and torch.equal(greedy_target.inv_freq, before)
+    finally:
+        moved(greedy_target, "cpu", torch.float32)
+    assert torch.equal(greedy_target.inv_freq, before)

@@ -14,6 +14,7 @@ import torch
 from specbatch.runtime import cuda_graphs
 from specbatch.runtime.cuda_graphs import GraphedHead, GraphedModel
 from specbatch.runtime.generator import SpeculativeGenerator
+from torch_fixtures import moved
 
 from lossless_helpers import naive_greedy
 from test_runtime_cuda_graphs import replaying_capture
@@ -171,8 +172,8 @@ def test_calibration_times_a_heads_passes_graphed(target, head, captured, monkey
 def test_a_graphed_head_matches_eager_on_a_gpu(target, head):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    target.to("cuda", torch.bfloat16)
-    head.to("cuda", torch.bfloat16)
+    moved(target, "cuda", torch.bfloat16)
+    moved(head, "cuda", torch.bfloat16)
     try:
         prompts = _prompts(8, seed=3)
         got = {graphs: SpeculativeGenerator(target, head, cuda_graphs=graphs).generate(prompts, 24, TurningK())
@@ -180,4 +181,4 @@ def test_a_graphed_head_matches_eager_on_a_gpu(target, head):
         assert got[True].token_ids == got[False].token_ids
         assert got[True].stats.accepted_per_position == got[False].stats.accepted_per_position
     finally:
-        target.to("cpu", torch.float32), head.to("cpu", torch.float32)
+        moved(target, "cpu", torch.float32), moved(head, "cpu", torch.float32)

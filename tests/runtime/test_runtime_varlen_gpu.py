@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch_fixtures import moved
 
 import varlen_reference
 
@@ -46,7 +47,7 @@ def test_a_pass_gives_the_same_logits_on_both_backends(greedy_target, prompts8):
     from specbatch.runtime.attention import TreeAttention
     from specbatch.runtime.tree_decoding import plan_for
 
-    model = greedy_target.to("cuda", torch.bfloat16)
+    model = moved(greedy_target, "cuda", torch.bfloat16)
     try:
         counts = [len(p) for p in prompts8]
         packed = torch.tensor([t for p in prompts8 for t in p], device="cuda")
@@ -67,4 +68,4 @@ def test_a_pass_gives_the_same_logits_on_both_backends(greedy_target, prompts8):
             torch.testing.assert_close(ours, theirs, atol=5e-2, rtol=5e-2)
     finally:
         model.attention_backend = None
-        greedy_target.to("cpu", torch.float32)
+        moved(greedy_target, "cpu", torch.float32)
