@@ -33,8 +33,15 @@ def test_the_device_run_fits_its_budget_and_asks_for_everything():
     cuda = text[text.index("else\n    target=llama-3.1-8b"):text.index("\nfi\n")]
     limits = dict(part.split("=") for line in cuda.splitlines() if "_s=" in line
                   for part in line.split("#")[0].split())
-    assert set(limits) == {"probe_s", "pytest_s", "calibrate_s", "bench_s", "demo_s"}
+    assert set(limits) == {"probe_s", "pytest_s", "calibrate_s", "fit_s", "table_s", "bench_s", "demo_s"}
     assert sum(map(int, limits.values())) <= 450
+    for step in ("device_probe", "pytest -m gpu", "specbatch calibrate", "specbatch fit", "specbatch table",
+                 "specbatch bench", "specbatch demo"):  # every step under its own time limit
+        line = next(line for line in text.splitlines()
+                    if step in line and not line.lstrip().startswith(("#", "echo")))
+        assert "timeout" in line, step
+    assert "\npython " not in text and " python -m" not in text  # python3 (or $PYTHON): an image may lack python
+    assert "tests/serve" not in text and "tests/ >" not in text  # only the folders with GPU tests are collected
     assert "--batch-sizes 1,64" in cuda and "--k 4 --modes eager,cuda-graphs" in text
     assert "--synthetic-acceptance 0.8" in text and "--max-new-tokens 128" in cuda and "--table" in text
     assert "specbatch demo --device" in text and "pytest -m gpu" in text
