@@ -311,7 +311,7 @@ def test_a_profile_that_ran_its_plan_has_no_coverage_note(tmp_path):
 # ------------------------------------------------------------------------------ heads and SGLang
 def test_table_exports_the_drafter_the_table_records_to_every_engine(files, tmp_path, monkeypatch):
     """The export's method, decoding config and SGLang algorithm come from Table.drafter; --draft names the
-    head's directory. (The model file does not record a drafter yet: the table it gives is made a head's.)"""
+    head's directory. (The fixture's model is a draft model's: the table it gives is made a head's here.)"""
     import dataclasses
 
     from specbatch.perfmodel import model as model_module
@@ -327,7 +327,7 @@ def test_table_exports_the_drafter_the_table_records_to_every_engine(files, tmp_
     monkeypatch.setattr(model_module, "compute_table", as_eagle3)
     head = tmp_path / "eagle3-head"
     head.mkdir()
-    (head / "config.json").write_text('{"architectures": ["LlamaForCausalLMEagle3"]}')
+    (head / "config.json").write_text('{"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": 32000}')
     common = ("--max-batch", "16", "--context-lens", "512", "--draft", head)
     for fmt, export, extra in (("vllm", to_vllm, ()), ("trtllm", to_trtllm, ("--clamp",)), ("sglang", to_sglang, ())):
         out = tmp_path / f"{fmt}.json"
