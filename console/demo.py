@@ -14,6 +14,8 @@ from rich.console import Console
 from specbatch.runtime.assembly import DEMO_DRAFT, DEMO_HEAD, DEMO_PROMPTS, DEMO_TARGET
 
 EXPORTS = {"table.json": "json", "table.csv": "csv", "vllm.json": "vllm", "trtllm.json": "trtllm"}
+# the head's loop is the demo's second: a coarser grid than --quick's keeps the whole demo within minutes
+HEAD_BATCH_SIZES, HEAD_MAX_K = (1, 4, 16), 6
 
 
 def output_kinds() -> dict[str, str]:
@@ -144,7 +146,8 @@ def run_head_demo(console: Console, out: Path, pair, prompts: list[list[int]], r
     profile_path, model_path, table_path = out / "head-profile.json", out / "head-model.json", out / "head-table.json"
     console.rule("[bold]6/6 the same loop with a head: the demo EAGLE-3 head drafts from the target's hidden states")
     request = CalibrationRequest(target=str(DEMO_TARGET), draft=str(DEMO_HEAD), out=profile_path, device=device,
-                                 prompts=DEMO_PROMPTS, quick=True, force=True, cuda_graphs=cuda_graphs)
+                                 prompts=DEMO_PROMPTS, quick=True, force=True, cuda_graphs=cuda_graphs,
+                                 batch_sizes=HEAD_BATCH_SIZES, max_k=HEAD_MAX_K)
     render_calibration(calibrate_with_progress(request, show=True))
     fitted = fit_profile(load_profile(profile_path))
     save_model(model_path, fitted)
