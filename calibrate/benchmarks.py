@@ -16,7 +16,8 @@ import torch
 
 from specbatch.perfmodel.profile import Grid, TimingRow
 from specbatch.runtime.clock import DeviceClock
-from specbatch.runtime.cuda_graphs import GraphedHead, GraphedModel, GraphRunner, bucket_for
+from specbatch.runtime.cuda_graphs import (DRAFT_GRAPH_MAX_WIDTH, GraphedHead, GraphedModel, GraphRunner,
+                                           bucket_for)
 from specbatch.runtime.generator import SpeculativeGenerator
 from specbatch.runtime.heads import DraftHead, HeadPasses
 from specbatch.runtime.model import CausalLM, KVCache
@@ -51,6 +52,14 @@ def forward_sampler(model: CausalLM, cache: KVCache, tokens: torch.Tensor, conte
     return sample_ms
 
 
+def _graphed(role: str, model):
+    """What runs a role's passes with graphs on, as the generator builds it (a draft model's passes wider than
+    DRAFT_GRAPH_MAX_WIDTH run eagerly there: so here)."""
+    if isinstance(model, DraftHead):
+        return GraphedHead(model)
+    return GraphedModel(model, max_width=DRAFT_GRAPH_MAX_WIDTH if role == "draft" else None)
+
+
 class WithFeatures:
     """A target whose passes also return the hidden states a head reads (`features`), as the runtime's verify
     pass does when a head drafts; everything else is the wrapped runner's."""
@@ -75,8 +84,7 @@ class ForwardTimer:
                  clock: Clock = time.perf_counter, graphs: bool = False):
         """`clock`: the repetition budget's (host time; a fake one in tests); passes are timed on the device."""
         # what runs each role's passes: its graphs (a head's too, as the runtime's HeadDrafter), or the model
-        self.runners = {role: (GraphedHead if isinstance(model, DraftHead) else GraphedModel)(model) if graphs
-                        else model for role, model in models.items()}
+        self.runners = {role: _graphed(role, model) if graphs else model for role, model in models.items()}
         # a head's passes with a model's call (drafting at 1 token, the verified positions at more)
         self.models = {role: HeadPasses(self.runners[role]) if isinstance(model, DraftHead) else self.runners[role]
                        for role, model in models.items()}

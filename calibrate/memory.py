@@ -34,7 +34,7 @@ from typing import Sequence
 
 from specbatch.perfmodel.profile import Grid, ModelInfo
 
-from specbatch.runtime.cuda_graphs import BATCH_BUCKETS, SLOT_GRANULARITY, bucket_for
+from specbatch.runtime.cuda_graphs import BATCH_BUCKETS, DRAFT_GRAPH_MAX_WIDTH, SLOT_GRANULARITY, bucket_for
 
 from .errors import CalibrationError
 from .grid import new_tokens_at
@@ -132,7 +132,8 @@ def generation_graph_bytes(target: ModelInfo, draft: ModelInfo, rows: int, ks: S
     if drafting and draft.is_head:
         graphs += head_graph_bytes(draft, top, sorted({k + 1 for k in ks}), key_len, scores_materialized)
     elif drafting:
-        graphs += graph_bytes(draft, top, [1, 2], True, key_len, scores_materialized)
+        graphs += graph_bytes(draft, top, list(range(1, DRAFT_GRAPH_MAX_WIDTH + 1)), True, key_len,
+                              scores_materialized)
     return graphs
 
 

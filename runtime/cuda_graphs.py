@@ -42,6 +42,10 @@ from .kv_cache import KVCache
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 WARMUP_RUNS = 2  # before a capture, on a side stream (cuBLAS and the allocator settle their workspaces)
 SLOT_GRANULARITY = 128  # with graphs, caches get slots per row in multiples of this: a kept one fits longer prompts
+# A draft model's graphed passes: its one-token passes and the two-token catch-up after a step that accepted every
+# draft token. A wider catch-up (after steps at k = 0, the lag grows without bound) runs eagerly: each new width
+# would capture every smaller bucket, uncounted by the memory plan (calibrate.memory counts widths 1 and 2).
+DRAFT_GRAPH_MAX_WIDTH = 2
 GRAPHS_ATTRIBUTE = "cuda_graphs"  # a root KVCache's graphs: {(bucket, tokens per row, ...): _Graph}
 
 
@@ -103,9 +107,11 @@ class GraphRunner:
     spare rows, the host's lengths, the buffers a key's graphs share. A subclass says what a pass's static
     inputs are and how it runs (`_static_pass`), and which calls are graphed."""
 
-    def __init__(self, model, capture=None):
-        """`capture`: how a pass is captured (default `capture_cuda_graph`; the tests' stand-in on a CPU)."""
-        self.model, self.capture = model, capture
+    def __init__(self, model, capture=None, max_width: int | None = None):
+        """`capture`: how a pass is captured (default `capture_cuda_graph`; the tests' stand-in on a CPU).
+        `max_width`: wider passes run eagerly (a draft model's: DRAFT_GRAPH_MAX_WIDTH), so the graph keys stay
+        bounded and the memory plan counts them."""
+        self.model, self.capture, self.max_width = model, capture, max_width
         self.config = model.config
         self.pool = None  # one memory pool for all of this model's graphs, made at the first capture
         self.roots = weakref.WeakSet()  # the caches holding graphs of this model
@@ -210,7 +216,8 @@ class GraphedModel(GraphRunner):
     @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor, cache: KVCache | None = None, tree=None, last: int | None = None,
                  new_tokens: list[int] | None = None, features: tuple[int, ...] | None = None):
-        if not self.eligible(cache, tree, new_tokens):
+        if not self.eligible(cache, tree, new_tokens) or (self.max_width is not None
+                                                          and tokens.shape[1] > self.max_width):
             return self.model(tokens, cache, tree, last, new_tokens, features=features)
         return self._replay(cache, (tokens.shape[1], last, features), (tokens,))
 

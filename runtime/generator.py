@@ -207,14 +207,15 @@ class SpeculativeGenerator:
         self.host_bookkeeping = (host_bookkeeping_by_default(self.device) if host_bookkeeping is None
                                  else host_bookkeeping)
         self.target_runner = target  # what runs the target's step passes
-        from .cuda_graphs import SLOT_GRANULARITY, GraphedHead, GraphedModel
+        from .cuda_graphs import DRAFT_GRAPH_MAX_WIDTH, SLOT_GRANULARITY, GraphedHead, GraphedModel
 
         self.cuda_graphs = (graphs_by_default(self.device, target.lm_head.weight.dtype) if cuda_graphs is None
                             else cuda_graphs)
         draft_runner = None
         if self.cuda_graphs:
             self.target_runner = GraphedModel(target)
-            draft_runner = (GraphedModel(draft) if isinstance(draft, CausalLM) else GraphedHead(draft)
+            draft_runner = (GraphedModel(draft, max_width=DRAFT_GRAPH_MAX_WIDTH) if isinstance(draft, CausalLM)
+                            else GraphedHead(draft)
                             if isinstance(draft, DraftHead) else None)
         self.drafter = drafter_for(draft, stage2, self.host_bookkeeping, draft_runner)
         # kept from finished generations, per policy (`release_caches`)

@@ -240,3 +240,29 @@ def test_the_gpu_tests_move_models_keeping_float32_rope_tables(greedy_target):
     finally:
         moved(greedy_target, "cpu", torch.float32)
     assert torch.equal(greedy_target.inv_freq, before)
+
+
+def test_a_draft_models_graph_keys_stay_bounded_after_steps_at_k0(greedy_target, greedy_draft_sometimes, prompts8,
+                                                                    graphed_on_cpu):
+    """Steps at k = 0 leave the draft behind; its catch-up then feeds every token it lacks. Passes wider than
+    DRAFT_GRAPH_MAX_WIDTH run eagerly: the draft's graphs are of widths 1 and 2 only (what the memory plan
+    counts), however long the lag, and the output stays the target's."""
+    from specbatch.runtime.cuda_graphs import DRAFT_GRAPH_MAX_WIDTH, graphs_of
+
+    class FiveAtZeroThenThree:
+        max_k, calls = 3, 0
+
+        def __call__(self, batch_size, context_len=None):
+            self.calls += 1
+            return 0 if self.calls % 6 else 3  # five steps at k = 0, then one of 3: a catch-up of 6 or so
+
+        def describe(self):
+            return "k=0 five steps, then 3"
+
+    generator = SpeculativeGenerator(greedy_target, greedy_draft_sometimes, cuda_graphs=True)
+    prompts = prompts8[:5]
+    result = generator.generate(prompts, 30, FiveAtZeroThenThree())
+    assert result.token_ids == [solo_greedy(greedy_target, p, 30) for p in prompts]
+    widths = {key[1] for root in generator.draft_runner.roots for key in graphs_of(root)}
+    assert widths and max(widths) <= DRAFT_GRAPH_MAX_WIDTH == 2
+    assert max(result.stats.k_per_step) == 3 and result.stats.k_per_step.count(0) >= 10
