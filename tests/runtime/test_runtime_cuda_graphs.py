@@ -20,18 +20,23 @@ from torch_fixtures import moved
 from test_runtime_engine import solo_greedy
 
 
-@pytest.fixture
-def graphed_on_cpu(greedy_target, greedy_draft_sometimes, monkeypatch):
-    """Both models on the varlen backend (its CPU reference kernel) with the stand-in capture; the captures'
+def stand_in_graphs(monkeypatch, models) -> list:
+    """`models` on the varlen backend (its CPU reference kernel) with the stand-in capture; the captures'
     output shapes are logged in the list returned."""
     import varlen_reference
 
-    for model in (greedy_target, greedy_draft_sometimes):
+    for model in models:
         monkeypatch.setattr(model, "attention_backend", "varlen")
     varlen_reference.use_reference_flash(monkeypatch)
     log = []
     monkeypatch.setattr(cuda_graphs, "capture_cuda_graph", replaying_capture(log))
     return log
+
+
+@pytest.fixture
+def graphed_on_cpu(greedy_target, greedy_draft_sometimes, monkeypatch):
+    """Both models graphed on the CPU through the stand-in capture (`stand_in_graphs`)."""
+    return stand_in_graphs(monkeypatch, (greedy_target, greedy_draft_sometimes))
 
 
 def replaying_capture(log):

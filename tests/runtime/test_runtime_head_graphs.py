@@ -11,13 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specbatch.runtime import cuda_graphs
 from specbatch.runtime.cuda_graphs import GraphedHead, GraphedModel
 from specbatch.runtime.generator import SpeculativeGenerator
 from torch_fixtures import moved
 
 from lossless_helpers import naive_greedy
-from test_runtime_cuda_graphs import replaying_capture
+from test_runtime_cuda_graphs import stand_in_graphs
 from test_runtime_heads import _prompts
 from test_runtime_heads import eagle_head as head, target  # noqa: F401 - the same target and head, shared
 
@@ -50,16 +49,8 @@ def until_eos(tokens: list[int]) -> list[int]:
 
 @pytest.fixture
 def captured(target, head, monkeypatch):
-    """Both networks on the varlen backend (its CPU reference kernel) and the stand-in capture; the captures'
-    output shapes are logged in the list returned."""
-    import varlen_reference
-
-    for model in (target, head):
-        monkeypatch.setattr(model, "attention_backend", "varlen")
-    varlen_reference.use_reference_flash(monkeypatch)
-    log = []
-    monkeypatch.setattr(cuda_graphs, "capture_cuda_graph", replaying_capture(log))
-    return log
+    """The target and the head graphed on the CPU through the stand-in capture (`stand_in_graphs`)."""
+    return stand_in_graphs(monkeypatch, (target, head))
 
 
 def test_graphed_verify_and_head_passes_give_the_eager_outputs_and_lengths(target, head, captured):
