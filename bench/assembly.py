@@ -11,6 +11,7 @@ from specbatch.perfmodel.errors import UsageError
 from specbatch.runtime.assembly import DEMO_PROMPTS, DEMO_TARGET, LOW_ACCEPTANCE_PROMPTS, required_draft
 
 from .config import BenchConfig, BenchModels
+from .memory import bench_memory
 from .workload import RANDOM_PROMPT_TOKENS, Workload, random_prompts
 
 
@@ -77,7 +78,9 @@ def load_bench_inputs(config: BenchConfig, target: str | None, draft: str | None
         raise UsageError("random weights (a preset or config.json) never agree with a target: pass "
                          "--synthetic-acceptance α to benchmark the shape")
     device = resolve_device(device)
-    pair = load_pair(target_spec, draft_spec, device, parse_dtype(dtype, device))
+    torch_dtype = parse_dtype(dtype, device)
+    memory = bench_memory(target_spec, draft_spec, device, torch_dtype)  # before loading: what is free for the run
+    pair = load_pair(target_spec, draft_spec, device, torch_dtype)
     # each round of batch size b takes the next b prompts (cycling), so small batches see many prompts
     needed = max(config.batch_sizes) * (config.rounds + config.warmup_rounds)
     if pair.tokenizer is not None:
@@ -100,5 +103,5 @@ def load_bench_inputs(config: BenchConfig, target: str | None, draft: str | None
     ngram = None if config.stage2_path is None else load_ngram(config.stage2_path, "--stage2", target_spec)
     models = BenchModels(target=pair.target, draft=pair.draft, target_source=target_spec.source,
                          draft_source=draft_spec.source, target_dir=target_spec.directory,
-                         draft_dir=draft_spec.directory, random_weights=random_weights, stage2=ngram)
+                         draft_dir=draft_spec.directory, random_weights=random_weights, stage2=ngram, memory=memory)
     return BenchInputs(config, models, token_prompts, notes)

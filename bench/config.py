@@ -147,3 +147,6 @@ class BenchModels:
     draft_dir: Path | None = None
     random_weights: bool = False  # shape presets / bare configs
     stage2: Any | None = None  # runtime.ngram.NGramModel for the +ngram policies (the CLI loads and checks it)
+    # bench.memory.BenchMemory: the free memory measured before the pair was loaded, against which plan_bench
+    # checks every batch size (None: not checked, as for a pair built in memory)
+    memory: Any | None = None

@@ -13,6 +13,7 @@ from specbatch.perfmodel.tree import Strategy, Tree
 from specbatch.runtime.generator import GenerationError, SpeculativeGenerator
 
 from .config import TREE_AUTO, BenchConfig, BenchError, BenchModels, tree_from_spec
+from .memory import check_bench_memory
 from .peers import PeerModels, load_peers
 from .policies import HF_ASSISTED, HF_GREEDY, BenchPolicy, bench_policies, tree_label
 from .predict import Predictor, load_predictor, resolve_auto_tree
@@ -245,6 +246,10 @@ def plan_bench(config: BenchConfig, models: BenchModels, prompts: Sequence[list[
                                          cuda_graphs=config.cuda_graphs)
     except GenerationError as error:
         raise BenchError(f"--stage2: {error}") from None
+    if models.memory is not None:  # before the first cache is allocated: a batch size too large fails in one line
+        longest = max(len(p) for p in every_prompt)  # the rounds cycle through them all
+        check_bench_memory(models.memory, config.batch_sizes, [p.policy.max_k for p in policies.values()], longest,
+                           config.max_new_tokens, config.interleave == "steps", generator.cuda_graphs)
     speed = None  # the machine's speed against calibration's, when the model file has its reference pass
     if predictor is not None:
         speed = machine_speed_for(models.target, predictor.fitted.noise, device, config.model_path,
