@@ -19,7 +19,7 @@ from typer.core import TyperCommand, TyperGroup
 from specbatch.runtime import presets as _presets
 from specbatch.perfmodel.errors import SpecbatchError, UsageError
 from specbatch.perfmodel.jsonio import REPLACE_RULE_HELP
-from specbatch.perfmodel.table import MAX_TABLE_BATCH
+from specbatch.perfmodel.table import MAX_TABLE_BATCH, MAX_TABLE_K, check_max_k
 
 
 class _FlagsTakeNoValue:
@@ -143,6 +143,8 @@ def check_counts(max_batch: int | None = None, max_k: int | None = None, batch_s
         from specbatch.perfmodel.model import check_max_batch
 
         check_max_batch(max_batch)
+    if max_k is not None:
+        check_max_k(max_k)
 
 
 def acceptance_override(text: str | None):
@@ -271,7 +273,8 @@ def graphs_option(eager: bool) -> bool | None:
 
 ForceOpt = Annotated[bool, typer.Option(
     "--force", help="Use a table or model made for another target/draft pair anyway.")]
-MaxKOpt = Annotated[Optional[int], typer.Option("--max-k", help="Largest k considered (default: the profile's max_k).")]
+MaxKOpt = Annotated[Optional[int], typer.Option("--max-k", help=(
+    f"Largest k considered, at most {MAX_TABLE_K} (default: the profile's max_k)."))]
 MaxBatchOpt = Annotated[int, typer.Option(
     "--max-batch", help=f"Tabulate batch sizes 1..this (at most {MAX_TABLE_BATCH}).")]
 MODEL_FORMS_HELP = ("Model directory (real weights), config.json or shape preset (random weights: "

@@ -42,7 +42,7 @@ from .profile.noise import NoiseFigure
 from .staircase import Staircase
 from .steps import SourceChoice, StepCorrection
 from .strategy import MAX_TREE_NODES, StepModel, StrategyCandidate, StrategyChoice, candidate_strategies
-from .table import ENGINE_FORMATS, MAX_TABLE_BATCH, Bucket, Table, TableEntry
+from .table import ENGINE_FORMATS, MAX_TABLE_BATCH, Bucket, Table, TableEntry, check_max_k
 from .token_curve import TokenCurve
 from .tree import Strategy
 
@@ -272,6 +272,8 @@ def compute_table(fitted: FittedModel, acceptance: AcceptanceModel, max_batch: i
     context range in steps of TABLE_BUCKET_RATIO, `FittedModel.table_context_lens`). `strategies`
     restricts the family ("chain" gives the chain-only table of old); each entry's k is its strategy's k
     (a tree's depth). The table's max_k covers every entry's k."""
+    if max_k is not None:  # the profile's own max_k (the default) is what its calibration chose to time
+        check_max_k(max_k)
     max_k = fitted.grid.max_k if max_k is None else max_k
     check_max_batch(max_batch)
     lengths = sorted(set(context_lens)) if context_lens else fitted.table_context_lens()

@@ -214,6 +214,19 @@ def test_non_positive_batch_size(files, value):
     assert_one_line_error(invoke("query", files["model"], "--batch-size", value), "--batch-size must be >= 1")
 
 
+@pytest.mark.parametrize("command", ["table", "query", "plot"])
+def test_max_k_is_bounded_where_more_draft_tokens_cannot_pay(files, tmp_path, command):
+    """--max-k 1000 ran for many minutes without a line; past MAX_TABLE_K it is refused at once, saying why."""
+    from specbatch.perfmodel.table import MAX_TABLE_K
+
+    where = ["--batch-size", "1"] if command == "query" else ["-o", tmp_path / "out.png"]
+    result = invoke(command, files["model"], *where, "--max-k", MAX_TABLE_K + 1)
+    assert_one_line_error(result, f"--max-k must be in [0, {MAX_TABLE_K}], found {MAX_TABLE_K + 1}", "acceptance 0.9")
+    assert not (tmp_path / "out.png").exists()
+    if command == "query":  # the bound itself is a value the commands take
+        assert invoke("query", files["model"], "--batch-size", "1", "--max-k", MAX_TABLE_K).exit_code == 0
+
+
 def test_query_needs_exactly_one_source(files):
     assert_one_line_error(invoke("query", "--batch-size", "2"), "either a model file or --table")
     assert_one_line_error(invoke("query", files["model"], "--table", files["model"], "--batch-size", "2"),
