@@ -175,7 +175,7 @@ def create_app(runner: EngineRunner, served: ServedModel) -> FastAPI:
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise RequestError(f"token ids must be in [0, {vocab})", param="prompt", code="invalid_value")
         completion_id = protocol.new_completion_id(shape.id_prefix)
-        sampling = Sampling(temperature=params.temperature, top_p=params.top_p)
+        sampling = request_sampling(params)
         engine_request = EngineRequest(completion_id, prompt_ids, params.max_tokens, sampling, params.seed,
                                        params.stop)
         try:
@@ -194,6 +194,13 @@ def create_app(runner: EngineRunner, served: ServedModel) -> FastAPI:
         return await _collect(runner, request, stream, reply)
 
     return app
+
+
+def request_sampling(params: protocol.CompletionParams) -> Sampling:
+    """The request's distribution, applied to the draft's and the target's alike (runtime.sampling). top_k = 1
+    keeps the top token alone: its limit is greedy, and greedy it runs (the argmax even where logits tie)."""
+    temperature = 0.0 if params.top_k == 1 else params.temperature
+    return Sampling(temperature=temperature, top_k=params.top_k, top_p=params.top_p)
 
 
 def _check_lengths(prompt_tokens: int, max_tokens: int, context_tokens: int) -> None:

@@ -3,21 +3,25 @@
 `add_generation_prompt`), then generated like a completion. Validation follows the OpenAI API reference
 for chat: `model` and `messages` are required, `max_completion_tokens` (or the older `max_tokens`) bounds
 the answer, one choice per request; tools, log probabilities and structured output are refused with a 400
-naming the field.
+naming the field, and so is a field this server does not know (serve.protocol).
 """
 from __future__ import annotations
 
 import json
 from functools import lru_cache
 
-from .protocol import (CompletionParams, RequestError, check_model, generation_params, refuse_unsupported,
-                       response_object)
+from .protocol import (GENERATION_FIELDS, VLLM_NEUTRAL, CompletionParams, RequestError, check_model,
+                       generation_params, refuse_unknown, refuse_unsupported, response_object)
 
 CHAT_NEUTRAL = {"n": (None, 1), "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []),
                 "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
                 "response_format": (None, {"type": "text"}), "presence_penalty": (None, 0, 0.0),
                 "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "audio": (None,),
-                "modalities": (None, ["text"]), "prediction": (None,)}
+                "modalities": (None, ["text"]), "prediction": (None,), "store": (None, False),
+                "metadata": (None, {}), "service_tier": (None, "auto", "default"),
+                "parallel_tool_calls": (None, True, False), "reasoning_effort": (None,),
+                "web_search_options": (None,), **VLLM_NEUTRAL}
+CHAT_FIELDS = GENERATION_FIELDS | {"messages", "max_completion_tokens"} | set(CHAT_NEUTRAL)
 
 
 def parse_chat(value: dict, served_model: str, max_tokens_limit: int) -> tuple[list[dict], CompletionParams]:
@@ -25,6 +29,7 @@ def parse_chat(value: dict, served_model: str, max_tokens_limit: int) -> tuple[l
     model = check_model(value, served_model)
     messages = _messages(value.get("messages"))
     refuse_unsupported(value, CHAT_NEUTRAL)
+    refuse_unknown(value, CHAT_FIELDS)
     if value.get("max_completion_tokens") is not None and value.get("max_tokens") is not None:
         raise RequestError("give max_completion_tokens or max_tokens, not both", param="max_tokens",
                            code="invalid_value")

@@ -3,13 +3,17 @@
 Pure functions on JSON values (no FastAPI, no torch), so every rule is testable on its own. Rules follow
 the OpenAI API reference for /v1/completions: `model` and `prompt` are required; `max_tokens` defaults
 to 16 and `temperature` to 1; one prompt and one choice per request (n = 1); fields this server cannot
-honour (logprobs, echo, suffix, best_of > 1, penalties, logit_bias) are refused, not silently ignored.
-Extension: `return_token_ids: true` adds each choice's (or chunk's) token ids, for clients that check
-outputs token by token (the load test does).
+honour (logprobs, echo, suffix, best_of > 1, penalties, logit_bias; vLLM's min_p and repetition_penalty) are
+refused, not silently ignored, and so is a field this server does not know (as OpenAI's API answers 400).
+Extensions: `top_k` (vLLM's, sent through the OpenAI client's extra_body: -1 or 0 for none; applied to the
+draft's and the target's distributions alike, so speculative sampling stays exact), and `return_token_ids:
+true`, which adds each choice's (or chunk's) token ids, for clients that check outputs token by token (the
+load test does).
 """
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -47,9 +51,11 @@ class CompletionParams:
     include_usage: bool
     return_token_ids: bool
     add_special_tokens: bool = True  # False for a chat template's text, which holds its own (transformers' rule)
+    top_k: int = 0  # 0: no top-k filter
 
 
 MAX_STOP_STRINGS = 4  # as OpenAI
+TOP_K_LIMIT = 2**31 - 1  # any top_k at or past the vocabulary keeps every token; larger numbers are no settings
 
 
 MAX_BODY_BYTES = 4 << 20  # a request body larger than this gets 413: far above any prompt a context holds
@@ -80,7 +86,43 @@ def parse_json_object(body: bytes) -> dict:
         raise RequestError("the request body nests JSON too deeply", code="invalid_json") from None
     if not isinstance(value, dict):
         raise RequestError("the request body must be a JSON object", code="invalid_json")
+    if _SURROGATE_ESCAPE.search(body):
+        _refuse_lone_surrogates(value)
     return value
+
+
+# JSON spells a UTF-16 surrogate only as an escape (raw surrogate bytes are not UTF-8, refused above); a body
+# without one holds none, and needs no walk
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+
+
+def _refuse_lone_surrogates(body: dict) -> None:
+    """A string holding a lone UTF-16 surrogate ("\\ud800" without its pair) is no Unicode text: no tokenizer
+    takes it, and no response can echo it as UTF-8. Refused, naming where it is (`prompt`, `messages[0].content`,
+    or the object whose field name holds it)."""
+    pending: list[tuple[str, str | None, object]] = [(name, name, item) for name, item in reversed(body.items())]
+    pending += [("a field name", None, name) for name in body]
+    while pending:  # depth first, without recursion: the body may nest as deep as the JSON reader allows
+        where, param, item = pending.pop()
+        if isinstance(item, str):
+            if not _is_text(item):
+                bad = next(i for i, c in enumerate(item) if 0xD800 <= ord(c) <= 0xDFFF)
+                raise RequestError(f"{where} holds a lone UTF-16 surrogate (\\u{ord(item[bad]):04x} at character "
+                                   f"{bad}): text must be valid Unicode", param=param, code="invalid_value")
+        elif isinstance(item, dict):
+            pending += [(f"{where}.{name}", f"{where}.{name}", child) for name, child in reversed(item.items())
+                        if _is_text(name)]
+            pending += [(f"a field name in {where}", where, name) for name in item]
+        elif isinstance(item, list):
+            pending += [(f"{where}[{i}]", f"{where}[{i}]", child) for i, child in reversed(list(enumerate(item)))]
+
+
+def _is_text(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def check_model(value: dict, served: str) -> str:
@@ -135,10 +177,17 @@ def _prompt(value: dict):
 
 
 # Fields this server cannot honour, with the values that ask for nothing (accepted): anything else is a 400
-# naming the field, never a silent ignore.
+# naming the field, never a silent ignore. vLLM's min_p and repetition_penalty (clients send them through
+# extra_body) are among them: the runtime's sampling has neither, and a penalty that follows the tokens so far
+# would have to shape the draft's and the target's distributions alike for speculative sampling to stay exact.
+VLLM_NEUTRAL = {"min_p": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0)}
 COMPLETION_NEUTRAL = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logprobs": (None,),
                       "suffix": (None, ""), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-                      "logit_bias": (None, {})}
+                      "logit_bias": (None, {}), **VLLM_NEUTRAL}
+# The fields both endpoints take (`user`, an end-user id for OpenAI's abuse monitoring, changes no output)
+GENERATION_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
+                               "stream_options", "return_token_ids", "user"})
+COMPLETION_FIELDS = GENERATION_FIELDS | {"prompt"} | set(COMPLETION_NEUTRAL)
 
 
 def refuse_unsupported(value: dict, neutral: dict) -> None:
@@ -148,11 +197,23 @@ def refuse_unsupported(value: dict, neutral: dict) -> None:
                                param=name, code="unsupported_parameter")
 
 
+def refuse_unknown(value: dict, known: frozenset[str] | set[str]) -> None:
+    """A field this server does not know is a 400 naming it, as OpenAI's API answers: ignoring it would
+    answer 200 to a request that asked for something else (a misspelt field, another server's extension)."""
+    unknown = [name for name in value if name not in known]
+    if unknown:
+        raise RequestError(f"unrecognized request field{'s' if len(unknown) > 1 else ''} "
+                           f"{', '.join(json.dumps(name) for name in unknown)}: this server refuses fields it does "
+                           "not know instead of ignoring them (its docs list those it takes)", param=unknown[0],
+                           code="unknown_parameter")
+
+
 def parse_completion(value: dict, served_model: str, max_tokens_limit: int) -> CompletionParams:
     """Validate a /v1/completions body (already a JSON object); raises RequestError naming the field."""
     model = check_model(value, served_model)
     text, ids = _prompt(value)
     refuse_unsupported(value, COMPLETION_NEUTRAL)
+    refuse_unknown(value, COMPLETION_FIELDS)
     return generation_params(value, model, text, ids, max_tokens_limit)
 
 
@@ -162,6 +223,9 @@ def generation_params(value: dict, model: str, text: str | None, ids: tuple[int,
     max_tokens = _number(value, max_tokens_field, 16, 1, max_tokens_limit, integer=True)
     temperature = _number(value, "temperature", 1.0, 0.0, 2.0)
     top_p = _number(value, "top_p", 1.0, 0.0, 1.0, low_open=True)
+    top_k = max(0, _number(value, "top_k", 0, -1, TOP_K_LIMIT, integer=True))  # vLLM's -1: no filter, as 0
+    if not isinstance(value.get("user"), (str, type(None))):
+        raise RequestError("user must be a string", param="user", code="invalid_type")
     seed = _number(value, "seed", None, -(2**63), 2**63 - 1, integer=True)
     stop = value.get("stop")
     if stop is None:
@@ -193,7 +257,7 @@ def generation_params(value: dict, model: str, text: str | None, ids: tuple[int,
     return CompletionParams(model, text, ids, max_tokens, float(temperature), float(top_p),
                             None if seed is None else int(seed), stop, flags["stream"],
                             bool(options and options.get("include_usage")), flags["return_token_ids"],
-                            add_special_tokens)
+                            add_special_tokens, int(top_k))
 
 
 def new_completion_id(prefix: str = "cmpl") -> str:

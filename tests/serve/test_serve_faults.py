@@ -143,6 +143,43 @@ def test_nan_and_infinity_get_400_and_the_connection_serves_the_next_request(ser
         assert answer_text(endpoint, after) == greedy_text(server, endpoint, PROMPT, 4)
 
 
+LONE = "\ud800"  # a UTF-16 surrogate without its pair: JSON may spell it (as an escape), Unicode text holds none
+
+
+@pytest.mark.parametrize("endpoint, fields, param", [
+    ("completions", {"prompt": LONE + "abc"}, "prompt"),
+    ("completions", {"prompt": [LONE + "abc"]}, "prompt[0]"),
+    ("completions", {"prompt": [LONE + "a", "b" + LONE]}, "prompt[0]"),
+    ("completions", {"stop": ["x", LONE]}, "stop[1]"),
+    ("completions", {"model": LONE}, "model"),
+    ("completions", {LONE: 1}, None),
+    ("chat", {"messages": [{"role": "user", "content": "abc" + LONE}]}, "messages[0].content"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": LONE}]}]},
+     "messages[0].content[0].text"),
+    ("chat", {"messages": [{"role": "user" + LONE, "content": "hi"}]}, "messages[0].role"),
+    ("chat", {"messages": [{"role": "user", "content": "hi", "\udfff": "x"}]}, "messages[0]"),
+])
+def test_a_lone_surrogate_gets_400_naming_the_field_and_the_connection_serves_the_next_request(
+        server, endpoint, fields, param, caplog):
+    raw = json.dumps(body(server, endpoint, max_tokens=2) | fields)  # json.dumps escapes the surrogate: \ud800
+    assert "\\ud800" in raw or "\\udfff" in raw
+    with httpx.Client(timeout=60) as client:  # one keep-alive connection
+        response = client.post(url(server, endpoint), content=raw, headers={"content-type": "application/json"})
+        assert_error(response, 400, "invalid_value", param, "lone UTF-16 surrogate", "valid Unicode")
+        assert (param or "a field name") in response.json()["error"]["message"]
+        after = client.post(url(server, endpoint), json=body(server, endpoint, max_tokens=4, temperature=0))
+        assert after.status_code == 200 and answer_text(endpoint, after) == greedy_text(server, endpoint, PROMPT, 4)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]  # no traceback in the server's log
+
+
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+def test_a_surrogate_pair_is_text_and_is_served(server, endpoint):
+    raw = json.dumps(body(server, endpoint, PROMPT + " \U0001F600", max_tokens=3, temperature=0))
+    assert "\\ud83d\\ude00" in raw  # the pair, escaped as JSON spells it
+    response = httpx.post(url(server, endpoint), content=raw, headers={"content-type": "application/json"})
+    assert response.status_code == 200, response.text
+
+
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
 def test_json_nested_past_the_reader_gets_400(server, endpoint):
     deep = "[" * 100_000 + "]" * 100_000
@@ -183,8 +220,27 @@ def test_fields_this_server_cannot_honour_get_400_naming_the_field(server, endpo
 
 
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
+@pytest.mark.parametrize("fields, param", [({"min_p": 0.1}, "min_p"), ({"repetition_penalty": 5.0},
+                                                                     "repetition_penalty")])
+def test_vllm_sampling_extensions_the_runtime_cannot_honour_exactly_get_400(server, endpoint, fields, param):
+    response = httpx.post(url(server, endpoint), json=body(server, endpoint, **fields))
+    assert_error(response, 400, "unsupported_parameter", param, param)
+
+
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+def test_an_unknown_field_gets_400_naming_it(server, endpoint):
+    response = httpx.post(url(server, endpoint), json=body(server, endpoint, foo_bar=1, max_tokens=2))
+    assert_error(response, 400, "unknown_parameter", "foo_bar", '"foo_bar"', "refuses fields it does not know")
+    response = httpx.post(url(server, endpoint), json=body(server, endpoint, ignore_eos=True, min_tokens=3))
+    assert_error(response, 400, "unknown_parameter", "ignore_eos", '"ignore_eos", "min_tokens"')
+    response = httpx.post(url(server, endpoint), json=body(server, endpoint, user=5))
+    assert_error(response, 400, "invalid_type", "user")
+
+
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
 def test_neutral_values_of_those_fields_are_accepted(server, endpoint):
-    neutral = {"n": 1, "logprobs": None if endpoint == "completions" else False}
+    neutral = {"n": 1, "logprobs": None if endpoint == "completions" else False, "min_p": 0.0,
+               "repetition_penalty": 1.0, "top_k": -1, "user": "someone"}
     response = httpx.post(url(server, endpoint), json=body(server, endpoint, max_tokens=3, temperature=0, **neutral))
     assert response.status_code == 200
 
@@ -229,6 +285,68 @@ def test_tiny_temperatures_and_nucleus_masses_are_greedy_and_hurt_nobody(server,
         assert response.status_code == 200, response.text
         assert response.json()["choices"][0]["finish_reason"] in ("stop", "length")
         assert answer_text(endpoint, response) == greedy_text(server, endpoint, prompts[i % 3], 12)
+
+
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+def test_top_k_one_is_the_greedy_token_whatever_the_temperature(server, endpoint):
+    response = httpx.post(url(server, endpoint), json=body(server, endpoint, max_tokens=12, temperature=1.0, top_k=1,
+                                                           seed=5))
+    assert response.status_code == 200, response.text
+    assert answer_text(endpoint, response) == greedy_text(server, endpoint, PROMPT, 12)
+
+
+def _target_top_k(server, ids: list[int], prompt_len: int, k: int) -> list[set[int]]:
+    """For each token after the prompt, the target's k most likely tokens where it was drawn."""
+    import torch
+
+    with torch.inference_mode():
+        logits = server.runner.engine.generator.target(torch.tensor([ids]))[0]
+    return [set(logits[position - 1].topk(k).indices.tolist()) for position in range(prompt_len, len(ids))]
+
+
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+def test_top_k_is_honoured_every_token_among_the_targets_top_k(server, endpoint):
+    """A hot temperature spreads the mass over the vocabulary: without the filter, 4 x 24 tokens would leave the
+    top 3 many times; speculative sampling of the filtered distributions never draws a token the target's
+    filtered distribution gives probability 0."""
+    prompt = prompt_ids(server, endpoint, PROMPT)
+    for seed in range(4):
+        response = httpx.post(url(server, endpoint), json=body(server, endpoint, max_tokens=24, temperature=2.0,
+                                                               top_k=3, seed=seed, return_token_ids=True))
+        assert response.status_code == 200, response.text
+        drawn = response.json()["choices"][0]["token_ids"]
+        allowed = _target_top_k(server, prompt + drawn, len(prompt), 3)
+        assert all(token in top for token, top in zip(drawn, allowed)), (seed, drawn)
+
+
+def test_top_k_reaches_the_engine_as_the_requests_sampling(server, monkeypatch):
+    """What the runtime's exact-sampling tests cover (tests/runtime/test_runtime_sampling.py: top-k through
+    speculative sampling is the target's filtered distribution) is what the request asked for; no filter is
+    -1, 0, or a k at least the vocabulary."""
+    from specbatch.runtime.sampling import Sampling
+
+    seen = []
+    submit = server.runner.submit
+    monkeypatch.setattr(server.runner, "submit", lambda request, loop: seen.append(request.sampling) or
+                        submit(request, loop))
+    texts = []
+    vocab = server.runner.engine.generator.target.config.vocab_size
+    for top_k in (7, -1, 0, vocab, None):
+        fields = {} if top_k is None else {"top_k": top_k}
+        response = httpx.post(url(server, "completions"), json=body(server, "completions", max_tokens=10,
+                                                                    temperature=0.8, top_p=0.9, seed=11, **fields))
+        assert response.status_code == 200, response.text
+        texts.append(answer_text("completions", response))
+    assert seen[0] == Sampling(temperature=0.8, top_k=7, top_p=0.9)
+    assert seen[1:3] == [Sampling(temperature=0.8, top_p=0.9)] * 2 and seen[3].top_k == vocab
+    assert texts[1] == texts[2] == texts[3] == texts[4]  # one seed, one distribution: one text
+
+
+@pytest.mark.parametrize("value, code", [(-2, "invalid_value"), (1.5, "invalid_type"), ("3", "invalid_type"),
+                                         (True, "invalid_type"), (2**40, "invalid_value")])
+def test_a_top_k_that_is_no_setting_gets_400(server, value, code):
+    assert_error(httpx.post(url(server, "completions"), json=body(server, "completions", top_k=value)), 400, code,
+                 "top_k")
 
 
 def test_a_prompt_too_long_for_the_context_is_refused_untokenized(server, monkeypatch):
