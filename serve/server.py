@@ -163,13 +163,23 @@ KV_SHARE_OF_FREE = {"cuda": 0.9, "cpu": 0.5}
 
 def kv_cache_bytes(kv_cache_gb: float | None, device: str, graph_bytes: int = 0) -> int:
     """The KV cache's size in bytes: --kv-cache-gb, or a share of the device's free memory now less what the
-    CUDA graphs will hold (`graph_bytes`: calibrate.memory.serving_graph_bytes)."""
+    CUDA graphs will hold (`graph_bytes`: calibrate.memory.serving_graph_bytes). A --kv-cache-gb past what the
+    memory plans may use of the free memory (calibrate.memory.HEADROOM of it, less the graphs) is refused in
+    one line: the KV slots are allocated at start, and an allocation that fails is a crash, not a message."""
     from specbatch.calibrate.environment import available_memory_bytes
+    from specbatch.calibrate.memory import GIB, HEADROOM
 
     if kv_cache_gb is not None:
         if not kv_cache_gb > 0:
             raise ServeError(f"--kv-cache-gb must be > 0, got {kv_cache_gb}")
-        return int(kv_cache_gb * 2**30)
+        free = available_memory_bytes(device)
+        room = int(HEADROOM * free) - graph_bytes
+        if kv_cache_gb * GIB > room:
+            graphs = f", less {graph_bytes / GIB:.3g} GiB for CUDA graphs" if graph_bytes else ""
+            raise ServeError(f"--kv-cache-gb {kv_cache_gb:g}: {free / GIB:.3g} GiB are free on {device} after loading "
+                             f"the models, and the KV cache may take {max(room, 0) / GIB:.3g} GiB of it "
+                             f"({100 * HEADROOM:.0f} %{graphs}); give at most that, or leave the option out")
+        return int(kv_cache_gb * GIB)
     kind = "cuda" if device.startswith("cuda") else "cpu"
     return max(0, int(KV_SHARE_OF_FREE[kind] * available_memory_bytes(device)) - graph_bytes)
 

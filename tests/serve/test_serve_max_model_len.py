@@ -46,3 +46,25 @@ def test_the_kv_cache_size_caps_the_running_requests_at_the_slots_that_fit():
 def test_cuda_graphs_on_a_cpu_are_one_line():
     with pytest.raises(ServeError, match=r"^CUDA graphs need a CUDA device, got --device cpu$"):
         build(ServeOptions(k=3, max_model_len=64, cuda_graphs=True, device="cpu"))
+
+
+@pytest.mark.parametrize("max_batch_size", [4, 100000])
+def test_a_kv_cache_past_the_free_memory_is_one_line_naming_the_option(monkeypatch, max_batch_size):
+    """The KV slots are allocated at start: --kv-cache-gb is checked against the memory free after loading the
+    models (the memory plans' 90 % of it), not left to an allocation that fails or a machine that swaps."""
+    from specbatch.calibrate import environment
+
+    monkeypatch.setattr(environment, "available_memory_bytes", lambda device: 2**30)
+    with pytest.raises(ServeError, match=r"^--kv-cache-gb 100000: 1 GiB are free on cpu after loading the models, "
+                                         r"and the KV cache may take 0.9 GiB of it \(90 %\)") as error:
+        build(ServeOptions(k=3, max_batch_size=max_batch_size, max_model_len=64, kv_cache_gb=100000))
+    assert "\n" not in str(error.value)
+    runner, _ = build(ServeOptions(k=3, max_batch_size=4, max_model_len=64, kv_cache_gb=0.85))  # within the 90 %
+    assert runner.engine.max_batch_size == 4
+
+
+def test_serve_refuses_a_kv_cache_no_machine_has_in_one_line():
+    from cli_helpers import assert_one_line_error, invoke
+
+    result = invoke("serve", "--k", "3", "--port", "0", "--kv-cache-gb", "100000", "--max-batch-size", "100000")
+    assert_one_line_error(result, "--kv-cache-gb 100000:", "GiB are free on cpu")
