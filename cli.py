@@ -52,8 +52,6 @@ from specbatch.perfmodel.errors import UsageError
 from specbatch.perfmodel.jsonio import REPLACE_RULE_HELP
 from specbatch.runtime.assembly import (  # imports runtime: OpenMP default first
     DEMO_PROMPTS,
-    DEMO_TARGET,
-    required_draft,
 )
 
 app = App(
@@ -189,6 +187,8 @@ def calibrate_command(
         return
     if engine not in ("specbatch", "vllm"):
         raise UsageError(f"--engine: {engine!r} is not one of specbatch, vllm")
+    from specbatch.calibrate.models import named_pair
+
     if engine == "vllm":
         from specbatch.console.calibration import calibrate_vllm
 
@@ -197,7 +197,7 @@ def calibrate_command(
         if given:
             raise UsageError(f"--engine vllm: {', '.join(given)} do not apply (vLLM runs float32 on this CPU and "
                              "its acceptance is measured on the prompts)")
-        calibrate_vllm(target or str(DEMO_TARGET), required_draft(target, draft, "calibrate"), out,
+        calibrate_vllm(*named_pair(target, draft, "calibrate"), out,
                        prompts or DEMO_PROMPTS,
                        parse_int_list("--batch-sizes", batch_sizes), parse_int_list("--context-lens", context_lens),
                        max_k, quick, threads, resume, force, max_seconds, json_output)
@@ -206,9 +206,9 @@ def calibrate_command(
     from specbatch.calibrate.stage2 import stage2_for_calibration
     from specbatch.console.calibration import calibrate_with_progress, render_calibration
 
-    draft = required_draft(target, draft, "calibrate")
+    target, draft = named_pair(target, draft, "calibrate")
     request = CalibrationRequest(
-        target=target or str(DEMO_TARGET), draft=draft, out=out, device=device, dtype=dtype,
+        target=target, draft=draft, out=out, device=device, dtype=dtype,
         batch_sizes=tuple(parse_int_list("--batch-sizes", batch_sizes) or ()) or None,
         context_lens=tuple(parse_int_list("--context-lens", context_lens) or ()) or None,
         max_k=max_k, prompts=prompts or DEMO_PROMPTS, acceptance=acceptance, samplings=tuple(sampling or ()),

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specbatch.perfmodel.errors import UsageError
-from specbatch.runtime.assembly import DEMO_PROMPTS, DEMO_TARGET, LOW_ACCEPTANCE_PROMPTS, required_draft
+from specbatch.runtime.assembly import DEMO_PROMPTS, LOW_ACCEPTANCE_PROMPTS
 
 from .config import BenchConfig, BenchModels
 from .memory import bench_memory
@@ -62,11 +62,12 @@ def load_bench_inputs(config: BenchConfig, target: str | None, draft: str | None
     second stage (`config`'s, else the one the table names), checked against the target's vocabulary. With a
     head as --draft, trees are left out or refused (`head_trees`, `chains_for_head`)."""
     from specbatch.calibrate.acceptance import read_prompts
+    from specbatch.calibrate.models import named_pair
     from specbatch.runtime.assembly import files_for_pair
     from specbatch.runtime.checkpoint import parse_dtype
     from specbatch.runtime.loading import load_ngram, load_pair, resolve_device, resolve_pair, running_pair
 
-    target_spec, draft_spec = resolve_pair(target or str(DEMO_TARGET), required_draft(target, draft, "bench"))
+    target_spec, draft_spec = resolve_pair(*named_pair(target, draft, "bench"))
     running = running_pair(target_spec, draft_spec)
     config, notes = chains_for_head(config, draft_spec, head_trees)
     stage2 = files_for_pair(config.table_path, config.model_path, config.stage2_path, running, force,

@@ -35,3 +35,15 @@ def head_info(spec: ModelSpec, element_bytes: int) -> ModelInfo:
         max_position_embeddings=config.max_position_embeddings, fingerprint=spec.fingerprint,
         drafter=head.kind, draft_vocab_size=head.draft_vocab_size,
     )
+
+
+def named_pair(target: str | None, draft: str | None, command: str) -> tuple[str, str]:
+    """What --target/--draft name for a command that needs a draft (runtime.assembly.required_draft), the target
+    checked first: a target that is no model (no such path, a JSON that is no config, an unknown preset) is
+    named as such, not taken for a model that merely has no default draft."""
+    from specbatch.runtime.assembly import DEMO_TARGET, default_draft, required_draft
+    from specbatch.runtime.loading import resolve_model
+
+    if default_draft(target, draft) is None:  # only then is a target given and the draft missing
+        resolve_model(target, "target")  # a one-line error naming --target when it is no model
+    return target or str(DEMO_TARGET), required_draft(target, draft, command)

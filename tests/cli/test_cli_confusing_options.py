@@ -78,3 +78,19 @@ def test_the_demo_draft_goes_with_the_demo_target_only(tmp_path):
         assert_one_line_error(invoke(command, "--target", other, "-o", tmp_path / "out.json"),
                               f"--draft: {command} needs a draft model", f"--target {other}")
     assert not (tmp_path / "out.json").exists()
+
+
+@pytest.mark.parametrize("command", [["calibrate"], ["calibrate", "--engine", "vllm"], ["bench"]])
+@pytest.mark.parametrize("target, fragment", [
+    ("/no/such/model", "no such model directory or config file"),
+    ("not-a-preset", "not a preset"),
+    ("config", "--target: "),  # a JSON that is no model's config.json
+])
+def test_a_target_that_is_no_model_is_named_not_the_draft(tmp_path, command, target, fragment):
+    """A target that is no model used to be taken for one without a default draft: '--draft: ... give --draft'."""
+    if target == "config":
+        target = tmp_path / "not-a-config.json"
+        target.write_text('{"hello": 1}')
+    result = invoke(*command, "--target", target, "-o", tmp_path / "out")
+    assert_one_line_error(result, "--target", fragment)
+    assert "--draft" not in result.stderr
