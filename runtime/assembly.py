@@ -337,8 +337,8 @@ def generate_texts(request: GenerationRequest, loaded_pair=None) -> Generation:
     encoded = [pair.tokenizer.encode(text) for text in request.prompts]
     vocab = pair.target.config.vocab_size
     if outside := sorted({t for ids in encoded for t in ids if not 0 <= t < vocab}):
-        raise UsageError(f"--target {pair.target_spec.source}: its tokenizer gives token id {outside[0]} (an added "
-                         f"token?) but the model's vocabulary has {vocab} tokens; a prompt uses that token")
+        raise UsageError(f"{tokenizer_past_vocabulary(pair.target_spec.source, outside[0], vocab)}; a prompt uses "
+                         "that token")
     generator = SpeculativeGenerator(pair.target, draft_runner, pair.eos_token_ids, stage2=second_stage,
                                      cuda_graphs=request.cuda_graphs)
     result = generator.generate(encoded, request.max_new_tokens, policy, sampling, request.seed)
@@ -350,3 +350,10 @@ def generate_texts(request: GenerationRequest, loaded_pair=None) -> Generation:
 
 def generations_jsonl(generation: Generation) -> str:
     return "".join(json.dumps(output) + "\n" for output in generation.outputs)
+
+
+def tokenizer_past_vocabulary(target_source: str, token_id: int, vocab: int) -> str:
+    """Why a tokenizer's id past the model's vocabulary cannot run, as generate (a prompt that uses it) and serve
+    (at start: its prompts may) say it."""
+    return (f"--target {target_source}: its tokenizer gives token id {token_id} (an added token?) but the model's "
+            f"vocabulary has {vocab} tokens")

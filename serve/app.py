@@ -57,11 +57,12 @@ class Shape:
     body: Callable[..., dict]  # (id, created, model, text, finish_reason, token_ids, usage)
     chunk: Callable[..., dict]  # (id, created, model, text, finish_reason, token_ids, first)
     object_name: str  # of the usage chunk
+    prompt_field: str  # the field the prompt's text comes from, named by errors about that text
 
 
 COMPLETION = Shape("cmpl", protocol.completion_body,
-                   lambda *fields, first: protocol.completion_body(*fields, None), "text_completion")
-CHAT = Shape("chatcmpl", chat_body, chat_chunk, "chat.completion.chunk")
+                   lambda *fields, first: protocol.completion_body(*fields, None), "text_completion", "prompt")
+CHAT = Shape("chatcmpl", chat_body, chat_chunk, "chat.completion.chunk", "messages")
 
 
 async def read_json_body(request: Request) -> dict:
@@ -172,8 +173,14 @@ def create_app(runner: EngineRunner, served: ServedModel) -> FastAPI:
         prompt_ids = await prompt_ids_of(params, served)
         _check_lengths(len(prompt_ids), params.max_tokens, runner.engine.max_context_tokens)
         vocab = runner.engine.generator.target.config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise RequestError(f"token ids must be in [0, {vocab})", param="prompt", code="invalid_value")
+        if outside := [t for t in prompt_ids if not 0 <= t < vocab]:
+            if params.prompt_ids is not None:
+                raise RequestError(f"token ids must be in [0, {vocab})", param="prompt", code="invalid_value")
+            # the server's tokenizer has ids its model lacks (serve warned at start): say so, not "token ids"
+            raise RequestError(f"the text of {shape.prompt_field} gives token id {outside[0]}, past the model's "
+                               f"vocabulary of {vocab} tokens: this server's tokenizer has ids its model lacks (an "
+                               "added token?); leave out the text that gives it", param=shape.prompt_field,
+                               code="invalid_value")
         completion_id = protocol.new_completion_id(shape.id_prefix)
         sampling = request_sampling(params)
         engine_request = EngineRequest(completion_id, prompt_ids, params.max_tokens, sampling, params.seed,

@@ -239,6 +239,7 @@ def build(options: ServeOptions):
     pair = load_pair(target_spec, draft_spec, device, parse_dtype(options.dtype, device))
     if pair.tokenizer is None:
         raise ServeError(f"--target {target_dir}: no tokenizer.json; serve needs one to encode prompts")
+    warn_tokenizer_past_vocabulary(pair)
     positions = context_limit(pair.target, pair.draft)
     if options.max_model_len is not None and options.max_model_len >= positions:
         raise ServeError(f"--max-model-len {options.max_model_len}: the models hold {positions} positions, and a "
@@ -274,6 +275,20 @@ def build(options: ServeOptions):
                          max_prompt_chars=engine.max_context_tokens * _longest_token_chars(pair.tokenizer.backend),
                          special_tokens=special_tokens, draft=draft_description(draft_spec, policy))
     return EngineRunner(engine), served
+
+
+def warn_tokenizer_past_vocabulary(pair) -> None:
+    """A tokenizer with ids past the model's vocabulary (added tokens the model has no row for): generate refuses
+    a prompt that uses one; serve cannot know its prompts at start, so it says so in one line then, and a request
+    whose text gives such an id gets a 400 that explains it."""
+    from specbatch.runtime.assembly import tokenizer_past_vocabulary
+
+    vocab = pair.target.config.vocab_size
+    past = sorted(i for i in pair.tokenizer.backend.get_vocab(with_added_tokens=True).values() if i >= vocab)
+    if past:
+        more = f" ({len(past)} such ids, the largest {past[-1]})" if len(past) > 1 else ""
+        log.warning("%s%s; a request whose text gives that token gets a 400",
+                    tokenizer_past_vocabulary(str(pair.target_spec.source), past[0], vocab), more)
 
 
 def draft_description(draft_spec, policy) -> dict | None:
