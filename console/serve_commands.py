@@ -35,7 +35,7 @@ def serve_command(
         "--kv-budget-tokens",
         help="KV tokens running requests may reserve (prompt + max_tokens + draft margin each).")] = None,
     max_model_len: Annotated[Optional[int], typer.Option(
-        "--max-model-len", min=2, help=(
+        "--max-model-len", help=(
             "Prompt + max_tokens of one request at most; every KV slot is sized for it (default: the models' "
             "context). The KV memory is max-batch-size x this x both models' bytes per token."))] = None,
     kv_cache_gb: Annotated[Optional[float], typer.Option(

@@ -69,10 +69,45 @@ def check_options(options: ServeOptions) -> None:
                                    ("--threads", options.threads, 1)):
         if value is not None and value < minimum:
             raise ServeError(f"{option} must be >= {minimum}, got {value}")
+    if options.max_model_len is not None and options.max_model_len < 2:
+        raise ServeError(f"--max-model-len must be >= 2 (a prompt token and a generated one) and below the models' "
+                         f"context, got {options.max_model_len}")
     if not options.drain_s >= 0:  # also refuses nan
         raise ServeError(f"--drain-s must be >= 0 seconds, got {options.drain_s}")
     if options.profile is not None and not options.profile.is_file():
         writable_path(options.profile, "--profile")  # the quick profile is measured into it
+
+
+def check_address(host: str, port: int) -> None:
+    """--host and --port can be bound here, checked before the models load (uvicorn would find out only after,
+    in its own words): an address that is no address, a name that does not resolve, an address of another
+    machine, a port in use."""
+    import errno
+    import ipaddress
+    import socket
+
+    if host.replace(".", "").isdigit() or ":" in host:  # spelled as an address: it must be one
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            raise ServeError(f"--host {host}: not an IP address (IPv4: four numbers in [0, 255] like "
+                             "127.0.0.1; IPv6: like ::1)") from None
+    try:
+        family, kind, protocol, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                                flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as error:
+        reason = error.strerror if isinstance(error, socket.gaierror) else str(error)
+        raise ServeError(f"--host {host}: not an address or a name this machine resolves ({reason})") from None
+    with socket.socket(family, kind, protocol) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a closing socket is no owner
+        try:
+            probe.bind(address)
+        except OSError as error:
+            if error.errno == errno.EADDRINUSE:
+                raise ServeError(f"--port {port}: already in use on {host} (another server?); give a free port"
+                                 ) from None
+            raise ServeError(f"--host {host}: cannot be bound here ({error.strerror}); give an address of this "
+                             "machine, or 0.0.0.0 for all of them") from None
 
 
 def default_profile_path(target: Path, draft: Path, device: str, dtype: str, threads: int) -> Path:
@@ -351,6 +386,7 @@ def serve(options: ServeOptions) -> None:
     from .app import create_app
 
     check_options(options)
+    check_address(options.host, options.port)
     if options.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("binding %s: the server has no authentication; anyone who can reach it can use it", options.host)
     runner, served = build(options)

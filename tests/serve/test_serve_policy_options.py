@@ -26,6 +26,17 @@ def test_policy_options_are_refused_in_one_line(options, message):
     (["--max-batch-size", "0"], "error: --max-batch-size must be >= 1, got 0"),
     (["--profile", "/dev/null"], "error: --profile /dev/null: not a regular file; give the path of a file to write"),
     (["--drain-s", "nan"], "error: --drain-s must be >= 0 seconds, got nan"),
+    (["--max-model-len", "1"], "error: --max-model-len must be >= 2 (a prompt token and a generated one) and below "
+                               "the models' context, got 1"),
+    (["--host", "999.1.1.1"], "error: --host 999.1.1.1: not an IP address (IPv4: four numbers in [0, 255] like "
+                              "127.0.0.1; IPv6: like ::1)"),
+    (["--host", "1.2.3"], "error: --host 1.2.3: not an IP address (IPv4: four numbers in [0, 255] like 127.0.0.1; "
+                          "IPv6: like ::1)"),
+    (["--host", "::g"], "error: --host ::g: not an IP address (IPv4: four numbers in [0, 255] like 127.0.0.1; IPv6: "
+                        "like ::1)"),
+    # TEST-NET-1 (RFC 5737): an address no machine of ours has
+    (["--host", "192.0.2.1", "--port", "0"], "error: --host 192.0.2.1: cannot be bound here (Cannot assign requested "
+                                             "address); give an address of this machine, or 0.0.0.0 for all of them"),
 ])
 def test_serve_options_are_one_line_before_anything_loads(args, message, monkeypatch):
     from specbatch.serve import server
@@ -34,6 +45,23 @@ def test_serve_options_are_one_line_before_anything_loads(args, message, monkeyp
     monkeypatch.setattr(server, "build", lambda options: pytest.fail("serve built a server before checking options"))
     result = invoke("serve", *args)
     assert result.exit_code == 2 and result.stderr.strip() == message, result.output
+
+
+def test_a_port_in_use_is_one_line_before_anything_loads(monkeypatch):
+    import socket
+
+    from specbatch.serve import server
+    from cli_helpers import invoke
+
+    monkeypatch.setattr(server, "build", lambda options: pytest.fail("serve built a server before checking its port"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = invoke("serve", "--port", port)
+    assert result.exit_code == 2
+    assert result.stderr.strip() == f"error: --port {port}: already in use on 127.0.0.1 (another server?); give a " \
+                                    "free port"
 
 
 def test_a_table_made_for_another_pair_is_refused_unless_forced(tmp_path, write_table):
