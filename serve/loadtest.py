@@ -189,7 +189,7 @@ async def replay_http(url: str, model: str, trace: list[TraceItem], prompts: tup
             ids: list[int] = []
             async with client.stream("POST", "/v1/completions", json=body) as response:
                 if response.status_code != 200:
-                    record.error = f"HTTP {response.status_code}"
+                    record.error = f"HTTP {response.status_code}: {server_reason(await response.aread())}"
                     return
                 async for line in response.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
@@ -206,6 +206,22 @@ async def replay_http(url: str, model: str, trace: list[TraceItem], prompts: tup
             record.token_ids = ids if want_ids else None
 
         return await _run_all(trace, one, start, max_duration_s)
+
+
+def server_reason(body: bytes, limit: int = 200) -> str:
+    """What a server said with an error status: the OpenAI error object's message (vLLM's older servers put it at
+    the top level), else the body's start; a record keeps this beside the status."""
+    try:
+        value = json.loads(body)
+    except ValueError:
+        value = None
+    if isinstance(value, dict):
+        error = value.get("error")
+        message = error.get("message") if isinstance(error, dict) else value.get("message")
+        if isinstance(message, str) and message:
+            return message[:limit]
+    text = body.decode("utf-8", "replace").strip()
+    return text[:limit] if text else "no reason given"
 
 
 async def _run_all(trace, one, start: float, max_duration_s: float) -> list[RequestRecord]:
@@ -234,13 +250,20 @@ async def _run_all(trace, one, start: float, max_duration_s: float) -> list[Requ
     return records
 
 
+def well_formed(trace: list[TraceItem]) -> list[TraceItem]:
+    """The arrivals the in-process replay sends: hostile ones are HTTP requests (bodies, connections), so the
+    in-process row neither sends nor counts them."""
+    return [item for item in trace if item.adversarial is None]
+
+
 async def replay_engine(runner, encode, trace: list[TraceItem], prompts: tuple[str, ...],
                         max_duration_s: float) -> list[RequestRecord]:
-    """The same trace straight into an engine in this process (no HTTP): the HTTP layer's cost. Hostile
-    arrivals are HTTP requests: not sent here."""
+    """The same trace straight into an engine in this process (no HTTP): the HTTP layer's cost. Give it the
+    well-formed arrivals (`well_formed`): each record's index is its position in `trace`."""
     from specbatch.runtime.engine import Request
 
-    trace = [item for item in trace if item.adversarial is None]
+    if any(item.adversarial is not None for item in trace):
+        raise LoadtestError("the in-process replay sends well-formed requests only: give it well_formed(trace)")
     loop = asyncio.get_running_loop()
     encoded = {i: tuple(encode(p)) for i, p in enumerate(prompts)}
     start = time.perf_counter()
@@ -304,8 +327,10 @@ def run_in_process(config: LoadtestConfig, policy: str, traces: dict, references
     try:
         for (rate, cv), trace in traces.items():
             counters, cpu = engine_counters(runner.engine.metrics.snapshot()), own_cpu_s()
-            records = asyncio.run(replay_engine(runner, served.encode, trace, config.prompts, config.max_duration_s))
-            run = _summary(policy, "in-process", rate, cv, trace, records, config, references)
+            replayed = well_formed(trace)  # its figures count what it replays, indexed as the records are
+            records = asyncio.run(replay_engine(runner, served.encode, replayed, config.prompts,
+                                                config.max_duration_s))
+            run = _summary(policy, "in-process", rate, cv, replayed, records, config, references)
             run.update(server_cpu_s=own_cpu_s() - cpu, client_cpu_s=None,
                        **engine_use(counters, engine_counters(runner.engine.metrics.snapshot()), run))
             runs.append(run)

@@ -56,6 +56,44 @@ def test_a_run_is_bounded_in_time():
         assert engine.running == 0 and engine.metrics.snapshot()["finished_total"]["cancelled"] == 1
 
 
+def test_a_refused_request_is_recorded_with_the_servers_reason():
+    from serve_helpers import demo_server
+    from specbatch.serve.loadtest import replay_http
+
+    with demo_server(k=0, max_tokens_limit=8) as server:
+        trace = [TraceItem(0.0, 0, 20), TraceItem(0.0, 0, 4)]
+        refused, served = asyncio.run(replay_http(server.url, server.served.name, trace, ("def f(x):",), 60, False))
+    assert refused.error == "HTTP 400: max_tokens must be in [1, 8], got 20"
+    assert served.ok
+
+
+@pytest.mark.parametrize("body, reason", [
+    (b'{"error": {"message": "bad max_tokens", "type": "x"}}', "bad max_tokens"),
+    (b'{"object": "error", "message": "vLLM says no"}', "vLLM says no"),  # vLLM's older error shape
+    (b"Internal Server Error", "Internal Server Error"), (b"", "no reason given"),
+])
+def test_the_servers_reason_is_its_error_message_or_its_body(body, reason):
+    from specbatch.serve.loadtest import server_reason
+
+    assert server_reason(body) == reason
+
+
+def test_the_in_process_row_counts_only_the_arrivals_it_replays():
+    """Hostile arrivals are HTTP requests: the in-process replay sends none, so its row neither counts them as
+    failed nor checks a replayed request against another arrival's prompt."""
+    from specbatch.serve.loadtest import run_in_process, solo_references
+
+    prompts = ("def eggs(b):\n    return", "import os\n", "class A:\n")
+    config = LoadtestConfig(policies=("k=0",), rates_per_s=(20.0,), requests=3, max_duration_s=60,
+                            max_tokens=(4, 9), prompts=prompts, server_args=("--max-batch-size", "4"),
+                            in_process=True, check_greedy=True)
+    trace = [TraceItem(0.0, 0, 4), TraceItem(0.05, 1, 9, "nan_temperature"), TraceItem(0.1, 2, 6)]
+    (run,) = run_in_process(config, "k=0", {(20.0, 1.0): trace}, solo_references(config))
+    assert (run["requests"], run["sent"], run["ok"], run["errors"], run["unfinished"], run["mismatched"]) == (
+        2, 2, 2, 0, 0, 0)
+    assert run["adversarial"]["sent"] == 0
+
+
 @pytest.mark.slow
 def test_short_loadtest_over_http_and_in_process(tmp_path):
     prompts = ("def eggs(b):\n    return", "import os\n", "class A:\n")
