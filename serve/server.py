@@ -10,10 +10,12 @@ Shutdown: SIGINT/SIGTERM stop new requests (503, the port stays open meanwhile),
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import signal
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -389,12 +391,35 @@ def serve(options: ServeOptions) -> None:
     check_address(options.host, options.port)
     if options.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("binding %s: the server has no authentication; anyone who can reach it can use it", options.host)
-    runner, served = build(options)
-    app = create_app(runner, served)
+    with notes_as_they_come():
+        runner, served = build(options)
+        app = create_app(runner, served)
 
-    config = uvicorn.Config(app, host=options.host, port=options.port, log_level="info",
-                            timeout_graceful_shutdown=int(options.drain_s) + 5)
-    draining_server(config, runner, options.drain_s).run()
+        config = uvicorn.Config(app, host=options.host, port=options.port, log_level="info",
+                                timeout_graceful_shutdown=int(options.drain_s) + 5)
+        draining_server(config, runner, options.drain_s).run()
+
+
+@contextlib.contextmanager
+def notes_as_they_come():
+    """Log each distinct note (a NoteWarning: a table's range at a request's context or batch size, raised in the
+    engine's thread) when it is raised: the CLI prints the notes a command leaves at its end, and a server's
+    end may be days after the request. Other warnings go where they went."""
+    from specbatch.perfmodel.errors import NoteWarning
+
+    said: set[str] = set()
+    with warnings.catch_warnings():  # restores the previous handler on the way out
+        previous = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if not issubclass(category, NoteWarning):
+                previous(message, category, filename, lineno, file, line)
+            elif str(message) not in said:
+                said.add(str(message))
+                log.warning("note: %s", message)
+
+        warnings.showwarning = show
+        yield
 
 
 def draining_server(config, runner, drain_s: float):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from pathlib import Path
 
 import httpx
 import pytest
@@ -43,3 +44,24 @@ def test_a_tokenizer_past_the_vocabulary_is_said_at_start_and_explained_to_the_p
         assert ids.status_code == 400 and ids.json()["error"]["message"] == "token ids must be in [0, 259)"
         assert httpx.post(url, json={"model": server.served.name, "prompt": "def f(x):", "max_tokens": 2,
                                      "temperature": 0}).status_code == 200
+
+
+def test_a_requests_table_note_is_logged_when_it_happens_not_at_exit(write_table, caplog):
+    """`serve --table`: a table whose one context bucket (128 tokens) a short request is outside of notes the
+    edge bucket at the request's step, in the server's log then; the CLI's end-of-command notes get nothing."""
+    import warnings
+
+    from specbatch.perfmodel.errors import NoteWarning
+    from specbatch.serve.server import notes_as_they_come
+
+    caplog.set_level(logging.WARNING, logger="specbatch.serve")
+    table = write_table({b: 2 for b in range(1, 5)})
+    with warnings.catch_warnings(record=True) as at_exit:  # what the CLI's one_line_errors records for its end
+        warnings.simplefilter("default")
+        with notes_as_they_come(), demo_server(table=Path(table), k=None, force=True) as server:
+            response = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                                  json={"model": server.served.name, "prompt": "def f(x):", "max_tokens": 3})
+            assert response.status_code == 200
+            notes = [r.getMessage() for r in caplog.records if r.getMessage().startswith("note: table: context")]
+            assert len(notes) == 1 and "outside the buckets [128, 128]" in notes[0]  # logged while serving
+    assert not [w for w in at_exit if issubclass(w.category, NoteWarning)]
