@@ -26,6 +26,7 @@ from specbatch.console.options import (
     DtypeOpt,
     EagerOpt,
     AllowModeMismatchOpt,
+    check_costs_here,
     ForceOpt,
     JsonOpt,
     MaxBatchOpt,
@@ -92,6 +93,7 @@ def generate(
     threads: ThreadsOpt = None,
     force: ForceOpt = False,
     eager: EagerOpt = False,
+    allow_mode_mismatch: AllowModeMismatchOpt = False,
     json_output: JsonOpt = False,
 ):
     """Generate text with batched speculative decoding (all prompts in one batch).
@@ -106,6 +108,8 @@ def generate(
         prompts=tuple(texts), target=target, draft=draft, k=k, table=table, tree=tree, stage2=stage2, model=model,
         adaptive=adaptive, refit=refit, max_new_tokens=max_new_tokens, temperature=temperature,
         top_k=top_k, top_p=top_p, seed=seed, device=device, dtype=dtype, force=force, cuda_graphs=graphs_option(eager))
+    check_costs_here(device, dtype, eager, allow_mode_mismatch, table=table, adaptive=adaptive,
+                     model=model if tree is not None else None)  # --model serves --tree auto only
     set_threads(threads)
     generation = generate_texts(request)
     if json_output:
@@ -286,6 +290,7 @@ def bench(
     force: Annotated[bool, typer.Option("--force", help=f"{REPLACE_RULE_HELP} Also: use a --table or --model made "
                                                          "for another target/draft pair anyway.")] = False,
     eager: EagerOpt = False,
+    allow_mode_mismatch: AllowModeMismatchOpt = False,
     json_output: JsonOpt = False,
 ):
     """Measure k = 0, every fixed k, trees, staged drafting and the table at every batch size, interleaved;
@@ -305,7 +310,8 @@ def bench(
         synthetic_acceptance=synthetic_acceptance, seed=seed, table_path=table, model_path=model,
         peers=tuple(name.strip() for name in peers.split(",") if name.strip()) if peers else (),
         trees=tuple(tree or ()), stage2_path=stage2, adaptive_path=adaptive, adaptive_refit=refit, workload=workload,
-        second_prompts_path=second_prompts, interleave=interleave, cuda_graphs=graphs_option(eager))
+        second_prompts_path=second_prompts, interleave=interleave, cuda_graphs=graphs_option(eager),
+        allow_mode_mismatch=allow_mode_mismatch)
     check_input_files(table=table, model=model, prompts=prompts, stage2=stage2, adaptive=adaptive,
                       second_prompts=second_prompts)
     writable_dir(out, "--out")  # before measuring: a file in the way would lose every measurement
@@ -341,7 +347,6 @@ def fit(
     holdout: Annotated[bool, typer.Option(
         "--holdout", help="Also fit without every other interior batch size and context length and report the "
                           "error on those.")] = False,
-    allow_mode_mismatch: AllowModeMismatchOpt = False,
     force: ReplaceOpt = False,
     json_output: JsonOpt = False,
 ):
@@ -355,21 +360,23 @@ def fit(
     check_not_input(output, [profile], "--output")
     check_replace(output, MODEL_SCHEMA.split("/")[0], force, "--output")  # before the fit: fails in a second
     loaded = load_profile(profile)
-    from specbatch.perfmodel.execution import check_costs
+    from specbatch.perfmodel.execution import execution_note, model_execution
     from specbatch.runtime.devices import execution_on
 
-    check_costs(f"profile {profile}", loaded.device, loaded.composition, loaded.engine,
-                execution_on(loaded.device.kind, loaded.device.dtype), allow_mode_mismatch)
+    execution = execution_note(f"profile {profile}", loaded.device, model_execution(loaded),
+                               execution_on(loaded.device.kind, loaded.device.dtype))
     fitted = fit_profile(loaded, holdout=holdout)
     save_model(output, fitted)
     from specbatch.console.model import fit_json, render_fit
 
     if json_output:
         typer.echo(json.dumps(fit_json(fitted, output)))
+        if execution:
+            typer.echo(f"note: {execution}", err=True)
         return
     render_fit(fitted, output, holdout, loaded.noise)
-    if fitted.coverage is not None:
-        typer.echo(f"note: {fitted.coverage.describe()}")
+    for note in filter(None, (execution, fitted.coverage and fitted.coverage.describe())):
+        typer.echo(f"note: {note}")
 
 
 @app.command()
@@ -405,7 +412,6 @@ def table(
                                 "(default: SGLang's own up to --max-batch plus the last batch size of each run of "
                                 "equal k, which the export passes as --cuda-graph-bs-decode); refused where SGLang's "
                                 "padding would run two different k in one slot.")] = None,
-    allow_mode_mismatch: AllowModeMismatchOpt = False,
     force: Annotated[bool, typer.Option("--force", help=f"{REPLACE_RULE_HELP} Also: compute the table over grid "
                                                          "regions a cut-short profile did not measure.")] = False,
 ):
@@ -426,11 +432,11 @@ def table(
     check_not_input(output, [model], "--output")
     check_replace(output, table_output_kind(fmt), force, "--output")
     fitted = load_model(model)
-    from specbatch.perfmodel.execution import check_costs
+    from specbatch.perfmodel.execution import execution_note, model_execution
     from specbatch.runtime.devices import execution_on
 
-    check_costs(f"model {model}", fitted.device, fitted.composition, fitted.engine,
-                execution_on(fitted.device.kind, fitted.device.dtype), allow_mode_mismatch)
+    execution = execution_note(f"model {model}", fitted.device, model_execution(fitted),
+                               execution_on(fitted.device.kind, fitted.device.dtype))
     check_coverage(fitted, model, max_batch, force)
     lengths = lengths or fitted.table_context_lens(fmt)
     chosen = choose_acceptance(fitted, acceptance_override(acceptance), str(model))
@@ -445,7 +451,8 @@ def table(
     from specbatch.perfmodel.model import step_model
     from specbatch.perfmodel.uncertainty import table_tie_notes
 
-    notes = fitted.extrapolation_notes(max_batch, [b.context_len for b in result.buckets], result.max_k)
+    notes = [execution] if execution else []
+    notes += fitted.extrapolation_notes(max_batch, [b.context_len for b in result.buckets], result.max_k)
     notes += table_tie_notes(result, chosen) + table_step_notes(fitted, result, step_model(fitted, chosen))
     notes += row_gap_notes(fitted)
     render_table(result, notes + export_notes, output)

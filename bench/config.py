@@ -58,6 +58,8 @@ class BenchConfig:
     # runs: one whole generation after another
     interleave: str = "steps"
     cuda_graphs: bool | None = None  # passes replay CUDA graphs: None, the device's default; False: --eager
+    # run a --table, --model or --adaptive whose costs were measured in the other execution (perfmodel.execution)
+    allow_mode_mismatch: bool = False
 
     def __post_init__(self):
         check_config(self)

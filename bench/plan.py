@@ -9,6 +9,7 @@ from typing import Any, Sequence
 
 import torch
 
+from specbatch.perfmodel.execution import EAGER, GRAPHS, check_execution, model_execution, table_execution
 from specbatch.perfmodel.tree import Strategy, Tree
 from specbatch.runtime.generator import GenerationError, SpeculativeGenerator
 
@@ -170,6 +171,21 @@ def adaptive_policy(config: BenchConfig, models: BenchModels):
     return policy
 
 
+def check_plan_execution(config: BenchConfig, table, predictor: Predictor | None, adaptive, running: str) -> None:
+    """The execution rule (perfmodel.execution.check_execution) for the files whose costs choose or predict what
+    runs, against what this run's generator runs (`running`)."""
+    measured = {}
+    if table is not None:
+        measured[f"--table {config.table_path}"] = table_execution(table.table.costs)
+    if predictor is not None:
+        measured[f"--model {config.model_path}"] = model_execution(predictor.fitted)
+    if adaptive is not None:
+        measured[f"--adaptive {config.adaptive_path}"] = adaptive.execution
+    for what, execution in measured.items():
+        if execution is not None:
+            check_execution(what, execution, running, config.allow_mode_mismatch)
+
+
 @dataclass
 class BenchPlan:
     """Everything a bench run needs, checked and loaded: its contenders, prompts, the generator and peers."""
@@ -250,6 +266,7 @@ def plan_bench(config: BenchConfig, models: BenchModels, prompts: Sequence[list[
         longest = max(len(p) for p in every_prompt)  # the rounds cycle through them all
         check_bench_memory(models.memory, config.batch_sizes, [p.policy.max_k for p in policies.values()], longest,
                            config.max_new_tokens, config.interleave == "steps", generator.cuda_graphs)
+    check_plan_execution(config, table, predictor, adaptive, GRAPHS if generator.cuda_graphs else EAGER)
     speed = None  # the machine's speed against calibration's, when the model file has its reference pass
     if predictor is not None:
         speed = machine_speed_for(models.target, predictor.fitted.noise, device, config.model_path,

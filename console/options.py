@@ -271,6 +271,32 @@ def graphs_option(eager: bool) -> bool | None:
     return False if eager else None
 
 
+def check_costs_here(device: str | None, dtype: str | None, eager: bool, allowed: bool, **files: Path | None) -> None:
+    """`generate`: the execution rule (perfmodel.execution.check_execution) for every file whose costs choose what
+    runs (keyword: the option; table: a table file, else a model file), against what the runtime runs here: on
+    this machine's --device, in its --dtype, with or without --eager. Before anything is loaded."""
+    from specbatch.perfmodel.execution import check_execution, model_execution, table_execution
+    from specbatch.runtime.checkpoint import parse_dtype
+    from specbatch.runtime.devices import execution_on, resolve_device
+
+    given = {option: path for option, path in files.items() if path is not None}
+    if not given:
+        return
+    resolved = resolve_device(device)
+    running = execution_on(resolved, parse_dtype(dtype, resolved), graphs_option(eager))
+    for option, path in given.items():
+        if option == "table":
+            from specbatch.perfmodel.table import load_table
+
+            measured = table_execution(load_table(path).costs)
+        else:
+            from specbatch.perfmodel.model import load_model
+
+            measured = model_execution(load_model(path))
+        if measured is not None:
+            check_execution(f"--{option} {path}", measured, running, allowed)
+
+
 ForceOpt = Annotated[bool, typer.Option(
     "--force", help="Use a table or model made for another target/draft pair anyway.")]
 MaxKOpt = Annotated[Optional[int], typer.Option("--max-k", help=(
