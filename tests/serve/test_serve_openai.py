@@ -55,3 +55,19 @@ def test_seeded_sampling_is_reproducible_through_the_client(client_and_server):
     draws = [client.completions.create(model=server.served.name, prompt=PROMPT, max_tokens=16, temperature=1.0,
                                        top_p=0.9, seed=seed).choices[0].text for seed in (3, 3, 4)]
     assert draws[0] == draws[1]
+
+
+def test_vllm_extensions_through_extra_body_are_honoured_or_refused(client_and_server):
+    """What vLLM's clients send through extra_body: top_k is honoured (1: the greedy token whatever the
+    temperature); min_p and repetition_penalty, which the runtime cannot apply exactly, and any field the server
+    does not know, are 400s naming the field."""
+    client, server = client_and_server
+    expected = server.served.decode(solo_greedy_ids(server.runner, server.served.encode(PROMPT), 12))
+    top_1 = client.completions.create(model=server.served.name, prompt=PROMPT, max_tokens=12, temperature=1.0,
+                                      extra_body={"top_k": 1})
+    assert top_1.choices[0].text == expected
+    for extra, code in (({"repetition_penalty": 5.0}, "unsupported_parameter"),
+                        ({"min_p": 0.2}, "unsupported_parameter"), ({"foo_bar": 1}, "unknown_parameter")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model=server.served.name, prompt=PROMPT, max_tokens=4, extra_body=extra)
+        assert refused.value.body["code"] == code and refused.value.body["param"] == next(iter(extra))
