@@ -171,19 +171,20 @@ def adaptive_policy(config: BenchConfig, models: BenchModels):
     return policy
 
 
-def check_plan_execution(config: BenchConfig, table, predictor: Predictor | None, adaptive, running: str) -> None:
-    """The execution rule (perfmodel.execution.check_execution) for the files whose costs choose or predict what
-    runs, against what this run's generator runs (`running`)."""
-    measured = {}
-    if table is not None:
-        measured[f"--table {config.table_path}"] = table_execution(table.table.costs)
-    if predictor is not None:
-        measured[f"--model {config.model_path}"] = model_execution(predictor.fitted)
-    if adaptive is not None:
-        measured[f"--adaptive {config.adaptive_path}"] = adaptive.execution
-    for what, execution in measured.items():
+def check_plan_execution(config: BenchConfig, table, predictor: Predictor | None, adaptive, running: str) -> list[str]:
+    """The execution rule (perfmodel.execution.check_execution), as serve applies it, for the files whose costs
+    choose what runs (--table, --adaptive), against what this run's generator runs (`running`); a --model of the
+    other execution only predicts, so it is a note: its prediction errors include the difference."""
+    choosing = {f"--table {config.table_path}": table_execution(table.table.costs) if table is not None else None,
+                f"--adaptive {config.adaptive_path}": adaptive.execution if adaptive is not None else None}
+    for what, execution in choosing.items():
         if execution is not None:
             check_execution(what, execution, running, config.allow_mode_mismatch)
+    predicting = model_execution(predictor.fitted) if predictor is not None else None
+    if predicting is None or predicting == running:
+        return []
+    return [f"--model {config.model_path} holds costs of {predicting} passes but the runtime runs {running} passes "
+            "here: its predictions are for the other runtime, and their errors include the difference"]
 
 
 @dataclass
@@ -266,7 +267,7 @@ def plan_bench(config: BenchConfig, models: BenchModels, prompts: Sequence[list[
         longest = max(len(p) for p in every_prompt)  # the rounds cycle through them all
         check_bench_memory(models.memory, config.batch_sizes, [p.policy.max_k for p in policies.values()], longest,
                            config.max_new_tokens, config.interleave == "steps", generator.cuda_graphs)
-    check_plan_execution(config, table, predictor, adaptive, GRAPHS if generator.cuda_graphs else EAGER)
+    notes += check_plan_execution(config, table, predictor, adaptive, GRAPHS if generator.cuda_graphs else EAGER)
     speed = None  # the machine's speed against calibration's, when the model file has its reference pass
     if predictor is not None:
         speed = machine_speed_for(models.target, predictor.fitted.noise, device, config.model_path,

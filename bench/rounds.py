@@ -125,7 +125,12 @@ def graph_notes(generator, timed_captures: int) -> list[str]:
 
 
 def _warning_notes(caught) -> list[str]:
-    return list(dict.fromkeys(f"warning: {w.message}" for w in caught))
+    """The warnings a run raised as notes: a NoteWarning (a table's range) is a note as it stands, any other
+    says it is a warning."""
+    from specbatch.perfmodel.errors import NoteWarning
+
+    return list(dict.fromkeys(str(w.message) if issubclass(w.category, NoteWarning) else f"warning: {w.message}"
+                              for w in caught))
 
 
 def complete_rounds(plan: BenchPlan, runs: list[RunRecord]) -> tuple[list[RunRecord], list[int]]:

@@ -145,13 +145,13 @@ def _relative(value: float | None) -> str:
 
 
 def render_bench(result, written: list[Path]) -> None:
-    from rich.console import Console
+    from specbatch.console.output import note_line, report_console
     from rich.table import Table
 
     from specbatch.bench.policies import TABLE_POLICY, fixed_policy_name
     from specbatch.bench.results import compared_rate
 
-    console = Console()
+    console = report_console()
     config = result.config
     has_table, has_model = config.table_path is not None, config.model_path is not None
     # the label and the settings are lines of their own: a table title or caption wraps to the table's width
@@ -240,7 +240,7 @@ def render_bench(result, written: list[Path]) -> None:
 
         console.print(render(result.vllm), markup=False, highlight=False, soft_wrap=True)
     for note in result.notes:
-        console.print(f"note: {note}", markup=False, highlight=False)
+        console.print(note_line(note), markup=False, highlight=False)
     console.print(f"wrote {', '.join(str(path) for path in written)}", markup=False, highlight=False)
 
 

@@ -91,11 +91,11 @@ def calibrate_vllm(target: str, draft: str, out, prompts, batch_sizes, context_l
 
 
 def render_calibration(summary) -> None:
-    from rich.console import Console
+    from specbatch.console.output import report_console
     from rich.markup import escape
     from rich.table import Table
 
-    console = Console()
+    console = report_console()
     console.print(f"[bold]{escape(summary.target)}[/] + [bold]{escape(summary.draft)}[/] on "
                   f"{escape(summary.device)} ({summary.dtype})")
     passes = Table(title="one forward pass, median ms")

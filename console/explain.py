@@ -100,16 +100,16 @@ def culprit_line(explained: dict[str, Any]) -> str:
 
 
 def render_explanation(explained: dict[str, Any], notes: list[str]) -> None:
-    from rich.console import Console
+    from specbatch.console.output import note_line, report_console
 
-    console = Console()
+    console = report_console()
     console.print(explanation_table(explained))
     console.print(culprit_line(explained), markup=False, highlight=False)
     console.print("effects: first-order push of the predicted goodput above the measured one; mix = how many "
                   "passes of that width ran, time = how long each took; the terms sum to both step times",
                   markup=False, highlight=False)
     for note in notes:
-        console.print(f"note: {note}", markup=False, highlight=False)
+        console.print(note_line(note), markup=False, highlight=False)
 
 
 def render_bench_fidelity(console, batches) -> None:

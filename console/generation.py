@@ -5,10 +5,10 @@ from __future__ import annotations
 def render_generation(outputs: list[dict], stats, policy_name: str, sampling_name: str) -> None:
     from collections import Counter
 
-    from rich.console import Console
+    from specbatch.console.output import report_console
     from rich.table import Table
 
-    console = Console()
+    console = report_console()
     for i, out in enumerate(outputs):
         console.rule(f"[bold]prompt {i + 1}")
         console.print(out["prompt"], end="", style="dim", markup=False, highlight=False)

@@ -48,10 +48,10 @@ def fit_json(fitted, output: Path) -> dict:
 def render_fit(fitted, output: Path, holdout: bool = False, noise=None) -> None:
     """`noise`: the profile's perfmodel.profile.noise.NoiseFigure, when it has one: its floor is printed beside the
     errors."""
-    from rich.console import Console
+    from specbatch.console.output import report_console
     from rich.table import Table
 
-    console = Console()
+    console = report_console()
     console.print(f"[bold]{fitted.device.name}[/] ({fitted.device.kind}, {fitted.device.dtype}): "
                   f"target {fitted.target_info.source}, draft {fitted.draft_info.source}")
     for role, fit in fitted.roles.items():
@@ -112,10 +112,10 @@ def render_fit(fitted, output: Path, holdout: bool = False, noise=None) -> None:
 
 
 def render_table(result, notes: list[str], output: Path) -> None:
-    from rich.console import Console
+    from specbatch.console.output import report_console
     from rich.table import Table
 
-    console = Console()
+    console = report_console()
     acc = result.acceptance
     console.print(f"acceptance ({acc['source']}): per position {acc['per_position']}, "
                   f"constant-alpha fit {acc['constant_alpha']:.3f} (rmse {acc['constant_alpha_rmse']:.3f})")
@@ -180,7 +180,7 @@ def _span(first: float, last: float, fmt: str) -> str:
 
 
 def render_query(answer: dict, notes: list[str]) -> None:
-    from rich.console import Console
+    from specbatch.console.output import report_console
     from rich.table import Table
 
     with_strategies = "strategy" in answer["candidates"][0]
@@ -197,7 +197,7 @@ def render_query(answer: dict, notes: list[str]) -> None:
                  for key in ("step_ms", "tokens_per_step", "tokens_per_s")]
         is_best = (c["strategy"] == ranked[0]["strategy"]) if with_strategies else c["k"] == answer["best_k"]
         view.add_row(c["strategy"] if with_strategies else str(c["k"]), *cells, style="bold green" if is_best else None)
-    console = Console()
+    console = report_console()
     console.print(view)
     for note in notes:
         console.print(f"[yellow]note:[/] {note}")

@@ -138,3 +138,42 @@ def test_a_table_that_chose_differently_by_round_is_explained_on_its_most_run_st
     alone = table_rounds(TableK(path), 1, [runs[1]])
     assert alone[0].k == 4 and alone[2] is None
     assert table_rounds(TableK(path), 1, [runs[3]])[0] is None
+
+
+def test_the_report_is_readable_off_a_terminal(tiny_pair, prompts, table_path, tmp_path, capsys, monkeypatch):
+    """Off a terminal rich assumed 80 columns and cut every cell of the prediction-error table to '…'; a table
+    prints at its own width there. A warning note is not 'note: warning:'."""
+    from specbatch.console.bench import render_bench
+
+    config = BenchConfig(batch_sizes=(1, 3), ks=(0, 1, 2, 3, 4, 5), max_new_tokens=6, rounds=1, warmup_rounds=0,
+                         resolve_rounds=0, synthetic_acceptance=0.7, table_path=table_path,
+                         model_path=_model_file(tmp_path))
+    result = run_bench(config, tiny_pair, prompts)
+    # the fixture's model is of graphed CUDA passes: on this eager runtime it only predicts, and says so
+    assert any("holds costs of cuda-graphs passes but the runtime runs eager passes here: its predictions are for "
+               "the other runtime" in note for note in result.notes)
+    result.notes += ["a plain note", "warning: a warning"]
+    monkeypatch.delenv("COLUMNS", raising=False)  # rich's own default off a terminal
+    render_bench(result, [])
+    out = capsys.readouterr().out
+    assert "…" not in out
+    for batch in result.batches:
+        for policy in batch.policies:
+            if policy.prediction_error is not None:
+                assert f"{100 * policy.prediction_error:+.1f}%" in out, policy.policy
+    lines = out.splitlines()
+    assert "note: a plain note" in lines and "warning: a warning" in lines and "note: warning:" not in out
+
+
+def test_a_table_range_note_raised_while_measuring_is_a_note_and_other_warnings_stay_warnings():
+    import warnings
+
+    from specbatch.bench.rounds import _warning_notes
+    from specbatch.perfmodel.table import TableRangeWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.warn("table: context length 19 is outside the buckets [38, 512]", TableRangeWarning)
+        warnings.warn("something else", RuntimeWarning)
+    assert _warning_notes(caught) == ["table: context length 19 is outside the buckets [38, 512]",
+                                      "warning: something else"]
