@@ -62,7 +62,17 @@ class OpCounter(TorchDispatchMode):
                 self.counts["launches"] += 1
         elif not func.is_view and name not in ALLOCATIONS:
             self.counts["launches"] += 1
-        return func(*args, **kwargs)
+        result = func(*args, **kwargs)
+        if func.is_view and _copied(result, args):
+            self.counts["launches"] += 1  # a "view" op that had to copy (under inference mode, aten.reshape)
+        return result
+
+
+def _copied(result, args) -> bool:
+    """Whether a view op's result is a copy: its storage is not its input's."""
+    source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    return (source is not None and isinstance(result, torch.Tensor)
+            and result.untyped_storage().data_ptr() != source.untyped_storage().data_ptr())
 
 
 @contextmanager

@@ -237,10 +237,13 @@ class UniformPass:
         cache.keys[layer][self.rows, self.slots] = k.to(cache.keys.dtype)
         cache.values[layer][self.rows, self.slots] = v.to(cache.values.dtype)
 
-    def attend(self, q: torch.Tensor, cache: KVCache, layer: int, windowed: bool, gqa: bool) -> torch.Tensor:
-        """q (b, n, heads, head_dim) -> the attention output, same layout."""
+    def attend(self, q: torch.Tensor, cache: KVCache, layer: int, windowed: bool, gqa: bool,
+               merge=None) -> torch.Tensor:
+        """q (b, n, heads, head_dim) -> the attention output, same layout. `merge`: what attends the in-flight
+        tokens and merges them with the prefix on the varlen backend (`in_flight_merge`, or its compiled
+        form: runtime.fused)."""
         if self.backend == "varlen":
-            return self._attend_varlen(q, cache, layer, windowed, gqa)
+            return self._attend_varlen(q, cache, layer, windowed, gqa, merge)
         keys, values = cache.keys[layer], cache.values[layer]
         if len(self.runs) == 1:
             start, end, key_len, mask, window_mask = self.runs[0]
@@ -253,34 +256,80 @@ class UniformPass:
 
     # ---------------------------------------------------------------- varlen (CUDA)
     def _plan_varlen(self, cache: KVCache, lengths: torch.Tensor) -> None:
+        """The flash calls of this pass (docs/runtime.md, "Decode attention"):
+        - one token a row (decode, draft passes, k = 0): one non-causal call (its query sees every key its row
+          uses: the same result). Flash then packs each KV head's query group into the query tile and splits
+          long key ranges, which it does only when the right window is negative;
+        - n >= 2 tokens a row (a verify) and trees: the committed prefix in one non-causal call with each KV
+          head's n x group queries packed into the query dimension (a tile holds them all, not n real rows of
+          128 per query head), and the in-flight tokens (the pass's own, or the tree's) attended exactly under
+          their mask; the two merged by their log-sum-exp;
+        - a verify keeps the one causal call where the merge is not fused (the eager layer: its ~20 small
+          kernels a layer would cost more than the tile saves at small batches; runtime.fused makes it one
+          function) and on a sliding-window layer (each token's window starts at its own position, which a
+          packed call over the prefix cannot express)."""
         b, device = cache.batch_size, cache.device
         self.flash = flash_varlen_call(device)
-        self.cu_q = (torch.arange(b + 1, device=device) * self.n).int()
         self.cu_k = (torch.arange(b + 1, device=device) * cache.max_len).int()
-        if self.tree is None:
-            self.used_k = (lengths + self.n).int()
+        self.cu_q = (torch.arange(b + 1, device=device) * self.n).int()
+        self.used_k = (lengths + self.n).int()  # the causal call (n = 1, or a windowed layer's verify)
+        self._packed_cu_q: dict[int, torch.Tensor] = {}
+        if self.tree is None and self.n == 1:
             return
-        m = self.tree.in_flight
+        m = self.tree.in_flight if self.tree is not None else self.n
         base = lengths - (m - self.n)
-        self.used_k = base.int()  # the committed prefix; the in-flight slots go by hand
+        self.prefix_used_k = base.int()  # the committed prefix; the in-flight slots go by hand
         self.in_flight_slots = base[:, None] + torch.arange(m, device=device)  # (b, m)
+        self.in_flight_mask = (self.tree.mask if self.tree is not None else
+                               torch.ones(self.n, self.n, dtype=torch.bool, device=device).tril())
 
-    def _attend_varlen(self, q, cache: KVCache, layer: int, windowed: bool, gqa: bool) -> torch.Tensor:
+    def _packed_offsets(self, group: int) -> torch.Tensor:
+        """cu_q of the packed prefix call: row r's n x group queries start at r * n * group (planned once per
+        pass: every layer reuses it)."""
+        if group not in self._packed_cu_q:
+            self._packed_cu_q[group] = self.cu_q * group
+        return self._packed_cu_q[group]
+
+    def _attend_varlen(self, q, cache: KVCache, layer: int, windowed: bool, gqa: bool, merge) -> torch.Tensor:
         b, n, heads, head_dim = q.shape
         keys, values = cache.keys[layer], cache.values[layer]
         flat_k, flat_v = keys.reshape(-1, *keys.shape[2:]), values.reshape(-1, *values.shape[2:])
-        flat_q = q.reshape(b * n, heads, head_dim)
-        if self.tree is None:
-            window = _window_of(windowed, self.window)
-            out, _ = self.flash(flat_q, flat_k, flat_v, self.cu_q, self.cu_k, n, cache.max_len, self.used_k,
-                                window - 1 if window else -1)
+        window = _window_of(windowed, self.window)
+        if self.n == 1 and self.tree is None:
+            out, _ = self.flash(q.reshape(b, heads, head_dim), flat_k, flat_v, self.cu_q, self.cu_k, 1,
+                                cache.max_len, self.used_k, window - 1 if window else -1, causal=False)
             return out.view(b, n, heads, head_dim)
-        prefix, prefix_lse = self.flash(flat_q, flat_k, flat_v, self.cu_q, self.cu_k, n, cache.max_len, self.used_k,
-                                        causal=False)
-        k_in, v_in = keys[self.rows, self.in_flight_slots], values[self.rows, self.in_flight_slots]  # (b, m, kv, d)
-        nodes, nodes_lse = _masked_attention(q, k_in, v_in, self.tree.mask)
-        # the kernel's log-sum-exp is (heads, tokens) (torch's meta implementation of varlen says so)
-        return merge_by_lse(prefix.view(b, n, heads, head_dim), prefix_lse.T.reshape(b, n, heads), nodes, nodes_lse)
+        if self.tree is None and (window or merge is None):
+            out, _ = self.flash(q.reshape(b * n, heads, head_dim), flat_k, flat_v, self.cu_q, self.cu_k, n,
+                                cache.max_len, self.used_k, window - 1 if window else -1)
+            return out.view(b, n, heads, head_dim)
+        kv_heads = keys.shape[2]
+        group = heads // kv_heads
+        # (b, n, kv, group, d) -> (b, n, group, kv, d): row r's queries of KV head h are its n x group entries
+        packed = q.view(b, n, kv_heads, group, head_dim).transpose(2, 3).reshape(b * n * group, kv_heads, head_dim)
+        prefix, prefix_lse = self.flash(packed, flat_k, flat_v, self._packed_offsets(group), self.cu_k, n * group,
+                                        cache.max_len, self.prefix_used_k, causal=False)
+        return (merge or in_flight_merge)(q, keys, values, self.rows, self.in_flight_slots, self.in_flight_mask,
+                                          prefix, prefix_lse)
+
+
+def in_flight_merge(q, keys, values, rows, slots, mask, prefix, prefix_lse):
+    """A verify's (or a tree's) attention: q (b, n, heads, d) over each row's in-flight `slots` (b, m) of the
+    cache's `keys` and `values` under `mask` (n, m), merged with the packed prefix call's output
+    (b * n * group, kv, d) and log-sum-exp (kv, b * n * group) -> (b, n, heads, d). One function, so that
+    runtime.fused compiles it into few kernels."""
+    b, n, heads, head_dim = q.shape
+    kv_heads = keys.shape[2]
+    group = heads // kv_heads
+    nodes, nodes_lse = _masked_attention(q, keys[rows, slots], values[rows, slots], mask)  # keys (b, m, kv, d)
+    prefix = prefix.view(b, n, group, kv_heads, head_dim).transpose(2, 3).reshape(b, n, heads, head_dim)
+    # the kernel's log-sum-exp is (heads, tokens) (torch's meta implementation of varlen says so): here
+    # (kv, b * n * group) -> (b, n, kv * group), the query heads' order
+    prefix_lse = prefix_lse.view(kv_heads, b, n, group).permute(1, 2, 0, 3).reshape(b, n, heads)
+    # flash reports a query that saw no key (an empty prefix: a pass on a fresh cache, a spare graph row)
+    # with lse +inf; for the merge it is an empty set: -inf
+    prefix_lse = prefix_lse.nan_to_num(posinf=float("-inf"))
+    return merge_by_lse(prefix, prefix_lse, nodes, nodes_lse)
 
 
 def _masked_attention(q, k, v, mask):

@@ -62,20 +62,28 @@ def bucket_for(batch_size: int, capacity: int) -> int:
 
 def capture_cuda_graph(run: Callable[[], torch.Tensor], reset: Callable[[], None], cache: KVCache,
                        pool) -> tuple[Callable[[], None], torch.Tensor, object]:
-    """Warm `run` (a pass over `cache`) up on a side stream, capture it, and return (replay, output, the
+    """Warm `run` (a pass over `cache`) up on a side stream, capture it there, and return (replay, output, the
     graph's memory pool, for the next capture to share; `pool` None: a new one). `reset` runs before each
-    warm-up and before the capture, outside the graph (a run advances the cache's lengths)."""
+    warm-up and before the capture, outside the graph (a run advances the cache's lengths).
+
+    The capture is begun and ended by hand rather than in `torch.cuda.graph`, whose entry synchronizes the
+    device, collects garbage and empties the allocator's cache at every capture: dozens of captures ahead of
+    serving would each pay that, and emptying the cache hands back the blocks the next capture would reuse.
+    The side stream waits for the current one and the warm-up ran on it, so what the capture reads is ready."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(WARMUP_RUNS):
             reset()
             run()
+        reset()  # on the side stream too: after the warm-up in stream order, before the capture begins
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=pool)
+        try:
+            output = run()
+        finally:
+            graph.capture_end()
     torch.cuda.current_stream().wait_stream(stream)
-    reset()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        output = run()
     return graph.replay, output, graph.pool()
 
 
@@ -84,6 +92,15 @@ class _Graph:
 
     def __init__(self, inputs: tuple[torch.Tensor, ...], output, replay: Callable[[], None]):
         self.inputs, self.output, self.replay = inputs, output, replay
+
+
+def capture_buckets(capacity: int) -> list[int]:
+    """Every bucket a batch of 1..capacity rows replays on a cache of `capacity` rows, largest first.
+
+    >>> capture_buckets(6), capture_buckets(20)
+    ([6, 4, 2, 1], [20, 16, 8, 4, 2, 1])
+    """
+    return sorted({bucket_for(b, capacity) for b in range(1, capacity + 1)}, reverse=True)
 
 
 def graphs_of(root: KVCache) -> dict:
@@ -165,6 +182,25 @@ class GraphRunner:
             root.lengths[row].fill_(int(root.host_lengths[row]))
         return _first_rows(graph.output, b)
 
+    def capture_ahead(self, cache: KVCache, keys) -> int:
+        """Capture each of `keys` (what `_replay` keys a pass by, its width first) at every bucket of the root
+        cache's rows, largest first into this runner's one pool (a smaller graph's memory comes out of what the
+        larger ones hold), so that a served or timed pass only replays. Keys this runner passes eagerly (wider
+        than its max_width, or not a graphed pass on this cache) are left out. Returns the captures made."""
+        root = cache.root
+        if not self.eligible(root, None, None):
+            return 0
+        graphs, made = graphs_of(root), 0
+        wanted = [key for key in dict.fromkeys(keys) if self.max_width is None or key[0] <= self.max_width]
+        for bucket in capture_buckets(root.batch_size):
+            for key in wanted:
+                if (bucket, *key) not in graphs:
+                    graphs[(bucket, *key)] = self._capture(root, bucket, bucket, key, settle=False)
+                    made += 1
+        self.roots.add(root)
+        synchronize(root.device)
+        return made
+
     @staticmethod
     def _spare_rows_without_room(root: KVCache, b: int, bucket: int, n: int) -> list[int]:
         """Spare rows whose content leaves no room for n more tokens: they run the pass from 0 instead."""
@@ -180,7 +216,9 @@ class GraphRunner:
         self.roots.add(root)
         return graphs[(bucket, *key)]
 
-    def _capture(self, root: KVCache, b: int, bucket: int, key: tuple) -> _Graph:
+    def _capture(self, root: KVCache, b: int, bucket: int, key: tuple, settle: bool = True) -> _Graph:
+        """`settle`: wait for the device after the capture, so its time is not the next step's (capturing
+        ahead waits once, after the last)."""
         started = time.perf_counter()
         n = key[0]
         view = root.rows(0, bucket)
@@ -195,7 +233,8 @@ class GraphRunner:
         inputs, run = self._static_pass(view, bucket, key)
         replay, output, self.pool = (self.capture or capture_cuda_graph)(run, reset, view, self.pool)
         view.set_lengths(saved[0], saved[1])  # warm-up and capture moved them; the real pass has not run
-        synchronize(root.device)  # the capture's time is its own, not the next step's
+        if settle:
+            synchronize(root.device)  # the capture's time is its own, not the next step's
         self.captures += 1
         self.capture_s += time.perf_counter() - started
         return _Graph(inputs, output, replay)

@@ -247,6 +247,20 @@ class SpeculativeGenerator:
         stats = [r.stats() for r in runners]
         return {name: sum(s[name] for s in stats) for name in ("captures", "capture_s", "kept")}
 
+    def capture_graphs(self, target_cache, draft_cache, max_k: int) -> int:
+        """Capture every CUDA graph chain steps of k = 0..max_k replay on these caches (each bucket of their
+        rows, largest first), so that none is captured once requests run: a server calls it at start-up, as
+        its memory plan counts them (calibrate.memory.serving_graph_bytes). Returns the captures made (0
+        without graphs)."""
+        if not self.cuda_graphs:
+            return 0
+        features = self.drafter.feature_layers if draft_cache is not None else None
+        made = self.target_runner.capture_ahead(target_cache, [(k + 1, None, features) for k in range(max_k + 1)])
+        runner = self.drafter.runners()[0] if self.drafter.runners() else None
+        if draft_cache is not None and hasattr(runner, "capture_ahead"):
+            made += runner.capture_ahead(draft_cache, self.drafter.graph_keys(max_k))
+        return made
+
     @property
     def context_limit(self) -> int:
         """Positions both models can address: prompt + generated + draft tokens of a step must fit."""

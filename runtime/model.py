@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import RaggedPass, TreeAttention, UniformPass, choose_backend
+from .fused import kernels_for, rotate_half_split as _rotate
 from .devices import device_kind
 from .config import ModelConfig
 from .kv_cache import KVCache
@@ -137,14 +138,6 @@ def _rms_norm(config: ModelConfig, size: int) -> nn.Module:
     return nn.RMSNorm(size, eps=config.norm_eps)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """RoPE in the half-split layout: x * cos + rotate_half(x) * sin, where rotate_half(x) = (-x2, x1).
-    (-x2, x1) * sin is (x2, x1) * (-sin, sin): a roll by half the head, times a sine whose first half is
-    negated once per pass (CausalLM._rope). Four kernels a layer instead of five (no negation, no copy into
-    a concatenation), each rounding as before: the same values bit for bit."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
-
-
 def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, factor: float, dtype):
     """(cos, signed sin) of every position for `_rotate`, (..., tokens, 1, rotary dims) in `dtype`."""
     freqs = (positions[..., None].float() * inv_freq)[..., None, :]  # (..., tokens, 1, hd/2): over heads
@@ -229,6 +222,32 @@ class Block(nn.Module):
                 out = attention.attend(q, cache, layer, windowed, gqa)
         return self.o(out.flatten(-2))
 
+    @property
+    def fusable(self) -> bool:
+        """Whether this layer's form is the one runtime.fused has kernels for: pre-norm with plain RMSNorms and
+        a gated MLP (Llama, Mistral, Qwen2/3, Phi-3); Gemma's offset and sandwich norms, GPT-2 and OPT stay
+        eager."""
+        return (self.config.family == "llama" and isinstance(self.attn_norm, nn.RMSNorm)
+                and self.attn_out_norm is None)
+
+    def fused_attention(self, kernels, x, rope, cache: KVCache, layer: int, attention) -> torch.Tensor:
+        """`attention` over a cache pass with the fused kernels (runtime.fused): x is the normed input."""
+        cfg = self.config
+        qkv = self.qkv(x)
+        cos, signed_sin = rope if rope is not None else (None, None)
+        q_norm, k_norm = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
+        q, k = kernels.queries_and_keys(qkv, cos, signed_sin, q_norm, k_norm, cfg.norm_eps, cfg.num_heads,
+                                        cfg.num_kv_heads, cfg.head_dim, cfg.rotary_dim, self.query_factor)
+        v = qkv[..., self.q_size + self.kv_size:].unflatten(-1, (cfg.num_kv_heads, cfg.head_dim))
+        gqa = cfg.num_kv_heads != cfg.num_heads
+        windowed = bool(cfg.sliding_window) and (not cfg.sliding_layers or cfg.sliding_layers[layer])
+        attention.write(cache, layer, k, v)
+        if isinstance(attention, RaggedPass):
+            out = attention.attend(q, k, v, cache, layer, windowed, gqa)
+        else:
+            out = attention.attend(q, cache, layer, windowed, gqa, kernels.in_flight_merge)
+        return self.o(out.flatten(-2))
+
     def forward(self, x, rope, cache, layer, attention):
         if self.config.family == "opt" and not self.config.do_layer_norm_before:  # post-LN (opt-350m)
             x = self.attn_norm(x + self.attention(x, rope, cache, layer, attention))
@@ -287,6 +306,7 @@ def finish_pass(cache: KVCache | None, attention, tokens: torch.Tensor) -> None:
         cache.advance(tokens.shape[1])
 
 
+BY_DEVICE = "by device"  # CausalLM.layer_kernels before its first cache pass: the device's record decides
 NORMED_OUTPUT = -1  # a feature id: the final norm's output (what an MTP head reads), not a layer's input
 
 
@@ -305,6 +325,10 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.attention_backend: str | None = None  # None: by device (runtime.attention.choose_backend)
+        # the fused layer kernels cache passes run (runtime.fused.LayerKernels), None for the eager layer, or
+        # BY_DEVICE: the device's record decides at the first cache pass (runtime.fused.kernels_for)
+        self.layer_kernels = BY_DEVICE
+        self._kernels_by_device = None  # (device, its kernels) as the record decided
         # a draft whose vocabulary is the start of its target's (one tokenizer, the target's table padded, as
         # Gemma 3 1B for 12B): logits padded with -inf to the target's size (`pad_vocabulary_to`)
         self.logits_size = config.vocab_size
@@ -399,7 +423,10 @@ class CausalLM(nn.Module):
         local_rope = self._rope(positions, x.dtype, local=True) if self.local_inv_freq is not None else None
         sliding = self.config.sliding_layers
         taken = None if features is None else x.new_empty(*x.shape[:-1], len(features) * x.shape[-1])
-        for index, layer in enumerate(self.layers):
+        kernels = self._kernels() if cache is not None else None
+        if kernels is not None:
+            x = self._fused_layers(kernels, x, rope, local_rope, cache, attention, features, taken)
+        for index, layer in enumerate(self.layers if kernels is None else ()):
             if features is not None:
                 _take_features(taken, features, index, x)  # a copy: the block sums its residual in place
             layer_rope = local_rope if local_rope is not None and sliding and sliding[index] else rope
@@ -412,6 +439,34 @@ class CausalLM(nn.Module):
         if features is not None:
             return self._logits(x, attention, last, new_tokens), taken
         return self._logits(x, attention, last, new_tokens)
+
+    def _kernels(self):
+        """The fused layer kernels this model's cache passes run, or None (the eager layer)."""
+        if self.layer_kernels is not BY_DEVICE:
+            return self.layer_kernels
+        device = self.lm_head.weight.device
+        if self._kernels_by_device is None or self._kernels_by_device[0] != device:  # once per device it runs on
+            fusable = all(layer.fusable for layer in self.layers)
+            self._kernels_by_device = (device, kernels_for(device) if fusable else None)
+        return self._kernels_by_device[1]
+
+    def _fused_layers(self, kernels, x, rope, local_rope, cache, attention, features, taken):
+        """Every layer with the fused kernels: each layer's last residual add is done with the next layer's
+        input norm (and the last one's after the loop), so the stream is summed where it is next read."""
+        eps, sliding = self.config.norm_eps, self.config.sliding_layers
+        delta = None
+        for index, layer in enumerate(self.layers):
+            if delta is None:
+                normed = kernels.norm(x, layer.attn_norm.weight, eps)
+            else:
+                normed, x = kernels.add_norm(x, delta, layer.attn_norm.weight, eps)
+            if features is not None:
+                _take_features(taken, features, index, x)
+            layer_rope = local_rope if local_rope is not None and sliding and sliding[index] else rope
+            attended = layer.fused_attention(kernels, normed, layer_rope, cache, index, attention)
+            normed, x = kernels.add_norm(x, attended, layer.mlp_norm.weight, eps)
+            delta = layer.down(kernels.gated(layer.gate_up(normed), layer.act))
+        return x + delta
 
     def _logits(self, x, attention, last, new_tokens):
         if last == 0:

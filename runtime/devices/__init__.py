@@ -55,6 +55,17 @@ def graphs_by_default(device, dtype) -> bool:
     return device_kind(device).graphs_by_default and str(dtype).removeprefix("torch.") in HALF_PRECISION
 
 
+def why_layers_unfused(device) -> str | None:
+    """Why cache passes on `device` run the eager layer rather than the fused kernels (runtime.fused), or None:
+    the record says whether to fuse, and the kind's module whether its compiler toolchain is there."""
+    kind = device_kind(device)
+    if not kind.fused_layers:
+        return f"{kind.name} runs the eager layer (its record: fused_layers off)"
+    from importlib import import_module
+
+    return import_module(f"{__package__}.{kind.name}").why_no_compiler()
+
+
 def execution_on(device, dtype, cuda_graphs: bool | None = None) -> str:
     """How passes run on `device` (a device or its kind) in `dtype`, as a profile records it
     (perfmodel.execution): 'cuda-graphs' or 'eager'; `cuda_graphs` None: the default (graphs_by_default).

@@ -27,6 +27,7 @@ CPU = DeviceKind(
     prefill_padding=1.25,
     alone_prefill_tokens=32,
     graphs_by_default=False,
+    fused_layers=False,  # the eager layer is tuned for MKL (in-place adds, transposed weights): no gaps to save
     sources={
         "cache_zero_ahead_slots": "rows grow by a token a pass; zeroing in runs of 64 slots keeps it rare",
         "prefill_pass_tokens": "demo pair, 32 and 64 ragged prompts: passes over more than ~1,024 tokens ran "
@@ -42,3 +43,12 @@ CPU = DeviceKind(
                                 "call per row (the prefill's attention 7.6 -> 3.4 ms a layer)",
     },
 )
+
+
+def why_no_compiler() -> str | None:
+    """Why torch.compile cannot make CPU kernels here (None: it can): inductor writes them in C++."""
+    import shutil
+
+    if not any(shutil.which(name) for name in ("c++", "g++", "clang++")):
+        return "no C++ compiler on PATH: torch.compile needs one for CPU kernels"
+    return None

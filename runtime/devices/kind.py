@@ -28,6 +28,7 @@ class DeviceKind:
     prefill_padding: float  # a fresh prefill's rows are padded together up to this factor over their own tokens
     alone_prefill_tokens: int | None  # ... and gathered into a padded batch only up to this length; None: always
     graphs_by_default: bool  # decode, draft and verify passes replay captured graphs unless --eager
+    fused_layers: bool  # cache passes run a layer's small tensor work as compiled kernels (runtime.fused)
     sources: Mapping[str, str] = field(default_factory=dict)  # fitted field -> where its value came from
 
     def __post_init__(self):

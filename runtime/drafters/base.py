@@ -44,6 +44,11 @@ class Drafter:
         """What runs the drafter's passes, for graph statistics."""
         return []
 
+    def graph_keys(self, max_k: int) -> list[tuple]:
+        """The keys of the graphed passes chain steps of k = 0..max_k run on the drafter's cache
+        (runtime.cuda_graphs: width first), for capturing them ahead."""
+        return []
+
     def prefill(self, cache, tokens: torch.Tensor, packed: torch.Tensor, counts: list[int], features):
         """Feed a prefill pass's rows into the drafter's cache (`cache`: those rows; `tokens`: their token
         buffer; `packed`: the pass's tokens; `features`: the target's hidden states of them, when the drafter

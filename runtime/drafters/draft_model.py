@@ -40,6 +40,12 @@ class DraftModelDrafter(Drafter):
         self.model(packed, cache, last=0, new_tokens=counts)
         return None
 
+    def graph_keys(self, max_k: int) -> list[tuple]:
+        # one-token drafting passes and the two-token catch-up, each keeping the last position's logits
+        from ..cuda_graphs import DRAFT_GRAPH_MAX_WIDTH
+
+        return [(n, 1, None) for n in range(1, DRAFT_GRAPH_MAX_WIDTH + 1)] if max_k > 0 else []
+
     def chain(self, state, k: int, passes):
         step_input = catch_up_input(self.model, state.draft_cache, state.tokens, state.committed,
                                     state.host_committed, passes)

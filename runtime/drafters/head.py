@@ -50,6 +50,11 @@ class HeadDrafter(Drafter):
             cache.hidden.copy_(outputs[ends])
         return after_first_tokens
 
+    def graph_keys(self, max_k: int) -> list[tuple]:
+        # (width, from the target, logits kept): the drafting pass, and the pass over each step's k + 1 verified
+        # positions (at k = 0 too: the head never lags)
+        return [(1, False, 1)] + [(k + 1, True, 0) for k in range(max_k + 1)]
+
     def chain(self, state, k: int, passes):
         cache, head, runner = state.draft_cache, self.head, self.runner
         hidden = cache.hidden[:, None]  # (b, 1, hidden): the head's output at each row's last committed token

@@ -14,6 +14,17 @@ from specbatch.runtime.policy import FixedK, FixedStrategy
 from specbatch.runtime.sampling import Sampling
 
 
+def test_a_reshape_that_copies_is_a_launch_and_one_that_views_is_not():
+    """Under inference mode aten.reshape reaches the counter as one op tagged a view, copy or not."""
+    with torch.inference_mode():
+        x = torch.randn(2, 3, 4)
+        with counting(OpCounter()) as counter:
+            x.reshape(6, 4)  # contiguous: a view
+            assert counter.counts["launches"] == 0
+            x.transpose(1, 2).reshape(2, 12)  # strides that no view can have: a copy kernel
+            assert counter.counts["launches"] == 1
+
+
 def test_the_counter_sees_every_kind_of_host_read_and_no_more():
     x = torch.arange(6)
     with counting(OpCounter()) as counter:

@@ -271,3 +271,54 @@ def test_a_draft_models_graph_keys_stay_bounded_after_steps_at_k0(greedy_target,
     widths = {key[1] for root in generator.draft_runner.roots for key in graphs_of(root)}
     assert widths and max(widths) <= DRAFT_GRAPH_MAX_WIDTH == 2
     assert max(result.stats.k_per_step) == 3 and result.stats.k_per_step.count(0) >= 10
+
+
+def test_capture_buckets_cover_every_batch_a_cache_replays():
+    for capacity in (1, 5, 20, 64, 300):
+        buckets = cuda_graphs.capture_buckets(capacity)
+        assert buckets == sorted(buckets, reverse=True)  # largest first: smaller graphs reuse its pool
+        assert {bucket_for(b, capacity) for b in range(1, capacity + 1)} == set(buckets)
+
+
+class ByBatch:
+    """k = batch size mod 4: as rows join and leave, every k of 0..3 runs at several batch sizes."""
+
+    max_k = 3
+
+    def __call__(self, batch_size, context_len=None):
+        return batch_size % 4
+
+    def describe(self):
+        return "k = batch size mod 4"
+
+
+def _bucket_of(logged) -> int:
+    """The bucket of a stand-in capture's logged output shape (a shape, or a tuple of them and None)."""
+    parts = logged if isinstance(logged, tuple) and not isinstance(logged, torch.Size) else (logged,)
+    return next(part[0] for part in parts if part is not None)
+
+
+def served_after_capturing_ahead(generator, prompts, captured: list) -> None:
+    """An engine over `generator` captures at start-up, largest bucket first; then five requests join one by one
+    and leave at different steps (batches 1..5 over buckets 1, 2, 4 and 5, k varying 0..3) and not one capture
+    happens while serving."""
+    from specbatch.runtime.engine import Engine, EngineConfig, Request
+
+    engine = Engine(generator, ByBatch(), EngineConfig(max_batch_size=5))
+    ahead = generator.graph_stats()["captures"]
+    assert engine.graphs_captured == ahead == len(captured) > 0
+    assert _bucket_of(captured[0]) == 5  # the largest bucket first
+    events = []
+    for index, prompt in enumerate(prompts[:5]):
+        engine.submit(Request(f"r{index}", tuple(prompt), 6 + 3 * index, on_event=events.append))
+        engine.step()
+    while engine.step():
+        pass
+    assert generator.graph_stats()["captures"] == ahead  # none while serving
+    assert {e.request_id for e in events if e.finish_reason} == {f"r{i}" for i in range(5)}
+
+
+def test_a_server_captures_every_graph_before_its_first_request(greedy_target, greedy_draft_sometimes, prompts8,
+                                                                 graphed_on_cpu):
+    generator = SpeculativeGenerator(greedy_target, greedy_draft_sometimes, cuda_graphs=True)
+    served_after_capturing_ahead(generator, prompts8, graphed_on_cpu)

@@ -173,3 +173,9 @@ def test_a_graphed_head_matches_eager_on_a_gpu(target, head):
         assert got[True].stats.accepted_per_position == got[False].stats.accepted_per_position
     finally:
         moved(target, "cpu", torch.float32), moved(head, "cpu", torch.float32)
+
+
+def test_a_server_with_a_head_captures_every_graph_before_its_first_request(target, head, captured):
+    from test_runtime_cuda_graphs import served_after_capturing_ahead
+
+    served_after_capturing_ahead(SpeculativeGenerator(target, head, cuda_graphs=True), _prompts(5, 3), captured)

@@ -9,7 +9,8 @@ cu_seq_k[i] + seqused_k[i] - 1; window_size (left, right): (-1, -1) full, (-1, 0
 with W keys to the left; causal masks align the queries with the LAST keys (query j of n sits at key
 position used - n + j). Returns (T_q, H, D) and, when asked, the log-sum-exp as (H, T_q) float32: the
 layout of the flash kernel's output and of torch's own fake (meta) implementation (the docstring's
-(T_q, H) is not what the kernel returns).
+(T_q, H) is not what the kernel returns). A query that sees no key gets output 0 and lse +inf, as the
+kernel's unsplit epilogue writes it (not the -inf of an empty log-sum-exp).
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_a
     assert heads == kv_heads or (enable_gqa and heads % kv_heads == 0)
     rows = len(cu_seq_q) - 1
     out = torch.zeros(query.shape, dtype=torch.float32)
-    lse = torch.full((query.shape[1], query.shape[0]), float("-inf"))
+    lse = torch.full((query.shape[1], query.shape[0]), float("inf"))
     scale = scale if scale is not None else 1 / math.sqrt(query.shape[-1])
     left, right = window_size
     for i in range(rows):
@@ -58,7 +59,8 @@ def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_a
         row_lse = torch.logsumexp(scores, dim=-1)  # (H, n)
         weights = torch.nan_to_num((scores - row_lse[..., None]).exp())
         out[q0:q1] = torch.einsum("hnm,mhd->nhd", weights, v)
-        lse[:, q0:q1] = row_lse
+        # as the kernel (FA2's softmax epilogue, unsplit): a query that sees no key has output 0 and lse +inf
+        lse[:, q0:q1] = row_lse.masked_fill(row_lse == float("-inf"), float("inf"))
     out = out.to(query.dtype)
     if return_aux is not None and return_aux.lse:
         return out, lse
