@@ -423,7 +423,7 @@ class CausalLM(nn.Module):
         local_rope = self._rope(positions, x.dtype, local=True) if self.local_inv_freq is not None else None
         sliding = self.config.sliding_layers
         taken = None if features is None else x.new_empty(*x.shape[:-1], len(features) * x.shape[-1])
-        kernels = self._kernels() if cache is not None else None
+        kernels = self.fused_kernels() if cache is not None else None
         if kernels is not None:
             x = self._fused_layers(kernels, x, rope, local_rope, cache, attention, features, taken)
         for index, layer in enumerate(self.layers if kernels is None else ()):
@@ -440,7 +440,7 @@ class CausalLM(nn.Module):
             return self._logits(x, attention, last, new_tokens), taken
         return self._logits(x, attention, last, new_tokens)
 
-    def _kernels(self):
+    def fused_kernels(self):
         """The fused layer kernels this model's cache passes run, or None (the eager layer)."""
         if self.layer_kernels is not BY_DEVICE:
             return self.layer_kernels

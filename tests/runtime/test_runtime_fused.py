@@ -14,6 +14,7 @@ from specbatch.runtime.attention import TreeAttention
 from specbatch.runtime.checkpoint import build_model
 from specbatch.runtime.devices import why_layers_unfused
 from specbatch.runtime.devices.cpu import why_no_compiler
+from specbatch.runtime.generator import SpeculativeGenerator
 from torch_fixtures import tiny_llama_config
 
 compiler = pytest.mark.skipif(why_no_compiler() is not None, reason="torch.compile needs a C++ compiler here")
@@ -64,7 +65,6 @@ def test_the_compiled_layer_computes_what_the_eager_layer_computes(name, backend
 
 @compiler
 def test_speculative_greedy_with_compiled_layers_is_target_only_greedy(monkeypatch):
-    from specbatch.runtime.generator import SpeculativeGenerator
     from specbatch.runtime.policy import FixedK
 
     target = build_model(tiny_llama_config(num_layers=3), "cpu", torch.float32, seed=2)
@@ -123,6 +123,35 @@ def test_on_cuda_the_compiled_layer_replayed_in_graphs_computes_what_the_eager_l
         with torch.inference_mode():
             runner(prompt, cache, last=1, new_tokens=list(PROMPTS))
             outputs.append([runner(tokens, cache).float().cpu() for tokens in steps])
-    assert fused_model._kernels() is not None and graphed.stats()["captures"] > 0
+    assert fused_model.fused_kernels() is not None and graphed.stats()["captures"] > 0
     for want, have in zip(*outputs):
         torch.testing.assert_close(have, want, atol=5e-2, rtol=5e-2)
+
+
+def test_a_server_compiles_the_prefills_kernels_before_its_first_request(greedy_target, greedy_draft_sometimes,
+                                                                          monkeypatch):
+    """Graphs cover decode and verify passes; the packed (tokens, hidden) shapes a prefill gives the fused
+    functions are met by a warm prefill at start-up, undone, so no request's prefill compiles."""
+    from specbatch.runtime.engine import Engine, EngineConfig
+    from specbatch.runtime.policy import FixedK
+    from test_runtime_cuda_graphs import stand_in_graphs
+
+    stand_in_graphs(monkeypatch, (greedy_target, greedy_draft_sometimes))
+    ranks = []
+
+    def recording(function):
+        def run(x, *args):
+            ranks.append(x.dim())
+            return function(x, *args)
+        return run
+
+    kernels = fused.LayerKernels(recording(fused.add_norm), recording(fused.norm), fused.gated,
+                                 fused.queries_and_keys, fused.in_flight_merge, compiled=True)
+    for model in (greedy_target, greedy_draft_sometimes):
+        monkeypatch.setattr(model, "layer_kernels", kernels)
+    generator = SpeculativeGenerator(greedy_target, greedy_draft_sometimes, cuda_graphs=True)
+    engine = Engine(generator, FixedK(2), EngineConfig(max_batch_size=3))
+    assert 2 in ranks and 3 in ranks  # a packed prefill and the graphs' uniform passes, before any request
+    assert engine.running == 0 and greedy_target.fused_kernels() is kernels
+    for cache in (engine._pool.target_cache, engine._pool.draft_cache):
+        assert cache.host_lengths.tolist() == [0, 0, 0]  # the warm prefill undone
