@@ -23,6 +23,7 @@ from typing import Sequence
 import numpy as np
 
 from .errors import PerfModelError
+from .fields import at, int_list, is_int, listed, number, number_list, string
 from .jsonio import rounded
 from .profile import AcceptanceEntry
 
@@ -178,33 +179,52 @@ class AcceptanceModel:
 
     @classmethod
     def from_json(cls, obj: dict, where: str) -> "AcceptanceModel":
-        try:
-            per_position = tuple(float(alpha) for alpha in obj["per_position"])
-            model = cls(source=str(obj["source"]), mode=obj["mode"], temperature=obj["temperature"],
-                        per_position=per_position,
-                        constant=ConstantAlphaFit(float(obj["constant_alpha"]), float(obj["constant_alpha_rmse"]),
-                                                  obj["constant_alpha_r_squared"]),
-                        tokens_per_step=None if obj.get("tokens_per_step") is None
-                        else tuple(float(t) for t in obj["tokens_per_step"]),
-                        rank_acceptance=None if obj.get("rank_acceptance") is None
-                        else tuple(tuple(float(p) for p in row) for row in obj["rank_acceptance"]),
-                        rank_sequences=None if obj.get("rank_sequences") is None
-                        else tuple(tuple(int(r) for r in row) for row in obj["rank_sequences"]),
-                        trials=None if obj.get("trials") is None else tuple(int(t) for t in obj["trials"]),
-                        tokens_per_step_se=None if obj.get("tokens_per_step_se") is None
-                        else tuple(float(se) for se in obj["tokens_per_step_se"]),
-                        step_counts_by_prompt=None if obj.get("step_counts_by_prompt") is None
-                        else tuple(tuple((float(t), float(n)) for t, n in per_k)
-                                   for per_k in obj["step_counts_by_prompt"]))
-        except (KeyError, TypeError, ValueError) as error:
-            raise PerfModelError(f"{where}: acceptance: malformed ({error!r})") from None
+        at_entry = where  # the entry itself ("model.json: acceptance[0]"): each field named by the profile's rules
+
+        def rows(key: str, read) -> tuple | None:
+            values = listed(obj, key, at_entry, nullable=True) if key in obj else None
+            if values is None:
+                return None
+            return tuple(read({f"{key}[{index}]": row}, f"{key}[{index}]", at_entry)
+                         for index, row in enumerate(values))
+
+        per_position = number_list(obj, "per_position", at_entry)
+        model = cls(source=string(obj, "source", at_entry), mode=string(obj, "mode", at_entry, nullable=True),
+                    temperature=number(obj, "temperature", at_entry, nullable=True), per_position=per_position,
+                    constant=ConstantAlphaFit(number(obj, "constant_alpha", at_entry),
+                                              number(obj, "constant_alpha_rmse", at_entry),
+                                              number(obj, "constant_alpha_r_squared", at_entry, nullable=True)),
+                    tokens_per_step=number_list(obj, "tokens_per_step", at_entry, nullable=True)
+                    if "tokens_per_step" in obj else None,
+                    rank_acceptance=rows("rank_acceptance", number_list),
+                    rank_sequences=rows("rank_sequences", lambda o, k, w: int_list(o, k, w, 0)),
+                    trials=int_list(obj, "trials", at_entry, 0, nullable=True) if "trials" in obj else None,
+                    tokens_per_step_se=number_list(obj, "tokens_per_step_se", at_entry, nullable=True)
+                    if "tokens_per_step_se" in obj else None,
+                    step_counts_by_prompt=_step_counts(obj, at_entry))
         if not per_position or not all(0.0 <= alpha <= 1.0 for alpha in per_position):
-            raise PerfModelError(f"{where}: acceptance.per_position: expected probabilities in [0, 1]")
+            raise PerfModelError(f"{at(where, 'per_position')}: expected probabilities in [0, 1]")
         rank = model.rank_acceptance
         if rank is not None and (not rank or not rank[0] or any(len(row) != len(rank[0]) for row in rank)
                                  or not all(0.0 <= p <= 1.0 for row in rank for p in row)):
-            raise PerfModelError(f"{where}: acceptance.rank_acceptance: expected equal-length rows of probabilities")
+            raise PerfModelError(f"{at(where, 'rank_acceptance')}: expected equal-length rows of probabilities")
         return model
+
+
+def _step_counts(obj: dict, where: str) -> tuple | None:
+    """step_counts_by_prompt: per k, a [tokens, steps] pair per prompt."""
+    per_k = listed(obj, "step_counts_by_prompt", where, nullable=True) if "step_counts_by_prompt" in obj else None
+    if per_k is None:
+        return None
+    counts = []
+    for k, pairs in enumerate(per_k):
+        at_k = f"{at(where, 'step_counts_by_prompt')}[{k}]"
+        rows = listed({"pairs": pairs}, "pairs", at_k)
+        for index, pair in enumerate(rows):
+            if not (isinstance(pair, list) and len(pair) == 2 and all(is_int(v) or isinstance(v, float) for v in pair)):
+                raise PerfModelError(f"{at_k}[{index}]: expected [tokens, steps], found {pair!r}")
+        counts.append(tuple((float(t), float(n)) for t, n in rows))
+    return tuple(counts)
 
 
 def acceptance_from_profile(entry: AcceptanceEntry) -> AcceptanceModel:

@@ -105,3 +105,37 @@ def int_list(obj: dict, key: str, where: str, minimum: int, nullable: bool = Fal
         if not is_int(value) or value < minimum:
             raise PerfModelError(f"{at(where, key)}[{index}]: expected an integer >= {minimum}, found {value!r}")
     return tuple(values)
+
+
+def number_list(obj: dict, key: str, where: str, nullable: bool = False) -> tuple[float, ...] | None:
+    values = listed(obj, key, where, nullable)
+    if values is None:
+        return None
+    for index, value in enumerate(values):
+        if not (is_int(value) or isinstance(value, float)) or not math.isfinite(value):
+            raise PerfModelError(f"{at(where, key)}[{index}]: expected a number, found {value!r}")
+    return tuple(float(value) for value in values)
+
+
+def json_object(obj: dict, key: str, where: str) -> dict:
+    value = get(obj, key, where)
+    if not isinstance(value, dict):
+        raise PerfModelError(f"{at(where, key)}: expected a JSON object, found {value!r}")
+    return value
+
+
+# a dataclass field's annotation -> how its JSON value is read (`record`)
+_READERS = {"int": lambda obj, key, where: integer(obj, key, where),
+            "float": lambda obj, key, where: number(obj, key, where),
+            "float | None": lambda obj, key, where: number(obj, key, where, nullable=True),
+            "int | None": lambda obj, key, where: integer(obj, key, where, nullable=True),
+            "str": lambda obj, key, where: string(obj, key, where)}
+
+
+def record(cls, obj: Any, where: str):
+    """A flat dataclass of ints, floats and strings from its JSON object, each field read by its annotation."""
+    from dataclasses import fields
+
+    if not isinstance(obj, dict):
+        raise PerfModelError(f"{where}: expected a JSON object, found {obj!r}")
+    return cls(**{field.name: _READERS[str(field.type)](obj, field.name, where) for field in fields(cls)})

@@ -30,6 +30,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .errors import PerfModelError
+from .fields import json_object, number, number_list
 from .jsonio import rounded
 from .profile import ModelInfo, TimingRow
 from .staircase import Staircase, fit_staircase
@@ -276,15 +277,15 @@ class MonotoneCorrection:
 
     @classmethod
     def from_json(cls, obj: dict, shape: RoleShape, roofline: RooflineParams, where: str) -> "MonotoneCorrection":
-        knots = tuple(float(knot) for knot in obj["token_knots"])
+        knots = number_list(obj, "token_knots", where)
         names, _ = monotone_basis(shape, roofline, knots, 1, 1, 0)
-        given = obj["coefficients"]
+        given = json_object(obj, "coefficients", where)
         if sorted(given) != sorted(names):
-            raise PerfModelError(f"{where}: monotone coefficients {sorted(given)} do not match the basis "
+            raise PerfModelError(f"{where}.coefficients: {sorted(given)} do not match the basis "
                                  f"{sorted(names)}")
-        coefficients = tuple(float(given[name]) for name in names)
+        coefficients = tuple(number(given, name, f"{where}.coefficients") for name in names)
         if min(coefficients) < 0:
-            raise PerfModelError(f"{where}: monotone coefficients must be >= 0")
+            raise PerfModelError(f"{where}.coefficients: must be >= 0")
         return cls(knots, coefficients)
 
 

@@ -22,7 +22,7 @@ evaluated with; tables made from it say whose costs they carry (`costs`).
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from datetime import datetime, timezone
 from typing import Sequence
 
@@ -33,7 +33,7 @@ from .acceptance import AcceptanceModel, acceptance_from_user
 from .coverage import Coverage, describe_cells
 from .engine_steps import EngineStepFit, engine_step_model
 from .errors import PerfModelError
-from .fields import boolean, duration_ms, integer
+from .fields import at, boolean, duration_ms, get, int_list, integer, is_int, listed, number, record, string
 from .jsonio import read_json, rounded, write_json_atomic
 from .overhead import OverheadModel
 from .profile import ROLES, DeviceInfo, Grid, ModelInfo, Stage2Info
@@ -369,42 +369,87 @@ def model_to_json(fitted: FittedModel) -> dict:
     }
 
 
-def _holdout_from_json(obj: dict | None) -> lat.HoldoutReport | None:
+def _holdout_from_json(obj: dict | None, where: str) -> lat.HoldoutReport | None:
     if obj is None:
         return None
+    by_kind = get(obj, "mape_pct_by_kind", where)
+    if not isinstance(by_kind, dict):
+        raise PerfModelError(f"{at(where, 'mape_pct_by_kind')}: expected a JSON object, found {by_kind!r}")
     return lat.HoldoutReport(
-        tuple(obj["held_out_batch_sizes"]), tuple(obj["held_out_context_lens"]), obj["train_points"],
-        obj["test_points"], obj["kind"], obj["mape_pct"], obj["max_error_pct"], dict(obj["mape_pct_by_kind"]),
-        tuple(lat.PointError(**point) for point in obj["worst"]))
+        int_list(obj, "held_out_batch_sizes", where, 1), int_list(obj, "held_out_context_lens", where, 0),
+        integer(obj, "train_points", where, 0), integer(obj, "test_points", where, 0), string(obj, "kind", where),
+        number(obj, "mape_pct", where, 0.0), number(obj, "max_error_pct", where, 0.0),
+        {name: number(by_kind, name, at(where, "mape_pct_by_kind")) for name in by_kind},
+        _point_errors(obj, "worst", where))
+
+
+# The roofline's parameters and the rule each must follow to describe a machine (perfmodel.latency.RooflineParams)
+ROOFLINE_RULES = (("overhead_ms", 0.0, "> 0"), ("bandwidth_GBps", 0.0, "> 0"), ("flops_TFLOPs", 0.0, "> 0"),
+                  ("overlap_exponent", 1.0, ">= 1"))
+
+
+def _roofline_from_json(obj: dict, where: str) -> lat.RooflineParams:
+    """Each parameter named with its own rule when it breaks it."""
+    values = {}
+    for key, bound, rule in ROOFLINE_RULES:
+        value = number(obj, key, where)
+        if not (value > bound if rule == "> 0" else value >= bound):
+            raise PerfModelError(f"{at(where, key)}: must be {rule}, found {value!r}")
+        values[key] = value
+    return lat.RooflineParams(**values)
+
+
+def _point_errors(obj: dict, key: str, where: str) -> tuple[lat.PointError, ...]:
+    return tuple(record(lat.PointError, point, f"{at(where, key)}[{index}]")
+                 for index, point in enumerate(listed(obj, key, where)))
+
+
+def _points_from_json(obj: dict, where: str) -> lat.Points:
+    """The fitted rows: [batch_size, new_tokens, context_len, median_ms] each."""
+    rows = listed(get(obj, "points", where), "rows", at(where, "points"))
+    for index, row in enumerate(rows):
+        if not (isinstance(row, list) and len(row) == 4 and all(is_int(v) or isinstance(v, float) for v in row)):
+            raise PerfModelError(f"{at(where, 'points.rows')}[{index}]: expected [batch_size, new_tokens, "
+                                 f"context_len, median_ms], found {row!r}")
+    table = np.array(rows, dtype=float).reshape(-1, 4)
+    if not len(table):
+        raise PerfModelError(f"{at(where, 'points.rows')}: expected at least one fitted row, found none")
+    return lat.Points(table[:, 0], table[:, 1], table[:, 2], table[:, 3])
 
 
 def _role_from_json(role: str, obj: dict, where: str) -> RoleFit:
-    shape = lat.RoleShape(**obj["shape"])
-    r = obj["roofline"]
-    roofline = lat.RooflineParams(float(r["overhead_ms"]), float(r["bandwidth_GBps"]), float(r["flops_TFLOPs"]),
-                                  float(r["overlap_exponent"]))
-    if min(roofline.overhead_ms, roofline.bandwidth_GBps, roofline.flops_TFLOPs) <= 0 or roofline.overlap_exponent < 1:
-        raise PerfModelError(f"{where}: roles.{role}.roofline: parameters must be positive (overlap_exponent >= 1)")
-    kind = obj["kind"]
-    if kind not in lat.KINDS:
-        raise PerfModelError(f"{where}: roles.{role}.kind: {kind!r} is not one of {', '.join(lat.KINDS)}")
+    """One role's fit, every field read by the profile's rules (perfmodel.fields): a hand-edited file is told
+    which field breaks which rule."""
+    where = f"{where}: roles.{role}"
+    shape_obj = get(obj, "shape", where)
+    shape = lat.RoleShape(*(integer(shape_obj, field.name, at(where, "shape"), 1)
+                            for field in fields(lat.RoleShape)))
+    roofline = _roofline_from_json(get(obj, "roofline", where), at(where, "roofline"))
+    kind = string(obj, "kind", where, lat.KINDS)
     correction = staircase = None
     if kind == lat.MONOTONE:
-        correction = lat.MonotoneCorrection.from_json(obj["monotone"], shape, roofline, f"{where}: roles.{role}")
+        correction = lat.MonotoneCorrection.from_json(get(obj, "monotone", where), shape, roofline,
+                                                      at(where, "monotone"))
     if kind == lat.STAIRCASE:
-        staircase = Staircase.from_json(obj["staircase"], f"{where}: roles.{role}")
-    rows = np.array(obj["points"]["rows"], dtype=float).reshape(-1, 4)
-    points = lat.Points(rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3])
-    validation = obj["validation"]
+        staircase = Staircase.from_json(get(obj, "staircase", where), where)
+    points = _points_from_json(obj, where)
+    validation = get(obj, "validation", where)
+    at_validation = at(where, "validation")
+    cv = get(validation, "cv_mape_pct", at_validation)
+    if not isinstance(cv, dict):
+        raise PerfModelError(f"{at(at_validation, 'cv_mape_pct')}: expected a JSON object, found {cv!r}")
+    notes = listed(obj, "notes", where)
+    if not all(isinstance(note, str) for note in notes):
+        raise PerfModelError(f"{at(where, 'notes')}: expected a list of strings, found {notes!r}")
     return RoleFit(
         role=role, model=lat.LatencyModel(kind, shape, roofline, correction, lat.Box.of(points), staircase),
         points=points,
-        infeasible_rows=int(obj["infeasible_rows"]),
-        in_sample_mape_pct=float(validation["in_sample_mape_pct"]),
-        cv_mape_pct=dict(validation["cv_mape_pct"]),
-        worst=tuple(lat.PointError(**point) for point in validation["worst"]),
-        holdout=_holdout_from_json(validation["holdout"]),
-        memory_bound_share=float(obj["memory_bound_share"]), notes=tuple(obj["notes"]),
+        infeasible_rows=integer(obj, "infeasible_rows", where, 0),
+        in_sample_mape_pct=number(validation, "in_sample_mape_pct", at_validation, 0.0),
+        cv_mape_pct={name: number(cv, name, at(at_validation, "cv_mape_pct"), nullable=True) for name in cv},
+        worst=_point_errors(validation, "worst", at_validation),
+        holdout=_holdout_from_json(get(validation, "holdout", at_validation), at(at_validation, "holdout")),
+        memory_bound_share=number(obj, "memory_bound_share", where, 0.0), notes=tuple(notes),
     )
 
 
@@ -414,8 +459,9 @@ def _with_token_curves(roles: dict[str, RoleFit], obj: dict, where: str) -> dict
         curve = obj[role].get("token_curve")
         if curve is None:
             continue
-        origin, fit = curve["from_role"], roles[role]
-        scale, rows, context = (float(curve[key]) for key in ("scale", "batch_size", "context_len"))
+        at_curve = f"{where}: roles.{role}.token_curve"
+        origin, fit = string(curve, "from_role", at_curve), roles[role]
+        scale, rows, context = (number(curve, key, at_curve) for key in ("scale", "batch_size", "context_len"))
         if origin not in roles or origin == role or fit.model.staircase is None or not (
                 scale > 0 and rows >= 1 and context >= 0):
             raise PerfModelError(f"{where}: roles.{role}.token_curve: from_role must name the other role, the role "
@@ -433,11 +479,12 @@ OPTIONAL_ACCEPTANCE_FIELDS = {"top_k": None, "top_p": None, "prompts": None, "pr
 def _overhead_from_json(obj: dict, source: str) -> OverheadModel:
     """The overhead rows, by the profile's rules: integer sizes, measured times (0 allowed)."""
     chain, tree = [], []
-    for index, row in enumerate(obj["overheads"]):
+    for index, row in enumerate(listed(obj, "overheads", f"{source}:")):
         where = f"{source}: overheads[{index}]"
         chain.append((integer(row, "batch_size", where, 1), integer(row, "k", where, 0),
                       duration_ms(row, "median_ms", where, allow_zero=True)))
-    for index, row in enumerate(obj.get("tree_overheads", [])):
+    for index, row in enumerate(listed({"tree_overheads": obj.get("tree_overheads", [])}, "tree_overheads",
+                                       f"{source}:")):
         where = f"{source}: tree_overheads[{index}]"
         tree.append((integer(row, "batch_size", where, 1), integer(row, "tree_nodes", where, 1),
                      boolean(row, "stage2", where), duration_ms(row, "median_ms", where, allow_zero=True)))
@@ -463,18 +510,24 @@ def model_from_json(obj: dict, source: str = "model") -> FittedModel:
     try:
         engine = None if obj.get("engine_steps") is None else \
             EngineStepFit.from_json(obj["engine_steps"], f"{source}: engine_steps")
+        roles_obj = None if engine is not None else get(obj, "roles", f"{source}:")
         roles = {} if engine is not None else _with_token_curves(
-            {role: _role_from_json(role, obj["roles"][role], source) for role in ROLES}, obj["roles"], source)
+            {role: _role_from_json(role, get(roles_obj, role, f"{source}: roles"), source) for role in ROLES},
+            roles_obj, source)
         overhead = _overhead_from_json(obj, source)
-        for index, entry in enumerate(obj["acceptance"]):
+        for index, entry in enumerate(listed(obj, "acceptance", f"{source}:")):
+            if not isinstance(entry, dict):
+                raise PerfModelError(f"{source}: acceptance[{index}]: expected a JSON object, found {entry!r}")
             # the profile's rules for every measured figure; `source` and `mode` here say where the figures
             # came from ("profile" or "user", a user's what-if has no mode) and AcceptanceModel checks them
             checked = {**OPTIONAL_ACCEPTANCE_FIELDS, **entry, "source": "measured",
                        "mode": entry.get("mode") or "greedy"}
             acceptance_entry_from_json(checked, f"{source}: acceptance[{index}]")
-        acceptance = tuple(AcceptanceModel.from_json(entry, source) for entry in obj["acceptance"])
-        created = str(obj["created_utc"])
-        timing_source = None if obj.get("timing_source") is None else SourceChoice.from_json(obj["timing_source"])
+        acceptance = tuple(AcceptanceModel.from_json(entry, f"{source}: acceptance[{index}]")
+                           for index, entry in enumerate(obj["acceptance"]))
+        created = string(obj, "created_utc", f"{source}:")
+        timing_source = None if obj.get("timing_source") is None else \
+            SourceChoice.from_json(obj["timing_source"], f"{source}: timing_source")
         correction = None if obj.get("step_correction") is None else \
             StepCorrection.from_json(obj["step_correction"], f"{source}: step_correction")
         coverage = None if obj.get("coverage") is None else Coverage.from_json(obj["coverage"], source)

@@ -29,6 +29,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .errors import PerfModelError
+from .fields import at, integer, json_object, listed, number, record, string
 from .jsonio import rounded
 
 ISOLATED, INSITU, COMBINED = "isolated", "in-situ", "isolated+in-situ"
@@ -80,10 +81,16 @@ class SourceReport:
                 "steps": [clean(asdict(s)) for s in self.steps]}
 
     @classmethod
-    def from_json(cls, obj: dict) -> "SourceReport":
-        return cls(obj["source"], dict(obj["points"]), dict(obj["kinds"]), float(obj["step_mape_pct"]),
-                   obj["heldout_step_mape_pct"], tuple(BatchSizeError(**e) for e in obj["by_batch_size"]),
-                   tuple(StepError(**s) for s in obj["steps"]))
+    def from_json(cls, obj: dict, where: str) -> "SourceReport":
+        points, kinds = json_object(obj, "points", where), json_object(obj, "kinds", where)
+        return cls(string(obj, "source", where),
+                   {role: integer(points, role, at(where, "points"), 0) for role in points},
+                   {role: string(kinds, role, at(where, "kinds")) for role in kinds},
+                   number(obj, "step_mape_pct", where, 0.0), number(obj, "heldout_step_mape_pct", where, 0.0, True),
+                   tuple(record(BatchSizeError, e, f"{at(where, 'by_batch_size')}[{i}]")
+                         for i, e in enumerate(listed(obj, "by_batch_size", where))),
+                   tuple(record(StepError, s, f"{at(where, 'steps')}[{i}]")
+                         for i, s in enumerate(listed(obj, "steps", where))))
 
 
 @dataclass(frozen=True)
@@ -99,8 +106,11 @@ class SourceChoice:
         return {"chosen": self.chosen, "criterion": self.criterion, "sources": [r.to_json() for r in self.reports]}
 
     @classmethod
-    def from_json(cls, obj: dict) -> "SourceChoice":
-        return cls(str(obj["chosen"]), str(obj["criterion"]), tuple(SourceReport.from_json(r) for r in obj["sources"]))
+    def from_json(cls, obj: dict, where: str) -> "SourceChoice":
+        reports = tuple(SourceReport.from_json(r, f"{at(where, 'sources')}[{i}]")
+                        for i, r in enumerate(listed(obj, "sources", where)))
+        chosen = string(obj, "chosen", where, tuple(r.source for r in reports))
+        return cls(chosen, string(obj, "criterion", where), reports)
 
 
 
@@ -174,12 +184,13 @@ class StepCorrection:
 
     @classmethod
     def from_json(cls, obj: Any, where: str) -> "StepCorrection":
-        try:
-            factors = {(int(row["batch_size"]), int(row["k"])): float(row["log_factor"]) for row in obj["factors"]}
-            correction = cls(factors, int(obj["sweeps"]), float(obj["heldout_error_pct"]),
-                             float(obj["heldout_uncorrected_pct"]))
-        except (KeyError, TypeError, ValueError) as error:
-            raise PerfModelError(f"{where}: malformed step correction ({type(error).__name__}: {error})") from None
+        factors = {}
+        for index, row in enumerate(listed(obj, "factors", where)):
+            at_row = f"{at(where, 'factors')}[{index}]"
+            factors[(integer(row, "batch_size", at_row, 1), integer(row, "k", at_row, 0))] = \
+                number(row, "log_factor", at_row)
+        correction = cls(factors, integer(obj, "sweeps", where, 0), number(obj, "heldout_error_pct", where, 0.0),
+                         number(obj, "heldout_uncorrected_pct", where, 0.0))
         if not factors or any(not math.isfinite(c) for c in factors.values()):
             raise PerfModelError(f"{where}: a step correction needs finite factors, found {len(factors)}")
         return correction

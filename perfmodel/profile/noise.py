@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import PerfModelError
-from ..fields import duration_ms
+from ..fields import duration_ms, listed, record, string
 
 NOISE_RULE = 0.03  # the repetition rule's ±3 %: noise above it is larger than the precision we claim
 
@@ -89,12 +89,9 @@ class NoiseFigure:
 
 def noise_from_json(obj: Any, where: str) -> NoiseFigure:
     """The profile's optional `noise` object; drift, jitter and too_noisy are recomputed from the checks."""
-    try:
-        checks = tuple(NoiseCheck(float(c["elapsed_s"]), float(c["median_ms"]), float(c["p10_ms"]),
-                                  float(c["p90_ms"])) for c in obj["checks"])
-        reference = str(obj["reference"])
-    except (KeyError, TypeError, ValueError) as error:
-        raise PerfModelError(f"{where}: malformed noise figure ({type(error).__name__}: {error})") from None
+    checks = tuple(record(NoiseCheck, check, f"{where}.checks[{index}]")
+                   for index, check in enumerate(listed(obj, "checks", where)))
+    reference = string(obj, "reference", where)
     if not checks:
         raise PerfModelError(f"{where}.checks: expected at least one check")
     for index, check in enumerate(checks):

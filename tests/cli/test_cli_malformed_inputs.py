@@ -71,6 +71,25 @@ def test_a_profile_no_machine_measured_is_one_line_in_fit(profile_json, tmp_path
      "acceptance[0].tokens_per_step[1]: expected tokens per step in [1, 2], found 50"),
     (lambda o: o["overheads"][0].update(median_ms=-500.0), "overheads[0].median_ms: expected a measured time"),
     (lambda o: o["acceptance"][0].update(rank_acceptance=[[0.9, 0.9]] * 3), "rank_acceptance[0]: ranks sum to 1.8"),
+    # hand edits that used to name a Python exception ("KeyError: 'roles'") or another field than the one at fault
+    (lambda o: o.pop("roles"), ": roles: missing"),
+    (lambda o: o["roles"].update(target=None), "roles.target: expected a JSON object, found NoneType"),
+    (lambda o: o["roles"]["target"]["roofline"].update(bandwidth_GBps=-2.0),
+     "roles.target.roofline.bandwidth_GBps: must be > 0, found -2.0"),
+    (lambda o: o["roles"]["draft"]["roofline"].update(flops_TFLOPs=0),
+     "roles.draft.roofline.flops_TFLOPs: must be > 0"),
+    (lambda o: o["roles"]["target"]["roofline"].update(overlap_exponent=0.5),
+     "roles.target.roofline.overlap_exponent: must be >= 1, found 0.5"),
+    (lambda o: o["roles"]["target"]["shape"].update(parameters=None),
+     "roles.target.shape.parameters: expected an integer, found None"),
+    (lambda o: o["roles"]["target"]["points"].update(rows=[[1, 1, 128]]),
+     "roles.target.points.rows[0]: expected [batch_size, new_tokens, context_len, median_ms]"),
+    (lambda o: o["roles"]["target"]["validation"]["worst"][0].pop("measured_ms"),
+     "roles.target.validation.worst[0].measured_ms: missing"),
+    (lambda o: o.update(acceptance=[None]), "acceptance[0]: expected a JSON object, found None"),
+    (lambda o: o["acceptance"][0].update(constant_alpha="high"),
+     "acceptance[0].constant_alpha: expected a number, found 'high'"),
+    (lambda o: o.pop("created_utc"), ": created_utc: missing"),
 ])
 def test_a_model_file_is_read_by_the_profiles_rules_in_table_and_query(model_json, tmp_path, edit, fragment):
     path = written(tmp_path, edited(model_json, edit), "model.json")

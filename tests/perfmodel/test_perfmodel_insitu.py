@@ -179,7 +179,7 @@ def test_isolated_is_kept_when_it_predicts_the_steps_and_the_choice_survives_the
 def json_round(choice):
     from specbatch.perfmodel.steps import SourceChoice
 
-    return SourceChoice.from_json(json.loads(json.dumps(choice.to_json())))
+    return SourceChoice.from_json(json.loads(json.dumps(choice.to_json())), "model.json: timing_source")
 
 
 def test_without_in_situ_rows_the_fit_is_todays(tmp_path):
