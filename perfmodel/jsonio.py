@@ -249,6 +249,8 @@ def read_json(path: str | os.PathLike, schema_prefix: str) -> dict:
     that) or a family ending in "/" such as "specbatch.table/" (any version of that family).
     """
     path = Path(path)
+    if path.is_dir():
+        raise PerfModelError(f"{path}: a directory, expected a {schema_prefix.rstrip('/')} JSON file")
     if not path.is_file():
         raise PerfModelError(f"{path}: no such file")
     try:

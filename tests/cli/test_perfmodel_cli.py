@@ -227,6 +227,14 @@ def test_max_k_is_bounded_where_more_draft_tokens_cannot_pay(files, tmp_path, co
         assert invoke("query", files["model"], "--batch-size", "1", "--max-k", MAX_TABLE_K).exit_code == 0
 
 
+def test_a_directory_given_for_a_file_is_named_as_one(tmp_path):
+    """`fit DIR` said "no such file" of a folder that exists."""
+    assert_one_line_error(invoke("fit", tmp_path, "-o", tmp_path / "m.json"),
+                          f"{tmp_path}: a directory, expected a specbatch.profile/1 JSON file")
+    assert_one_line_error(invoke("table", tmp_path, "-o", tmp_path / "t.json"),
+                          f"{tmp_path}: a directory, expected a specbatch.model/1 JSON file")
+
+
 def test_query_needs_exactly_one_source(files):
     assert_one_line_error(invoke("query", "--batch-size", "2"), "either a model file or --table")
     assert_one_line_error(invoke("query", files["model"], "--table", files["model"], "--batch-size", "2"),
