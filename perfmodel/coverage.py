@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import PerfModelError
+from .fields import ROLES, at, integer, is_int, listed, string
 
 DRAFT_CHAIN_TOKENS = 2  # the draft's first pass may catch up two tokens
 
@@ -53,13 +54,24 @@ class Coverage:
                 "stopped_by": self.stopped_by}
 
     @classmethod
-    def from_json(cls, obj: dict, source: str) -> Coverage:
-        try:
-            return cls(int(obj["planned_points"]), int(obj["measured_points"]),
-                       tuple((str(r), int(b), int(L)) for r, b, L in obj["missing_cells"]),
-                       int(obj["planned_overheads"]), int(obj["measured_overheads"]), str(obj["stopped_by"]))
-        except (KeyError, TypeError, ValueError) as error:
-            raise PerfModelError(f"{source}: coverage: malformed ({type(error).__name__}: {error})") from None
+    def from_json(cls, obj: dict, where: str) -> Coverage:
+        """`where`: the section ('model.json: coverage'); each field is named with its rule when it breaks it."""
+        counts = {key: integer(obj, key, where, 0) for key in
+                  ("planned_points", "measured_points", "planned_overheads", "measured_overheads")}
+        for measured, planned in (("measured_points", "planned_points"), ("measured_overheads", "planned_overheads")):
+            if counts[measured] > counts[planned]:
+                raise PerfModelError(f"{at(where, measured)}: at most {planned} = {counts[planned]}, found "
+                                     f"{counts[measured]}")
+        cells = []
+        for index, cell in enumerate(listed(obj, "missing_cells", where)):
+            if not (isinstance(cell, list) and len(cell) == 3 and cell[0] in ROLES and is_int(cell[1])
+                    and cell[1] >= 1 and is_int(cell[2]) and cell[2] >= 0):
+                raise PerfModelError(f"{at(where, 'missing_cells')}[{index}]: expected [role, batch_size, "
+                                     f"context_len] (a role of {', '.join(ROLES)}, batch_size >= 1, "
+                                     f"context_len >= 0), found {cell!r}")
+            cells.append(tuple(cell))
+        return cls(counts["planned_points"], counts["measured_points"], tuple(cells), counts["planned_overheads"],
+                   counts["measured_overheads"], string(obj, "stopped_by", where))
 
 
 def describe_cells(cells: tuple[tuple[str, int, int], ...], shown: int = 6) -> str:

@@ -41,9 +41,11 @@ import numpy as np
 from scipy.optimize import nnls
 
 from .errors import PerfModelError
+from .fields import at, duration_ms, get, integer, json_object, listed, number, string
 from .jsonio import rounded
 from .overhead import OverheadModel
 from .profile import AcceptanceEntry, EngineInfo, EngineStepRow
+from .profile.engine import ENGINE_MODES, engine_from_json
 from .strategy import StepModel, StrategyCandidate, StrategyChoice
 from .tree import Strategy
 
@@ -133,9 +135,29 @@ class HeldOut:
                 "per_group": {str(g): rounded(v) for g, v in self.per_group.items()}}
 
     @classmethod
-    def from_json(cls, obj: dict) -> "HeldOut":
-        return cls(obj["by"], float(obj["mape_pct"]), {int(g): float(v) for g, v in obj["per_group"].items()},
-                   float(obj["worst_pct"]))
+    def from_json(cls, obj: dict, where: str) -> "HeldOut":
+        by = string(obj, "by", where, HELD_OUT_BY)
+        groups = json_object(obj, "per_group", where)
+        per_group = {}
+        for group in groups:
+            if not group.isdigit():
+                raise PerfModelError(f"{at(where, 'per_group')}: expected a {by} for each key, found {group!r}")
+            per_group[int(group)] = number(groups, group, at(where, "per_group"), 0.0)
+        return cls(by, number(obj, "mape_pct", where, 0.0), per_group, number(obj, "worst_pct", where, 0.0))
+
+
+HELD_OUT_BY = ("k", "batch_size")
+
+
+def point_from_json(obj: dict, where: str) -> EnginePoint:
+    """One configuration's point, by the rules of the profile's engine rows (perfmodel.profile.engine)."""
+    mode, k = string(obj, "mode", where, ENGINE_MODES), integer(obj, "k", where, 0)
+    if mode == "none" and k != 0:
+        raise PerfModelError(f"{at(where, 'k')}: an engine without a speculative configuration drafts nothing: "
+                             f"k must be 0, found {k}")
+    return EnginePoint(mode, integer(obj, "batch_size", where, 1), k, integer(obj, "prompt_len", where, 1),
+                       number(obj, "context_len", where, 0.0), duration_ms(obj, "median_ms", where),
+                       integer(obj, "sweeps", where, 1), number(obj, "spread_pct", where, 0.0))
 
 
 def held_out(points: Sequence[EnginePoint], by: str) -> HeldOut | None:
@@ -206,19 +228,18 @@ class EngineStepFit:
 
     @classmethod
     def from_json(cls, obj: dict, where: str) -> "EngineStepFit":
-        from .profile.engine import engine_from_json
-
-        try:
-            terms = {name: float(obj["terms"][name]) for name in TERMS}
-            points = tuple(EnginePoint(**{**p, "median_ms": float(p["median_ms"])}) for p in obj["points"])
-            fit = cls(engine_from_json(obj["engine"], f"{where}.engine"), terms, points,
-                      float(obj["in_sample_mape_pct"]), tuple(HeldOut.from_json(h) for h in obj["held_out"]),
-                      float(obj["sweep_spread_pct"]))
-        except (KeyError, TypeError, ValueError) as error:
-            raise PerfModelError(f"{where}: malformed engine step model ({type(error).__name__}: {error})") from None
-        if min(terms.values()) < 0 or not points:
-            raise PerfModelError(f"{where}: an engine step model needs non-negative terms and its points")
-        return fit
+        """`where`: the section ('model.json: engine_steps'); each field is named with its rule."""
+        coefficients = json_object(obj, "terms", where)
+        terms = {name: number(coefficients, name, at(where, "terms"), 0.0) for name in TERMS}
+        points = tuple(point_from_json(point, f"{at(where, 'points')}[{index}]")
+                       for index, point in enumerate(listed(obj, "points", where)))
+        if not points:
+            raise PerfModelError(f"{at(where, 'points')}: expected the fitted configurations, found none")
+        return cls(engine_from_json(get(obj, "engine", where), at(where, "engine")), terms, points,
+                   number(obj, "in_sample_mape_pct", where, 0.0),
+                   tuple(HeldOut.from_json(report, f"{at(where, 'held_out')}[{index}]")
+                         for index, report in enumerate(listed(obj, "held_out", where))),
+                   number(obj, "sweep_spread_pct", where, 0.0))
 
 
 def fit_engine_steps(engine: EngineInfo, rows: Sequence[EngineStepRow]) -> EngineStepFit:

@@ -19,9 +19,18 @@ def at(where: str, key: str) -> str:
     return f"{where} {key}" if where.endswith(":") else f"{where}.{key}"
 
 
+# what a JSON value is, in JSON's words (a file's reader never saw Python's 'NoneType' or 'dict')
+_JSON_KINDS = {type(None): "null", bool: "true or false", int: "a number", float: "a number", str: "a string",
+               list: "a list", dict: "an object"}
+
+
+def json_kind(value: Any) -> str:
+    return _JSON_KINDS.get(type(value), type(value).__name__)
+
+
 def get(obj: dict, key: str, where: str) -> Any:
     if not isinstance(obj, dict):
-        raise PerfModelError(f"{where.rstrip(':')}: expected a JSON object, found {type(obj).__name__}")
+        raise PerfModelError(f"{where.rstrip(':')}: expected a JSON object, found {json_kind(obj)}")
     if key not in obj:
         raise PerfModelError(f"{at(where, key)}: missing")
     return obj[key]
@@ -93,7 +102,7 @@ def listed(obj: dict, key: str, where: str, nullable: bool = False) -> list | No
     if value is None and nullable:
         return None
     if not isinstance(value, list):
-        raise PerfModelError(f"{at(where, key)}: expected a list, found {type(value).__name__}")
+        raise PerfModelError(f"{at(where, key)}: expected a list, found {json_kind(value)}")
     return value
 
 

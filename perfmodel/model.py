@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, fields, replace
 from datetime import datetime, timezone
+from functools import partial
 from typing import Sequence
 
 import numpy as np
@@ -431,7 +432,7 @@ def _role_from_json(role: str, obj: dict, where: str) -> RoleFit:
         correction = lat.MonotoneCorrection.from_json(get(obj, "monotone", where), shape, roofline,
                                                       at(where, "monotone"))
     if kind == lat.STAIRCASE:
-        staircase = Staircase.from_json(get(obj, "staircase", where), where)
+        staircase = Staircase.from_json(get(obj, "staircase", where), at(where, "staircase"))
     points = _points_from_json(obj, where)
     validation = get(obj, "validation", where)
     at_validation = at(where, "validation")
@@ -491,9 +492,35 @@ def _overhead_from_json(obj: dict, source: str) -> OverheadModel:
     return OverheadModel(tuple(chain), tuple(tree))
 
 
+def _acceptance_from_json(obj: dict, source: str) -> tuple[AcceptanceModel, ...]:
+    from .profile import acceptance_entry_from_json  # the profile's strict reader
+
+    for index, entry in enumerate(listed(obj, "acceptance", f"{source}:")):
+        if not isinstance(entry, dict):
+            raise PerfModelError(f"{source}: acceptance[{index}]: expected a JSON object, found {entry!r}")
+        # the profile's rules for every measured figure; `source` and `mode` here say where the figures
+        # came from ("profile" or "user", a user's what-if has no mode) and AcceptanceModel checks them
+        checked = {**OPTIONAL_ACCEPTANCE_FIELDS, **entry, "source": "measured", "mode": entry.get("mode") or "greedy"}
+        acceptance_entry_from_json(checked, f"{source}: acceptance[{index}]")
+    return tuple(AcceptanceModel.from_json(entry, f"{source}: acceptance[{index}]")
+                 for index, entry in enumerate(obj["acceptance"]))
+
+
+def _read_section(source: str, name: str, read):
+    """`read()` of one section of a model file. Its readers name each field with its rule; a value none of them
+    foresaw still gets one line naming the file and the section, not a Python exception's name."""
+    try:
+        return read()
+    except PerfModelError:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError):
+        raise PerfModelError(f"{source}: {name}: not in the form `specbatch fit` writes; fit the profile "
+                             f"again") from None
+
+
 def model_from_json(obj: dict, source: str = "model") -> FittedModel:
     """Rebuild a FittedModel; any structural problem is a one-line PerfModelError naming `source`."""
-    from .profile import acceptance_entry_from_json, profile_from_json, stage2_from_json  # the strict readers
+    from .profile import profile_from_json, stage2_from_json  # the strict readers
 
     meta = obj.get("profile")
     if not isinstance(meta, dict):
@@ -507,34 +534,22 @@ def model_from_json(obj: dict, source: str = "model") -> FittedModel:
     stage2 = None
     if obj.get("stage2") is not None:
         stage2 = stage2_from_json(obj["stage2"], f"{source}: stage2")
-    try:
-        engine = None if obj.get("engine_steps") is None else \
-            EngineStepFit.from_json(obj["engine_steps"], f"{source}: engine_steps")
-        roles_obj = None if engine is not None else get(obj, "roles", f"{source}:")
-        roles = {} if engine is not None else _with_token_curves(
-            {role: _role_from_json(role, get(roles_obj, role, f"{source}: roles"), source) for role in ROLES},
-            roles_obj, source)
-        overhead = _overhead_from_json(obj, source)
-        for index, entry in enumerate(listed(obj, "acceptance", f"{source}:")):
-            if not isinstance(entry, dict):
-                raise PerfModelError(f"{source}: acceptance[{index}]: expected a JSON object, found {entry!r}")
-            # the profile's rules for every measured figure; `source` and `mode` here say where the figures
-            # came from ("profile" or "user", a user's what-if has no mode) and AcceptanceModel checks them
-            checked = {**OPTIONAL_ACCEPTANCE_FIELDS, **entry, "source": "measured",
-                       "mode": entry.get("mode") or "greedy"}
-            acceptance_entry_from_json(checked, f"{source}: acceptance[{index}]")
-        acceptance = tuple(AcceptanceModel.from_json(entry, f"{source}: acceptance[{index}]")
-                           for index, entry in enumerate(obj["acceptance"]))
-        created = string(obj, "created_utc", f"{source}:")
-        timing_source = None if obj.get("timing_source") is None else \
-            SourceChoice.from_json(obj["timing_source"], f"{source}: timing_source")
-        correction = None if obj.get("step_correction") is None else \
-            StepCorrection.from_json(obj["step_correction"], f"{source}: step_correction")
-        coverage = None if obj.get("coverage") is None else Coverage.from_json(obj["coverage"], source)
-    except (KeyError, TypeError, ValueError, IndexError) as error:
-        if isinstance(error, PerfModelError):
-            raise
-        raise PerfModelError(f"{source}: malformed model file ({type(error).__name__}: {error})") from None
+    section = partial(_read_section, source)
+    engine = None if obj.get("engine_steps") is None else \
+        section("engine_steps", lambda: EngineStepFit.from_json(obj["engine_steps"], f"{source}: engine_steps"))
+    roles_obj = None if engine is not None else get(obj, "roles", f"{source}:")
+    roles = {} if engine is not None else section("roles", lambda: _with_token_curves(
+        {role: _role_from_json(role, get(roles_obj, role, f"{source}: roles"), source) for role in ROLES},
+        roles_obj, source))
+    overhead = section("overheads", lambda: _overhead_from_json(obj, source))
+    acceptance = section("acceptance", lambda: _acceptance_from_json(obj, source))
+    created = string(obj, "created_utc", f"{source}:")
+    timing_source = None if obj.get("timing_source") is None else section(
+        "timing_source", lambda: SourceChoice.from_json(obj["timing_source"], f"{source}: timing_source"))
+    correction = None if obj.get("step_correction") is None else section(
+        "step_correction", lambda: StepCorrection.from_json(obj["step_correction"], f"{source}: step_correction"))
+    coverage = None if obj.get("coverage") is None else \
+        section("coverage", lambda: Coverage.from_json(obj["coverage"], f"{source}: coverage"))
     return FittedModel(created, stub.created_utc, stub.device, stub.target, stub.draft, stub.grid, roles,
                        overhead, acceptance, stage2, timing_source, stub.noise, correction, stub.composition,
                        engine, coverage)

@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .errors import PerfModelError
+from .fields import at, boolean, json_object, listed, number, string
 from .jsonio import rounded
 
 TOKENS, ROWS, ROWS_CONTEXT = "tokens", "rows", "rows_context"  # what a step's coefficient multiplies
@@ -184,23 +185,25 @@ class Staircase:
 
     @classmethod
     def from_json(cls, obj: dict, where: str) -> "Staircase":
+        """`where`: the section ('model.json: roles.target.staircase'); each field is named with its rule."""
         steps = []
-        for index, item in enumerate(obj["steps"]):
-            if item["axis"] not in AXES or not float(item["after"]) < float(item["until"]):
-                raise PerfModelError(f"{where}: staircase.steps[{index}]: axis must be one of {', '.join(AXES)} "
-                                     "and after < until")
-            steps.append(KernelStep(item["axis"], float(item["after"]), float(item["until"]),
-                                    float(item["coefficient"]), bool(item["sharp"])))
-        if sorted(obj["base"]) != sorted(BASE):
-            raise PerfModelError(f"{where}: staircase.base: expected the terms {', '.join(BASE)}")
+        for index, item in enumerate(listed(obj, "steps", where)):
+            at_step = f"{at(where, 'steps')}[{index}]"
+            axis = string(item, "axis", at_step, AXES)
+            after, until = number(item, "after", at_step), number(item, "until", at_step)
+            if not after < until:
+                raise PerfModelError(f"{at_step}: expected after < until, found {after!r} and {until!r}")
+            steps.append(KernelStep(axis, after, until, number(item, "coefficient", at_step),
+                                    boolean(item, "sharp", at_step)))
+        base = json_object(obj, "base", where)
+        if sorted(base) != sorted(BASE):
+            raise PerfModelError(f"{at(where, 'base')}: expected the terms {', '.join(BASE)}, found "
+                                 f"{', '.join(base) or 'none'}")
         # absent from a file written before the staircase was continued past its grid: the roofline's growth there
-        wave_rows, row_cost_from = obj.get("wave_rows"), obj.get("row_cost_from")
-        for name, value in (("wave_rows", wave_rows), ("row_cost_from", row_cost_from)):
-            if value is not None and not float(value) >= 1:
-                raise PerfModelError(f"{where}: staircase.{name}: must be at least 1 row or null, got {value!r}")
-        return cls(tuple(float(obj["base"][name]) for name in BASE), tuple(steps),
-                   None if wave_rows is None else float(wave_rows),
-                   None if row_cost_from is None else float(row_cost_from))
+        rows = {name: number(obj, name, where, minimum=1.0, nullable=True) if name in obj else None
+                for name in ("wave_rows", "row_cost_from")}
+        return cls(tuple(number(base, name, at(where, "base")) for name in BASE), tuple(steps),
+                   rows["wave_rows"], rows["row_cost_from"])
 
 
 def candidate_steps(b: np.ndarray, n: np.ndarray, tile_tokens: int | None = None,

@@ -73,7 +73,7 @@ def test_a_profile_no_machine_measured_is_one_line_in_fit(profile_json, tmp_path
     (lambda o: o["acceptance"][0].update(rank_acceptance=[[0.9, 0.9]] * 3), "rank_acceptance[0]: ranks sum to 1.8"),
     # hand edits that used to name a Python exception ("KeyError: 'roles'") or another field than the one at fault
     (lambda o: o.pop("roles"), ": roles: missing"),
-    (lambda o: o["roles"].update(target=None), "roles.target: expected a JSON object, found NoneType"),
+    (lambda o: o["roles"].update(target=None), "roles.target: expected a JSON object, found null"),
     (lambda o: o["roles"]["target"]["roofline"].update(bandwidth_GBps=-2.0),
      "roles.target.roofline.bandwidth_GBps: must be > 0, found -2.0"),
     (lambda o: o["roles"]["draft"]["roofline"].update(flops_TFLOPs=0),

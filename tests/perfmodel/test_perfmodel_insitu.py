@@ -116,7 +116,7 @@ def test_missing_fields_and_duplicates_are_named(tmp_path):
         load_profile(write(tmp_path, obj))
     obj = constructed(1.0, 1.0)
     obj["insitu_timings"] = {"not": "a list"}
-    with pytest.raises(PerfModelError, match=r"profile\.json: insitu_timings: expected a list, found dict"):
+    with pytest.raises(PerfModelError, match=r"profile\.json: insitu_timings: expected a list, found an object"):
         load_profile(write(tmp_path, obj))
 
 
