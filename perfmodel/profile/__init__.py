@@ -538,6 +538,34 @@ def validate(profile: Profile, where: str = "profile") -> None:
         info = profile.model(role)
         if info.kv_heads > info.heads:
             raise PerfModelError(f"{where}: models.{role}: kv_heads ({info.kv_heads}) > heads ({info.heads})")
+    check_rows_fit_in_memory(profile, where)
+
+
+def check_rows_fit_in_memory(profile: Profile, where: str) -> None:
+    """A timed pass held its rows' KV cache, b x (L + n) tokens at the model's bytes per token, in the device's
+    memory: a row needing more than the whole memory (a batch size of 1e9 "at 17 ms") was never measured, and a
+    fit through it would silently carry its cost past every real batch size. The KV cache alone is a lower
+    bound on what the pass held (weights and activations come on top), so no real measurement breaks this.
+    A device whose memory is unknown (0: vidur's profiles) bounds nothing."""
+    memory = profile.device.memory_bytes
+    if not memory:
+        return
+    for key, rows in (("timings", profile.timings), ("insitu_timings", profile.insitu_timings)):
+        for index, row in enumerate(rows):
+            if not getattr(row, "feasible", True):
+                continue  # a pass that did not fit is recorded as such: its size is the point
+            kv_bytes = row.batch_size * (row.context_len + row.new_tokens) * profile.model(row.model).kv_bytes_per_token
+            if kv_bytes > memory:
+                raise PerfModelError(
+                    f"{where}: {key}[{index}]: {row.model} b={row.batch_size} L={row.context_len} n={row.new_tokens} "
+                    f"needs {kv_bytes / 2**30:.3g} GiB of KV cache alone, more than the device's "
+                    f"{memory / 2**30:.3g} GiB (device.memory_bytes): no pass of that size was measured there")
+    per_token = profile.target.kv_bytes_per_token
+    for index, row in enumerate(profile.overheads):  # a step verifies at least k + 1 tokens a row
+        if row.batch_size * (row.k + 1) * per_token > memory:
+            raise PerfModelError(f"{where}: overheads[{index}]: b={row.batch_size} k={row.k} needs more KV cache "
+                                 f"than the device's {memory / 2**30:.3g} GiB (device.memory_bytes): no step of "
+                                 f"that size was measured there")
 
 
 def load_profile(path: str | os.PathLike) -> Profile:

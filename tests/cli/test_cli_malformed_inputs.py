@@ -58,6 +58,11 @@ def every_time_huge(obj: dict) -> None:
      ["timings[1].median_ms: a feasible row needs a positive time, found 0.0"]),
     (lambda o: o["acceptance"][0].update(step_counts_by_prompt=[[], [], []]),
      ["acceptance[0].step_counts_by_prompt: expected 3 non-empty lists"]),
+    # a batch size whose KV cache alone is more than the device's memory, "measured" at 17 ms
+    (lambda o: o["timings"][0].update(batch_size=10**9, median_ms=17.0, p10_ms=17.0, p90_ms=17.0),
+     ["timings[0]: target b=1000000000 L=128 n=1 needs", "GiB of KV cache alone, more than the device's 80 GiB"]),
+    (lambda o: o["overheads"][0].update(batch_size=10**9),
+     ["overheads[0]: b=1000000000 k=0 needs more KV cache than the device's 80 GiB"]),
 ])
 def test_a_profile_no_machine_measured_is_one_line_in_fit(profile_json, tmp_path, edit, fragments):
     path = written(tmp_path, edited(profile_json, edit), "profile.json")
