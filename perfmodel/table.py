@@ -351,6 +351,19 @@ def check_table_format(fmt: str, draft: str | os.PathLike | None = None, clamp: 
         raise PerfModelError(f"--cuda-graph-bs applies to --format sglang only, not {fmt}")
 
 
+def trtllm_end_note(export: dict, table: Table) -> list[str]:
+    """TensorRT-LLM runs every batch size past the schedule's largest key without speculation. Where the table
+    ends on a k > 0 (it stops at --max-batch, not at a choice of 0), a server batching more requests loses
+    speculation there without a word; vLLM instead keeps the last entry's k."""
+    largest = max(bucket.max_batch for bucket in table.buckets)
+    schedule = export["draft_len_schedule"]
+    if not schedule or max(int(key) for key in schedule) < largest:
+        return []  # the table itself chose k = 0 at its end, as TensorRT-LLM runs past it
+    return [f"trtllm: TensorRT-LLM runs batch sizes above {largest} (the table's largest, --max-batch) without "
+            f"speculation, where this table still drafts; a server batching more requests than {largest} needs "
+            f"a table up to its max_batch_size (--max-batch)"]
+
+
 def write_table(path: str | os.PathLike, table: Table, fmt: str = "json", *, draft: str | os.PathLike | None = None,
                 clamp: bool = False, graph_bs: list[int] | None = None) -> list[str]:
     """The one table writer (`table -o` and the demo): our JSON, CSV, or an engine's export for the table's
@@ -370,7 +383,9 @@ def write_table(path: str | os.PathLike, table: Table, fmt: str = "json", *, dra
         write_json_atomic(path, export)
         notes.append(f"sglang: serve with {sglang_command(export)}")
     else:
-        write_json_atomic(path, to_trtllm(table, draft=draft, clamp=clamp))
+        export = to_trtllm(table, draft=draft, clamp=clamp)
+        write_json_atomic(path, export)
+        notes += trtllm_end_note(export, table)
     changed = trtllm_clamped(table.buckets[0].entries) if clamp else []
     if changed:
         notes.append(f"--clamp: k capped at {changed[0][2]} in {path} where the table has {describe_clamped(changed)}")

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from specbatch.perfmodel.errors import PerfModelError
-from specbatch.perfmodel.table import Bucket, Table, TableEntry, describe_clamped, to_trtllm, to_vllm, trtllm_clamped
+from specbatch.perfmodel.table import (Bucket, Table, TableEntry, describe_clamped, to_trtllm, to_vllm, trtllm_clamped,
+                                       write_table)
 from test_perfmodel_head_exports import vllm_k_per_batch_size as vllm_lookup
 
 GOLDEN_KS = [5, 5, 4, 4, 4, 2, 0]  # batch sizes 1..7: the issue's golden table
@@ -191,3 +192,13 @@ def test_trtllm_round_trip(draft_dir):
         got = [trtllm_draft_len(export, b) for b in range(1, len(ks) + 9)]
         assert got == expected + [0] * 8, ks  # above --max-batch TensorRT-LLM runs 0
     assert exact > 300 and clamped > 300
+
+
+def test_a_trtllm_export_that_ends_drafting_says_speculation_stops_past_the_table(draft_dir, tmp_path):
+    """TensorRT-LLM runs 0 past the schedule's largest key: a table ending at k > 0 (cut by --max-batch) says so;
+    one whose own last entries are k = 0 needs no word."""
+    drafting = write_table(tmp_path / "a.json", make_table([5, 4, 4, 2], draft=str(draft_dir)), "trtllm")
+    assert any("TensorRT-LLM runs batch sizes above 4 (the table's largest, --max-batch) without speculation" in note
+               for note in drafting), drafting
+    stopping = write_table(tmp_path / "b.json", make_table(GOLDEN_KS, draft=str(draft_dir)), "trtllm")
+    assert not any("without speculation" in note for note in stopping), stopping
