@@ -260,14 +260,19 @@ def calibrate_engine(request: EngineCalibrationRequest, on_progress: Callable[[P
                      *, start_worker: Callable[[str, dict | None], Worker],
                      on_estimate: Callable[[int, float], None] | None = None,
                      on_notice: Callable[[str], None] | None = None,
+                     engine_missing: Callable[[], str | None] | None = None,
                      clock: Callable[[], float] = time.perf_counter) -> CalibrationSummary:
     """Measure every configuration not yet in the profile, writing it after each. `start_worker(name,
     speculative_config)`: a running vLLM worker of the target with that configuration (None: without
     speculation). `on_estimate(configurations, seconds)` once the workers are up: a lower bound; `on_notice(line)`
-    for what is said before measuring."""
+    for what is said before measuring; `engine_missing()`: why vLLM cannot start here (one line) or None, asked
+    once the request is checked and before vLLM's start is announced."""
     started_s = clock()
     _check(request)
     new = base_profile(request)
+    missing = None if engine_missing is None else engine_missing()
+    if missing is not None:
+        raise CalibrationError(f"--engine vllm: {missing}")
     stream = token_stream(*_prompt_source(request))
     with exclusive_lock(request.out, "--out", "calibration"):
         method = VLLM_METHODS[new.model("draft").drafter]

@@ -63,7 +63,7 @@ def calibrate_vllm(target: str, draft: str, out, prompts, batch_sizes, context_l
     from functools import partial
     from pathlib import Path
 
-    from specbatch.bench.vllm.worker import VllmWorker
+    from specbatch.bench.vllm.worker import VllmWorker, vllm_missing
     from specbatch.calibrate import grid
     from specbatch.calibrate.vllm_steps import DEFAULT_SWEEPS, EngineCalibrationRequest, calibrate_engine
 
@@ -83,7 +83,8 @@ def calibrate_vllm(target: str, draft: str, out, prompts, batch_sizes, context_l
         return VllmWorker(name, Path(target), max(request.batch_sizes), speculative_config, logs, threads)
 
     summary = calibrate_with_progress(request, show=not json_output, run=partial(calibrate_engine,
-                                                                                start_worker=start_worker))
+                                                                                start_worker=start_worker,
+                                                                                engine_missing=vllm_missing))
     if json_output:
         typer.echo(json.dumps(summary.to_json()))
         return

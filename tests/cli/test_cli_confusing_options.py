@@ -94,3 +94,14 @@ def test_a_target_that_is_no_model_is_named_not_the_draft(tmp_path, command, tar
     result = invoke(*command, "--target", target, "-o", tmp_path / "out")
     assert_one_line_error(result, "--target", fragment)
     assert "--draft" not in result.stderr
+
+
+def test_calibrate_engine_vllm_says_vllm_is_not_set_up_before_announcing_its_start(tmp_path, monkeypatch):
+    """It used to say 'starting vLLM with and without speculation...' and then that vLLM was not set up."""
+    from specbatch.runtime.assembly import DEMO_DRAFT, DEMO_TARGET
+
+    monkeypatch.setenv("SPECBATCH_VLLM_VENV", str(tmp_path / "no-vllm"))
+    result = invoke("calibrate", "--engine", "vllm", "--target", DEMO_TARGET, "--draft", DEMO_DRAFT,
+                    "-o", tmp_path / "p.json")
+    assert_one_line_error(result, "--engine vllm: vLLM is not set up in", "bench/vllm/setup.sh")
+    assert "starting vLLM" not in result.output and not (tmp_path / "p.json").exists()
