@@ -18,6 +18,8 @@ SUPPORTED_MODEL_TYPES = LLAMA_FAMILY + ("gpt2", "opt")
 # which neither the model nor the latency model describes)
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "phimoe", "dbrx",
                    "granitemoe", "olmoe", "jamba", "gpt_oss", "llama4")
+# and any family whose config counts experts (transformers' names for the count, by family)
+EXPERT_COUNT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
 # transformers' ACT2FN names that `model.ACTIVATIONS` computes (the rest are refused by name)
 ACTIVATIONS = ("silu", "swish", "gelu", "gelu_python", "gelu_new", "gelu_pytorch_tanh", "gelu_python_tanh",
                "gelu_fast", "gelu_accurate", "gelu_10", "quick_gelu", "relu", "relu2", "relu6", "leaky_relu",
@@ -318,10 +320,12 @@ def _config_from_dict(raw: dict, source: str) -> ModelConfig:
         for key in ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings"):
             text.setdefault(key, raw.get(key))
         return _config_from_dict({k: v for k, v in text.items() if v is not None}, source)
-    if model_type in MOE_MODEL_TYPES or raw.get("num_local_experts") or raw.get("num_experts") or raw.get(
-            "n_routed_experts"):
-        raise ConfigError(f"{source}: {model_type!r} is a mixture-of-experts model, which the runtime does not "
-                          f"support; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    moe_signs = ([f"model_type {model_type!r} is a mixture-of-experts family"] if model_type in MOE_MODEL_TYPES
+                 else []) + [f"{key} = {raw[key]!r} routes tokens among experts" for key in EXPERT_COUNT_FIELDS
+                             if raw.get(key)]
+    if moe_signs:  # the fields that made it one are named: a config may be MoE under a dense family's name
+        raise ConfigError(f"{source}: {' and '.join(moe_signs)}: the runtime does not support mixture-of-experts "
+                          f"models; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(
             f"{source}: unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"

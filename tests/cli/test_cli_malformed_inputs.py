@@ -139,6 +139,10 @@ def test_the_largest_table_is_computed(model_json, tmp_path):
     ("vocab_size", 259.5, "vocab_size must be a positive integer, found 259.5"),
     ("num_key_value_heads", -4, "num_key_value_heads must be a positive integer, found -4"),
     ("num_key_value_heads", 3, "4 attention heads cannot be shared by 3 key-value heads"),
+    # a dense family's name with an expert count: the field that made it mixture-of-experts is named
+    ("num_local_experts", 8, "num_local_experts = 8 routes tokens among experts: the runtime does not support "
+                             "mixture-of-experts models"),
+    ("n_routed_experts", 64, "n_routed_experts = 64 routes tokens among experts"),
 ])
 def test_a_config_json_with_an_impossible_size_is_one_line(tmp_path, field, value, fragment):
     from specbatch.runtime.assembly import DEMO_TARGET
