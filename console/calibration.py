@@ -1,21 +1,35 @@
 """What `calibrate` shows: a progress bar while it measures, then the passes and acceptance."""
 from __future__ import annotations
 
+import time
+
 import typer
 
 
-def estimate_line(points: int, estimated_s: float, max_seconds: float | None) -> str:
-    """The one line said before measuring: how many points and about how long, and what to do about it."""
+def estimate_line(points: int, estimated_s: float, max_seconds: float | None, quick: bool = False) -> str:
+    """The one line said before measuring: how many points and about how long, and what to do about it (a run
+    already --quick is not told to add it)."""
     line = (f"calibrate: {points} points to measure, about {estimated_s:.0f} s by the repetition budgets "
             "(longer when passes are slow: large models, a busy machine; the ETA follows)")
     if max_seconds is not None and estimated_s > max_seconds:
+        smaller = ("" if quick else "--quick, ") + "fewer --batch-sizes or --context-lens, a lower --max-k"
         line += (f"; --max-seconds {max_seconds:g} will stop it early with the profile saved (--resume continues), "
-                 "or try a smaller grid: --quick, fewer --batch-sizes or --context-lens, a lower --max-k")
+                 f"or try a smaller grid: {smaller}")
     return line
 
 
-def calibrate_with_progress(request, show: bool, run=None):
-    """`run(request, on_progress, on_estimate=, on_notice=)`: calibrate.run.calibrate unless given."""
+def progress_line(done: int, total: int, label: str, elapsed_s: float) -> str:
+    """Off a terminal, where no bar is drawn: what the bar would say, the ETA by the pace so far."""
+    from .bench import _duration
+
+    eta = elapsed_s / done * (total - done) if done else None
+    return f"calibrate: {done}/{total} points, {label}; {_duration(elapsed_s)} so far, ETA {_duration(eta)}"
+
+
+def calibrate_with_progress(request, show: bool, run=None, quick: bool | None = None, clock=time.monotonic):
+    """`run(request, on_progress, on_estimate=, on_notice=)`: calibrate.run.calibrate unless given. A progress
+    bar with the ETA on a terminal, else a progress line every PROGRESS_LINE_EVERY_S seconds (and the last), as
+    bench's. `quick`: whether the grid is --quick's (default: the request's own `quick`)."""
     from rich.console import Console
     from rich.progress import (
         BarColumn,
@@ -26,25 +40,38 @@ def calibrate_with_progress(request, show: bool, run=None):
         TimeRemainingColumn,
     )
 
+    from .bench import PROGRESS_LINE_EVERY_S
+
     if run is None:
         from specbatch.calibrate.run import calibrate as run
     if not show:
         return run(request, on_notice=lambda line: typer.echo(line, err=True))
+    quick = getattr(request, "quick", False) if quick is None else quick
+    console = Console(stderr=True)
     columns = (TextColumn("[bold]calibrate"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.description}"))
+    started_s, said_s = clock(), None
     # a long speed window: points can take minutes each, and a short window leaves the ETA at -:--:--
-    with Progress(*columns, console=Console(stderr=True), transient=True, speed_estimate_period=3600) as progress:
+    with Progress(*columns, console=console, transient=True, speed_estimate_period=3600,
+                  disable=not console.is_terminal) as progress:
         task = progress.add_task("checking inputs, loading models", total=None)
 
         def on_progress(event):
+            nonlocal said_s
             progress.update(task, completed=event.done, total=event.total, description=event.label)
+            now = clock()
+            if not console.is_terminal and (said_s is None or now - said_s >= PROGRESS_LINE_EVERY_S
+                                            or event.done == event.total):
+                said_s = now
+                console.print(progress_line(event.done, event.total, event.label, now - started_s), markup=False,
+                              highlight=False, soft_wrap=True)
 
         def on_estimate(points: int, estimated_s: float):
-            progress.console.print(estimate_line(points, estimated_s, request.max_seconds), markup=False,
-                                   highlight=False, soft_wrap=True)
+            console.print(estimate_line(points, estimated_s, request.max_seconds, quick), markup=False,
+                          highlight=False, soft_wrap=True)
 
         def on_notice(line: str):
-            progress.console.print(line, markup=False, highlight=False, soft_wrap=True)
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
 
         try:
             return run(request, on_progress, on_estimate=on_estimate, on_notice=on_notice)
@@ -82,9 +109,8 @@ def calibrate_vllm(target: str, draft: str, out, prompts, batch_sizes, context_l
     def start_worker(name: str, speculative_config):
         return VllmWorker(name, Path(target), max(request.batch_sizes), speculative_config, logs, threads)
 
-    summary = calibrate_with_progress(request, show=not json_output, run=partial(calibrate_engine,
-                                                                                start_worker=start_worker,
-                                                                                engine_missing=vllm_missing))
+    engine_run = partial(calibrate_engine, start_worker=start_worker, engine_missing=vllm_missing)
+    summary = calibrate_with_progress(request, show=not json_output, quick=quick, run=engine_run)
     if json_output:
         typer.echo(json.dumps(summary.to_json()))
         return

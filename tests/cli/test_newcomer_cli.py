@@ -120,6 +120,36 @@ def test_calibrate_estimate_line_names_a_smaller_grid_when_the_budget_is_short()
     assert "119 points" in estimate_line(119, estimate, None) and "--quick" not in estimate_line(119, estimate, None)
     line = estimate_line(119, estimate, 30)
     assert "--max-seconds 30 will stop it early" in line and "--quick" in line
+    already_quick = estimate_line(119, estimate, 30, quick=True)  # was told to add the --quick it has
+    assert "--quick" not in already_quick and "fewer --batch-sizes or --context-lens" in already_quick
+
+
+def test_calibrate_off_a_terminal_prints_progress_lines_with_the_eta(capsys):
+    """Its bar draws nothing off a terminal (`calibrate > log`): after 'the ETA follows' a line every
+    PROGRESS_LINE_EVERY_S seconds, and the last point's."""
+    from types import SimpleNamespace
+
+    from specbatch.calibrate.summary import ProgressEvent
+    from specbatch.console.bench import PROGRESS_LINE_EVERY_S
+    from specbatch.console.calibration import calibrate_with_progress
+
+    now = [0.0]
+
+    def run(request, on_progress, on_estimate, on_notice):
+        on_estimate(10, 40.0)
+        for done in range(1, 11):
+            now[0] += PROGRESS_LINE_EVERY_S / 2.5  # a point every 4 s
+            on_progress(ProgressEvent(done, 10, f"target b={done} n=1 L=128"))
+        return "summary"
+
+    request = SimpleNamespace(max_seconds=None, out="p.json", quick=True)
+    assert calibrate_with_progress(request, show=True, run=run, clock=lambda: now[0]) == "summary"
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("calibrate: 10 points to measure") and "the ETA follows" in lines[0]
+    assert lines[1:] == ["calibrate: 1/10 points, target b=1 n=1 L=128; 4 s so far, ETA 36 s",
+                         "calibrate: 4/10 points, target b=4 n=1 L=128; 16 s so far, ETA 24 s",
+                         "calibrate: 7/10 points, target b=7 n=1 L=128; 28 s so far, ETA 12 s",
+                         "calibrate: 10/10 points, target b=10 n=1 L=128; 40 s so far, ETA 0 s"]
 
 
 def test_demo_says_when_the_measurement_contradicts_the_prediction():
