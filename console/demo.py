@@ -16,6 +16,9 @@ from specbatch.runtime.assembly import DEMO_DRAFT, DEMO_HEAD, DEMO_PROMPTS, DEMO
 EXPORTS = {"table.json": "json", "table.csv": "csv", "vllm.json": "vllm", "trtllm.json": "trtllm"}
 # the head's loop is the demo's second: a coarser grid than --quick's keeps the whole demo within minutes
 HEAD_BATCH_SIZES, HEAD_MAX_K = (1, 4, 16), 6
+# left in the demo's folder: a later run there replaces the demo's own outputs without --force (each still only
+# over a file of its own kind: a user's other files are never replaced, --force or not)
+DEMO_MARK = ".specbatch-demo"
 
 
 def output_kinds() -> dict[str, str]:
@@ -117,8 +120,27 @@ def run_demo(out: Path, race_sizes: tuple[int, ...], prompts_shown: int, max_new
         if contradiction:
             console.print(contradiction, markup=False, highlight=False)
     run_head_demo(console, out, pair, prompts, race_sizes, max_new_tokens, rounds, max_batch, device, cuda_graphs)
-    console.print(f"everything is in {out.resolve()} (bench files: {', '.join(p.name for p in written)}; the "
-                  "head's in head-bench/)", markup=False, highlight=False)
+    console.print(closing_line(out, written), markup=False, highlight=False)
+
+
+def closing_line(out: Path, bench_files: list[Path]) -> str:
+    """Where everything is: the bench files by their paths from the folder named (they are one folder down)."""
+    names = ", ".join(str(path.relative_to(out)) for path in bench_files)
+    return f"everything is in {out.resolve()} (bench files: {names}; the head's race's in head-bench/)"
+
+
+def claim_folder(out: Path) -> None:
+    """Mark `out` as the demo's own (DEMO_MARK), so that its next run replaces what this one writes there."""
+    from specbatch.perfmodel.jsonio import make_dir, write_text_atomic
+
+    make_dir(out, "--out")
+    write_text_atomic(out / DEMO_MARK, "written by `specbatch demo`: its next run here replaces the demo's own files "
+                                       "(never files of another kind)\n")
+
+
+def is_demo_folder(out: Path) -> bool:
+    """Whether an earlier demo run made `out` its own (README's first command, run twice, must not need --force)."""
+    return (out / DEMO_MARK).is_file()
 
 
 def run_head_demo(console: Console, out: Path, pair, prompts: list[list[int]], race_sizes: tuple[int, ...],

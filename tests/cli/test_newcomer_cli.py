@@ -186,3 +186,39 @@ def test_plot_refuses_a_device_a_folder_and_an_unknown_format(files, tmp_path):
     assert list(tmp_path.iterdir()) == []
     assert invoke("plot", files["model"], "-o", tmp_path / "figure.png").exit_code == 0
     assert (tmp_path / "figure.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_demo_reruns_into_its_own_folder_without_force(tmp_path, monkeypatch):
+    """README's first command, run twice, used to stop at the demo: '--force' needed for its own outputs. A
+    folder the demo made is its own; a user's file of another kind there is still never replaced."""
+    from specbatch.console import demo
+
+    runs = []
+
+    def stand_in_demo(out, *args):  # writes what a run leaves: a profile, a bench file one folder down
+        runs.append(out)
+        (out / "profile.json").write_text('{"schema": "specbatch.profile/1"}')
+        (out / "bench").mkdir(exist_ok=True)
+        (out / "bench" / "bench.json").write_text('{"schema": "specbatch.bench/1"}')
+
+    monkeypatch.setattr(demo, "run_demo", stand_in_demo)
+    out = tmp_path / "specbatch-demo"
+    for _ in range(2):
+        result = invoke("demo", "--out", out)
+        assert result.exit_code == 0, result.output
+    assert len(runs) == 2 and (out / demo.DEMO_MARK).is_file()
+
+    mine = tmp_path / "mine"  # a folder the demo did not make: its rule stays --force
+    mine.mkdir()
+    (mine / "profile.json").write_text('{"schema": "specbatch.profile/1"}')
+    assert_one_line_error(invoke("demo", "--out", mine), "profile.json", "--force")
+    (out / "table.csv").write_text("my,own,notes\n")  # another kind at a demo name, in the demo's folder
+    assert_one_line_error(invoke("demo", "--out", out), "table.csv", "never replaced")
+    assert (out / "table.csv").read_text() == "my,own,notes\n" and len(runs) == 2
+
+
+def test_the_demo_names_its_bench_files_from_the_folder_it_names(tmp_path):
+    from specbatch.console.demo import closing_line
+
+    line = closing_line(tmp_path, [tmp_path / "bench" / "bench.json", tmp_path / "bench" / "bench.csv"])
+    assert f"everything is in {tmp_path.resolve()} (bench files: bench/bench.json, bench/bench.csv;" in line
