@@ -40,6 +40,24 @@ def test_the_readme_is_at_most_a_thousand_words():
     assert len(README.split()) <= MAX_WORDS  # as `wc -w` counts
 
 
+def test_the_readme_generate_prompt_is_within_the_default_tables_contexts():
+    """The first everyday command printed 'context length 19 is outside the buckets [38, ...]': a table's
+    smallest bucket is the shortest context its profile measured (the in-situ steps' prompts), and the note
+    was right. The README's prompt is as long as that, on the demo profile."""
+    import shlex
+
+    from specbatch.perfmodel.profile import load_profile
+    from specbatch.runtime.assembly import DEMO_TARGET
+    from specbatch.runtime.checkpoint import load_tokenizer
+
+    command = next(shlex.split(line, comments=True) for block in bash_blocks() for line in block
+                   if line.startswith("specbatch generate --prompt"))
+    prompt = command[command.index("--prompt") + 1]
+    profile = load_profile(ROOT / "data" / "profiles" / "demo-cpu.json")
+    shortest = min(row.context_len for rows in (profile.timings, profile.insitu_timings) for row in rows)
+    assert len(load_tokenizer(DEMO_TARGET).encode(prompt)) >= shortest
+
+
 def test_every_picture_and_local_link_of_the_readme_exists():
     targets = re.findall(r"\]\(([^)#]+)\)", README)
     local = [target for target in targets if not target.startswith(("http://", "https://"))]

@@ -71,7 +71,8 @@ def test_the_readme_sequence_runs_outside_the_repo_root(tmp_path):
     # directory, naming those files relative to it
     query, generated, _, _, _, adaptive, resumed = run_two_at_a_time([
         (made, "query", "model.json", "--batch-size", "8"),
-        (used, "generate", "--prompt", "def fibonacci(n):", "--table", "../made/table.json", "--max-new-tokens", "8",
+        (used, "generate", "--prompt", "def fibonacci(n):  # returns the n-th Fibonacci number",
+         "--table", "../made/table.json", "--max-new-tokens", "8",
          "--threads", "1", "--json"),
         (used, "bench", "--table", "../made/table.json", "--model", "../made/model.json", "--batch-sizes", "1",
          "--ks", "0,1", "--rounds", "1", "--max-new-tokens", "8", "--threads", "1"),
