@@ -100,7 +100,7 @@ def generate(
 
     --draft may also be an n-gram file (.safetensors from data/train_ngram.py): the n-gram alone drafts.
 
-    A head (EAGLE-3, MTP) as --draft drafts chains: --k, --table, --adaptive or --tree chain:K."""
+    A head (EAGLE-3, MTP) as --draft drafts chains and trees, as a draft model does (not --stage2)."""
     from specbatch.runtime.assembly import GenerationRequest, generate_texts
 
     texts = list(prompt or []) + (read_prompts_file(prompts_file) if prompts_file is not None else [])

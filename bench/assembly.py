@@ -30,46 +30,22 @@ def check_input_files(**paths: Path | None) -> None:
             raise UsageError(f"--{name.replace('_', '-')} {path}: no such file")
 
 
-def chains_for_head(config: BenchConfig, draft_spec, trees: str = "skip") -> tuple[BenchConfig, list[str]]:
-    """A head drafts chains (runtime/drafters/head.py): with a head as --draft, --stage2 is refused and the
-    --tree values that are not chains are left out with a note (`trees="skip"`, bench: its chains are the
-    --ks) or refused (`trees="refuse"`, explain: the one tree it was asked to time). The config is unchanged
-    for a draft model."""
-    from specbatch.perfmodel.table import drafter_phrase
-    from specbatch.runtime.assembly import check_head_drafts_chains, head_tree_error
-
-    from .config import TREE_AUTO, tree_from_spec
-
-    if draft_spec is None or draft_spec.head is None:
-        return config, []
-    check_head_drafts_chains(draft_spec, stage2=config.stage2_path)
-    chains = tuple(spec for spec in config.trees if spec.strip() != TREE_AUTO and tree_from_spec(spec).is_chain)
-    skipped = [spec for spec in config.trees if spec not in chains]
-    if not skipped:
-        return config, []
-    if trees == "refuse":
-        raise head_tree_error(draft_spec, skipped[0])
-    note = (f"--tree {', '.join(skipped)} skipped: a head drafts chains, and --draft {draft_spec.source} is "
-            f"{drafter_phrase(draft_spec.drafter)} (its chains are the --ks)")
-    return dataclasses.replace(config, trees=chains), [note]
-
-
 def load_bench_inputs(config: BenchConfig, target: str | None, draft: str | None, prompts: Path | None,
-                      device: str | None, dtype: str | None, force: bool = False,
-                      head_trees: str = "skip") -> BenchInputs:
+                      device: str | None, dtype: str | None, force: bool = False) -> BenchInputs:
     """Check that the table and model files were made for this pair (`force` overrides), load the pair on
     the device, encode the prompts (random token prompts for a pair without a tokenizer) and load the
-    second stage (`config`'s, else the one the table names), checked against the target's vocabulary. With a
-    head as --draft, trees are left out or refused (`head_trees`, `chains_for_head`)."""
+    second stage (`config`'s, else the one the table names), checked against the target's vocabulary (a head as
+    --draft takes none: `check_head_stage2`)."""
     from specbatch.calibrate.acceptance import read_prompts
     from specbatch.calibrate.models import named_pair
-    from specbatch.runtime.assembly import files_for_pair
+    from specbatch.runtime.assembly import check_head_stage2, files_for_pair
     from specbatch.runtime.checkpoint import parse_dtype
     from specbatch.runtime.loading import load_ngram, load_pair, resolve_device, resolve_pair, running_pair
 
     target_spec, draft_spec = resolve_pair(*named_pair(target, draft, "bench"))
     running = running_pair(target_spec, draft_spec)
-    config, notes = chains_for_head(config, draft_spec, head_trees)
+    check_head_stage2(draft_spec, config.stage2_path)
+    notes = []
     stage2 = files_for_pair(config.table_path, config.model_path, config.stage2_path, running, force,
                             adaptive=config.adaptive_path)
     if stage2 != config.stage2_path:  # the table's own n-gram: its staged policies run too

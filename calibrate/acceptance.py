@@ -366,6 +366,65 @@ def entry_from_rows(rows: list[ScoredRow], sampling: Sampling, max_k: int, promp
                            prompt_count=prompt_count)
 
 
+def step_rank_table(ranks_by_start: Sequence[np.ndarray], depth: int, ranks: int = RANKS) -> list[list[float]]:
+    """The D x R table of `rank_acceptance` from ranks that depend on where a step starts (a head's): array i holds
+    (T_i, D) ints, row t the rank of the target's token at depth d of a step starting at position t (R: R or worse,
+    -1: past the continuation). Greedy: a step reaches depth d + 1 when depth d's rank is below R; steps follow
+    the full R-ary tree as in `rank_acceptance`.
+
+    >>> step_rank_table([np.array([[0, 1], [2, 2], [0, 4], [-1, -1]])], 2, ranks=4)  # steps at 0 (ranks 0, 1), 3
+    [[1.0, 0.0, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0]]
+    """
+    hits, reached = np.zeros((depth, ranks)), np.zeros(depth)
+    for table in ranks_by_start:
+        t = 0
+        while t + depth <= len(table) and (table[t] >= 0).all():
+            d = 0
+            while d < depth:
+                reached[d] += 1
+                rank = int(table[t, d])
+                if rank >= ranks:  # no child is the target's token: the step ends with it
+                    break
+                hits[d, rank] += 1
+                d += 1
+            t += d + 1  # the d accepted tokens, then the target's own
+    table = np.divide(hits, reached[:, None], out=np.zeros_like(hits), where=reached[:, None] > 0)
+    return [[float(x) for x in row] for row in table]
+
+
+@torch.inference_mode()
+def head_step_ranks(target: CausalLM, head, sequence: list[int], first: int, depth: int) -> np.ndarray:
+    """(T, depth) ranks of `sequence`'s tokens among a head's drafts along it, for every step start t (committed
+    = sequence[:first + t], t = 0..T-1 with T = len(sequence) - first): the head caught up on the committed
+    positions from the target's hidden states, then fed the target's own next tokens, so depth d's logits are
+    the ones a drafted tree has at the node holding the target's token (a tree's accepted path is the target's).
+    -1 past the sequence's end."""
+    device = target.lm_head.weight.device
+    tokens = torch.tensor([sequence], device=device)
+    _, features = target(tokens, None, features=head.head_config.feature_layers)  # (1, S, F)
+    starts = list(range(first, len(sequence)))  # committed lengths
+    cache = head.new_cache(len(starts), len(sequence) + depth + 1)
+    counts = [c - 1 for c in starts]  # the head's entries: positions 1..c-1, each with the feature before it
+    packed = torch.cat([tokens[0, 1:c] for c in starts])
+    inputs = torch.cat([features[0, :c - 1] for c in starts])
+    _, outputs = head(packed, inputs, cache, last=0, new_tokens=counts)
+    hidden = outputs[torch.as_tensor(np.cumsum(counts) - 1, device=device)][:, None]  # (T, 1, hidden)
+    logits = head.logits(hidden)[:, -1]
+    result = np.full((len(starts), depth), -1, dtype=np.int64)
+    for d in range(depth):
+        positions = [c + d for c in starts]
+        inside = torch.tensor([p < len(sequence) for p in positions], device=device)
+        truth = torch.tensor([sequence[min(p, len(sequence) - 1)] for p in positions], device=device)
+        chosen = logits.gather(1, truth[:, None])
+        ids = torch.arange(logits.shape[1], device=device)
+        rank = ((logits > chosen) | ((logits == chosen) & (ids < truth[:, None]))).sum(-1).clamp(max=RANKS)
+        result[:, d] = torch.where(inside, rank, -1).cpu().numpy()
+        if d + 1 < depth:
+            logits, hidden = head(truth[:, None], hidden, cache, last=1, from_target=False)
+            logits = logits[:, -1]
+    return result
+
+
 def drafted_acceptance(target: CausalLM, draft, prompts: list[list[int]], sampling: Sampling, max_k: int,
                        new_tokens: int, eos_token_ids: tuple[int, ...] = (), prompts_source: str | None = None,
                        seed: int = 0) -> AcceptanceEntry:
@@ -389,6 +448,12 @@ def drafted_acceptance(target: CausalLM, draft, prompts: list[list[int]], sampli
     reached = [t for t in trials if t]
     per_position = [a / t for a, t in zip(accepted, trials) if t]
     per_position += [per_position[-1]] * (max_k - len(per_position))  # positions never reached: the last value
+    rank_table = None
+    if sampling.greedy and getattr(draft, "head_config", None) is not None:  # a head's trees: ranks by drafting
+        continuations = target_continuations(target, prompts, new_tokens, sampling, eos_token_ids, seed)
+        rank_table = tuple(tuple(row) for row in step_rank_table(
+            [head_step_ranks(target, draft, prompt + continuation, len(prompt), max_k)
+             for prompt, continuation in zip(prompts, continuations) if continuation], max_k))
     return AcceptanceEntry(**entry_fields(sampling), source="measured", per_position=tuple(per_position),
                            trials=tuple(reached) + (0,) * (max_k - len(reached)), prompts=prompts_source,
-                           prompt_count=len(prompts))
+                           prompt_count=len(prompts), rank_acceptance=rank_table)

@@ -56,8 +56,8 @@ class TreeOverheadPoint:
 
 def make_grid(batch_sizes, context_lens, max_k: int, head: bool = False) -> Grid:
     """A sorted, de-duplicated grid; every value is checked to be a positive integer (context >= 1). `head`: the
-    draft is a head, whose passes read 1 token (drafting) or k + 1 (the verified positions): 1..max_k+1, no
-    tree widths (a head drafts chains)."""
+    draft is a head, whose chain passes read 1 token (drafting) or k + 1 (the verified positions): 1..max_k+1 at
+    every b, and a tree's levels the wide widths (at small b, as a draft model's)."""
     for option, values in (("--batch-sizes", batch_sizes), ("--context-lens", context_lens)):
         if not values:
             raise CalibrationError(f"{option}: needs at least one value")
@@ -66,17 +66,20 @@ def make_grid(batch_sizes, context_lens, max_k: int, head: bool = False) -> Grid
                 raise CalibrationError(f"{option}: {value!r} is not a positive integer")
     if isinstance(max_k, bool) or not isinstance(max_k, int) or max_k < 1:
         raise CalibrationError(f"--max-k: must be a positive integer (the longest speculation timed), got {max_k!r}")
-    target_wide = () if head else tuple(n for n in TARGET_WIDE_NEW_TOKENS if n > max_k + 1)
-    draft_wide = tuple(n for n in DRAFT_WIDE_NEW_TOKENS if n > max(DRAFT_NEW_TOKENS))
+    target_wide = tuple(n for n in TARGET_WIDE_NEW_TOKENS if n > max_k + 1)
+    draft_chain = tuple(range(1, max_k + 2)) if head else DRAFT_NEW_TOKENS
+    draft_wide = tuple(n for n in DRAFT_WIDE_NEW_TOKENS if n > max(draft_chain))
     return Grid(batch_sizes=tuple(sorted(set(batch_sizes))), context_lens=tuple(sorted(set(context_lens))),
                 max_k=max_k, target_new_tokens=tuple(range(1, max_k + 2)) + target_wide,
-                draft_new_tokens=tuple(range(1, max_k + 2)) if head else DRAFT_NEW_TOKENS + draft_wide)
+                draft_new_tokens=draft_chain + draft_wide)
 
 
 def draft_chain_tokens(grid: Grid) -> int:
     """The widest draft pass a chain step makes: a draft model's catch-up (2 tokens), a head's pass over the
-    verified positions (max_k + 1: a head's grid times exactly 1..max_k+1, `make_grid`)."""
-    head = grid.draft_new_tokens == tuple(range(1, grid.max_k + 2)) and grid.max_k + 1 > max(DRAFT_NEW_TOKENS)
+    verified positions (max_k + 1: a head's grid times every width 1..max_k+1, `make_grid`, where a draft
+    model's jumps from 2 to the wide 4)."""
+    chain = tuple(range(1, grid.max_k + 2))
+    head = grid.draft_new_tokens[:len(chain)] == chain and grid.max_k + 1 > max(DRAFT_NEW_TOKENS)
     return grid.max_k + 1 if head else max(DRAFT_NEW_TOKENS)
 
 

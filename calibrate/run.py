@@ -127,9 +127,8 @@ class _Plan:
 
     @property
     def trees(self) -> bool:
-        """Whether tree overheads are measured: they need a measured rank acceptance (and a draft model: a head
-        drafts chains)."""
-        return self.user_acceptance is None and self.draft.head is None
+        """Whether tree overheads are measured: they need a measured rank acceptance."""
+        return self.user_acceptance is None
 
 
 # ---------------------------------------------------------------- checking the request
@@ -184,7 +183,7 @@ def _plan(request: CalibrationRequest) -> _Plan:
     if request.stage2 is not None:
         if draft.head is not None:
             raise CalibrationError(f"--stage2 {request.stage2}: the second stage speeds up a draft model's trees; "
-                                   f"--draft {draft.source} is a {draft.head.kind} head, which drafts chains")
+                                   f"--draft {draft.source} is a {draft.head.kind} head, which drafts without it")
         if user_acceptance is not None:
             raise CalibrationError(f"--stage2 {request.stage2}: the n-gram's guesses are measured against the draft "
                                    f"on the prompts, which --acceptance skips; drop one of the two")

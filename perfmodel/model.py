@@ -236,7 +236,7 @@ def strategy_family(fitted: FittedModel, acceptance: AcceptanceModel, max_k: int
     and the data permits, grown trees (need rank acceptance) and the second stage (needs the profile's
     stage2). "all" on a profile without either is the chain family."""
     max_k = fitted.grid.max_k if max_k is None else max_k
-    if fitted.engine is not None or fitted.draft_info.is_head:  # engines and heads run chains only
+    if fitted.engine is not None:  # engines run chains only
         strategies = "chain"
     return candidate_strategies(max_k, acceptance.rank_acceptance, fitted.stage2 is not None, strategies,
                                 max_tree_nodes)

@@ -114,6 +114,22 @@ def tree_step(tree: Tree, batch_size: int, p_leaf_end: float) -> TreeStep:
     return TreeStep(tuple(_catch_up(batch_size, 0, p_leaf_end) + levels + [Pass("target", tree.num_nodes + 1, 1.0)]))
 
 
+def head_tree_step(tree: Tree, batch_size: int) -> TreeStep:
+    """Passes of a tree step drafted by a head (runtime/drafters/head.py): one head pass per level of inner nodes
+    (its width the level's count: each node fed with its parent's output), the target's pass over every node
+    (N + 1 tokens, returning the hidden states the head reads), and the head's pass over the accepted path's
+    depth + 1 positions (its width is depth + 1 whatever was accepted, as a chain's k + 1). No catch-up: the head
+    never lags. A chain of k is the tree whose levels hold one node each: `head_step_passes(b, k)`.
+
+    >>> t = Tree(((0,), (1,), (0, 0)))  # node 1 is inner; nodes 2, 3 are leaves
+    >>> [(p.role, p.new_tokens, p.weight) for p in head_tree_step(t, 1).passes]
+    [('draft', 1, 1.0), ('target', 4, 1.0), ('draft', 3, 1.0)]
+    """
+    _check(tree, batch_size)
+    levels = [Pass("draft", count, 1.0) for count in inner_per_depth(tree)]
+    return TreeStep(tuple(levels + [Pass("target", tree.num_nodes + 1, 1.0), Pass("draft", tree.depth + 1, 1.0)]))
+
+
 # ---------------------------------------------------------------- the second stage's rounds
 
 def _inner_accuracy(tree: Tree, guess_accuracy: Sequence[float]) -> tuple[tuple[int, ...], np.ndarray]:

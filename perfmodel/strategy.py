@@ -18,8 +18,9 @@ E (tokens a row gains per step):
   a tree are compared on two measurements of the same pair (both step-aligned).
 
 S (expected step time): the forward passes the runtime makes (`schedule.step_passes` for plain chains,
-`schedule.tree_step` / `schedule.staged_step` for trees and staged steps, `schedule.head_step_passes` for
-a head's chains, whose k = 0 still runs the head: the speedup's baseline is decoding without it), each weighted by its
+`schedule.tree_step` / `schedule.staged_step` for trees and staged steps, `schedule.head_step_passes` and
+`schedule.head_tree_step` for a head's chains and trees, whose k = 0 still runs the head: the speedup's baseline
+is decoding without it), each weighted by its
 expected count, plus the n-gram queries (expected queries x query_overhead_ms + expected
 contexts x query_ms_per_context), plus the step overhead (`OverheadModel.step_overhead_ms`), times
 the in-situ step correction when the model has one (`steps.StepCorrection`, at the strategy's
@@ -41,7 +42,8 @@ from .acceptance import AcceptanceModel, accept_all_probability
 from .errors import PerfModelError
 from .overhead import OverheadModel
 from .profile import HEAD_DRAFTERS, Stage2Info
-from .schedule import TreeStep, head_step_passes, leaf_end_probability, staged_step, step_passes, tree_step
+from .schedule import (TreeStep, head_step_passes, head_tree_step, leaf_end_probability, staged_step, step_passes,
+                       tree_step)
 from .steps import StepCorrection
 from .tree import Strategy, chain, expected_tree_tokens, grow_tree, node_probabilities, simulate_tree_steps
 
@@ -142,7 +144,7 @@ class StepModel:
     # (b, strategy) -> (passes, overhead ms): neither depends on the context, which an online policy
     # (runtime.adaptive) asks about at every new length
     _schedule_cache: dict = field(default_factory=dict, compare=False, repr=False)
-    # who drafts: "draft_model", or a head ("eagle3", "mtp": chains only, `schedule.head_step_passes`)
+    # who drafts: "draft_model", or a head ("eagle3", "mtp": `schedule.head_step_passes` / `head_tree_step`)
     drafter: str = "draft_model"
 
     @property
@@ -209,8 +211,12 @@ class StepModel:
         if batch_size < 1:
             raise PerfModelError(f"batch size must be >= 1, found {batch_size}")
         if self.head:
-            if strategy.kind == "tree" or strategy.stage2:
-                raise PerfModelError(f"strategy {strategy.describe(40)}: a head ({self.drafter}) drafts chains only")
+            if strategy.stage2:
+                raise PerfModelError(f"strategy {strategy.describe(40)}: a head ({self.drafter}) drafts without the "
+                                     "second stage")
+            if strategy.kind == "tree":
+                self._rank_acceptance(strategy)  # a tree's yield needs it: refused here, in one line, without
+                return head_tree_step(strategy.tree, batch_size)
             return TreeStep(head_step_passes(batch_size, strategy.k))
         if strategy.tree is None or (strategy.kind == "chain" and not strategy.stage2):
             return TreeStep(step_passes(batch_size, strategy.k, self.acceptance.per_position))

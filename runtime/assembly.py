@@ -69,28 +69,16 @@ def load_named_pair(target: str | None, draft: str | None, device: str | None, d
     return load_pair(target_spec, draft_spec, device, parse_dtype(dtype, device))
 
 
-def check_head_drafts_chains(draft_spec, tree: str | None = None, stage2: Path | None = None) -> None:
-    """A head drafts chains (runtime/drafters/head.py): a --tree that is not a chain, and --stage2 (the n-gram
-    that speeds up a draft model's own drafting), are refused in one line when `draft_spec` is a head."""
+def check_head_stage2(draft_spec, stage2: Path | None = None) -> None:
+    """--stage2 (the n-gram that speeds up a draft model's own drafting) is refused in one line when
+    `draft_spec` is a head, which drafts its chains and trees without it (runtime/drafters/head.py)."""
     from specbatch.perfmodel.table import drafter_phrase
-    from specbatch.perfmodel.tree import parse_tree
 
-    if draft_spec is None or draft_spec.head is None:
+    if draft_spec is None or draft_spec.head is None or stage2 is None:
         return
-    head = f"--draft {draft_spec.source} is {drafter_phrase(draft_spec.drafter)}"
-    if stage2 is not None:
-        raise UsageError(f"--stage2 {stage2}: a head drafts chains without the n-gram second stage (which speeds up "
-                         f"a draft model's own drafting), and {head}; leave --stage2 out")
-    if tree is not None and tree != "auto" and not parse_tree(tree, "--tree").is_chain:
-        raise head_tree_error(draft_spec, tree)
-
-
-def head_tree_error(draft_spec, tree: str) -> UsageError:
-    """The one line that refuses `--tree TREE` (not a chain) with a head as --draft."""
-    from specbatch.perfmodel.table import drafter_phrase
-
-    return UsageError(f"--tree {tree}: a head drafts chains, and --draft {draft_spec.source} is "
-                      f"{drafter_phrase(draft_spec.drafter)}; give a chain (--tree chain:K, or --k K)")
+    raise UsageError(f"--stage2 {stage2}: a head drafts without the n-gram second stage (which speeds up a draft "
+                     f"model's own drafting), and --draft {draft_spec.source} is "
+                     f"{drafter_phrase(draft_spec.drafter)}; leave --stage2 out")
 
 
 def check_stage2_file(path: Path, expected_sha256: str, what: str) -> None:
@@ -130,8 +118,8 @@ def check_made_for(what: str, made_for: dict, running: dict, force: bool = False
     acceptance, so it runs but silently picks wrong (an OPT table on the demo pair says k = 0). Both dicts
     map role -> (source, fingerprint), and "drafter" -> what drafts (perfmodel.table.DRAFTERS); roles,
     fingerprints or drafters missing on either side (older files, an n-gram draft) are not compared. `force`
-    runs anyway, except for another kind of drafter: a head's step (its passes, chains only) is not a draft
-    model's, so the file's strategies and costs describe another runtime."""
+    runs anyway, except for another kind of drafter: a head's step (its passes) is not a draft model's, so
+    the file's strategies and costs describe another runtime."""
     from specbatch.perfmodel.table import drafter_phrase
 
     made, now = made_for.get("drafter"), running.get("drafter")
@@ -312,8 +300,7 @@ def generate_texts(request: GenerationRequest, loaded_pair=None) -> Generation:
         raise UsageError("--stage2 speeds up a draft MODEL; with an n-gram --draft there is nothing to stage")
     pair = loaded_pair or load_named_pair(request.target, None if ngram_draft else request.draft, request.device,
                                           request.dtype, need_draft=request.k != 0 and not ngram_draft,
-                                          check=lambda spec: check_head_drafts_chains(spec, request.tree,
-                                                                                      request.stage2))
+                                          check=lambda spec: check_head_stage2(spec, request.stage2))
     if pair.tokenizer is None:
         raise UsageError(f"--target {pair.target_spec.source}: no tokenizer.json, cannot encode text prompts")
     draft_runner = load_ngram(request.draft, "--draft", pair.target_spec) if ngram_draft else pair.draft

@@ -487,13 +487,18 @@ class SpeculativeGenerator:
         last = state.tokens.gather(1, (state.committed - 1)[:, None])  # (b, 1)
         verify_input = last if draft_tokens is None else torch.cat([last, draft_tokens], dim=1)
         features = self.drafter.feature_layers if state.draft_cache is not None else None
+        return self._target_pass(observer, verify_input, state.target_cache, None, features)
+
+    def _target_pass(self, observer, tokens, cache, attention, features):
+        """The target's pass over `tokens` (a chain's verify, or a tree's nodes under `attention`): (its logits,
+        its hidden states at `features` for a drafter that reads them, else None)."""
         if features is None:
-            return _run_pass(observer, "target", self.target_runner, verify_input, state.target_cache), None
+            return _run_pass(observer, "target", self.target_runner, tokens, cache, attention), None
         runner = self.target_runner
 
-        def verify_with_features(tokens, cache, attention=None, last=None):
+        def with_features(tokens, cache, attention=None, last=None):
             return runner(tokens, cache, attention, last, features=features)
-        return _run_pass(observer, "target", verify_with_features, verify_input, state.target_cache)
+        return _run_pass(observer, "target", with_features, tokens, cache, attention)
 
     @staticmethod
     def _chain_tokens(draft_tokens, accepted, bonus) -> torch.Tensor:
@@ -532,16 +537,17 @@ class SpeculativeGenerator:
         plan = plan_for(tree, self.device)
         committed = state.committed
         drafted = self.drafter.tree(state, plan, staged, passes)
-        target_logits = _run_pass(observer, "target", self.target_runner, drafted.tokens, state.target_cache,
-                                  TreeAttention(plan.depths, plan.target_mask))
+        features = self.drafter.feature_layers if state.draft_cache is not None else None
+        target_logits, target_features = self._target_pass(observer, drafted.tokens, state.target_cache,
+                                                           TreeAttention(plan.depths, plan.target_mask), features)
         path, accepted, bonus = verify_and_accept(plan, drafted, target_logits, state.sampling, state.rng)
         keep = torch.arange(tree.depth, device=self.device) < accepted[:, None]
         if not tree.is_chain:  # in a chain, node i already sits where the i-th accepted token belongs
             compact(state.target_cache, committed, path - 1, keep)  # node j sat at slot committed - 1 + j
-        draft_lengths = (self.drafter.settle_tree(state, plan, path, keep) if state.draft_cache is not None
-                         else None)
         new = torch.cat([drafted.tokens.gather(1, path), bonus[:, None]], dim=1)
         new.scatter_(1, accepted[:, None], bonus[:, None])
+        draft_lengths = (self.drafter.settle_tree(state, plan, path, keep, accepted, new, target_features, passes)
+                         if state.draft_cache is not None else None)
         return new, accepted + 1, draft_lengths
 
     # ------------------------------------------------------------------ checks and bookkeeping

@@ -256,7 +256,7 @@ def build(options: ServeOptions):
     """(runner, served model) ready for `create_app`; loads the models and chooses the policy."""
     import torch
 
-    from specbatch.runtime.assembly import check_head_drafts_chains, second_stage_for
+    from specbatch.runtime.assembly import second_stage_for
     from specbatch.runtime.checkpoint import parse_dtype
     from specbatch.runtime.engine import Engine, EngineConfig, KVCacheTooSmall
     from specbatch.runtime.generator import SpeculativeGenerator, context_limit
@@ -272,7 +272,6 @@ def build(options: ServeOptions):
     draft_name = default_draft(options.target, options.draft)
     draft_dir = None if draft_name is None else Path(draft_name)
     target_spec, draft_spec = resolve_pair(str(target_dir), None if draft_dir is None else str(draft_dir))
-    check_head_drafts_chains(draft_spec, options.tree)
     pair = load_pair(target_spec, draft_spec, device, parse_dtype(options.dtype, device))
     if pair.tokenizer is None:
         raise ServeError(f"--target {target_dir}: no tokenizer.json; serve needs one to encode prompts")

@@ -70,7 +70,10 @@ class Drafter:
         """A drafted tree per row (runtime.tree_decoding.DraftedTree)."""
         raise NotImplementedError(f"a {self.kind} drafter drafts no trees")
 
-    def settle_tree(self, state: BatchState, plan, path: torch.Tensor, keep: torch.Tensor) -> torch.Tensor | None:
-        """After a tree step's verify: the accepted `path` (b, depth) of node ids and `keep` (b, depth) the
-        accepted prefix of it. Returns the drafter cache's new lengths, or None."""
+    def settle_tree(self, state: BatchState, plan, path: torch.Tensor, keep: torch.Tensor, accepted: torch.Tensor,
+                    new: torch.Tensor, features, passes) -> torch.Tensor | None:
+        """After a tree step's verify: the accepted `path` (b, depth) of node ids, `keep` (b, depth) the
+        accepted prefix of it, `accepted` (b,) its length, `new` (b, depth + 1) the step's tokens, `features` the
+        target's hidden states at every node (b, nodes + 1, ...) when the drafter reads them. Returns the drafter
+        cache's new lengths, or None."""
         return None

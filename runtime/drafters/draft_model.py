@@ -68,7 +68,7 @@ class DraftModelDrafter(Drafter):
                           state.sampling, state.rng, stage2=self.stage2 if staged else None, forward=passes,
                           host_bookkeeping=self.host_bookkeeping)
 
-    def settle_tree(self, state, plan, path, keep):
+    def settle_tree(self, state, plan, path, keep, accepted, new, features, passes):
         slot = plan.inner_index[path] - 1  # leaves were never fed to the draft
         fed = keep & (slot >= 0)
         if not plan.tree.is_chain:

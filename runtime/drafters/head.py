@@ -18,7 +18,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..attention import TreeAttention
 from ..errors import GenerationError
+from ..tree_decoding import _TreeState, level_starts
 from .base import Drafter, draw
 
 
@@ -84,5 +86,47 @@ class HeadDrafter(Drafter):
         return state.committed + accepted
 
     def tree(self, state, plan, staged: bool, passes):
-        raise GenerationError("a head drafts chains: trees with a head are not supported; use a chain strategy "
-                              "(--strategies chain, or a fixed k)")
+        """A tree per row, a level of inner nodes per head pass (runtime.tree_decoding's bookkeeping): each node
+        is fed with its token and its parent's output (the root's: `HeadCache.hidden`) into in-flight slots under
+        the tree mask, from the slot where a chain's second token would sit; its logits give its children."""
+        if staged:
+            raise GenerationError("a head drafts without the n-gram second stage")
+        cache, head = state.draft_cache, self.head
+        b = state.tokens.shape[0]
+        rows = torch.arange(b, device=state.tokens.device)
+        tree_state = _TreeState(plan, state.tokens[rows, state.committed - 1], state.sampling, self.vocab_size)
+        tree_state.absorb_root(head.logits(cache.hidden[:, None])[:, -1], state.rng)
+        inner = list(plan.inner)
+        outputs = cache.hidden.new_empty(b, len(inner) + 1, cache.hidden.shape[-1])  # [:, 0]: the root's
+        outputs[:, 0] = cache.hidden
+        rounds = 1
+        for start in level_starts(plan):
+            end = next(e for e in plan.level_ends if e > start)
+            cache.set_lengths(state.committed - 1 + start, state.host_committed - 1 + start)
+            fed = tree_state.fed_tokens(inner[start:end])
+            parents = plan.inner_index[plan.parent_of[plan.at(inner[start:end])]]  # 0: the root, i + 1: slot i
+            attention = TreeAttention(plan.inner_offsets[:end], plan.inner_mask[start:end, :end])
+
+            def run(tokens, cache, attention=None, last=None, inputs=outputs[:, parents]):
+                return head(tokens, inputs, cache, last=last, from_target=False, tree=attention)
+            logits, level = passes(run, fed, cache, attention)
+            outputs[:, start + 1:end + 1] = level
+            tree_state.absorb(logits, fed, start, state.rng)
+            rounds += 1
+        cache.set_lengths(state.committed - 1 + len(inner), state.host_committed - 1 + len(inner))
+        return tree_state.result(rounds)
+
+    def settle_tree(self, state, plan, path, keep, accepted, new, features, passes):
+        """As `settle_chain`, over the accepted path: the target's hidden states at the root and the path's nodes
+        (the tree verify returned them for every node), the step's tokens after each."""
+        cache = state.draft_cache
+        cache.set_lengths(state.committed - 1, state.host_committed - 1)  # drop the tree's in-flight entries
+        positions = torch.cat([torch.zeros_like(path[:, :1]), path], dim=1)  # (b, depth + 1): root, then the path
+        verified = features.gather(1, positions[..., None].expand(-1, -1, features.shape[-1]))
+        runner = self.runner
+
+        def run(tokens, cache, attention=None, last=0):
+            return runner(tokens, verified, cache, last=0)
+        _, outputs = passes(run, new, cache, None, 0)  # (b, depth + 1, hidden)
+        cache.hidden.copy_(outputs.gather(1, accepted[:, None, None].expand(-1, 1, outputs.shape[-1]))[:, 0])
+        return state.committed + accepted

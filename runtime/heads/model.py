@@ -106,13 +106,14 @@ class DraftHead(nn.Module):
         return self.fc(features)
 
     def forward(self, tokens: torch.Tensor, inputs: torch.Tensor, cache: KVCache, last: int | None = None,
-                new_tokens: list[int] | None = None, from_target: bool = True):
+                new_tokens: list[int] | None = None, from_target: bool = True, tree=None):
         """One head pass: `tokens` (b, n), or packed (T,) with `new_tokens` per row as a ragged pass, on top of
         `cache`; `inputs` (..., F): the target's features at the positions before the tokens' (`from_target`),
         or the head's own outputs there (..., hidden). Returns (logits over the target's vocabulary of every
         position, or of each row's `last` ones, or None for last=0; the outputs (..., hidden) the next pass
-        reads)."""
-        attention, positions = plan_pass(tokens, cache, None, last, new_tokens, None, self.attention_backend)
+        reads). `tree`: the tokens are a level of a drafted tree on top of in-flight slots
+        (runtime.attention.TreeAttention)."""
+        attention, positions = plan_pass(tokens, cache, tree, last, new_tokens, None, self.attention_backend)
         embeds = self.embed(tokens)  # (..., hidden)
         rope = rope_tables(positions + self.position_offset, self.inv_freq, self.rope_attention_factor, embeds.dtype)
         layer = self.layers[0]
@@ -179,6 +180,9 @@ class HeadPasses:
 
     def __call__(self, tokens: torch.Tensor, cache: KVCache, tree=None, last: int | None = None):
         b, n = tokens.shape
+        if tree is not None:  # a level of a drafted tree: the head's own outputs in, every node's logits out
+            return self.head(tokens, self._random((b, n, self.head.config.hidden_size)), cache, last=None,
+                             from_target=False, tree=tree)[0]
         if n == 1:
             return self.head(tokens, self._random((b, 1, self.head.config.hidden_size)), cache, last=1,
                              from_target=False)[0]

@@ -1,5 +1,6 @@
-"""Calibrating a head end to end on a tiny real target: the passes a head makes are timed, its acceptance is
-measured by drafting, the profile says which drafter it measured, and fit and table give chains for it."""
+"""Calibrating a head end to end on a tiny real target: the passes a head makes are timed (chains' and trees'), its
+acceptance is measured by drafting (per position, and per depth and rank along the target's path, for trees), the
+profile says which drafter it measured, and fit and table rank chains and trees for it."""
 from __future__ import annotations
 
 import json
@@ -71,11 +72,14 @@ def test_a_heads_profile_times_the_passes_it_makes_and_names_the_drafter(measure
     profile = measured
     assert profile.draft.drafter == "eagle3" and profile.draft.draft_vocab_size == 200 and profile.draft.layers == 1
     assert profile.draft.is_head and not profile.target.is_head
-    assert profile.grid.draft_new_tokens == (1, 2, 3)  # one token drafting, k + 1 = 1..3 over the verified
-    assert profile.grid.target_new_tokens == (1, 2, 3)  # no tree widths: a head drafts chains
+    # one token drafting, k + 1 = 1..3 over the verified positions; a tree's levels and its verify: the wide widths
+    assert profile.grid.draft_new_tokens == (1, 2, 3, 4, 8, 16, 32, 64)
+    assert profile.grid.target_new_tokens == (1, 2, 3, 16, 32, 64)
     draft_rows = {(r.batch_size, r.new_tokens) for r in profile.timings if r.model == "draft"}
-    assert draft_rows == {(b, n) for b in (1, 2) for n in (1, 2, 3)}
-    assert not [r for r in profile.overheads if r.tree_nodes is not None]  # no tree overheads
+    assert draft_rows == {(b, n) for b in (1, 2) for n in profile.grid.draft_new_tokens}  # b <= 4: wide ones too
+    greedy = next(entry for entry in profile.acceptance if entry.mode == "greedy")
+    assert greedy.rank_acceptance is not None and len(greedy.rank_acceptance) == 2  # max_k depths
+    assert [r for r in profile.overheads if r.tree_nodes is not None]  # trees grown from it, their overheads
     assert profile.insitu_steps
     # inside real steps the head made passes of one token and of k + 1 over the verified positions
     assert {(r.model, r.new_tokens) for r in profile.insitu_timings if r.model == "draft"} >= {("draft", 1),
@@ -98,15 +102,53 @@ def test_a_heads_acceptance_is_measured_by_drafting(head_pair):
     assert 0.2 < entry.per_position[0] < 1.0  # accepted and rejected both
     for i in range(2):  # position i + 2 is tried exactly when position i + 1 was accepted
         assert entry.trials[i + 1] == round(entry.per_position[i] * entry.trials[i])
-    assert entry.rank_acceptance is None and entry.rank_sequences is None
+    assert entry.rank_sequences is None  # a head's ranks depend on where a step starts: no per-position replay
+    ranks = entry.rank_acceptance
+    assert len(ranks) == 3 and all(len(row) == 4 and sum(row) <= 1 + 1e-9 for row in ranks)
+    assert 0.2 < ranks[0][0] < 1.0 and sum(ranks[0][1:]) > 0  # lower-ranked children catch some misses
 
 
-def test_fit_and_table_of_a_head_give_chains_and_name_the_drafter(measured):
+def test_a_heads_step_ranks_equal_the_head_recomputed_from_scratch(head_pair):
+    """Rank of the target's token at every depth of a step starting at every position, against the head run on a
+    fresh cache per start along the target's tokens (the path a drafted tree accepts)."""
+    from specbatch.calibrate.acceptance import RANKS, head_step_ranks, target_continuations
+    from specbatch.runtime.checkpoint import load_checkpoint
+    from specbatch.runtime.heads import load_head
+    from specbatch.runtime.sampling import Sampling
+
+    loaded = load_checkpoint(head_pair / "target")
+    target = loaded.model
+    head = load_head(head_pair / "mtp-head", target)
+    prompt = loaded.tokenizer.encode(PROMPTS[0])
+    sequence = prompt + target_continuations(target, [prompt], 12, Sampling(), (), 0)[0]
+    got = head_step_ranks(target, head, sequence, len(prompt), 3)
+    features = head.head_config.feature_layers
+    with torch.no_grad():
+        for t, committed in enumerate(range(len(prompt), len(sequence))):
+            tokens = torch.tensor([sequence[:committed]])
+            _, taken = target(tokens[:, :-1], None, features=features)
+            cache = head.new_cache(1, len(sequence) + 4)
+            logits, outputs = head(tokens[:, 1:], taken, cache, last=1)
+            hidden = outputs[:, -1:]
+            for d in range(3):
+                position = committed + d
+                if position >= len(sequence):
+                    assert got[t, d] == -1
+                    continue
+                order = logits[0, -1].argsort(descending=True, stable=True).tolist()
+                assert got[t, d] == min(order.index(sequence[position]), RANKS), (t, d)
+                logits, hidden = head(torch.tensor([[sequence[position]]]), hidden, cache, last=1, from_target=False)
+
+
+def test_fit_and_table_of_a_head_rank_trees_and_name_the_drafter(measured):
+    from specbatch.perfmodel.model import query_strategies
+
     fitted = fit_profile(measured)
     assert fitted.draft_info.drafter == "eagle3"
     table = compute_table(fitted, fitted.acceptance[0], 8, [24], strategies="all")
     assert table.drafter == "eagle3"
-    assert all(entry.chosen().kind in ("none", "chain") for entry in table.buckets[0].entries)
+    ranked = query_strategies(fitted, fitted.acceptance[0], 1, 24).ranked
+    assert {c.strategy.kind for c in ranked} >= {"none", "chain", "tree"}  # trees are candidates for a head
 
 
 def test_the_second_stage_with_a_head_is_refused_in_one_line(head_pair, tmp_path):

@@ -77,11 +77,12 @@ def rendered(summary, monkeypatch) -> str:
     """What `calibrate` prints for `summary` (console.calibration.render_calibration), on one line."""
     import rich.console
 
+    from specbatch.console import output
     from specbatch.console.calibration import render_calibration
 
     console = rich.console.Console(record=True, width=400)
     with monkeypatch.context() as patch:
-        patch.setattr(rich.console, "Console", lambda *args, **kwargs: console)
+        patch.setattr(output, "report_console", lambda *args, **kwargs: console)
         render_calibration(summary)
     return " ".join(console.export_text().split())
 

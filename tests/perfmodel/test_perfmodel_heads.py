@@ -1,4 +1,4 @@
-"""The step model of a head's chains (perfmodel.schedule.head_step_passes), by hand.
+"""The step model of a head's chains and trees (perfmodel.schedule.head_step_passes, head_tree_step), by hand.
 
 A head's step of k draft tokens: k - 1 head passes of one token, the target's verify of k + 1, and the head's
 pass of k + 1 over the verified positions; at k = 0 that pass has one token. Its speedup is over decoding
@@ -55,6 +55,26 @@ def test_a_heads_speedup_is_over_decoding_without_it():
     assert choice.best.k == 0 and choice.speedup < 1.0  # a head that is almost never right only costs
 
 
-def test_a_head_drafts_no_trees():
-    with pytest.raises(PerfModelError, match="a head \\(eagle3\\) drafts chains only"):
+def test_a_heads_tree_step_time_and_goodput_by_hand():
+    """A tree 0,1,0.0: one head pass over the one inner node (0), the target's pass over 4 tokens, the head's pass
+    over the accepted path's depth + 1 = 3 positions; its yield from the rank table (node 0: 0.6, node 1: 0.2,
+    node 0.0: 0.6 x 0.5)."""
+    from dataclasses import replace
+
+    model = head_model()
+    model = replace(model, acceptance=replace(model.acceptance, rank_acceptance=((0.6, 0.2), (0.5, 0.1))))
+    candidate = model.evaluate(Strategy(parse_tree("0,1,0.0")), 4, 100)
+    draft = (1.0 + 0.05 * 4 * 1) + (1.0 + 0.05 * 4 * 3)
+    target = 10.0 + 0.1 * 4 * 4
+    assert candidate.draft_ms == pytest.approx(draft) and candidate.target_ms == pytest.approx(target)
+    assert candidate.step_ms == pytest.approx(draft + target + 0.5)  # no tree rows: the chain rows at its depth
+    assert candidate.tokens_per_step == pytest.approx(1 + 0.6 + 0.2 + 0.6 * 0.5)
+    chain_of_two = model.evaluate(Strategy(chain(2)), 4, 100)  # a chain is the tree of one node a level
+    assert chain_of_two.step_ms == pytest.approx(model.evaluate(Strategy(parse_tree("0,0.0")), 4, 100).step_ms)
+
+
+def test_a_heads_tree_needs_rank_acceptance_and_no_second_stage():
+    with pytest.raises(PerfModelError, match="a tree needs per-depth, per-rank acceptance"):
         head_model().evaluate(Strategy(parse_tree("0,1,0.0")), 1, 100)
+    with pytest.raises(PerfModelError, match="drafts without the second stage"):
+        head_model().evaluate(Strategy(chain(2), True), 1, 100)

@@ -16,7 +16,7 @@ import torch
 
 from specbatch.runtime.checkpoint import build_model
 from specbatch.runtime.drafters.head import HeadDrafter
-from specbatch.runtime.generator import GenerationError, SpeculativeGenerator
+from specbatch.runtime.generator import SpeculativeGenerator
 from specbatch.runtime.heads import HeadError, random_head
 from specbatch.runtime.heads.config import head_config_from_dict
 from specbatch.runtime.model import NORMED_OUTPUT
@@ -188,13 +188,127 @@ def test_sampling_with_a_subset_draft_vocabulary_is_exactly_the_targets(llama_co
     assert len(missing) == 2 and counts3.sum((1, 2))[missing].sum() > 0
 
 
-def test_trees_with_a_head_are_refused_in_one_line(target, eagle_head):
+TREES = ("0,1,0.0", "0,1,2,0.0,0.1,1.0,0.0.0", "0,0.0,0.0.0,0.0.1")
+
+
+def _tree_policy(spec: str):
     from specbatch.perfmodel.tree import Strategy, parse_tree
     from specbatch.runtime.policy import FixedStrategy
 
-    with pytest.raises(GenerationError, match="a head drafts chains"):
-        tree = FixedStrategy(Strategy(parse_tree("0,1,0.0")))
-        SpeculativeGenerator(target, eagle_head).generate([[1, 2, 3]], 4, tree)
+    return FixedStrategy(Strategy(parse_tree(spec)))
+
+
+@pytest.mark.parametrize("batch", [1, 8, 32])
+def test_greedy_trees_with_an_eagle3_head_equal_target_only_greedy(target, eagle_head, batch):
+    prompts = _prompts(batch, seed=batch + 100)
+    expected = [naive_greedy(target, p, 16) for p in prompts]
+    generator = SpeculativeGenerator(target, eagle_head)
+    for spec in TREES:
+        assert generator.generate(prompts, 16, _tree_policy(spec)).token_ids == expected, spec
+
+
+@pytest.mark.parametrize("spec", TREES)
+def test_greedy_trees_with_an_mtp_head_accept_deep_paths_and_stay_lossless(echo_target, mtp_head, spec):
+    prompts = _prompts(8, seed=13)
+    result = SpeculativeGenerator(echo_target, mtp_head).generate(prompts, 24, _tree_policy(spec))
+    assert result.token_ids == [naive_greedy(echo_target, p, 24) for p in prompts]
+    assert max(result.stats.acceptance_per_position[1:] or [0]) > 0  # paths past the first level are accepted
+
+
+def _fresh_tree(target, head, committed: list[int], tree) -> list[int]:
+    """Every node's token of a greedy tree drafted by `head` after `committed`, recomputed from scratch: a node's
+    children are the top-ranked tokens of the head's logits after the path to it, each path run on a new cache
+    (one target pass, one head pass over the committed positions, then one-token passes along the path)."""
+    features = head.head_config.feature_layers
+    tokens = torch.tensor([committed])
+    _, taken = target(tokens[:, :-1], None, features=features)
+    tokens_of = {0: committed[-1]}
+    for node in range(tree.num_nodes + 1):
+        if not tree.children[node]:
+            continue
+        path = []  # the node's ancestors below the root, then the node itself
+        walk = node
+        while walk:
+            path.append(walk)
+            walk = tree.parents[walk]
+        cache = head.new_cache(1, len(committed) + tree.depth + 2)
+        logits, outputs = head(tokens[:, 1:], taken, cache, last=1)
+        hidden = outputs[:, -1:]
+        for ancestor in reversed(path):
+            logits, hidden = head(torch.tensor([[tokens_of[ancestor]]]), hidden, cache, last=1, from_target=False)
+        top = logits[0, -1].topk(len(tree.children[node])).indices.tolist()
+        for rank, child in enumerate(tree.children[node]):
+            tokens_of[child] = top[rank]
+    return [tokens_of[node] for node in range(tree.num_nodes + 1)]
+
+
+@pytest.mark.parametrize("fixture", ["eagle", "mtp"])
+def test_each_steps_tree_equals_the_head_recomputed_from_scratch(request, fixture):
+    """Every node of every drafted tree (children by rank of their parent's logits), so the level passes' inputs
+    (each node's parent's output), their tree attention and the settle over the accepted path are all checked."""
+    from specbatch.perfmodel.tree import parse_tree
+
+    model, head = ((request.getfixturevalue("target"), request.getfixturevalue("eagle_head")) if fixture == "eagle"
+                   else (request.getfixturevalue("echo_target"), request.getfixturevalue("mtp_head")))
+    spec = TREES[1]
+    seen = []
+    original = HeadDrafter.tree
+
+    def recording(self, state, plan, staged, passes):
+        drafted = original(self, state, plan, staged, passes)
+        committed = [state.tokens[r, :int(state.host_committed[r])].tolist() for r in range(state.batch_size)]
+        seen.append((committed, drafted.tokens.tolist()))
+        return drafted
+
+    HeadDrafter.tree = recording
+    try:
+        SpeculativeGenerator(model, head).generate(_prompts(4, seed=19), 16, _tree_policy(spec))
+    finally:
+        HeadDrafter.tree = original
+    assert len(seen) >= 4
+    tree = parse_tree(spec)
+    with torch.no_grad():
+        for committed, drafted in seen:
+            for row, tokens in zip(committed, drafted):
+                assert tokens == _fresh_tree(model, head, row, tree)
+
+
+def test_chains_trees_and_k0_steps_mixed_with_a_head_stay_lossless(target, eagle_head):
+    """The head's cache and carried output stay right whichever kind of step ran before."""
+    from specbatch.perfmodel.tree import Strategy, parse_tree
+
+    choices = [Strategy(parse_tree(TREES[1])), 0, 3, Strategy(parse_tree(TREES[0])), 1]
+
+    class Turning:
+        max_k, calls = 7, 0  # the larger tree's nodes
+
+        def __call__(self, batch_size, context_len=None):
+            self.calls += 1
+            return choices[(self.calls - 1) % len(choices)]
+
+        def describe(self):
+            return "trees, chains and k = 0 in turn"
+
+    prompts = _prompts(6, seed=23)
+    result = SpeculativeGenerator(target, eagle_head).generate(prompts, 20, Turning())
+    assert result.token_ids == [naive_greedy(target, p, 20) for p in prompts]
+
+
+def test_sampling_a_tree_with_a_subset_draft_vocabulary_is_exactly_the_targets(llama_config_factory, peaked):
+    from test_runtime_sampling import ALPHA, PROMPT, ROWS, V, _chi2_pvalue, _counts, _exact
+
+    config = llama_config_factory(vocab_size=V, hidden_size=16, num_heads=2, num_kv_heads=1, intermediate_size=32)
+    small_target = peaked(build_model(config, seed=21), 15.0)
+    layer = {"model_type": "llama", "vocab_size": V, "hidden_size": 16, "intermediate_size": 32,
+             "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8, "max_position_embeddings": 64}
+    head = random_head(head_config_from_dict({"speculators_model_type": "eagle3", "transformer_layer_config": layer,
+                                              "draft_vocab_size": 4}, config, "head"), small_target, seed=8)
+    sampling = Sampling(temperature=1.0)
+    p1, p2, p3 = _exact(small_target, sampling)
+    result = SpeculativeGenerator(small_target, head).generate([PROMPT] * ROWS, 3, _tree_policy("0,1,0.0"),
+                                                                sampling, seed=98)
+    counts3 = _counts(result.token_ids, 3)
+    assert _chi2_pvalue(counts3, (p1[:, None, None] * p2[:, :, None] * p3).numpy()) > ALPHA
 
 
 @pytest.mark.parametrize("change,message", [
