@@ -75,12 +75,14 @@ FLOAT_WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float
 @dataclass(frozen=True)
 class Placement:
     """Where a Hugging Face tensor goes in `CausalLM`: a parameter, or rows of a fused one (q, k and v in
-    `qkv`, gate and up in `gate_up`), transposed for GPT-2's Conv1D weights (stored (in, out))."""
+    `qkv`, gate and up in `gate_up`), transposed for GPT-2's Conv1D weights (stored (in, out)); a mixture of
+    experts' per-expert tensors go to their expert's slice of a stacked parameter (then rows of it)."""
 
     name: str
     start: int | None = None  # first row in the fused parameter; None: the whole parameter
     rows: int | None = None
     transpose: bool = False
+    expert: int | None = None  # index along a stacked parameter's first dimension, before `start`
 
 
 def _llama_layer(config: ModelConfig, i: int) -> dict[str, Placement]:
@@ -103,7 +105,11 @@ def _llama_layer(config: ModelConfig, i: int) -> dict[str, Placement]:
     plan[p + "self_attn.o_proj.weight"] = Placement(dst + "o.weight")
     if config.o_bias:
         plan[p + "self_attn.o_proj.bias"] = Placement(dst + "o.bias")
-    plan[p + "mlp.down_proj.weight"] = Placement(dst + "down.weight")
+    if config.routes_experts(i):  # the dense MLP's tensors above are not this layer's
+        plan = {name: place for name, place in plan.items() if ".mlp." not in name}
+        plan.update(_expert_layer(config, i))
+    else:
+        plan[p + "mlp.down_proj.weight"] = Placement(dst + "down.weight")
     if config.mlp_bias:
         plan[p + "mlp.down_proj.bias"] = Placement(dst + "down.bias")
     if config.qk_norm:
@@ -116,6 +122,28 @@ def _llama_layer(config: ModelConfig, i: int) -> dict[str, Placement]:
         plan[p + "post_feedforward_layernorm.weight"] = Placement(dst + "mlp_out_norm.weight")
     else:
         plan[p + "post_attention_layernorm.weight"] = Placement(dst + "mlp_norm.weight")
+    return plan
+
+
+def _expert_layer(config: ModelConfig, i: int) -> dict[str, Placement]:
+    """A mixture-of-experts layer's tensors as the Hub's checkpoints store them, one set per expert (Mixtral's
+    `block_sparse_moe.experts.j.w1/w3/w2` are gate/up/down), stacked into `experts.gate_up` and `experts.down`."""
+    p, dst, width = f"layers.{i}.", f"layers.{i}.experts.", config.expert_intermediate_size
+    mixtral = config.model_type == "mixtral"
+    moe = p + ("block_sparse_moe." if mixtral else "mlp.")
+    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    plan = {moe + "gate.weight": Placement(dst + "router.weight")}
+    for j in range(config.num_experts):
+        plan[f"{moe}experts.{j}.{gate}.weight"] = Placement(dst + "gate_up", 0, width, expert=j)
+        plan[f"{moe}experts.{j}.{up}.weight"] = Placement(dst + "gate_up", width, width, expert=j)
+        plan[f"{moe}experts.{j}.{down}.weight"] = Placement(dst + "down", expert=j)
+    if config.router == "sigmoid":
+        plan[moe + "gate.e_score_correction_bias"] = Placement(dst + "score_bias")
+    if config.shared_expert_intermediate_size:
+        shared = config.shared_expert_intermediate_size
+        plan[moe + "shared_experts.gate_proj.weight"] = Placement(dst + "shared_gate_up.weight", 0, shared)
+        plan[moe + "shared_experts.up_proj.weight"] = Placement(dst + "shared_gate_up.weight", shared, shared)
+        plan[moe + "shared_experts.down_proj.weight"] = Placement(dst + "shared_down.weight")
     return plan
 
 
@@ -235,7 +263,8 @@ def _place(param: torch.Tensor, placement: Placement, tensor: torch.Tensor, file
     if tensor.dtype not in FLOAT_WEIGHT_DTYPES:
         raise CheckpointError(f"{file}: tensor {name} is {str(tensor.dtype).removeprefix('torch.')}, expected a "
                               f"floating-point weight (float32, float16 or bfloat16)")
-    target = param if placement.start is None else param.narrow(0, placement.start, placement.rows)
+    target = param if placement.expert is None else param[placement.expert]
+    target = target if placement.start is None else target.narrow(0, placement.start, placement.rows)
     source = tensor.t() if placement.transpose else tensor
     if tuple(source.shape) != tuple(target.shape):
         raise CheckpointError(f"weights: {name} has shape {tuple(tensor.shape)}, config implies "
@@ -292,10 +321,21 @@ def load_weights(model: CausalLM, config: ModelConfig, directory: Path, role: st
 
 def _ignorable(name: str, raw_name: str, config: ModelConfig) -> bool:
     """Tensors a checkpoint may carry that the model recomputes or shares: RoPE's inverse frequencies,
-    GPT-2's causal-mask buffers, a tied LM head stored anyway, and a multimodal Gemma 3's vision tower."""
+    GPT-2's causal-mask buffers, a tied LM head stored anyway, a multimodal Gemma 3's vision tower, and GLM-4.5's
+    multi-token-prediction layers (numbered after the decoder's: a drafter's, not the target pass's)."""
     return (name.endswith(("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias"))
             or (name == "lm_head.weight" and config.tie_word_embeddings)
-            or (config.model_type == "gemma3_text" and raw_name.startswith(MULTIMODAL_OTHER)))
+            or (config.model_type == "gemma3_text" and raw_name.startswith(MULTIMODAL_OTHER))
+            or _mtp_layer(name, config))
+
+
+def _mtp_layer(name: str, config: ModelConfig) -> bool:
+    """Whether `name` belongs to one of the config's multi-token-prediction layers (layers.N.* for N from
+    num_layers to num_layers + mtp_layers - 1)."""
+    if not config.mtp_layers or not name.startswith("layers."):
+        return False
+    index = name.split(".")[1]
+    return index.isdigit() and config.num_layers <= int(index) < config.num_layers + config.mtp_layers
 
 
 def internal_to_hf_llama(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:

@@ -12,14 +12,17 @@ from pathlib import Path
 
 from specbatch.perfmodel.errors import SpecbatchError, UsageError
 
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")
+# mixture-of-experts families the runtime runs: Llama-shaped blocks whose MLP routes each token to a few experts
+MOE_FAMILY = ("qwen3_moe", "mixtral", "glm4_moe")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3") + MOE_FAMILY
 SUPPORTED_MODEL_TYPES = LLAMA_FAMILY + ("gpt2", "opt")
-# mixture-of-experts families: refused by name (a pass would read only the experts its tokens route to,
-# which neither the model nor the latency model describes)
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "phimoe", "dbrx",
-                   "granitemoe", "olmoe", "jamba", "gpt_oss", "llama4")
-# and any family whose config counts experts (transformers' names for the count, by family)
+# the other mixture-of-experts families: refused by name (their routers, attention or expert MLPs differ from
+# what model.py computes)
+MOE_MODEL_TYPES = ("qwen2_moe", "deepseek_v2", "deepseek_v3", "phimoe", "dbrx", "granitemoe", "olmoe", "jamba",
+                   "gpt_oss", "llama4")
+# and any other family whose config counts experts (transformers' names for the count, by family)
 EXPERT_COUNT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
+ROUTERS = ("softmax", "sigmoid")
 # transformers' ACT2FN names that `model.ACTIVATIONS` computes (the rest are refused by name)
 ACTIVATIONS = ("silu", "swish", "gelu", "gelu_python", "gelu_new", "gelu_pytorch_tanh", "gelu_python_tanh",
                "gelu_fast", "gelu_accurate", "gelu_10", "quick_gelu", "relu", "relu2", "relu6", "leaky_relu",
@@ -62,6 +65,21 @@ class ModelConfig:
     embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size), in the weights' dtype
     query_scale: float | None = None  # attention scores' scale; None: 1 / sqrt(head_dim)
     final_logit_softcap: float | None = None  # Gemma: logits = cap * tanh(logits / cap)
+    # mixture of experts (Qwen3-MoE, Mixtral, GLM-4.5): num_experts 0 is a dense model
+    num_experts: int = 0
+    experts_per_token: int = 0  # the router's top-k
+    expert_intermediate_size: int = 0  # each expert's gated MLP width (intermediate_size stays the dense layers')
+    expert_layers: tuple[bool, ...] = ()  # which layers route to experts; the others keep a dense MLP
+    router: str = "softmax"  # softmax: top-k of softmax(logits) (Qwen3-MoE, Mixtral); sigmoid: GLM-4.5's (below)
+    normalize_expert_weights: bool = False  # norm_topk_prob: the chosen experts' weights rescaled to sum to 1
+    # sigmoid routing: experts chosen by sigmoid(logits) + a learned score-correction bias, only within the
+    # `expert_groups_per_token` best of `expert_groups` groups (a group scored by its two best experts); weighted
+    # by the sigmoid scores without the bias, times routed_scaling_factor
+    expert_groups: int = 1
+    expert_groups_per_token: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_expert_intermediate_size: int = 0  # GLM-4.5: an always-on gated MLP beside the routed experts
+    mtp_layers: int = 0  # GLM-4.5: multi-token-prediction layers stored after the decoder's, not run by a pass
     # OPT
     do_layer_norm_before: bool = True  # False: post-LN blocks (opt-350m)
     word_embed_proj_dim: int | None = None  # opt-350m embeds in 512 and projects to 1024
@@ -75,8 +93,13 @@ class ModelConfig:
     def family(self) -> str:
         return "llama" if self.model_type in LLAMA_FAMILY else self.model_type
 
+    def routes_experts(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is a mixture of experts (a model with fewer layers than its config's
+        list, as a draft cut from a target, reads the list's first entries)."""
+        return bool(self.num_experts) and (not self.expert_layers or self.expert_layers[layer])
+
     def parameter_count(self) -> int:
-        """Parameters of the model this config builds (tied embeddings counted once)."""
+        """Parameters of the model this config builds (tied embeddings counted once; every expert counted)."""
         d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
         q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if self.family == "llama":
@@ -84,8 +107,11 @@ class ModelConfig:
             attn += (q_out + 2 * kv_out) * self.qkv_bias + d * self.o_bias
             attn += 2 * self.head_dim * self.qk_norm
             mlp = 3 * d * f + (2 * f + d) * self.mlp_bias
-            per_layer = attn + mlp + (4 if self.sandwich_norms else 2) * d
-            total = self.num_layers * per_layer + v * d + d
+            norms = (4 if self.sandwich_norms else 2) * d
+            routed = sum(self.routes_experts(i) for i in range(self.num_layers))
+            experts = (self.num_experts * (3 * d * self.expert_intermediate_size + d)
+                       + self.num_experts * (self.router == "sigmoid") + 3 * d * self.shared_expert_intermediate_size)
+            total = self.num_layers * (attn + norms) + (self.num_layers - routed) * mlp + routed * experts + v * d + d
             return total + (0 if self.tie_word_embeddings else v * d)
         bias = 1 if self.enable_bias else 0
         attn = 4 * d * d + 4 * d * bias
@@ -227,9 +253,10 @@ def _activation(raw: dict, source: str, key: str, default: str) -> str:
 
 def _sliding(raw: dict, source: str, model_type: str, layers: int) -> tuple[int | None, tuple[bool, ...]]:
     """The window and which layers use it, as transformers' forward for the family honours them: Llama
-    ignores `sliding_window`; Qwen2/3 use it only with `use_sliding_window`, from `max_window_layers` on;
+    ignores `sliding_window` (GLM-4.5 too); Qwen2/3 use it only with `use_sliding_window`, from `max_window_layers`
+    on (Qwen3-MoE on every layer); Mixtral, as Mistral, on every layer;
     Gemma 3 interleaves local and global layers (`layer_types`, else every `sliding_window_pattern`-th global)."""
-    if model_type == "llama":
+    if model_type in ("llama", "glm4_moe"):
         return None, ()
     window = raw.get("sliding_window")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
@@ -243,7 +270,7 @@ def _sliding(raw: dict, source: str, model_type: str, layers: int) -> tuple[int 
             raise ConfigError(f"{source}: sliding_window_pattern must be a positive integer, found {pattern!r}")
         kinds = kinds or ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
         return (window or None), tuple(kind == "sliding_attention" for kind in kinds)
-    if model_type in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and not raw.get("use_sliding_window", False):
         window = None
     if not window:
         return None, ()
@@ -255,6 +282,64 @@ def _sliding(raw: dict, source: str, model_type: str, layers: int) -> tuple[int 
     if not any(sliding):
         return None, ()
     return window, sliding
+
+
+def _count(raw: dict, source: str, key: str, default: int, least: int = 1) -> int:
+    """An integer field of at least `least`, or its default when absent."""
+    value = raw.get(key, default)
+    if value is None:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ConfigError(f"{source}: {key} must be an integer of at least {least}, found {value!r}")
+    return value
+
+
+def _experts(raw: dict, source: str, model_type: str, layers: int) -> dict:
+    """The mixture-of-experts fields of ModelConfig, as transformers' modeling code for the family reads them:
+    which layers route (Qwen3-MoE: every `decoder_sparse_step`-th layer not in `mlp_only_layers`; GLM-4.5: from
+    `first_k_dense_replace` on; Mixtral: all), the expert count and width, and the router."""
+    if model_type == "mixtral":
+        experts = _count(raw, source, "num_local_experts", 8)
+        fields = dict(expert_intermediate_size=_require(raw, source, "intermediate_size")[0],
+                      expert_layers=(True,) * layers, router="softmax", normalize_expert_weights=True)
+    elif model_type == "qwen3_moe":  # Qwen3MoeConfig names the count num_experts, and saves it as num_local_experts
+        key = "num_experts" if raw.get("num_experts") is not None else "num_local_experts"
+        experts = _count(raw, source, key, 128, least=0)
+        step = _count(raw, source, "decoder_sparse_step", 1)
+        dense = raw.get("mlp_only_layers") or []
+        if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
+            raise ConfigError(f"{source}: mlp_only_layers must be a list of layer indices, found {dense!r}")
+        fields = dict(expert_intermediate_size=_count(raw, source, "moe_intermediate_size", 768),
+                      expert_layers=tuple(experts > 0 and i not in dense and (i + 1) % step == 0
+                                          for i in range(layers)),
+                      router="softmax", normalize_expert_weights=bool(raw.get("norm_topk_prob", False)))
+    else:  # glm4_moe
+        experts = _count(raw, source, "n_routed_experts", 128)
+        first_routed = _count(raw, source, "first_k_dense_replace", 1, least=0)
+        width = _count(raw, source, "moe_intermediate_size", 1408)
+        scaling = raw.get("routed_scaling_factor", 1.0)
+        if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not scaling > 0:
+            raise ConfigError(f"{source}: routed_scaling_factor must be a positive number, found {scaling!r}")
+        fields = dict(expert_intermediate_size=width, expert_layers=tuple(i >= first_routed for i in range(layers)),
+                      router="sigmoid", normalize_expert_weights=bool(raw.get("norm_topk_prob", True)),
+                      expert_groups=_count(raw, source, "n_group", 1),
+                      expert_groups_per_token=_count(raw, source, "topk_group", 1),
+                      routed_scaling_factor=float(scaling),
+                      shared_expert_intermediate_size=width * _count(raw, source, "n_shared_experts", 1, least=0),
+                      mtp_layers=_count(raw, source, "num_nextn_predict_layers", 0, least=0))
+        groups, chosen = fields["expert_groups"], fields["expert_groups_per_token"]
+        if experts % groups or experts // groups < 2:
+            raise ConfigError(f"{source}: n_group {groups} must divide n_routed_experts {experts} into groups of at "
+                              "least 2 experts (a group is scored by its two best)")
+        if chosen > groups:
+            raise ConfigError(f"{source}: topk_group {chosen} is more than the n_group {groups} groups")
+    top_k = _count(raw, source, "num_experts_per_tok", 2 if model_type == "mixtral" else 8)
+    if experts and top_k > experts * fields.get("expert_groups_per_token", 1) // fields.get("expert_groups", 1):
+        raise ConfigError(f"{source}: num_experts_per_tok {top_k} is more than the {experts} experts a token can "
+                          "be routed to")
+    if not experts:  # transformers builds every layer dense
+        fields["expert_layers"] = ()
+    return dict(fields, num_experts=experts, experts_per_token=top_k if experts else 0)
 
 
 def _llama_family(raw: dict, source: str, model_type: str, common: dict) -> ModelConfig:
@@ -269,8 +354,9 @@ def _llama_family(raw: dict, source: str, model_type: str, common: dict) -> Mode
     if gemma:
         head_dim = raw.get("head_dim") or 256  # Gemma3TextConfig's default
     params = raw.get("rope_parameters") or {}
-    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor")) or 1.0
-    if partial != 1.0 and model_type != "phi3":
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor")) or (
+        0.5 if model_type == "glm4_moe" else 1.0)  # Glm4MoeConfig's default: half of each head turns
+    if partial != 1.0 and model_type not in ("phi3", "glm4_moe"):
         raise ConfigError(f"{source}: partial_rotary_factor {partial!r} is not supported for {model_type} "
                           "(transformers' forward for it rotates whole heads)")
     if isinstance(partial, bool) or not isinstance(partial, (int, float)) or not 0 < partial <= 1:
@@ -282,7 +368,8 @@ def _llama_family(raw: dict, source: str, model_type: str, common: dict) -> Mode
         # length (re-encoding the whole cache); within it the short factors hold: the runtime's context
         max_pos = min(max_pos, int(scaling["original_max_position_embeddings"]))
     window, sliding_layers = _sliding(raw, source, model_type, layers)
-    attention_bias = bool(raw.get("attention_bias", False)) and model_type in ("llama", "qwen3", "gemma3_text")
+    attention_bias = bool(raw.get("attention_bias", False)) and model_type in (
+        "llama", "qwen3", "gemma3_text", "qwen3_moe", "glm4_moe")
     activation = _activation(raw, source, "hidden_activation" if gemma else "hidden_act",
                              "gelu_pytorch_tanh" if gemma else "silu")
     extra: dict = {}
@@ -296,16 +383,21 @@ def _llama_family(raw: dict, source: str, model_type: str, common: dict) -> Mode
                      norm_offset=1.0, sandwich_norms=True, embed_scale=math.sqrt(d),
                      query_scale=float(raw.get("query_pre_attn_scalar", 256)) ** -0.5,
                      final_logit_softcap=raw.get("final_logit_softcapping") or None)
-    elif model_type == "qwen3":
+    elif model_type in ("qwen3", "qwen3_moe"):
         extra = dict(qk_norm=True)
+    elif model_type == "glm4_moe":
+        extra = dict(qk_norm=bool(raw.get("use_qk_norm", False)))
+    if model_type in MOE_FAMILY:
+        extra.update(_experts(raw, source, model_type, layers))
     return ModelConfig(
         vocab_size=vocab, hidden_size=d, num_layers=layers, num_heads=heads,
         num_kv_heads=raw.get("num_key_value_heads") or heads, head_dim=head_dim,
         intermediate_size=ffn, max_position_embeddings=max_pos,
-        norm_eps=float(raw.get("rms_norm_eps", 1e-5 if model_type == "phi3" else 1e-6)), activation=activation,
+        norm_eps=float(raw.get("rms_norm_eps", 1e-5 if model_type in ("phi3", "mixtral", "glm4_moe") else 1e-6)),
+        activation=activation,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
         rope_theta=theta, rope_scaling=scaling, rotary_dim=rotary_dim if rotary_dim != head_dim else None,
-        qkv_bias=model_type == "qwen2" or attention_bias, o_bias=attention_bias,
+        qkv_bias=model_type == "qwen2" or attention_bias, o_bias=attention_bias and model_type != "glm4_moe",
         mlp_bias=bool(raw.get("mlp_bias", False)) and model_type == "llama", sliding_window=window,
         sliding_layers=sliding_layers, **extra, **common,
     )
@@ -322,10 +414,10 @@ def _config_from_dict(raw: dict, source: str) -> ModelConfig:
         return _config_from_dict({k: v for k, v in text.items() if v is not None}, source)
     moe_signs = ([f"model_type {model_type!r} is a mixture-of-experts family"] if model_type in MOE_MODEL_TYPES
                  else []) + [f"{key} = {raw[key]!r} routes tokens among experts" for key in EXPERT_COUNT_FIELDS
-                             if raw.get(key)]
+                             if raw.get(key) and model_type not in MOE_FAMILY]
     if moe_signs:  # the fields that made it one are named: a config may be MoE under a dense family's name
-        raise ConfigError(f"{source}: {' and '.join(moe_signs)}: the runtime does not support mixture-of-experts "
-                          f"models; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        raise ConfigError(f"{source}: {' and '.join(moe_signs)}: the runtime's mixture-of-experts families are "
+                          f"{', '.join(MOE_FAMILY)} only; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(
             f"{source}: unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"

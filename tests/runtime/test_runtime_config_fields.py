@@ -169,14 +169,56 @@ def test_gemma3_features_the_runtime_lacks_are_refused(key, value, tmp_path):
     _one_line_error(ConfigError, lambda: load_config(path), path, key)
 
 
-@pytest.mark.parametrize("raw", [dict(model_type="mixtral", num_local_experts=8),
-                                 dict(model_type="qwen3_moe", num_experts=8),
-                                 dict(model_type="deepseek_v3", n_routed_experts=16)],
-                         ids=lambda raw: raw["model_type"])
-def test_mixture_of_experts_is_refused_naming_the_supported_families(raw, tmp_path):
+@pytest.mark.parametrize("raw, named", [(dict(model_type="gpt_oss", num_local_experts=32), "gpt_oss"),
+                                        (dict(model_type="qwen2_moe", num_experts=8), "qwen2_moe"),
+                                        (dict(model_type="deepseek_v3", n_routed_experts=16), "deepseek_v3"),
+                                        (dict(model_type="qwen3", num_experts=8), "num_experts = 8"),
+                                        (dict(model_type="mistral", num_local_experts=8), "num_local_experts = 8")],
+                         ids=lambda value: value["model_type"] if isinstance(value, dict) else None)
+def test_mixture_of_experts_outside_the_runtimes_families_is_refused_naming_them(raw, named, tmp_path):
+    """gpt-oss, DeepSeek and the rest, or a dense family's name with an expert count: refused in one line that
+    names what made the config a mixture of experts and the families the runtime does run."""
     path = _write(tmp_path, dict(LLAMA, **raw))
-    _one_line_error(ConfigError, lambda: load_config(path), path, "mixture-of-experts", "qwen3", "gemma3_text",
-                    "phi3")
+    _one_line_error(ConfigError, lambda: load_config(path), path, named, "mixture-of-experts",
+                    "qwen3_moe, mixtral, glm4_moe", "gemma3_text", "phi3")
+
+
+MOE = dict(LLAMA, moe_intermediate_size=16, num_experts_per_tok=2)
+
+
+@pytest.mark.parametrize("raw, named", [
+    (dict(MOE, model_type="glm4_moe", n_routed_experts=8, n_group=3), "n_group 3 must divide n_routed_experts 8"),
+    (dict(MOE, model_type="glm4_moe", n_routed_experts=8, n_group=8), "groups of at least 2 experts"),
+    (dict(MOE, model_type="glm4_moe", n_routed_experts=8, n_group=2, topk_group=3), "topk_group 3"),
+    (dict(MOE, model_type="glm4_moe", n_routed_experts=8, n_group=4, topk_group=1, num_experts_per_tok=3),
+     "num_experts_per_tok 3"),
+    (dict(MOE, model_type="glm4_moe", n_routed_experts=8, routed_scaling_factor=0), "routed_scaling_factor"),
+    (dict(MOE, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=9), "num_experts_per_tok 9"),
+    (dict(MOE, model_type="qwen3_moe", num_experts=8, decoder_sparse_step=0), "decoder_sparse_step"),
+    (dict(MOE, model_type="qwen3_moe", num_experts=8, mlp_only_layers="1"), "mlp_only_layers"),
+    (dict(MOE, model_type="mixtral", num_local_experts=-2), "num_local_experts"),
+], ids=lambda value: value if isinstance(value, str) else None)
+def test_impossible_routing_fields_are_one_line(raw, named, tmp_path):
+    path = _write(tmp_path, raw)
+    _one_line_error(ConfigError, lambda: load_config(path), path, named)
+
+
+def test_mixture_of_experts_layers_as_transformers_builds_them(tmp_path):
+    """Qwen3-MoE: every decoder_sparse_step-th layer not in mlp_only_layers routes (no experts: all dense);
+    GLM-4.5: from first_k_dense_replace on, half-rotary heads by default; Mixtral: every layer."""
+    def layers(raw):
+        config = load_config(_write(tmp_path, dict(MOE, num_hidden_layers=6, **raw)))
+        return [config.routes_experts(i) for i in range(6)], config
+
+    routed, _ = layers(dict(model_type="qwen3_moe", num_experts=8, decoder_sparse_step=2, mlp_only_layers=[3]))
+    assert routed == [False, True, False, False, False, True]
+    routed, config = layers(dict(model_type="qwen3_moe", num_experts=0))
+    assert routed == [False] * 6 and config.experts_per_token == 0
+    routed, config = layers(dict(model_type="glm4_moe", n_routed_experts=8, first_k_dense_replace=2, head_dim=16))
+    assert routed == [False, False, True, True, True, True] and config.rotary_dim == 8
+    assert config.shared_expert_intermediate_size == 16 and config.mtp_layers == 0
+    routed, config = layers(dict(model_type="mixtral", num_local_experts=4))
+    assert routed == [True] * 6 and config.expert_intermediate_size == LLAMA["intermediate_size"]
 
 
 def test_a_multimodal_gemma3_loads_its_text_tower(tmp_path, randomize):
