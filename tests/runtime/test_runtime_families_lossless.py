@@ -1,4 +1,5 @@
-"""Greedy losslessness for Qwen3, Gemma 3 and Phi-3 targets: speculative output (chains k = 1..6 and a tree,
+"""Greedy losslessness for Qwen3, Gemma 3, Phi-3 and the mixture-of-experts Qwen3-MoE, Mixtral and GLM-4.5
+targets: speculative output (chains k = 1..6 and a tree,
 both attention backends) equals target-only greedy output token for token, at b = 1, 8 and 32 with ragged
 prompts longer than the sliding windows; a draft of another family sharing the vocabulary works, and a
 vocabulary mismatch is refused before any work.
@@ -35,6 +36,16 @@ RAW = {
     "phi3": dict(_SMALL, model_type="phi3", num_hidden_layers=2, max_position_embeddings=256,
                  original_max_position_embeddings=96, partial_rotary_factor=0.75, sliding_window=7,
                  rope_scaling={"type": "longrope", "short_factor": [1.0, 1.5, 3.0], "long_factor": [2.0, 4.0, 9.0]}),
+    # mixtures of experts, 8 experts top-2 (the one-layer drafts cut from them: Qwen3-MoE's and Mixtral's first
+    # layer routes, GLM-4.5's is dense)
+    "qwen3_moe": dict(_SMALL, model_type="qwen3_moe", num_hidden_layers=3, head_dim=16, num_experts=8,
+                      num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=[1], norm_topk_prob=True,
+                      use_sliding_window=True, sliding_window=WINDOW),
+    "mixtral": dict(_SMALL, model_type="mixtral", num_hidden_layers=2, num_local_experts=8, num_experts_per_tok=2,
+                    intermediate_size=16, sliding_window=WINDOW),
+    "glm4_moe": dict(_SMALL, model_type="glm4_moe", num_hidden_layers=3, head_dim=16, n_routed_experts=8,
+                     num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=1, n_group=4, topk_group=2,
+                     routed_scaling_factor=2.5),
 }
 
 
@@ -108,13 +119,15 @@ def test_varlen_backend_chain_and_tree_are_lossless(name, backend, monkeypatch, 
     assert SpeculativeGenerator(target, draft).generate(prompts, N_NEW, FixedK(3)).token_ids == expected
     assert SpeculativeGenerator(target, draft).generate(prompts, N_NEW, FixedStrategy(TREE)).token_ids == expected
     notes = [record for record in caplog.records if "sliding-window" in record.getMessage()]
-    assert len(notes) == (1 if backend == "varlen" else 0)
+    assert len(notes) == (1 if backend == "varlen" and target.config.sliding_window else 0)  # GLM-4.5: no window
 
 
 def test_a_draft_of_another_family_sharing_the_vocabulary(pairs, prompts32, reference):
-    """A Gemma 3 draft for a Qwen3 target and a Phi-3 draft for a Gemma 3 target: the target's own output."""
+    """A Gemma 3 draft for a Qwen3 target, a Phi-3 draft for a Gemma 3 target, a dense Qwen3 draft for a Qwen3-MoE
+    target and a mixture-of-experts draft (Mixtral's) for a GLM-4.5 target: the target's own output."""
     prompts = [prompts32[i] for i in BATCHES[8]]
-    for target_name, draft_name in (("qwen3", "gemma3"), ("gemma3", "phi3")):
+    for target_name, draft_name in (("qwen3", "gemma3"), ("gemma3", "phi3"), ("qwen3_moe", "qwen3"),
+                                    ("glm4_moe", "mixtral")):
         target, draft = pairs[target_name][0], pairs[draft_name][1]
         result = SpeculativeGenerator(target, draft).generate(prompts, N_NEW, FixedK(2))
         assert result.token_ids == [reference[target_name][i] for i in BATCHES[8]]

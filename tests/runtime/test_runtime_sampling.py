@@ -176,6 +176,41 @@ def test_speculative_sampling_of_a_gemma3_target_with_a_qwen3_draft(gemma_pair):
     assert _rejects(_counts(result.token_ids, 3).sum(2), wrong / wrong.sum())
 
 
+@pytest.fixture(scope="module")
+def moe_pair(peaked, make_noisy_copy):
+    """A 6-token GLM-4.5 mixture-of-experts target (a dense first layer, then 8 experts top-2 under sigmoid grouped
+    routing with a shared expert; half-rotary heads) and a Mixtral draft (8 experts top-2) over the same vocabulary.
+    Routing is per token, so rows sharing a pass (5000 identical prompts, verify passes of k + 1 tokens) touch
+    each other's experts without changing any row's distribution."""
+    from specbatch.runtime.config import config_from_dict
+
+    small = dict(vocab_size=V, hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+                 head_dim=8, max_position_embeddings=64, num_experts_per_tok=2)
+    target = peaked(build_model(config_from_dict(dict(
+        small, model_type="glm4_moe", num_hidden_layers=3, n_routed_experts=8, moe_intermediate_size=16,
+        first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5)), seed=25), 15.0)
+    with torch.no_grad():  # routers that pick different experts for different tokens
+        for layer in target.layers[1:]:
+            layer.experts.router.weight.normal_(0, 1.0, generator=torch.Generator().manual_seed(26))
+    draft = peaked(build_model(config_from_dict(dict(
+        small, model_type="mixtral", num_hidden_layers=1, num_local_experts=8, intermediate_size=16)), seed=27), 4.0)
+    return target, draft
+
+
+def test_speculative_sampling_of_a_mixture_of_experts_target(moe_pair):
+    """The exact test above for a mixture-of-experts target with a mixture-of-experts draft."""
+    target, draft = moe_pair
+    sampling = Sampling(temperature=1.0)
+    p1, p2, p3 = _exact(target, sampling)
+    result = SpeculativeGenerator(target, draft).generate([PROMPT] * ROWS, 3, FixedK(2), sampling, seed=2468)
+    assert 0.1 < result.stats.acceptance_per_position[0] < 0.95
+    joint3 = (p1[:, None, None] * p2[:, :, None] * p3).numpy()
+    assert _chi2_pvalue(_counts(result.token_ids, 3), joint3) > ALPHA
+    _, q2, _ = _exact(draft, sampling)
+    wrong = (p1[:, None] * _wrong_second_token(p2, q2, "accept_all")).numpy()
+    assert _rejects(_counts(result.token_ids, 3).sum(2), wrong / wrong.sum())
+
+
 def test_target_only_sampling_matches_exact_distribution(pair):
     target, _ = pair
     sampling = Sampling(temperature=0.9, top_k=5, top_p=0.95)
