@@ -243,6 +243,10 @@ class RoutedExperts(nn.Module):
         grouped = self.grouped_products
         if grouped is None:
             grouped = _grouped_products_fit(x, self.gate_up, self.down)
+        if not grouped and x.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"a mixture-of-experts pass in {str(x.dtype).removeprefix('torch.')} multiplies expert "
+                               "by expert after reading the routing back, which a CUDA graph cannot capture: run it "
+                               "in bfloat16 (torch's grouped GEMM) or eagerly (--eager)")
         rows = order // experts.shape[-1]
         products = (self._grouped if grouped else self._per_expert)(x, rows, counts)
         by_pair = torch.empty_like(products)
