@@ -92,6 +92,7 @@ def _llama_layer(config: ModelConfig, i: int) -> dict[str, Placement]:
     plan: dict[str, Placement] = {}
     p = dst = f"layers.{i}."
     q, kv, inter = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, config.intermediate_size
+    dense_mlp = not config.routes_experts(i)
     if config.model_type == "phi3":
         plan[p + "self_attn.qkv_proj.weight"] = Placement(dst + "qkv.weight")
         plan[p + "mlp.gate_up_proj.weight"] = Placement(dst + "gate_up.weight")
@@ -99,19 +100,18 @@ def _llama_layer(config: ModelConfig, i: int) -> dict[str, Placement]:
         for part in ("weight", "bias") if config.qkv_bias else ("weight",):
             for x, start, rows in (("q", 0, q), ("k", q, kv), ("v", q + kv, kv)):
                 plan[f"{p}self_attn.{x}_proj.{part}"] = Placement(dst + "qkv." + part, start, rows)
-        for part in ("weight", "bias") if config.mlp_bias else ("weight",):
+        for part in (("weight", "bias") if config.mlp_bias else ("weight",)) if dense_mlp else ():
             plan[f"{p}mlp.gate_proj.{part}"] = Placement(dst + "gate_up." + part, 0, inter)
             plan[f"{p}mlp.up_proj.{part}"] = Placement(dst + "gate_up." + part, inter, inter)
     plan[p + "self_attn.o_proj.weight"] = Placement(dst + "o.weight")
     if config.o_bias:
         plan[p + "self_attn.o_proj.bias"] = Placement(dst + "o.bias")
-    if config.routes_experts(i):  # the dense MLP's tensors above are not this layer's
-        plan = {name: place for name, place in plan.items() if ".mlp." not in name}
-        plan.update(_expert_layer(config, i))
-    else:
+    if dense_mlp:
         plan[p + "mlp.down_proj.weight"] = Placement(dst + "down.weight")
-    if config.mlp_bias:
-        plan[p + "mlp.down_proj.bias"] = Placement(dst + "down.bias")
+        if config.mlp_bias:
+            plan[p + "mlp.down_proj.bias"] = Placement(dst + "down.bias")
+    else:
+        plan.update(_expert_layer(config, i))
     if config.qk_norm:
         plan[p + "self_attn.q_norm.weight"] = Placement(dst + "q_norm.weight")
         plan[p + "self_attn.k_norm.weight"] = Placement(dst + "k_norm.weight")
