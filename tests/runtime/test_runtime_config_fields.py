@@ -298,3 +298,17 @@ def test_a_missing_tensor_names_the_directory_the_role_and_a_foreign_prefix(llam
 def test_malformed_window_and_rotary_fields_are_one_line(model_type, key, value, tmp_path):
     path = _write(tmp_path, dict(LLAMA, model_type=model_type, use_sliding_window=True, **{key: value}))
     _one_line_error(ConfigError, lambda: load_config(path), path, key)
+
+
+@pytest.mark.parametrize("raw, published", [
+    (dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+          num_attention_heads=32, num_key_value_heads=4, head_dim=128, max_position_embeddings=40960,
+          num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+          decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False), 30.5e9),  # Qwen3-30B-A3B
+    (dict(model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+          num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768, num_local_experts=8,
+          num_experts_per_tok=2, tie_word_embeddings=False), 46.7e9),  # Mixtral-8x7B
+], ids=["qwen3-30b-a3b", "mixtral-8x7b"])
+def test_a_mixture_of_experts_counts_every_expert_as_published(raw, published):
+    """The published configs count the parameters their model cards state (every expert, not the active ones)."""
+    assert config_from_dict(raw).parameter_count() == pytest.approx(published, rel=0.005)
