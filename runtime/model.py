@@ -24,7 +24,7 @@ from torch import nn
 
 from .attention import RaggedPass, TreeAttention, UniformPass, choose_backend
 from .fused import kernels_for, rotate_half_split as _rotate
-from .devices import device_kind
+from .devices import capturing_graph, device_kind
 from .config import ModelConfig
 from .kv_cache import KVCache
 
@@ -153,7 +153,8 @@ def _grouped_products_fit(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether torch's grouped GEMM takes these operands on this device: CUDA (its kernel streams only the groups
     that have rows, and needs no host read-back, so a CUDA graph captures it), bfloat16 (what the kernel takes),
     every row 16-byte aligned."""
-    return (x.is_cuda and hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16
+    return (device_kind(x.device).grouped_expert_products and hasattr(torch, "_grouped_mm")
+            and x.dtype == torch.bfloat16
             and all(w.dtype == torch.bfloat16 and w.shape[-1] % 8 == 0 and w.shape[-2] % 8 == 0 for w in weights))
 
 
@@ -243,7 +244,7 @@ class RoutedExperts(nn.Module):
         grouped = self.grouped_products
         if grouped is None:
             grouped = _grouped_products_fit(x, self.gate_up, self.down)
-        if not grouped and x.is_cuda and torch.cuda.is_current_stream_capturing():
+        if not grouped and capturing_graph(x.device):
             raise RuntimeError(f"a mixture-of-experts pass in {str(x.dtype).removeprefix('torch.')} multiplies expert "
                                "by expert after reading the routing back, which a CUDA graph cannot capture: run it "
                                "in bfloat16 (torch's grouped GEMM) or eagerly (--eager)")

@@ -55,6 +55,15 @@ def graphs_by_default(device, dtype) -> bool:
     return device_kind(device).graphs_by_default and str(dtype).removeprefix("torch.") in HALF_PRECISION
 
 
+def capturing_graph(device) -> bool:
+    """Whether a CUDA graph is being captured on the current stream of `device` (never on other kinds)."""
+    if kind_name(device) != "cuda":
+        return False
+    import torch
+
+    return torch.cuda.is_current_stream_capturing()
+
+
 def why_layers_unfused(device) -> str | None:
     """Why cache passes on `device` run the eager layer rather than the fused kernels (runtime.fused), or None:
     the record says whether to fuse, and the kind's module whether its compiler toolchain is there."""

@@ -27,6 +27,7 @@ CPU = DeviceKind(
     prefill_padding=1.25,
     alone_prefill_tokens=32,
     graphs_by_default=False,
+    grouped_expert_products=False,  # one product per touched expert after one read-back: free on a CPU
     fused_layers=False,  # the eager layer is tuned for MKL (in-place adds, transposed weights): no gaps to save
     sources={
         "cache_zero_ahead_slots": "rows grow by a token a pass; zeroing in runs of 64 slots keeps it rare",

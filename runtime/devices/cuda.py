@@ -32,6 +32,7 @@ CUDA = DeviceKind(
     prefill_padding=float("inf"),
     alone_prefill_tokens=None,
     graphs_by_default=True,
+    grouped_expert_products=True,  # capturable: no read-back of the routing; the kernel skips empty groups
     fused_layers=True,  # a layer's 12 small kernels cost ~2 us each even inside a graph (runtime.fused)
     sources={
         "cache_zero_ahead_slots": "not used: the cache is zeroed at allocation",
