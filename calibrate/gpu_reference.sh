@@ -65,8 +65,9 @@ timeout "$probe_s" "$PYTHON" -m specbatch.calibrate.device_probe --target "$targ
     || { echo "device probe failed (probe.txt)" >&2; status=1; }
 
 # 3. the GPU tests (they skip without CUDA); bounded, as no test may hold the device for long. Only the folders
-# that hold them are collected: a bare GPU image may lack the serving tests' client packages (openai)
-timeout "$pytest_s" "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider tests/runtime tests/calibrate \
+# that hold them are collected: a bare GPU image may lack the serving tests' client packages (openai) and
+# pytest-xdist (so the project's addopts, which start its workers, are dropped: one process holds the GPU)
+timeout "$pytest_s" "$PYTHON" -m pytest -m gpu -o addopts="" -q -p no:cacheprovider tests/runtime tests/calibrate \
     > "$OUT/pytest-gpu.txt" 2>&1
 case $? in 0|5) ;; *) echo "GPU tests failed (pytest-gpu.txt)" >&2; status=1 ;; esac
 

@@ -12,9 +12,11 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# An explicit thread count (torch's own default): the CLI's busy-machine choice of one thread
+# An explicit thread count (torch's own default, shared among pytest-xdist's workers: two workers on two cores get
+# a thread each, never four threads on two cores): the CLI's busy-machine choice of one thread
 # (console/options.set_threads) would otherwise depend on what else runs beside the tests.
-os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // WORKERS)))
 
 # This folder first: its shared helper modules. The repository root stays off sys.path: the code is imported
 # as the installed package `specbatch` only, so a bare `import runtime` fails here as it fails installed.
