@@ -9,6 +9,9 @@ from rich.measure import Measurement
 from rich.table import Table
 
 MEASURING_WIDTH = 100_000  # room enough that measuring a table never shrinks it
+# off a terminal a table gets the width it needs up to this: a cell longer than that (a 64-node tree's paths) wraps
+# inside its column rather than stretching every line of the table across thousands of columns
+MAX_REPORT_WIDTH = 200
 
 
 class ReportConsole(Console):
@@ -18,8 +21,13 @@ class ReportConsole(Console):
         return Measurement.get(self, self.options.update_width(MEASURING_WIDTH), table).maximum
 
     def print(self, *objects, **kwargs) -> None:
-        needed = 0 if self.is_terminal else max((self.natural_width(o) for o in objects if isinstance(o, Table)),
-                                                default=0)
+        tables = [o for o in objects if isinstance(o, Table)]
+        natural = 0 if self.is_terminal else max((self.natural_width(t) for t in tables), default=0)
+        if natural > MAX_REPORT_WIDTH:  # fold what does not fit into its column's lines (rich's default cuts it)
+            for table in tables:
+                for column in table.columns:
+                    column.overflow = "fold"
+        needed = min(natural, MAX_REPORT_WIDTH)
         if needed <= self.width:
             super().print(*objects, **kwargs)
             return

@@ -177,3 +177,21 @@ def test_a_table_range_note_raised_while_measuring_is_a_note_and_other_warnings_
         warnings.warn("something else", RuntimeWarning)
     assert _warning_notes(caught) == ["table: context length 19 is outside the buckets [38, 512]",
                                       "warning: something else"]
+
+
+def test_off_a_terminal_a_very_long_cell_wraps_within_the_widest_report_line(capsys, monkeypatch):
+    """A 64-node tree's description is thousands of characters: the table takes MAX_REPORT_WIDTH columns and the
+    cell wraps inside them, every character still printed; a narrow table keeps its own width."""
+    from rich.table import Table
+
+    from specbatch.console.output import MAX_REPORT_WIDTH, report_console
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    long_name = ",".join("0." * depth + "0" for depth in range(60))
+    table = Table("strategy", "tokens/s")
+    table.add_row(long_name, "1382")
+    report_console().print(table)
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= MAX_REPORT_WIDTH
+    cells = "".join(ch for ch in out if ch not in "│┃━┏┓┡┩└┘┴┬╇┳─ \n")  # the cells' text, line after line
+    assert cells.count("1382") == 1 and long_name in cells.replace("1382", "", 1)  # wrapped, not cut
