@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 from specbatch.runtime.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
 from specbatch.runtime.model import RoutedExperts  # noqa: E402
+from test_runtime_families import _assert_close, _hf_logits, _sequences  # noqa: E402 - the same tolerance, vocabulary
 from torch_fixtures import tune_cpu  # noqa: E402
 
 TOL = 1e-4
@@ -88,20 +89,6 @@ def checkpoints(tmp_path_factory, randomize):
 def _no_grad():
     with torch.no_grad():
         yield
-
-
-def _sequences(batch: int, length: int, seed: int) -> torch.Tensor:
-    return torch.randint(3, V, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def _hf_logits(model, ids: torch.Tensor) -> torch.Tensor:
-    return model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.float()
-
-
-def _assert_close(ours: torch.Tensor, expected: torch.Tensor) -> None:
-    assert ours.shape == expected.shape, (ours.shape, expected.shape)
-    diff = float((ours.float() - expected).abs().max())
-    assert diff <= TOL, f"max abs logit difference {diff:.3g} > {TOL:g}"
 
 
 def _expert_modules(model) -> list[RoutedExperts]:

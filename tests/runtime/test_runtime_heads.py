@@ -167,8 +167,10 @@ def test_a_k0_step_keeps_the_head_current(target, eagle_head):
     assert 0 in result.stats.k_per_step and 4 in result.stats.k_per_step
 
 
-def test_sampling_with_a_subset_draft_vocabulary_is_exactly_the_targets(llama_config_factory, peaked):
-    from test_runtime_sampling import ALPHA, PROMPT, ROWS, V, _chi2_pvalue, _counts, _exact
+def _small_target_and_subset_head(llama_config_factory, peaked):
+    """The sampling tests' small target (test_runtime_sampling's vocabulary) and an EAGLE-3 head whose draft
+    vocabulary holds 4 of its 6 ids."""
+    from test_runtime_sampling import V
 
     config = llama_config_factory(vocab_size=V, hidden_size=16, num_heads=2, num_kv_heads=1, intermediate_size=32)
     small_target = peaked(build_model(config, seed=21), 15.0)
@@ -176,6 +178,13 @@ def test_sampling_with_a_subset_draft_vocabulary_is_exactly_the_targets(llama_co
              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8, "max_position_embeddings": 64}
     head = random_head(head_config_from_dict({"speculators_model_type": "eagle3", "transformer_layer_config": layer,
                                               "draft_vocab_size": 4}, config, "head"), small_target, seed=8)
+    return small_target, head
+
+
+def test_sampling_with_a_subset_draft_vocabulary_is_exactly_the_targets(llama_config_factory, peaked):
+    from test_runtime_sampling import ALPHA, PROMPT, ROWS, V, _chi2_pvalue, _counts, _exact
+
+    small_target, head = _small_target_and_subset_head(llama_config_factory, peaked)
     sampling = Sampling(temperature=1.0)
     p1, p2, p3 = _exact(small_target, sampling)
     result = SpeculativeGenerator(small_target, head).generate([PROMPT] * ROWS, 3, FixedK(2), sampling, seed=99)
@@ -295,14 +304,9 @@ def test_chains_trees_and_k0_steps_mixed_with_a_head_stay_lossless(target, eagle
 
 
 def test_sampling_a_tree_with_a_subset_draft_vocabulary_is_exactly_the_targets(llama_config_factory, peaked):
-    from test_runtime_sampling import ALPHA, PROMPT, ROWS, V, _chi2_pvalue, _counts, _exact
+    from test_runtime_sampling import ALPHA, PROMPT, ROWS, _chi2_pvalue, _counts, _exact
 
-    config = llama_config_factory(vocab_size=V, hidden_size=16, num_heads=2, num_kv_heads=1, intermediate_size=32)
-    small_target = peaked(build_model(config, seed=21), 15.0)
-    layer = {"model_type": "llama", "vocab_size": V, "hidden_size": 16, "intermediate_size": 32,
-             "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8, "max_position_embeddings": 64}
-    head = random_head(head_config_from_dict({"speculators_model_type": "eagle3", "transformer_layer_config": layer,
-                                              "draft_vocab_size": 4}, config, "head"), small_target, seed=8)
+    small_target, head = _small_target_and_subset_head(llama_config_factory, peaked)
     sampling = Sampling(temperature=1.0)
     p1, p2, p3 = _exact(small_target, sampling)
     result = SpeculativeGenerator(small_target, head).generate([PROMPT] * ROWS, 3, _tree_policy("0,1,0.0"),

@@ -164,10 +164,15 @@ def gemma_pair(peaked, make_noisy_copy):
 
 def test_speculative_sampling_of_a_gemma3_target_with_a_qwen3_draft(gemma_pair):
     """The exact test above, for a new family (and a prompt longer than its window) with a cross-family draft."""
-    target, draft = gemma_pair
+    _assert_sampled_exactly(*gemma_pair, seed=4321)
+
+
+def _assert_sampled_exactly(target, draft, seed: int) -> None:
+    """k = 2 at temperature 1 over ROWS copies of PROMPT: the drafts are accepted and rejected, the first three
+    tokens follow the target's exact joint distribution, and a verifier that accepted every draft is rejected."""
     sampling = Sampling(temperature=1.0)
     p1, p2, p3 = _exact(target, sampling)
-    result = SpeculativeGenerator(target, draft).generate([PROMPT] * ROWS, 3, FixedK(2), sampling, seed=4321)
+    result = SpeculativeGenerator(target, draft).generate([PROMPT] * ROWS, 3, FixedK(2), sampling, seed=seed)
     assert 0.1 < result.stats.acceptance_per_position[0] < 0.95
     joint3 = (p1[:, None, None] * p2[:, :, None] * p3).numpy()
     assert _chi2_pvalue(_counts(result.token_ids, 3), joint3) > ALPHA
@@ -199,16 +204,7 @@ def moe_pair(peaked, make_noisy_copy):
 
 def test_speculative_sampling_of_a_mixture_of_experts_target(moe_pair):
     """The exact test above for a mixture-of-experts target with a mixture-of-experts draft."""
-    target, draft = moe_pair
-    sampling = Sampling(temperature=1.0)
-    p1, p2, p3 = _exact(target, sampling)
-    result = SpeculativeGenerator(target, draft).generate([PROMPT] * ROWS, 3, FixedK(2), sampling, seed=2468)
-    assert 0.1 < result.stats.acceptance_per_position[0] < 0.95
-    joint3 = (p1[:, None, None] * p2[:, :, None] * p3).numpy()
-    assert _chi2_pvalue(_counts(result.token_ids, 3), joint3) > ALPHA
-    _, q2, _ = _exact(draft, sampling)
-    wrong = (p1[:, None] * _wrong_second_token(p2, q2, "accept_all")).numpy()
-    assert _rejects(_counts(result.token_ids, 3).sum(2), wrong / wrong.sum())
+    _assert_sampled_exactly(*moe_pair, seed=2468)
 
 
 def test_target_only_sampling_matches_exact_distribution(pair):
