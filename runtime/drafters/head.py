@@ -75,13 +75,19 @@ class HeadDrafter(Drafter):
         return torch.stack(proposed, dim=1), (torch.stack(dists, dim=1) if dists else None)
 
     def settle_chain(self, state, k, accepted, new, features, passes):
+        return self._reread(state, new, features, accepted, passes)
+
+    def _reread(self, state, new, verified, accepted, passes):
+        """Cut the head's cache back to the committed tokens (dropping the step's drafted entries), re-read the
+        verified positions, `new` (b, n) with the target's hidden states `verified` (b, n, F) before each, in one
+        pass, and keep the output at each row's last accepted position. Returns the cache's new lengths."""
         cache = state.draft_cache
-        cache.set_lengths(state.committed - 1, state.host_committed - 1)  # drop the draft tokens' entries
+        cache.set_lengths(state.committed - 1, state.host_committed - 1)
         runner = self.runner
 
         def run(tokens, cache, attention=None, last=0):
-            return runner(tokens, features, cache, last=0)
-        _, outputs = passes(run, new, cache, None, 0)  # (b, k + 1, hidden)
+            return runner(tokens, verified, cache, last=0)
+        _, outputs = passes(run, new, cache, None, 0)  # (b, n, hidden)
         cache.hidden.copy_(outputs.gather(1, accepted[:, None, None].expand(-1, 1, outputs.shape[-1]))[:, 0])
         return state.committed + accepted
 
@@ -119,14 +125,6 @@ class HeadDrafter(Drafter):
     def settle_tree(self, state, plan, path, keep, accepted, new, features, passes):
         """As `settle_chain`, over the accepted path: the target's hidden states at the root and the path's nodes
         (the tree verify returned them for every node), the step's tokens after each."""
-        cache = state.draft_cache
-        cache.set_lengths(state.committed - 1, state.host_committed - 1)  # drop the tree's in-flight entries
         positions = torch.cat([torch.zeros_like(path[:, :1]), path], dim=1)  # (b, depth + 1): root, then the path
         verified = features.gather(1, positions[..., None].expand(-1, -1, features.shape[-1]))
-        runner = self.runner
-
-        def run(tokens, cache, attention=None, last=0):
-            return runner(tokens, verified, cache, last=0)
-        _, outputs = passes(run, new, cache, None, 0)  # (b, depth + 1, hidden)
-        cache.hidden.copy_(outputs.gather(1, accepted[:, None, None].expand(-1, 1, outputs.shape[-1]))[:, 0])
-        return state.committed + accepted
+        return self._reread(state, new, verified, accepted, passes)  # drops the tree's in-flight entries too
