@@ -150,3 +150,19 @@ def kernels_for(device) -> LayerKernels | None:
         _said.add(reason)
         log.info("layers: eager kernels on %s (%s)", device, reason)
     return None
+
+
+def warm_prefill(model, cache, features) -> None:
+    """A prefill of 2 and 3 tokens on `cache`'s first rows (a CausalLM's), then undone: what a first prefill
+    compiles (these kernels in their packed shapes; graphs cover the other passes) is compiled before any request
+    runs. Nothing to do where the model's layers run eager."""
+    kernels = model.fused_kernels()
+    if kernels is None or not kernels.compiled:
+        return
+    rows = cache.rows(0, min(2, cache.batch_size))
+    counts = [2, 3][:rows.batch_size]
+    saved = rows.lengths.clone(), rows.host_lengths.copy()
+    tokens = torch.zeros(sum(counts), dtype=torch.long, device=rows.device)
+    with torch.inference_mode():
+        model(tokens, rows, last=1, new_tokens=counts, features=features)
+    rows.set_lengths(*saved)

@@ -34,6 +34,7 @@ from .batch import BatchState, apply_moves, fill_holes
 from .cache_pool import CachePool, owner_key
 from .clock import DeviceClock
 from .devices import device_kind, graphs_by_default, host_bookkeeping_by_default
+from .fused import warm_prefill
 from .kv_cache import KVCache, upload
 from .model import CausalLM
 from .acceptance import accept, count_acceptance
@@ -140,21 +141,6 @@ class StepObserver(Protocol):
     def step_started(self) -> None: ...
 
     def step_finished(self, record: StepRecord) -> None: ...
-
-
-def _warm_prefill(model: CausalLM, cache, features) -> None:
-    """A prefill of 2 and 3 tokens on the cache's first rows, then undone: what a first prefill compiles
-    (runtime.fused's kernels in their packed shapes; graphs cover the other passes) is compiled before any
-    request runs. Nothing to do where the model's layers run eager."""
-    if model.fused_kernels() is None or not model.fused_kernels().compiled:
-        return
-    rows = cache.rows(0, min(2, cache.batch_size))
-    counts = [2, 3][:rows.batch_size]
-    saved = rows.lengths.clone(), rows.host_lengths.copy()
-    tokens = torch.zeros(sum(counts), dtype=torch.long, device=rows.device)
-    with torch.inference_mode():
-        model(tokens, rows, last=1, new_tokens=counts, features=features)
-    rows.set_lengths(*saved)
 
 
 def _run_pass(observer: StepObserver | None, role: str, model, tokens, cache, attention=None,
@@ -272,7 +258,7 @@ class SpeculativeGenerator:
         features = self.drafter.feature_layers if draft_cache is not None else None
         for model, cache in ((self.target, target_cache), (self.drafter.model, draft_cache)):
             if isinstance(model, CausalLM) and cache is not None:
-                _warm_prefill(model, cache, features if model is self.target else None)
+                warm_prefill(model, cache, features if model is self.target else None)
         made = self.target_runner.capture_ahead(target_cache, [(k + 1, None, features) for k in range(max_k + 1)])
         runner = self.drafter.runners()[0] if self.drafter.runners() else None
         if draft_cache is not None and hasattr(runner, "capture_ahead"):

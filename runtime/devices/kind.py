@@ -30,7 +30,7 @@ class DeviceKind:
     graphs_by_default: bool  # decode, draft and verify passes replay captured graphs unless --eager
     fused_layers: bool  # cache passes run a layer's small tensor work as compiled kernels (runtime.fused)
     grouped_expert_products: bool  # a mixture-of-experts layer multiplies its experts in one grouped GEMM
-    # (torch._grouped_mm, in bfloat16, nothing read back) rather than expert by expert (runtime.model.RoutedExperts)
+    # (torch._grouped_mm, in bfloat16, nothing read back) rather than expert by expert (runtime.experts.RoutedExperts)
     sources: Mapping[str, str] = field(default_factory=dict)  # fitted field -> where its value came from
 
     def __post_init__(self):

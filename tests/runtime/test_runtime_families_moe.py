@@ -14,7 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from specbatch.runtime.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
-from specbatch.runtime.model import RoutedExperts  # noqa: E402
+from specbatch.runtime.experts import RoutedExperts  # noqa: E402
 from test_runtime_families import _assert_close, _hf_logits, _sequences  # noqa: E402 - the same tolerance, vocabulary
 from torch_fixtures import tune_cpu  # noqa: E402
 
