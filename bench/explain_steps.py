@@ -88,7 +88,8 @@ def explain_batch(batch: BatchResult, runs: Sequence[RunRecord], predictor: Pred
     if measured is None:
         return None, note
     context = round(pooled_context_len(chosen, batch.context_len))
-    return explain(step_model(predictor.fitted, predictor.acceptance), strategy, measured, context), note
+    return explain(step_model(predictor.fitted, predictor.acceptance), strategy, measured, context,
+                   predictor.fitted.experts_touched), note
 
 
 def add_explanations(batches: list[BatchResult], runs: Sequence[RunRecord], predictor: Predictor,
@@ -175,4 +176,5 @@ def run_explain(config, models, prompts: Sequence[list[int]],
     notes = [f"predictions use {predictor.acceptance_note}", *fitted.timing_source_notes(),
              *fitted.extrapolation_notes(b, [context_len], strategy.k), *fitted.strategy_notes([strategy]),
              *speed_note(machine)]
-    return explain(step_model(fitted, predictor.acceptance), strategy, pooled, context_len), notes, machine
+    return (explain(step_model(fitted, predictor.acceptance), strategy, pooled, context_len, fitted.experts_touched),
+            notes, machine)

@@ -81,8 +81,12 @@ class ForwardTimer:
     passes too): the cache has the bucket's rows, and the graph is captured before the point's samples."""
 
     def __init__(self, models: dict[str, CausalLM], grid: Grid, device: str, rule: RepetitionRule,
-                 clock: Clock = time.perf_counter, graphs: bool = False):
-        """`clock`: the repetition budget's (host time; a fake one in tests); passes are timed on the device."""
+                 clock: Clock = time.perf_counter, graphs: bool = False,
+                 text_windows: dict[str, Callable[[int, int, int], torch.Tensor | None]] | None = None):
+        """`clock`: the repetition budget's (host time; a fake one in tests); passes are timed on the device.
+        `text_windows`: per role, (b, n, seed) -> the token ids of its timed passes (calibrate.routing.TextWindows:
+        a mixture of experts routes text as it routes in use, not as it routes random ids); other roles are fed
+        random ids, which cost a dense model the same."""
         # what runs each role's passes: its graphs (a head's too, as the runtime's HeadDrafter), or the model
         self.runners = {role: _graphed(role, model) if graphs else model for role, model in models.items()}
         # a head's passes with a model's call (drafting at 1 token, the verified positions at more)
@@ -94,6 +98,7 @@ class ForwardTimer:
         self.grid, self.device, self.rule, self.graphs = grid, device, rule, graphs
         self.clock, self.device_clock = clock, DeviceClock(device)
         self.key, self.cache = None, None
+        self.text_windows = text_windows or {}
 
     def _cache_for(self, point: TimingPoint) -> KVCache:
         key = (point.model, point.batch_size, point.context_len)
@@ -110,8 +115,11 @@ class ForwardTimer:
     def measure(self, point: TimingPoint) -> Measurement:
         model = self.models[point.model]
         cache = self._cache_for(point)
-        tokens = random_tokens(model.config.vocab_size, point.batch_size, point.new_tokens, self.device,
-                               seed=point.batch_size * 1000 + point.new_tokens)
+        seed = point.batch_size * 1000 + point.new_tokens
+        windows = self.text_windows.get(point.model)
+        tokens = None if windows is None else windows(point.batch_size, point.new_tokens, seed)
+        tokens = random_tokens(model.config.vocab_size, point.batch_size, point.new_tokens, self.device, seed) \
+            if tokens is None else tokens.to(self.device)
         # the runtime's draft passes use their last position's logits (runtime.generator); the target's all
         sampler = forward_sampler(model, cache, tokens, point.context_len, self.device_clock,
                                   last=1 if point.model == "draft" else None)

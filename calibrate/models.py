@@ -6,7 +6,20 @@ from __future__ import annotations
 import torch
 
 from specbatch.perfmodel.profile import ModelInfo
+from specbatch.perfmodel.profile.routing import ExpertShape
+from specbatch.runtime.config import ModelConfig
 from specbatch.runtime.loading import ModelSpec
+
+
+def expert_shape(config: ModelConfig, element_bytes: int) -> ExpertShape | None:
+    """A mixture of experts' routed experts (runtime.experts.RoutedExperts: gate, up and down projections, no
+    biases); None for a dense model. GLM-4.5's shared expert runs for every token: it is part of the dense weights."""
+    moe_layers = sum(config.routes_experts(layer) for layer in range(config.num_layers))
+    if not moe_layers:
+        return None
+    parameters = 3 * config.hidden_size * config.expert_intermediate_size
+    return ExpertShape(num_experts=config.num_experts, experts_per_token=config.experts_per_token,
+                       moe_layers=moe_layers, expert_parameters=parameters, expert_bytes=parameters * element_bytes)
 
 
 def model_info(spec: ModelSpec, dtype: torch.dtype) -> ModelInfo:
@@ -20,6 +33,7 @@ def model_info(spec: ModelSpec, dtype: torch.dtype) -> ModelInfo:
         weight_bytes=config.parameter_count() * element_bytes,
         kv_bytes_per_token=config.kv_bytes_per_token(element_bytes),
         max_position_embeddings=config.max_position_embeddings, fingerprint=spec.fingerprint,
+        experts=expert_shape(config, element_bytes),
     ) if spec.head is None else head_info(spec, element_bytes)
 
 

@@ -19,6 +19,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from specbatch.perfmodel import latency as lat
+from specbatch.perfmodel.fit import role_shape
 from specbatch.perfmodel.profile import Profile
 from specbatch.perfmodel.staircase import ROWS, ROWS_CONTEXT, TOKENS, KernelStep
 
@@ -34,7 +35,7 @@ def unresolved_steps(profile: Profile, role: str = "target") -> list[KernelStep]
     points = lat.Points.from_rows(profile.timings_of(role))
     if len(points) < lat.MIN_POINTS:
         return []
-    shape = lat.RoleShape.from_model_info(profile.model(role))
+    shape = role_shape(profile, role)
     model = lat.fit_latency_model(shape, points, lat.STAIRCASE)
     level = float(np.median(points.latency_ms))
     ramps = [step for step in model.staircase.steps if not step.sharp]

@@ -35,6 +35,7 @@ from .grid import (DEFAULT_BATCH_SIZES, DEFAULT_CONTEXT_LENS, DEFAULT_MAX_K, QUI
                    OverheadPoint, TreeOverheadPoint, check_grid_fits, fit_wide_passes, make_grid,
                    merge_grids, overhead_points, timing_points, tree_overhead_points)
 from .insitu import InSituPoint, insitu_groups, insitu_points, measure_insitu, random_prompts
+from .routing import MAX_ROUTING_PROMPTS, TextWindows, record_routes, routing_section
 from .memory import MemoryPlan, memory_budget, plan_memory, reference_bytes
 from .models import model_info
 from .noise import MachineWatch, NoiseMonitor, reference_sampler
@@ -388,14 +389,16 @@ def _calibrate(request: CalibrationRequest, plan: _Plan, on_progress, on_estimat
                  timings=[p for p in timing_points(grid) if p not in done_timings],
                  overheads=[p for p in overhead_points(grid) if p not in done_overheads],
                  trees=[p for p in all_trees if p not in done_trees],
-                 insitu=[p for p in all_insitu if p not in done_insitu])
+                 insitu=[p for p in all_insitu if p not in done_insitu],
+                 routing=bool(_expert_roles(profile)) and profile.routing is None)
     memory = _memory_plan(plan, profile, todo)
     todo = todo.without(memory.skipped)
     for note in memory.notes:
         if on_notice is not None:
             on_notice(note)
-    total = (len(plan.samplings) + int(plan.stage2 is not None) + len(timing_points(grid)) + len(overhead_points(grid))
-             + len(all_trees) + len(all_insitu)) - len(memory.skipped)
+    total = (len(plan.samplings) + int(plan.stage2 is not None) + int(bool(_expert_roles(profile)))
+             + len(timing_points(grid)) + len(overhead_points(grid)) + len(all_trees) + len(all_insitu)
+             - len(memory.skipped))
     resumed = done = total - todo.count
     pair = _load(plan)
     if on_estimate is not None and todo.count:
@@ -455,10 +458,12 @@ class _Todo:
     trees: list[TreeOverheadPoint]
     insitu: list[InSituPoint]
 
+    routing: bool = False  # a mixture of experts' routing is still to measure
+
     @property
     def count(self) -> int:
-        return (len(self.acceptance) + int(self.stage2) + len(self.timings) + len(self.overheads) + len(self.trees)
-                + len(self.insitu))
+        return (len(self.acceptance) + int(self.stage2) + int(self.routing) + len(self.timings) + len(self.overheads)
+                + len(self.trees) + len(self.insitu))
 
     def without(self, skipped) -> _Todo:
         """The same lists less the points in `skipped`."""
@@ -513,8 +518,9 @@ def _measure(pair: LoadedPair, plan: _Plan, grid: Grid, todo: _Todo, request: Ca
                                   clock, on_device)
         advance("second stage: n-gram guesses and query time", info)
 
+    text_windows = _routing(pair, plan, grid, current(), todo.routing, prompts_source, advance)
     timer = ForwardTimer({"target": pair.target, "draft": pair.draft}, grid, plan.device,
-                         plan.effort.forward_rule, clock, graphs=plan.graphs)
+                         plan.effort.forward_rule, clock, graphs=plan.graphs, text_windows=text_windows)
     for point in todo.timings:
         advance(f"{point.model} b={point.batch_size} n={point.new_tokens} L={point.context_len}",
                 time_point(timer, point))
@@ -550,6 +556,36 @@ def _measure(pair: LoadedPair, plan: _Plan, grid: Grid, todo: _Todo, request: Ca
             continue
         row = _tree_overhead_row(pair, plan, point, rank_table, grid.max_k, encoded, clock)
         advance(label if row is not None else label + " (out of memory, not recorded)", row)
+
+
+def _expert_roles(profile: Profile) -> tuple[str, ...]:
+    """The roles whose model is a mixture of experts (a head's experts are not profiled as such)."""
+    return tuple(role for role in ("target", "draft") if profile.model(role).experts is not None)
+
+
+def _routing(pair: LoadedPair, plan: _Plan, grid: Grid, profile: Profile, measure: bool, prompts_source: str | None,
+             advance: Callable) -> dict[str, TextWindows]:
+    """A mixture of experts' routing (calibrate.routing), measured when `measure`; and, where the weights are a
+    model's, the text windows its timed passes are fed. Random weights (a preset) route random token ids, and
+    the section says so: no trained router's routing is in it."""
+    roles = _expert_roles(profile)
+    if not roles:
+        return {}
+    models = {"target": pair.target, "draft": pair.draft}
+    random_weights = any((plan.target if role == "target" else plan.draft).random_weights for role in roles)
+    if random_weights:
+        vocab_size = min(model.config.vocab_size for model in models.values())
+        prompts = random_prompts(vocab_size, MAX_ROUTING_PROMPTS, 32, 128)
+    else:
+        limit = min(plan.target.config.max_position_embeddings, plan.draft.config.max_position_embeddings)
+        prompts = acc.encode_prompts(pair.tokenizer, list(plan.prompts[:MAX_ROUTING_PROMPTS]), limit - 1)
+    if measure:
+        section = routing_section({role: record_routes(models[role], prompts) for role in roles},
+                                  {role: models[role].config.num_experts for role in roles}, grid,
+                                  "random_weights" if random_weights else "prompts",
+                                  "random tokens" if random_weights else prompts_source)
+        advance(f"routing: distinct experts per layer over {len(prompts)} prompts", section)
+    return {} if random_weights else {role: TextWindows(prompts) for role in roles}
 
 
 def _machine_watch(pair: LoadedPair, grid: Grid, device: str, clock: Clock, memory: MemoryPlan,

@@ -17,6 +17,7 @@ from specbatch.perfmodel.errors import PerfModelError
 from specbatch.perfmodel.jsonio import rounded, write_text_atomic
 from specbatch.perfmodel.profile import (AcceptanceEntry, DeviceInfo, Grid, ModelInfo, OverheadRow, Profile, Stage2Info,
                                TimingRow, load_profile, save_profile)
+from specbatch.perfmodel.profile.routing import RoutingSection
 
 from .errors import CalibrationError
 from .grid import OverheadPoint, TimingPoint, TreeOverheadPoint
@@ -86,7 +87,8 @@ def _same_setting(a: AcceptanceEntry, b: AcceptanceEntry) -> bool:
     return (a.mode, a.temperature, a.top_k, a.top_p) == (b.mode, b.temperature, b.top_k, b.top_p)
 
 
-def with_row(profile: Profile, row: TimingRow | OverheadRow | AcceptanceEntry | Stage2Info | InSituResult) -> Profile:
+def with_row(profile: Profile,
+             row: TimingRow | OverheadRow | AcceptanceEntry | Stage2Info | InSituResult | RoutingSection) -> Profile:
     """The profile with `row` added; an acceptance entry replaces one of the same setting (an older
     profile's entry measured again with rank acceptance keeps its place); an in-situ point adds its pass
     rows and its step row together."""
@@ -99,6 +101,8 @@ def with_row(profile: Profile, row: TimingRow | OverheadRow | AcceptanceEntry | 
         return replace(profile, overheads=profile.overheads + (row,))
     if isinstance(row, Stage2Info):
         return replace(profile, stage2=row)
+    if isinstance(row, RoutingSection):
+        return replace(profile, routing=row)
     if any(_same_setting(entry, row) for entry in profile.acceptance):
         return replace(profile, acceptance=tuple(row if _same_setting(entry, row) else entry
                                                  for entry in profile.acceptance))

@@ -59,7 +59,8 @@ def explanation_table(explained: dict[str, Any], title: str | None = None):
     measured_step = step["measured"]
     for term in explained["terms"]:
         is_pass = term["role"] is not None
-        table.add_row(term["name"],
+        experts = term.get("experts_touched")  # a mixture of experts: the expert term of the pass
+        table.add_row(term["name"] + ("" if experts is None else f" ({experts:.1f} experts/layer)"),
                       f"{_count(term['predicted_count'])} | {_count(term['measured_count'])}" if is_pass else "",
                       f"{_ms(term['predicted_pass_ms'])} | {_ms(term['measured_pass_ms'])}" if is_pass else "",
                       f"{_ms(term['predicted_ms'])} | {_ms(term['measured_ms'])}",

@@ -63,6 +63,14 @@ def render_fit(fitted, output: Path, holdout: bool = False, noise=None) -> None:
         params.add_row("overlap_exponent", f"{model.roofline.overlap_exponent:.3g}")
         params.add_row("ridge_tokens (b*n)", f"{model.roofline.ridge_tokens(shape):.4g}")
         params.add_row("memory-bound share of points", f"{fit.memory_bound_share:.0%}")
+        if shape.experts is not None:  # a mixture of experts: what its passes read (perfmodel.experts)
+            experts, routing = shape.experts, shape.routing
+            params.add_row("experts (routed layers x experts, top-k)",
+                           f"{experts.moe_layers} x {experts.num_experts}, top-{experts.experts_per_token}")
+            params.add_row("routing", routing.describe()
+                           + ("" if routing.cv_mape_pct is None else f", cross-validated {routing.cv_mape_pct:.1f} %"))
+            params.add_row("experts touched a layer at b*n = 1, 4, 32, 256",
+                           ", ".join(f"{float(routing.distinct(experts, t, 1)):.1f}" for t in (1, 4, 32, 256)))
         if model.staircase is not None:  # the kernel steps found (perfmodel.staircase)
             steps = model.staircase.steps
             tokens = sum(s.axis == "tokens" for s in steps)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from .acceptance import tokens_variance
 from .errors import PerfModelError
@@ -140,6 +140,7 @@ class Term:
     measured_count: float | None = None
     predicted_pass_ms: float | None = None  # the fitted latency of one such pass
     measured_pass_ms: float | None = None  # mean over the measured passes; None when none ran
+    experts_touched: float | None = None  # a mixture of experts: the model's distinct experts per layer in one pass
 
     @property
     def mix_ms(self) -> float:
@@ -233,15 +234,18 @@ class Explanation:
             "terms": [{"name": t.name, "role": t.role, "new_tokens": t.new_tokens, "predicted_ms": t.predicted_ms,
                        "measured_ms": t.measured_ms, "predicted_count": t.predicted_count,
                        "measured_count": t.measured_count, "predicted_pass_ms": t.predicted_pass_ms,
-                       "measured_pass_ms": t.measured_pass_ms, "mix_ms": t.mix_ms, "time_ms": t.time_ms}
+                       "measured_pass_ms": t.measured_pass_ms, "mix_ms": t.mix_ms, "time_ms": t.time_ms,
+                       **({} if t.experts_touched is None else {"experts_touched": t.experts_touched})}
                       for t in self.terms],
             "effects": [{"term": label, "effect": value} for label, value in self.effects()],
             "culprit": {"term": name, "effect": effect},
         }
 
 
-def explain(model: StepModel, strategy: Strategy, measured: MeasuredSteps, context_len: int) -> Explanation:
-    """Predicted against measured, term by term (see the module docstring)."""
+def explain(model: StepModel, strategy: Strategy, measured: MeasuredSteps, context_len: int,
+            experts_touched: Callable[[str, int, int], float | None] | None = None) -> Explanation:
+    """Predicted against measured, term by term (see the module docstring). `experts_touched(role, b, n)`: the
+    expert term of a mixture of experts' passes (FittedModel.experts_touched), shown beside their times."""
     b = measured.batch_size
     if measured.steps < 1:
         raise PerfModelError("explain: no full-batch steps were measured")
@@ -257,7 +261,8 @@ def explain(model: StepModel, strategy: Strategy, measured: MeasuredSteps, conte
         c_m = tally.count / measured.steps if tally else 0.0
         t_p = float(model.latency_ms(role, b, n, context_len))
         t_m = tally.seconds / tally.count * 1e3 if tally and tally.count else None
-        terms.append(Term(f"{role} n={n}", c_p * t_p, c_m * (t_m or 0.0), role, n, c_p, c_m, t_p, t_m))
+        experts = None if experts_touched is None else experts_touched(role, b, n)
+        terms.append(Term(f"{role} n={n}", c_p * t_p, c_m * (t_m or 0.0), role, n, c_p, c_m, t_p, t_m, experts))
     passes_ms = sum(t.measured_ms for t in terms)
     # rows draw independently under the model: a step's mean over b rows spreads by Var / b (chains; a
     # tree's spread is left to the sample)

@@ -32,6 +32,7 @@ import numpy as np
 from . import latency as lat
 from .acceptance import AcceptanceModel, acceptance_from_profile
 from .coverage import Coverage, profile_coverage
+from .experts import fit_routing
 from .errors import PerfModelError
 from .model import FittedModel, RoleFit
 from .overhead import OverheadModel
@@ -94,6 +95,17 @@ def _role_holdout(shape: lat.RoleShape, points: lat.Points, role: str, source: s
     return None
 
 
+def role_shape(profile: Profile, role: str) -> lat.RoleShape:
+    """A role's shape for its latency fit: a mixture of experts with its routing fitted to the profile's rows
+    (the uniform prior without them)."""
+    info = profile.model(role)
+    if info.experts is None:
+        return lat.RoleShape.from_model_info(info)
+    rows = () if profile.routing is None else profile.routing.rows_of(role)
+    random_weights = profile.routing is not None and profile.routing.source == "random_weights"
+    return lat.RoleShape.from_model_info(info, fit_routing(info.experts, rows, random_weights))
+
+
 def fit_role(profile: Profile, role: str, holdout: bool, source: str = ISOLATED) -> RoleFit:
     """Cross-validate the kinds offered for the profile's device (`latency.kinds_for`), fit the chosen one on every
     point of `source`, optionally evaluate a holdout."""
@@ -102,7 +114,7 @@ def fit_role(profile: Profile, role: str, holdout: bool, source: str = ISOLATED)
     if len(points) < lat.MIN_POINTS:
         raise PerfModelError(f"{role}: the latency fit needs at least {lat.MIN_POINTS} feasible timing rows, "
                              f"the profile has {len(points)} ({source})")
-    shape = lat.RoleShape.from_model_info(profile.model(role))
+    shape = role_shape(profile, role)
     kinds = lat.kinds_for(profile.device.kind)
     cv = lat.cross_validate(shape, points, kinds=kinds)
     model = lat.fit_latency_model(shape, points, lat.select_kind(cv))

@@ -30,9 +30,11 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .errors import PerfModelError
+from .experts import RoutingFit
 from .fields import json_object, number, number_list
 from .jsonio import rounded
 from .profile import ModelInfo, TimingRow
+from .profile.routing import ExpertShape
 from .staircase import Staircase, fit_staircase
 from .token_curve import TokenCurve
 
@@ -67,11 +69,38 @@ class RoleShape:
     kv_bytes_per_token: int  # read per cached token per row, written per new token per row
     layers: int
     attention_width: int  # heads * head_dim: the width of q.k and p.v products
+    # a mixture of experts: a pass reads the dense part and the experts its tokens touch (perfmodel.experts);
+    # `weight_bytes` and `parameters` then count every expert
+    experts: ExpertShape | None = None
+    routing: RoutingFit | None = None  # D(b, n), with `experts`
 
     @classmethod
-    def from_model_info(cls, info: ModelInfo) -> "RoleShape":
+    def from_model_info(cls, info: ModelInfo, routing: RoutingFit | None = None) -> "RoleShape":
         return cls(info.parameters, info.weight_bytes, info.kv_bytes_per_token, info.layers,
-                   info.heads * info.head_dim)
+                   info.heads * info.head_dim, info.experts,
+                   (routing or RoutingFit()) if info.experts is not None else None)
+
+    def weights_read_bytes(self, b, n):
+        """Weight bytes one pass of b rows x n new tokens reads: all of them for a dense model; the dense part
+        plus each routed layer's touched experts for a mixture of experts."""
+        if self.experts is None:
+            return self.weight_bytes
+        experts = self.experts
+        return (self.weight_bytes - experts.routed_bytes
+                + experts.moe_layers * experts.expert_bytes * self.routing.distinct(experts, b, n))
+
+    @property
+    def active_parameters(self) -> int:
+        """Parameters each token multiplies (a mixture of experts: r experts of N a routed layer)."""
+        return self.parameters - (0 if self.experts is None else self.experts.idle_parameters)
+
+    def to_json(self) -> dict:
+        obj = {name: getattr(self, name) for name in ("parameters", "weight_bytes", "kv_bytes_per_token", "layers",
+                                                      "attention_width")}
+        if self.experts is not None:
+            obj["experts"] = self.experts.to_json()
+            obj["routing"] = self.routing.to_json()
+        return obj
 
 
 @dataclass(frozen=True, eq=False)
@@ -99,16 +128,17 @@ class Points:
 # ---------------------------------------------------------------- roofline
 
 def memory_bytes(shape: RoleShape, b, n, L):
-    """Bytes moved by one pass: all weights once, the b*L cached KV entries read, b*n new ones written."""
-    return shape.weight_bytes + shape.kv_bytes_per_token * b * (L + n)
+    """Bytes moved by one pass: the weights it reads once (a mixture of experts: the touched experts only), the
+    b*L cached KV entries read, b*n new ones written."""
+    return shape.weights_read_bytes(b, n) + shape.kv_bytes_per_token * b * (L + n)
 
 
 def pass_flops(shape: RoleShape, b, n, L):
-    """FLOPs of one pass: 2 per parameter per token, plus q.k and p.v over L + n keys per layer.
+    """FLOPs of one pass: 2 per active parameter per token, plus q.k and p.v over L + n keys per layer.
 
     L + n, not L + n/2: the runtime computes the full masked score matrix, as most kernels do.
     """
-    return 2.0 * shape.parameters * b * n + 4.0 * shape.layers * shape.attention_width * b * n * (L + n)
+    return 2.0 * shape.active_parameters * b * n + 4.0 * shape.layers * shape.attention_width * b * n * (L + n)
 
 
 def smooth_max(x, y, exponent: float):
@@ -150,8 +180,9 @@ class RooflineParams:
         up to whole tiles (a GEMM runs whole tiles of token rows); no KV cache, no attention."""
         tokens = np.asarray(tokens, dtype=float)
         padded = tokens if tile_tokens is None else np.ceil(tokens / tile_tokens) * tile_tokens
-        weights_ms = shape.weight_bytes / (self.bandwidth_GBps * 1e9) * 1e3
-        return smooth_max(weights_ms, 2.0 * shape.parameters * padded / (self.flops_TFLOPs * 1e12) * 1e3,
+        # a mixture of experts: the experts `tokens` one-token rows touch (the most a pass of that many reads)
+        weights_ms = shape.weights_read_bytes(tokens, 1) / (self.bandwidth_GBps * 1e9) * 1e3
+        return smooth_max(weights_ms, 2.0 * shape.active_parameters * padded / (self.flops_TFLOPs * 1e12) * 1e3,
                           self.overlap_exponent)
 
     def latency_ms(self, shape: RoleShape, b, n, L):
@@ -159,10 +190,20 @@ class RooflineParams:
 
     def ridge_tokens(self, shape: RoleShape) -> float:
         """Tokens per pass (b*n) where weight reads and matmul FLOPs take equal time, at short
-        context (KV and attention terms left out): below it the pass is memory-bound."""
-        weight_s = shape.weight_bytes / (self.bandwidth_GBps * 1e9)
-        per_token_s = 2.0 * shape.parameters / (self.flops_TFLOPs * 1e12)
-        return weight_s / per_token_s
+        context (KV and attention terms left out): below it the pass is memory-bound. A mixture of experts reads
+        more experts as tokens grow: the crossing is found along one-token rows."""
+        per_token_s = 2.0 * shape.active_parameters / (self.flops_TFLOPs * 1e12)
+        if shape.experts is None:
+            return shape.weight_bytes / (self.bandwidth_GBps * 1e9) / per_token_s
+        from scipy.optimize import brentq
+
+        def excess_s(tokens: float) -> float:  # compute minus weight reads; grows with tokens
+            return tokens * per_token_s - float(shape.weights_read_bytes(tokens, 1)) / (self.bandwidth_GBps * 1e9)
+
+        high = 1.0
+        while excess_s(high) < 0 and high < 1e12:
+            high *= 2.0
+        return high if excess_s(high) < 0 or high == 1.0 else brentq(excess_s, high / 2.0, high)
 
     def to_json(self, shape: RoleShape) -> dict:
         return {"overhead_ms": rounded(self.overhead_ms), "bandwidth_GBps": rounded(self.bandwidth_GBps),

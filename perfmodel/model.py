@@ -22,7 +22,7 @@ evaluated with; tables made from it say whose costs they carry (`costs`).
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from functools import partial
 from typing import Sequence
@@ -34,12 +34,14 @@ from .acceptance import AcceptanceModel, acceptance_from_user
 from .coverage import Coverage, describe_cells
 from .engine_steps import EngineStepFit, engine_step_model
 from .errors import PerfModelError
+from .experts import routing_fit_from_json
 from .fields import at, boolean, duration_ms, get, int_list, integer, is_int, listed, number, record, string
 from .jsonio import read_json, rounded, write_json_atomic
 from .overhead import OverheadModel
 from .profile import ROLES, DeviceInfo, Grid, ModelInfo, Stage2Info
 from .profile.composition import Composition
 from .profile.noise import NoiseFigure
+from .profile.routing import expert_shape_from_json
 from .staircase import Staircase
 from .steps import SourceChoice, StepCorrection
 from .strategy import MAX_TREE_NODES, StepModel, StrategyCandidate, StrategyChoice, candidate_strategies
@@ -115,6 +117,14 @@ class FittedModel:
             raise PerfModelError(f"this model holds {self.engine.engine.describe()}'s whole steps, not pass latencies")
         return self.roles[role].model.latency_ms(batch_size, new_tokens, context_len)
 
+    def experts_touched(self, role: str, batch_size: int, new_tokens: int) -> float | None:
+        """A mixture of experts' expected distinct experts per routed layer in one pass (perfmodel.experts); None
+        for a dense role."""
+        shape = self.roles[role].model.shape if role in self.roles else None
+        if shape is None or shape.experts is None:
+            return None
+        return float(shape.routing.distinct(shape.experts, batch_size, new_tokens))
+
     def max_context_len(self) -> int:
         """The longest context a step can run at: the pair's positions (the smaller max_position_embeddings)."""
         return min(self.target_info.max_position_embeddings, self.draft_info.max_position_embeddings)
@@ -170,6 +180,18 @@ class FittedModel:
             notes.append(self.composition.summary())
         if self.coverage is not None:
             notes.append(self.coverage.describe())
+        notes.extend(self.routing_notes())
+        return notes
+
+    def routing_notes(self) -> list[str]:
+        """A mixture of experts' table rests on its routing: say so where it is not the model's own."""
+        notes = []
+        for role, fit in self.roles.items():
+            routing = fit.model.shape.routing
+            if routing is not None and not routing.is_models:
+                notes.append(f"{role}: the expert term assumes {routing.describe()}: real routers touch fewer experts "
+                             "(tokens of one text share them), so speculation is cheaper at small b than this table "
+                             "says; calibrate the model's own weights to measure its routing")
         return notes
 
     def timing_source_notes(self) -> list[str]:
@@ -327,7 +349,7 @@ def _role_json(fit: RoleFit) -> dict:
     p = fit.points
     return {
         "kind": model.kind,
-        "shape": asdict(model.shape),
+        "shape": model.shape.to_json(),
         "roofline": model.roofline.to_json(model.shape),
         "monotone": None if model.correction is None else model.correction.to_json(model.shape, model.roofline),
         **({} if model.staircase is None else {"staircase": model.staircase.to_json()}),
@@ -418,13 +440,26 @@ def _points_from_json(obj: dict, where: str) -> lat.Points:
     return lat.Points(table[:, 0], table[:, 1], table[:, 2], table[:, 3])
 
 
+def _shape_from_json(obj: dict, where: str) -> lat.RoleShape:
+    """A role's shape; a mixture of experts carries its experts and their fitted routing together."""
+    sizes = {name: integer(obj, name, where, 1) for name in ("parameters", "weight_bytes", "kv_bytes_per_token",
+                                                             "layers", "attention_width")}
+    if obj.get("experts") is None:
+        return lat.RoleShape(**sizes)
+    experts = expert_shape_from_json(obj["experts"], at(where, "experts"))
+    if experts.routed_bytes >= sizes["weight_bytes"]:
+        raise PerfModelError(f"{at(where, 'experts')}: {experts.moe_layers} x {experts.num_experts} experts of "
+                             f"{experts.expert_bytes} bytes exceed the {sizes['weight_bytes']} bytes of all weights")
+    return lat.RoleShape(**sizes, experts=experts, routing=routing_fit_from_json(get(obj, "routing", where),
+                                                                                 at(where, "routing")))
+
+
 def _role_from_json(role: str, obj: dict, where: str) -> RoleFit:
     """One role's fit, every field read by the profile's rules (perfmodel.fields): a hand-edited file is told
     which field breaks which rule."""
     where = f"{where}: roles.{role}"
     shape_obj = get(obj, "shape", where)
-    shape = lat.RoleShape(*(integer(shape_obj, field.name, at(where, "shape"), 1)
-                            for field in fields(lat.RoleShape)))
+    shape = _shape_from_json(shape_obj, at(where, "shape"))
     roofline = _roofline_from_json(get(obj, "roofline", where), at(where, "roofline"))
     kind = string(obj, "kind", where, lat.KINDS)
     correction = staircase = None

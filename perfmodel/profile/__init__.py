@@ -56,6 +56,7 @@ from .engine import rows_json as engine_rows_json
 from .engine import sections_from_json as engine_sections_from_json
 from .insitu import InSituPassRow, InSituStepRow, check_unique, rows_json, sections_from_json
 from .noise import NoiseFigure, noise_from_json
+from .routing import ExpertShape, RoutingSection, check_routing, expert_shape_from_json, routing_from_json
 
 PROFILE_SCHEMA = "specbatch.profile/1"
 PROFILE_KIND = "specbatch.profile"  # what perfmodel.jsonio.check_replace calls a profile
@@ -104,6 +105,9 @@ class ModelInfo:
     # `draft_vocab_size` the vocabulary it drafts over (EAGLE-3's may be a subset of the target's)
     drafter: str = "draft_model"
     draft_vocab_size: int | None = None
+    # a mixture of experts: its routed experts (profile/routing.py); `parameters` and `weight_bytes` count every
+    # expert, of which a pass reads those its tokens route to. None: a dense model (and older profiles)
+    experts: ExpertShape | None = None
 
     @property
     def is_head(self) -> bool:
@@ -222,6 +226,7 @@ class Profile:
     engine: EngineInfo | None = None  # optional: the serving engine whose steps these are (profile/engine.py)
     engine_steps: tuple[EngineStepRow, ...] = ()
     stopped_early: str | None = None  # optional: why calibrate stopped before its plan ('--max-seconds 30')
+    routing: RoutingSection | None = None  # optional: distinct experts per layer measured for MoE models
 
     def warnings(self) -> tuple[str, ...]:
         """One line for each figure of the machine's state that exceeds its rule."""
@@ -242,7 +247,7 @@ class Profile:
             "schema": PROFILE_SCHEMA,
             "created_utc": self.created_utc,
             "device": asdict(self.device),
-            "models": {"target": asdict(self.target), "draft": asdict(self.draft)},
+            "models": {"target": _model_json(self.target), "draft": _model_json(self.draft)},
             "grid": {key: list(value) if isinstance(value, tuple) else value
                      for key, value in asdict(self.grid).items()},
             "timings": [asdict(row) for row in self.timings],
@@ -258,7 +263,16 @@ class Profile:
             **({} if self.engine is None else {"engine": self.engine.to_json()}),
             **({"engine_steps": engine_rows_json(self.engine_steps)} if self.engine_steps else {}),
             **({} if self.stopped_early is None else {"stopped_early": self.stopped_early}),
+            **({} if self.routing is None else {"routing": self.routing.to_json()}),
         }
+
+
+def _model_json(info: ModelInfo) -> dict:
+    """A model's section; `experts` only for a mixture of experts (older readers then see nothing new)."""
+    obj = asdict(info)
+    if info.experts is None:
+        del obj["experts"]
+    return obj
 
 
 def _acceptance_json(entry: AcceptanceEntry) -> dict:
@@ -301,6 +315,8 @@ def _model_info(obj: dict, where: str) -> ModelInfo:
         drafter=_str(obj, "drafter", where, DRAFTERS) if "drafter" in obj else "draft_model",
         draft_vocab_size=(_int(obj, "draft_vocab_size", where, minimum=1, nullable=True)
                           if "draft_vocab_size" in obj else None),
+        experts=(expert_shape_from_json(obj["experts"], _at(where, "experts"))
+                 if obj.get("experts") is not None else None),
     )
 
 
@@ -513,6 +529,7 @@ def profile_from_json(obj: dict, source: str = "profile") -> Profile:
                                                                                       f"{top} composition"),
         engine=engine, engine_steps=engine_steps,
         stopped_early=_str(obj, "stopped_early", top) if obj.get("stopped_early") is not None else None,
+        routing=None if obj.get("routing") is None else routing_from_json(obj["routing"], f"{top} routing"),
     )
     validate(profile, source)
     return profile
@@ -539,6 +556,8 @@ def validate(profile: Profile, where: str = "profile") -> None:
         if info.kv_heads > info.heads:
             raise PerfModelError(f"{where}: models.{role}: kv_heads ({info.kv_heads}) > heads ({info.heads})")
     check_rows_fit_in_memory(profile, where)
+    check_routing(profile.routing, {role: profile.model(role).experts for role in ROLES
+                                    if profile.model(role).experts is not None}, where)
 
 
 def check_rows_fit_in_memory(profile: Profile, where: str) -> None:
