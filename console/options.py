@@ -228,7 +228,8 @@ def check_query_options(model: Path | None, table: Path | None, acceptance: str 
 
 # Shared options, defined once.
 DRAFT_DEFAULT_HELP = ("Draft model directory, or a head (EAGLE-3/MTP in the speculators format: its directory, its "
-                      f"config.json for random weights, or a head preset: {', '.join(_presets.HEAD_PRESETS)}). "
+                      f"config.json for random weights, or a head preset: {', '.join(_presets.HEAD_PRESETS)}), "
+                      "or mtp: the target's own MTP layer (GLM-4.5, vLLM's method mtp). "
                       "Default: the bundled demo draft when the target is the demo target; with another --target, "
                       "no draft (a command that needs one says so)")
 TargetOpt = Annotated[Optional[str], typer.Option(

@@ -23,9 +23,11 @@ from .devices import resolve_device  # noqa: F401 - commands import it from here
 from .config import ConfigError, ModelConfig, check_vocabulary, load_config
 from .model import CausalLM
 from .heads import DraftHead, HeadConfig, HeadError, is_head_dir, load_head, random_head, read_head_config
+from .heads.config import target_mtp_config
 from .presets import HEAD_PRESETS, PRESET_NAMES, PRESETS, head_preset_config, preset_config
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+TARGET_MTP_DRAFT = "mtp"  # --draft mtp: the target checkpoint's own MTP layer (vLLM's speculative method "mtp")
 
 
 @dataclass(frozen=True)
@@ -96,9 +98,31 @@ def resolve_head(text: str, target: ModelSpec) -> ModelSpec | None:
     return ModelSpec("draft", display_path(path), config.layer, path, directory_fingerprint(path), config)
 
 
+def resolve_target_mtp(target: ModelSpec) -> ModelSpec:
+    """`--draft mtp`: the target's own MTP layer as a head (runtime.heads.config.target_mtp_config), checked before
+    anything is loaded. Its source is the target's (the checkpoint an engine loads for vLLM's method "mtp"), its
+    weights the target's directory (random with the target's, for a preset or a config.json)."""
+    if target.directory is not None:
+        file = target.directory / "config.json"
+    elif target.source in PRESETS:
+        file = None
+    else:
+        file = Path(target.source)
+    try:
+        raw = PRESETS[target.source] if file is None else json.loads(file.read_text())
+        config = target_mtp_config(raw, target.config, f"preset {target.source}" if file is None else str(file))
+    except HeadError as error:
+        raise UsageError(f"--draft {TARGET_MTP_DRAFT}: {error}") from None
+    fingerprint = (None if target.fingerprint is None
+                   else model_fingerprint(f"{TARGET_MTP_DRAFT} layer of {target.fingerprint}".encode()))
+    return ModelSpec("draft", target.source, config.layer, target.directory, fingerprint, config)
+
+
 def named_head(text: str) -> str | None:
-    """The kind of head ("eagle3", "mtp") `--draft TEXT` names (a head preset, a head's directory or its config),
-    None when it names no head."""
+    """The kind of head ("eagle3", "mtp") `--draft TEXT` names (a head preset, a head's directory or its config,
+    `mtp`: the target's own MTP layer), None when it names no head."""
+    if text == TARGET_MTP_DRAFT:
+        return "mtp"
     if text in HEAD_PRESETS:
         return HEAD_PRESETS[text]["speculators_model_type"]
     path = Path(text)
@@ -110,8 +134,11 @@ def named_head(text: str) -> str | None:
 
 def resolve_pair(target: str, draft: str | None) -> tuple[ModelSpec, ModelSpec | None]:
     """Both specs, checked to share one vocabulary (the runtime verifies draft tokens by id). `draft` may be a
-    draft model or a head (runtime.heads), which is checked against the target instead."""
+    draft model or a head (runtime.heads), which is checked against the target instead; `mtp` names the target's own
+    MTP layer (`resolve_target_mtp`)."""
     target_spec = resolve_model(target, "target")
+    if draft == TARGET_MTP_DRAFT:
+        return target_spec, resolve_target_mtp(target_spec)
     if draft is not None and target_spec.config.family == "llama":
         head = resolve_head(draft, target_spec)
         if head is not None:
@@ -202,7 +229,7 @@ def load_pair(target: ModelSpec, draft: ModelSpec | None, device: str, dtype: to
             models.append(None)
         elif spec.head is not None:
             models.append(random_head(spec.head, models[0], seed=seed) if spec.random_weights
-                          else load_head(spec.directory, models[0]))
+                          else load_head(spec.directory, models[0], config=spec.head))
         elif spec.random_weights:
             models.append(build_model(spec.config, device, dtype, seed=seed))
         else:

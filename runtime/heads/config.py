@@ -1,12 +1,15 @@
 """A draft head's configuration, read from its `config.json` and checked against its target before any work.
 
-Two layouts are read:
+Three layouts are read:
   * the `speculators` format (what vLLM loads): `speculators_model_type` "eagle3" or "mtp", the decoder layer's
     own config in `transformer_layer_config` (a Llama or Qwen3 config), `draft_vocab_size` (EAGLE-3), the target
     layers EAGLE-3 reads in `eagle_aux_hidden_state_layer_ids`, `norm_before_residual` and the other norm
     switches, and the verifier it was trained for in `speculators_config.verifier`;
   * EAGLE-3's original layout: a Llama config with `draft_vocab_size` and architecture `LlamaForCausalLMEagle3`
-    (its weights name the layer `midlayer`); the target layers are then vLLM's default, (2, L // 2, L - 3).
+    (its weights name the layer `midlayer`); the target layers are then vLLM's default, (2, L // 2, L - 3);
+  * a target's own MTP layer (`--draft mtp`, vLLM's method "mtp"): a glm4_moe checkpoint (GLM-4.5, GLM-4.5-Air,
+    GLM-4.6) with `num_nextn_predict_layers` 1 stores it as decoder layer `num_hidden_layers`, read from the
+    target's own config (`target_mtp_config`).
 """
 from __future__ import annotations
 
@@ -22,6 +25,8 @@ from ..model import NORMED_OUTPUT
 HEAD_KINDS = ("eagle3", "mtp")
 HEAD_LAYER_TYPES = ("llama", "qwen3")  # the decoder layers the head format defines
 HEAD_TARGET_TYPES = ("llama", "qwen3")
+TARGET_MTP = "target-mtp"  # HeadConfig.layout of a target checkpoint's own MTP layer
+TARGET_MTP_TYPES = ("glm4_moe",)  # the targets whose own MTP layer the runtime reads
 ORIGINAL_EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 # transformers' defaults for the fields our reader needs, where a config written by `to_diff_dict` leaves them out
 LAYER_DEFAULTS = {
@@ -44,7 +49,7 @@ class HeadConfig:
     draft_vocab_size: int  # the head's output vocabulary: the target's, or a subset mapped by d2t (EAGLE-3)
     feature_layers: tuple[int, ...]  # the target's hidden states it reads (model.NORMED_OUTPUT: the normed output)
     source: str  # the config file, for messages
-    layout: str = "speculators"  # speculators | eagle3-original
+    layout: str = "speculators"  # speculators | eagle3-original | target-mtp (TARGET_MTP)
     norm_before_residual: bool = False  # EAGLE-3: the residual is the normed hidden state
     norm_before_fc: bool = False  # EAGLE-3 (gpt-oss style): one norm over the concatenated features
     fc_norm: bool = False  # EAGLE-3: one norm per target layer's features before the projection
@@ -64,8 +69,14 @@ class HeadConfig:
     def parameter_count(self) -> int:
         """Parameters a head pass reads: its layer (EAGLE-3: q, k and v read 2 x hidden), EAGLE-3's projection,
         norms and LM head over the draft vocabulary. Embedding rows are looked up, not streamed: not counted;
-        an MTP head's LM head is the target's, read by every drafting pass: counted."""
+        an MTP head's LM head is the target's, read by every drafting pass: counted. A target's own MTP layer
+        counts every routed expert of its mixture of experts, as the target's own count does (a pass reads the
+        dense part and the experts its tokens route to)."""
         layer, d = self.layer, self.hidden_size
+        if self.layout == TARGET_MTP:  # the layer as the config counts it, less its embeddings, final norm, LM head
+            v = layer.vocab_size
+            block = layer.parameter_count() - v * d - d - (0 if layer.tie_word_embeddings else v * d)
+            return block + 2 * d * d + 3 * d + v * d  # eh_proj; enorm, hnorm, shared_head.norm; shared_head.head
         q_out, kv_out = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
         qkv_in = 2 * d if self.kind == "eagle3" else d
         attention = qkv_in * (q_out + 2 * kv_out) + q_out * d + 2 * layer.head_dim * layer.qk_norm
@@ -78,6 +89,11 @@ class HeadConfig:
         return attention + mlp + norms + extra
 
     def describe(self) -> str:
+        if self.layout == TARGET_MTP:
+            layer = self.layer
+            experts = (f", {layer.num_experts} experts top-{layer.experts_per_token}" if layer.routes_experts(0)
+                       else "")
+            return f"the target's MTP layer (width {self.hidden_size}{experts})"
         vocab = (f", draft vocabulary {self.draft_vocab_size}" if self.draft_vocab_size != self.layer.vocab_size
                  else "")
         return f"{self.kind} head (1 layer, width {self.hidden_size}{vocab})"
@@ -153,6 +169,30 @@ def head_config_from_dict(raw: dict, target: ModelConfig, source: str) -> HeadCo
     config = HeadConfig(kind=kind, layer=layer, draft_vocab_size=_draft_vocab(draft_vocab, source),
                         feature_layers=layers, source=source, verifier=verifier,
                         trained_tokens=trained if isinstance(trained, int) else None, **switches)
+    return _checked(config, target)
+
+
+def target_mtp_config(raw: dict, target: ModelConfig, source: str) -> HeadConfig:
+    """A target's own MTP layer as a head (`raw`: the target's config.json, read into `target`; `source` names it).
+    GLM-4.5 stores it as decoder layer `num_hidden_layers` (L): a decoder layer of the target's shapes whose MLP is
+    a mixture of experts where a decoder layer of index L would be one (from `first_k_dense_replace` on), with
+    `enorm`, `hnorm`, `eh_proj` and `shared_head` beside it. It reads the target's normed output (vLLM feeds it
+    the target model's output, after its final norm)."""
+    if target.model_type not in TARGET_MTP_TYPES:
+        raise HeadError(f"{source}: the target's own MTP layer is read for {'/'.join(TARGET_MTP_TYPES)} targets "
+                        f"(GLM-4.5, GLM-4.5-Air, GLM-4.6); this target is {target.model_type!r}")
+    if target.mtp_layers != 1:
+        found = "0 or absent" if not target.mtp_layers else str(target.mtp_layers)
+        raise HeadError(f"{source}: num_nextn_predict_layers is {found}; drafting with the target's own MTP layer "
+                        "needs a checkpoint that carries exactly one (GLM-4.5's)")
+    index = target.num_layers
+    try:  # the config read as if it had one more decoder layer: that layer's shape is the MTP layer's
+        extended = config_from_dict({**raw, "num_hidden_layers": index + 1, "num_nextn_predict_layers": 0}, source)
+    except ConfigError as error:
+        raise HeadError(str(error)) from None
+    layer = replace(extended, num_layers=1, expert_layers=extended.expert_layers[index:], mtp_layers=0)
+    config = HeadConfig(kind="mtp", layer=layer, draft_vocab_size=target.vocab_size, feature_layers=(NORMED_OUTPUT,),
+                        source=source, layout=TARGET_MTP)
     return _checked(config, target)
 
 

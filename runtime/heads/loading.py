@@ -1,5 +1,6 @@
-"""A head's weights: from its safetensors (the `speculators` names, or EAGLE-3's original `midlayer`), or random
-with a preset's shapes (a head timed before its weights exist)."""
+"""A head's weights: from its safetensors (the `speculators` names, or EAGLE-3's original `midlayer`), from a
+target checkpoint's own MTP layer (GLM-4.5's `model.layers.<num_hidden_layers>.*`), or random with a preset's
+shapes (a head timed before its weights exist)."""
 from __future__ import annotations
 
 import json
@@ -7,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import Placement, _file_tensors, _llama_layer, _place, _weight_files
-from .config import HeadConfig, HeadError, read_head_config
+from ..checkpoint import CheckpointError, Placement, _file_tensors, _llama_layer, _place, _strip_prefix, _weight_files
+from .config import TARGET_MTP, HeadConfig, HeadError, read_head_config
 from .model import DraftHead
 
 VOCABULARY_MAPS = ("d2t", "t2d")  # integer and boolean buffers, not weights
@@ -40,9 +41,13 @@ def head_placements(config: HeadConfig, own_embed: bool) -> dict[str, Placement]
     return plan
 
 
-def load_head(path: str | Path, target, device=None, dtype: torch.dtype | None = None) -> DraftHead:
-    """The head at `path` for `target` (a CausalLM), on the target's device and in its dtype."""
+def load_head(path: str | Path, target, device=None, dtype: torch.dtype | None = None,
+              config: HeadConfig | None = None) -> DraftHead:
+    """The head at `path` for `target` (a CausalLM), on the target's device and in its dtype. `config`: the head's
+    config when it is read already (a target's own MTP layer: `path` is the target's directory)."""
     directory = Path(path)
+    if config is not None and config.layout == TARGET_MTP:
+        return load_target_mtp(directory, target, config, device, dtype)
     config = read_head_config(directory, target.config)
     weight = target.lm_head.weight
     device, dtype = device or weight.device, dtype or weight.dtype
@@ -69,16 +74,132 @@ def load_head(path: str | Path, target, device=None, dtype: torch.dtype | None =
                                                                                 "embed_tokens.weight",
                                                                                 "lm_head.weight"):
                     unused.append(name)
-    missing = sorted(set(placements) - filled)
-    if missing:
-        raise HeadError(f"{directory}: head weights: tensor {missing[0]!r} is missing"
-                        + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-    if unused:
-        raise HeadError(f"{directory}: head weights: {len(unused)} tensor(s) its config does not describe, e.g. "
-                        f"{sorted(unused)[:3]}")
+    _check_filled(f"{directory}: head weights", placements, filled, unused)
     if config.draft_vocab_size != target.config.vocab_size:
         head.draft_to_target = draft_to_target_ids(maps, config, target.config.vocab_size, directory).to(device)
     return head.eval()
+
+
+# a target's own MTP layer: its tensors (after `layers.<L>.`) beside the decoder layer's -> where they go
+TARGET_MTP_TENSORS = {"enorm.weight": "token_norm.weight", "hnorm.weight": "hidden_norm.weight",
+                      "eh_proj.weight": "input_proj.weight", "shared_head.norm.weight": "final_norm.weight"}
+# ... and the two a checkpoint may leave out (GLM-4.6 does): the target's embeddings and LM head are then used
+TARGET_MTP_OPTIONAL = {"embed_tokens.weight": "own_embed", "shared_head.head.weight": "shared_head"}
+
+
+def target_mtp_placements(config: HeadConfig, index: int) -> dict[str, Placement]:
+    """Every tensor a target's own MTP layer must hold (names without `model.`, the layer numbered `index`) ->
+    where it goes in `DraftHead`."""
+    prefix = f"layers.{index}."
+    plan = {prefix + name.removeprefix("layers.0."): placement
+            for name, placement in _llama_layer(config.layer, 0).items()}
+    plan.update({prefix + theirs: Placement(ours) for theirs, ours in TARGET_MTP_TENSORS.items()})
+    return plan
+
+
+def load_target_mtp(directory: str | Path, target, config: HeadConfig, device=None,
+                    dtype: torch.dtype | None = None) -> DraftHead:
+    """The MTP layer of the target checkpoint at `directory` (config: runtime.heads.config.target_mtp_config) for
+    `target`, the CausalLM loaded from it (which skips these tensors): only the shards holding layer
+    `num_hidden_layers` are opened, and only its tensors read. Its embeddings and LM head, where the checkpoint
+    holds them, are the target's own when equal to them (GLM-4.5 stores copies), the head's otherwise."""
+    directory = Path(directory)
+    weight = target.lm_head.weight
+    device, dtype = device or weight.device, dtype or weight.dtype
+    index = target.config.num_layers
+    prefix = f"layers.{index}."
+    placements = target_mtp_placements(config, index)
+    where = f"{directory}: the MTP layer's weights (layer {index})"
+    found = _layer_tensor_names(directory, prefix)
+    with torch.device("meta"):  # allocated once, on the device in the dtype: a layer of 128 experts is large
+        head = DraftHead(config, target)
+        if prefix + "embed_tokens.weight" in found:
+            head.own_embed = torch.nn.Embedding(target.config.vocab_size, config.hidden_size)
+        if prefix + "shared_head.head.weight" in found:
+            head.shared_head = torch.nn.Linear(config.hidden_size, target.config.vocab_size, bias=False)
+    head = head.to(dtype).to_empty(device=device)
+    head.set_rope_frequencies(device)
+    optional = {prefix + theirs: ours + ".weight" for theirs, ours in TARGET_MTP_OPTIONAL.items()}
+    params = dict(head.named_parameters())
+    filled, unused = set(), []
+    with torch.no_grad():
+        for file, names in _by_file(found).items():
+            for name, raw, tensor in _tensors(file, names):
+                if name in placements:
+                    _place(params[placements[name].name], placements[name], tensor.to(device), file, raw)
+                    filled.add(name)
+                elif name in optional:
+                    _place(params[optional[name]], Placement(optional[name]), tensor.to(device), file, raw)
+                elif not name.endswith("rotary_emb.inv_freq"):
+                    unused.append(raw)
+    _check_filled(where, placements, filled, unused, prefix="model.")
+    with torch.no_grad():  # a copy of the target's own: share the target's
+        if head.own_embed is not None and torch.equal(head.own_embed.weight, target.embed.weight):
+            head.own_embed = None
+        if head.shared_head is not None and torch.equal(head.shared_head.weight, target.lm_head.weight):
+            head.shared_head = None
+    return head.eval()
+
+
+def _layer_tensor_names(directory: Path, prefix: str) -> dict[str, tuple[Path, str]]:
+    """name (without `model.`) -> (its file, its name there) of every tensor under `prefix` (a layer), from the
+    shard index where there is one (no other shard is opened), else from the weight files' headers."""
+    index = directory / "model.safetensors.index.json"
+    out: dict[str, tuple[Path, str]] = {}
+    if index.is_file() and not (directory / "model.safetensors").is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise HeadError(f"{index}: not a readable shard index ({error})") from None
+        for raw, shard in weight_map.items():
+            if _strip_prefix(raw).startswith(prefix):
+                out[_strip_prefix(raw)] = (directory / shard, raw)
+        return out
+    try:
+        files = _weight_files(directory)
+    except CheckpointError as error:
+        raise HeadError(str(error)) from None
+    for file in files:
+        out.update({_strip_prefix(raw): (file, raw) for raw in _names(file) if _strip_prefix(raw).startswith(prefix)})
+    return out
+
+
+def _by_file(found: dict[str, tuple[Path, str]]) -> dict[Path, dict[str, str]]:
+    """`_layer_tensor_names`' entries grouped by file: file -> {its name there: name without `model.`}."""
+    out: dict[Path, dict[str, str]] = {}
+    for name, (file, raw) in sorted(found.items()):
+        out.setdefault(file, {})[raw] = name
+    return out
+
+
+def _tensors(file: Path, names: dict[str, str]):
+    """(name without `model.`, name in the file, tensor) of the tensors `names` of one weight file, only those read."""
+    if file.suffix == ".bin":
+        for raw, tensor in _file_tensors(file, torch.device("cpu")):
+            if raw in names:
+                yield names[raw], raw, tensor
+        return
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as opened:
+            present = set(opened.keys())
+            for raw, name in names.items():
+                if raw in present:  # an index naming a tensor its shard lacks: the tensor is reported missing
+                    yield name, raw, opened.get_tensor(raw)
+    except (OSError, SafetensorError) as error:
+        raise HeadError(f"{file}: the MTP layer's weights are not readable ({error})") from None
+
+
+def _check_filled(where: str, placements: dict, filled: set, unused: list, prefix: str = "") -> None:
+    """One line for the first tensor the plan needs that the files lack (named with `prefix`, as the files name
+    it), else for tensors the files hold that the config does not describe."""
+    missing = sorted(set(placements) - filled)
+    if missing:
+        raise HeadError(f"{where}: tensor {prefix + missing[0]!r} is missing"
+                        + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    if unused:
+        raise HeadError(f"{where}: {len(unused)} tensor(s) its config does not describe, e.g. {sorted(unused)[:3]}")
 
 
 def _names(file: Path) -> list[str]:
@@ -148,6 +269,9 @@ def save_head(head: DraftHead, directory: str | Path, verifier: str | None = Non
     from specbatch.perfmodel.jsonio import atomic_output, write_text_atomic
 
     config = head.head_config
+    if config.layout == TARGET_MTP:
+        raise HeadError("a target's own MTP layer is saved with its target (as GLM-4.5's checkpoints hold it), not "
+                        "as a speculators head")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = {name: tensor.detach().cpu() for name, tensor in head.state_dict().items()}

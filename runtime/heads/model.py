@@ -6,6 +6,10 @@ wide) and its residual is the hidden state; the output feeds the next pass, and 
 logits over the draft vocabulary, mapped to target ids by `d2t` (target id = draft id + d2t[draft id]).
 MTP: the target's normed output and the next token's embedding, each normed, are projected together
 (`input_proj`); a standard decoder layer and a final norm follow, and the target's own LM head gives logits.
+A target's own MTP layer (GLM-4.5's, `TARGET_MTP`) is the same pass with the target's decoder layer (a mixture of
+experts), as vLLM runs it: the embedding of the token at position 0 is zeroed, the layer's output before the
+final norm (`shared_head.norm`) feeds the next pass, and its own LM head (`shared_head.head`, else the target's)
+gives logits from the normed output.
 
 A head entry pairs token x_p with the hidden state at position p - 1. Its cache slot s holds the entry of
 token position s + 1, so the head's cache spans what the target's does (its length is the committed tokens
@@ -19,7 +23,7 @@ from torch import nn
 
 from ..kv_cache import KVCache
 from ..model import Block, _rms_norm, finish_pass, plan_pass, rope_inverse_frequencies, rope_tables
-from .config import HeadConfig
+from .config import TARGET_MTP, HeadConfig
 
 
 class HeadCache(KVCache):
@@ -70,6 +74,9 @@ class DraftHead(nn.Module):
             self.input_proj = nn.Linear(2 * d, d, bias=False)
             self.final_norm = _rms_norm(config.layer, d)
             self.position_offset = 0
+        # a target's own MTP layer: its LM head where its checkpoint holds one unlike the target's (loading)
+        self.target_mtp = config.layout == TARGET_MTP
+        self.shared_head: nn.Linear | None = None
         self.layers = nn.ModuleList([layer])
         # draft id -> target id; None when the head drafts over the whole target vocabulary
         self.register_buffer("draft_to_target", None)
@@ -126,10 +133,12 @@ class DraftHead(nn.Module):
             x = x + layer.mlp(layer.mlp_norm(x))
             outputs = self.norm(x) if self.head_config.norm_output else x
         else:
+            if self.target_mtp:  # vLLM and SGLang zero the token's embedding at position 0
+                embeds = torch.where((positions == 0)[..., None], 0.0, embeds)
             x = self.input_proj(torch.cat([self.token_norm(embeds), self.hidden_norm(inputs)], dim=-1))
             x = x + layer.attention(layer.attn_norm(x), rope, cache, 0, attention)
             x = x + layer.mlp(layer.mlp_norm(x))
-            outputs = self.final_norm(x)
+            outputs = x if self.target_mtp else self.final_norm(x)
         finish_pass(cache, attention, tokens)
         if last == 0:
             return None, outputs
@@ -142,7 +151,7 @@ class DraftHead(nn.Module):
     def logits(self, outputs: torch.Tensor) -> torch.Tensor:
         """Logits over the target's vocabulary (-inf outside the draft vocabulary) from the head's outputs."""
         if self.kind == "mtp":
-            return self.target.lm_head(outputs)
+            return self.draft_logits(outputs)
         scores = self.lm_head(outputs if self.head_config.norm_output else self.norm(outputs))
         if self.draft_to_target is None:
             return scores
@@ -151,6 +160,8 @@ class DraftHead(nn.Module):
 
     def draft_logits(self, outputs: torch.Tensor) -> torch.Tensor:
         """The head's logits over its own draft vocabulary (tests compare them with `speculators`)."""
+        if self.target_mtp:
+            return (self.shared_head if self.shared_head is not None else self.target.lm_head)(self.final_norm(outputs))
         if self.kind == "mtp":
             return self.target.lm_head(outputs)
         return self.lm_head(outputs if self.head_config.norm_output else self.norm(outputs))
