@@ -11,9 +11,10 @@ Per stage (both models' weights are resident throughout):
   generator's buffer), plus the largest pass any of them runs: its prefill of b x prompt tokens, or its
   verify pass.
 
-A pass's transient memory: activations of one layer at a time (the MLP's gate and up, a few hidden-size
-tensors), its logits in the model's dtype and in float32, the attention mask, and, when the attention
-kernel is the math one (`scores_materialized`), the attention scores and their softmax in float32.
+A pass's transient memory: activations of one layer at a time (the MLP's gate and up, or a mixture of
+experts' rows, one per (token, expert) pair; a few hidden-size tensors), its logits in the model's dtype and
+in float32, the attention mask, and, when the attention kernel is the math one (`scores_materialized`), the
+attention scores and their softmax in float32.
 With CUDA graphs (calibrate's default on CUDA), each model's graphs add their memory pool, shared by all
 of them (the transient memory of the largest pass captured, once), and one logits buffer per batch bucket and
 width (tokens per row), shared by every cache's graph of that key (runtime.cuda_graphs); the caches get a
@@ -29,6 +30,7 @@ temporaries not counted here. A head reads HEAD_FEATURE_LAYERS of the target's h
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -45,6 +47,7 @@ PROMPT_TOKENS = 8  # the overhead and tree samplers' prompts (calibrate.benchmar
 TOKEN_ID_BYTES = 8  # the generator's token buffer is int64
 SHOWN_LABELS = 8  # skipped points named in a note, per stage
 HEAD_FEATURE_LAYERS = {"eagle3": 3, "mtp": 1}  # target hidden states a head reads: low, middle, high; the normed output
+PAIR_BYTES = 3 * 8 + 4  # a MoE layer's (token, expert) pair: its expert id, sort position and row (int64), weight
 
 
 def _element_bytes(info: ModelInfo) -> int:
@@ -56,13 +59,41 @@ def kv_bytes(info: ModelInfo, rows: int, tokens: int) -> int:
     return info.kv_bytes_per_token * rows * tokens
 
 
+def expert_layer_bytes(info: ModelInfo, tokens: int) -> int:
+    """The transient memory of one mixture-of-experts layer over `tokens` tokens (runtime.experts.RoutedExperts
+    .forward): each of a token's k (token, expert) pairs gets a row of its own, and the layer's largest moment is
+    - the products: the grouped GEMM's gathered rows and gate-up output, then gate-up, activation and gated
+      product (CUDA in bfloat16); or the output rows and one expert's products, for at most every token (else);
+    - or the weighting: the products and their copy in token order, and their product with the routing weights
+      (float32 but for Qwen3-MoE, a 16-bit model's rows converted to float32 first) or its sum over the k;
+    beside each pair's expert id, sort position, source row and weight, and each expert's row count (int64; the
+    grouped GEMM's running sums, int32). The router's (tokens x experts) scores, freed before, and GLM-4.5's
+    shared expert after the weighting hold less for every published shape: HEADROOM's."""
+    experts, element, hidden = info.experts, _element_bytes(info), info.hidden_size
+    width = experts.expert_parameters // (3 * hidden)  # the gate, up and down projections of one expert
+    pairs = tokens * experts.experts_per_token
+    gated = max(hidden + 2 * width, 4 * width)  # per row: the input and gate-up; or gate-up, activation, product
+    products = max(pairs * gated, pairs * hidden + tokens * gated) * element
+    weights = element if info.model_type == "qwen3_moe" else 4
+    widened = 4 if weights != element else 0  # the rows converted to float32 to multiply float32 weights
+    weighting = 2 * pairs * hidden * element + max(pairs * hidden * (weights + widened),
+                                                   (pairs + tokens) * hidden * weights)
+    return pairs * PAIR_BYTES + experts.num_experts * (8 + 4) + max(products, weighting)
+
+
 def pass_bytes(info: ModelInfo, rows: int, new_tokens: int, key_len: int, logits_tokens: int,
                scores_materialized: bool) -> int:
     """The transient memory of one forward pass of `rows` x `new_tokens` tokens over `key_len` keys, whose LM
-    head runs on `logits_tokens` positions (a prefill: one per row; a decode pass: every fed token)."""
+    head runs on `logits_tokens` positions (a prefill: one per row; a decode pass: every fed token). A
+    mixture of experts' layers hold their (token, expert) rows (`expert_layer_bytes`) where a dense MLP holds
+    its gate and up; its dense layers, if any, their MLP's."""
     element = _element_bytes(info)
     tokens = rows * new_tokens
-    activations = tokens * (3 * info.intermediate_size + 6 * info.hidden_size) * element
+    mlp = 3 * info.intermediate_size * tokens * element
+    if info.experts is not None:
+        moe = expert_layer_bytes(info, tokens)
+        mlp = moe if info.experts.moe_layers == info.layers else max(mlp, moe)
+    activations = 6 * info.hidden_size * tokens * element + mlp
     logits = logits_tokens * info.vocab_size * (element + 4)
     mask = tokens * key_len  # bool, broadcast over heads
     scores = tokens * info.heads * key_len * 8 if scores_materialized else 0  # float32 scores and softmax
@@ -243,13 +274,29 @@ def reference_bytes(target: ModelInfo, rows: int, context_len: int, scores_mater
 
 
 def memory_budget(target: ModelInfo, draft: ModelInfo, available_bytes: int, device: str) -> MemoryBudget:
-    """The budget, refused with the numbers when the weights alone leave no room."""
+    """The budget; when the weights alone leave no room, refused in one line (`weights_refusal`). Callers ask
+    before loading: a shape preset's random weights are never allocated to find out."""
     budget = MemoryBudget(device, available_bytes, target.weight_bytes + draft.weight_bytes)
     if budget.room_bytes <= 0:
-        raise CalibrationError(
-            f"--target/--draft: the weights need {budget.weight_bytes / GIB:.2f} GiB but {available_bytes / GIB:.2f} "
-            f"GiB are free on {device} ({100 * HEADROOM:.0f} % of it planned); use a smaller --dtype or pair")
+        raise CalibrationError(weights_refusal(target, draft, budget))
     return budget
+
+
+def weights_refusal(target: ModelInfo, draft: ModelInfo, budget: MemoryBudget) -> str:
+    """What the weights need against what is free, and where the pair can be timed instead: on a GPU where its
+    bfloat16 weights fit within HEADROOM (caches and passes need more), here in bfloat16 where that fits, or, for
+    dense blocks, composed from vidur's published GPU timings (calibrate --from-vidur, which has no experts)."""
+    element = _element_bytes(target)
+    sizes = " and ".join(f"--{role} {info.source} ({info.weight_bytes / GIB:.1f} GiB)"
+                         for role, info in (("target", target), ("draft", draft)))
+    half = (target.parameters + draft.parameters) * 2
+    ways = [] if element <= 2 or half > budget.usable_bytes else [f"with --dtype bfloat16 ({half / GIB:.1f} GiB)"]
+    ways.append(f"on a GPU with more than {math.ceil(half / HEADROOM / GIB)} GiB free")
+    if target.experts is None and draft.experts is None:
+        ways.append("from published GPU timings with calibrate --from-vidur DIR")
+    return (f"{sizes}: the weights need {budget.weight_bytes / GIB:.1f} GiB at {element} bytes a parameter, and "
+            f"{budget.available_bytes / GIB:.1f} GiB are free on {budget.device} ({100 * HEADROOM:.0f} % of it "
+            f"planned); time the pair {', '.join(ways[:-1]) + ' or ' if len(ways) > 1 else ''}{ways[-1]}")
 
 
 def lockstep_split(target: ModelInfo, draft: ModelInfo, rows: int, ks: Sequence[int], longest_prompt: int,

@@ -112,7 +112,8 @@ def test_points_that_cannot_fit_are_named_and_a_grid_with_no_pass_that_fits_is_r
     only_large = make_grid((64,), (2048,), 2)
     with pytest.raises(CalibrationError, match="no target pass of the grid fits on cuda"):
         plan_memory(target, draft, only_large, small, False, timing_points(only_large), [], [], [], 2, 2, 2024, 24)
-    with pytest.raises(CalibrationError, match="the weights need .* GiB but 1.00 GiB are free on cuda"):
+    with pytest.raises(CalibrationError, match="the weights need .* GiB at 2 bytes a parameter, and 1.0 GiB are free "
+                                               "on cuda"):
         memory_budget(target, draft, GIB, "cuda")
 
 
