@@ -56,13 +56,16 @@ def demo_or_named(target: str | None, draft: str | None, need_draft: bool = True
 
 
 def load_named_pair(target: str | None, draft: str | None, device: str | None, dtype: str | None,
-                    need_draft: bool = True, check=None):
+                    need_draft: bool = True, check=None, text: bool = False):
     """`runtime.loading.load_pair` for what --target/--draft/--device/--dtype name (`demo_or_named`);
-    `check(draft_spec)` runs before anything is loaded."""
+    `check(draft_spec)` runs before anything is loaded. `text`: the prompts are text, so a target without a
+    tokenizer.json (a preset, a config.json) is refused before its weights are built."""
     from .checkpoint import parse_dtype
     from .loading import load_pair, resolve_device, resolve_pair
 
     target_spec, draft_spec = resolve_pair(*demo_or_named(target, draft, need_draft))
+    if text and (target_spec.directory is None or not (target_spec.directory / "tokenizer.json").is_file()):
+        raise UsageError(f"--target {target_spec.source}: no tokenizer.json, cannot encode text prompts")
     if check is not None:
         check(draft_spec)
     device = resolve_device(device)
@@ -300,7 +303,7 @@ def generate_texts(request: GenerationRequest, loaded_pair=None) -> Generation:
         raise UsageError("--stage2 speeds up a draft MODEL; with an n-gram --draft there is nothing to stage")
     pair = loaded_pair or load_named_pair(request.target, None if ngram_draft else request.draft, request.device,
                                           request.dtype, need_draft=request.k != 0 and not ngram_draft,
-                                          check=lambda spec: check_head_stage2(spec, request.stage2))
+                                          check=lambda spec: check_head_stage2(spec, request.stage2), text=True)
     if pair.tokenizer is None:
         raise UsageError(f"--target {pair.target_spec.source}: no tokenizer.json, cannot encode text prompts")
     draft_runner = load_ngram(request.draft, "--draft", pair.target_spec) if ngram_draft else pair.draft

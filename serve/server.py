@@ -272,9 +272,9 @@ def build(options: ServeOptions):
     draft_name = default_draft(options.target, options.draft)
     draft_dir = None if draft_name is None else Path(draft_name)
     target_spec, draft_spec = resolve_pair(str(target_dir), None if draft_dir is None else str(draft_dir))
-    pair = load_pair(target_spec, draft_spec, device, parse_dtype(options.dtype, device))
-    if pair.tokenizer is None:
+    if target_spec.directory is None or not (target_spec.directory / "tokenizer.json").is_file():  # before loading
         raise ServeError(f"--target {target_dir}: no tokenizer.json; serve needs one to encode prompts")
+    pair = load_pair(target_spec, draft_spec, device, parse_dtype(options.dtype, device))
     warn_tokenizer_past_vocabulary(pair)
     positions = context_limit(pair.target, pair.draft)
     if options.max_model_len is not None and options.max_model_len >= positions:
