@@ -48,6 +48,7 @@ def head_info(spec: ModelSpec, element_bytes: int) -> ModelInfo:
         kv_bytes_per_token=config.kv_bytes_per_token(element_bytes),
         max_position_embeddings=config.max_position_embeddings, fingerprint=spec.fingerprint,
         drafter=head.kind, draft_vocab_size=head.draft_vocab_size,
+        experts=expert_shape(head.layer, element_bytes),  # GLM-4.5's MTP layer routes to experts as the target does
     )
 
 

@@ -559,8 +559,11 @@ def _measure(pair: LoadedPair, plan: _Plan, grid: Grid, todo: _Todo, request: Ca
 
 
 def _expert_roles(profile: Profile) -> tuple[str, ...]:
-    """The roles whose model is a mixture of experts (a head's experts are not profiled as such)."""
-    return tuple(role for role in ("target", "draft") if profile.model(role).experts is not None)
+    """The roles whose model is a mixture of experts and whose routing is measured over prompts. A head's layer
+    (GLM-4.5's MTP layer) routes too, but it reads the target's hidden states, which a prefill of its own cannot
+    give: its expert term keeps the uniform prior, and the table says so."""
+    return tuple(role for role in ("target", "draft")
+                 if profile.model(role).experts is not None and not profile.model(role).is_head)
 
 
 def _routing(pair: LoadedPair, plan: _Plan, grid: Grid, profile: Profile, measure: bool, prompts_source: str | None,

@@ -131,7 +131,9 @@ def render_table(result, notes: list[str], output: Path) -> None:
         console.print(_bucket_matrix(result))
     for bucket in result.buckets if len(result.buckets) == 1 else ():
         view = Table(title=f"best strategy per batch size, context {bucket.context_len} (runs collapsed)")
-        for column in ("b", "strategy", "k*", "tokens/s", "speedup vs k=0", "runner-up", "min margin"):
+        experts = bucket.entries[0].experts_touched is not None  # a mixture of experts: its verify pass's experts
+        for column in ("b", "strategy", "k*", "tokens/s", "speedup vs k=0", "runner-up", "min margin") + (
+                ("experts/layer (verify)",) if experts else ()):
             view.add_column(column, justify="right")
         runs: list[list] = []
         for entry in bucket.entries:  # consecutive batch sizes with the same strategy form one row
@@ -147,7 +149,8 @@ def render_table(result, notes: list[str], output: Path) -> None:
             view.add_row(str(start) if start == end else f"{start}-{end}", strategy.describe(40), str(strategy.k),
                          _span(run[0].predicted_tokens_per_s, run[-1].predicted_tokens_per_s, "{:.0f}"),
                          _span(run[0].predicted_speedup, run[-1].predicted_speedup, "{:.2f}x"),
-                         "; ".join(runner_ups[:2]) or "-", f"{min(margins):.1%}" if margins else "-")
+                         "; ".join(runner_ups[:2]) or "-", f"{min(margins):.1%}" if margins else "-",
+                         *((_span(run[0].experts_touched, run[-1].experts_touched, "{:.1f}"),) if experts else ()))
         console.print(view)
     for note in notes:
         console.print(f"[yellow]note:[/] {note}")

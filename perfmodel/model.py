@@ -117,6 +117,17 @@ class FittedModel:
             raise PerfModelError(f"this model holds {self.engine.engine.describe()}'s whole steps, not pass latencies")
         return self.roles[role].model.latency_ms(batch_size, new_tokens, context_len)
 
+    def expert_terms(self) -> dict | None:
+        """Per role with experts, its expert shape and fitted routing (a table carries them); None when dense."""
+        terms = {}
+        for role, fit in self.roles.items():
+            shape = fit.model.shape
+            if shape.experts is not None:
+                experts = shape.experts
+                terms[role] = {"num_experts": experts.num_experts, "experts_per_token": experts.experts_per_token,
+                               "moe_layers": experts.moe_layers, "routing": shape.routing.to_json()}
+        return terms or None
+
     def experts_touched(self, role: str, batch_size: int, new_tokens: int) -> float | None:
         """A mixture of experts' expected distinct experts per routed layer in one pass (perfmodel.experts); None
         for a dense role."""
@@ -312,9 +323,12 @@ def compute_table(fitted: FittedModel, acceptance: AcceptanceModel, max_batch: i
             model.prefetch(b, context_len, widest_pass)  # every pass width at (b, L) in one call per role
             c = model.choose(family, b, context_len)
             runner_up = c.runner_up
+            strategy = c.best.strategy
+            verify_width = 1 if strategy.tree is None else strategy.tree.num_nodes + 1
             entries.append(TableEntry(b, c.best.k, c.best.tokens_per_s, c.speedup,
-                                      None if runner_up is None else runner_up.k, c.margin, c.best.strategy,
-                                      None if runner_up is None else runner_up.strategy))
+                                      None if runner_up is None else runner_up.k, c.margin, strategy,
+                                      None if runner_up is None else runner_up.strategy,
+                                      fitted.experts_touched("target", b, verify_width)))
         buckets.append(Bucket(context_len, tuple(entries)))
     uses_stage2 = any(e.strategy.stage2 for bucket in buckets for e in bucket.entries)
     return Table(target=fitted.target_info.source, draft=fitted.draft_info.source, device=fitted.device.name,
@@ -322,7 +336,8 @@ def compute_table(fitted: FittedModel, acceptance: AcceptanceModel, max_batch: i
                  max_k=max([max_k] + [e.k for bucket in buckets for e in bucket.entries]),
                  acceptance=acceptance.to_json(), buckets=tuple(buckets),
                  stage2={"file": fitted.stage2.file, "sha256": fitted.stage2.sha256} if uses_stage2 else None,
-                 fingerprints=fitted.fingerprints(), costs=fitted.costs(), drafter=fitted.draft_info.drafter)
+                 fingerprints=fitted.fingerprints(), costs=fitted.costs(), drafter=fitted.draft_info.drafter,
+                 experts=fitted.expert_terms())
 
 
 # ---------------------------------------------------------------- JSON

@@ -11,6 +11,10 @@ This is what the runtime's `TableK` policy reads, so this module needs only the 
                                                          "specbatch", our runtime, or an engine such as "vllm")
      "drafter": "eagle3" | "mtp",                       (optional: what drafts; absent means "draft_model",
                                                          a separate draft checkpoint)
+     "experts": {"target": {"num_experts", "experts_per_token", "moe_layers", "routing": {...}}},
+                                                        (optional: a mixture of experts' expert term; then each
+                                                         entry's "experts_touched" is the distinct experts per
+                                                         routed layer its verify pass reads)
      "buckets": [{"context_len", "entries": [{"batch_size", "k", "predicted_tokens_per_s",
                   "predicted_speedup", "runner_up_k", "margin",
                   "strategy", "runner_up_strategy"}, ...]}, ...]}   (both optional)
@@ -97,6 +101,9 @@ class TableEntry:
     margin: float | None  # relative goodput lead over the runner-up
     strategy: Strategy | None = None  # None (older tables): a chain of k, or none for k = 0
     runner_up_strategy: Strategy | None = None
+    # a mixture-of-experts target: the distinct experts per routed layer its verify (or decode) pass reads at this
+    # batch size (perfmodel.experts); None for a dense target
+    experts_touched: float | None = None
 
     def chosen(self) -> Strategy:
         """The strategy to run: the entry's own, else the chain of k its k means."""
@@ -132,6 +139,9 @@ class Table:
     # what drafts (DRAFTERS): the engine exports run it as such (vLLM's method, TensorRT-LLM's decoding config,
     # SGLang's algorithm); written to JSON only when it is not a draft model
     drafter: str = DEFAULT_DRAFTER
+    # a mixture of experts' expert term, per role with experts: its shape and fitted routing (informative: what the
+    # entries' experts_touched come from); None for dense pairs and older tables
+    experts: dict | None = None
     # kinds of out-of-range lookups already warned about; mutable on purpose, outside equality
     _warned: set = field(default_factory=set, compare=False, repr=False)
 
@@ -183,6 +193,8 @@ class Table:
             obj["costs"] = self.costs
         if self.drafter != DEFAULT_DRAFTER:
             obj["drafter"] = self.drafter
+        if self.experts is not None:
+            obj["experts"] = self.experts
         return obj
 
     def costs_name(self) -> str:
@@ -199,6 +211,8 @@ def _entry_json(entry: TableEntry) -> dict:
         obj["strategy"] = entry.strategy.to_json()
     if entry.runner_up_strategy is not None:
         obj["runner_up_strategy"] = entry.runner_up_strategy.to_json()
+    if entry.experts_touched is not None:
+        obj["experts_touched"] = rounded(entry.experts_touched, 4)
     return obj
 
 
@@ -234,8 +248,12 @@ def _entry(obj, where: str, max_k: int) -> TableEntry:
                                     for key in ("strategy", "runner_up_strategy"))
     if strategy is not None and strategy.k != k:
         raise PerfModelError(f"{where}.k: {k} is not its strategy's k {strategy.k} ({strategy.describe(40)})")
+    experts = obj.get("experts_touched")
+    if experts is not None and (not _is_number(experts) or experts < 1):
+        raise PerfModelError(f"{where}.experts_touched: expected a number >= 1 or null, found {experts!r}")
     return TableEntry(obj["batch_size"], k, float(obj["predicted_tokens_per_s"]), float(obj["predicted_speedup"]),
-                      runner_up, None if margin is None else float(margin), strategy, runner_up_strategy)
+                      runner_up, None if margin is None else float(margin), strategy, runner_up_strategy,
+                      None if experts is None else float(experts))
 
 
 def _bucket(obj, where: str, max_k: int) -> Bucket:
@@ -292,10 +310,14 @@ def table_from_json(obj: dict, source: str = "table") -> Table:
     if drafter not in DRAFTERS:
         raise PerfModelError(f"{source}: drafter: {drafter!r} is not one of {', '.join(DRAFTERS)} (what drafts: "
                              "a separate draft model, an EAGLE-3 head, MTP heads)")
+    experts = obj.get("experts")
+    if experts is not None and (not isinstance(experts, dict) or not all(
+            role in ("target", "draft") and isinstance(value, dict) for role, value in experts.items())):
+        raise PerfModelError(f"{source}: experts: expected an object of target/draft expert terms, found {experts!r}")
     return Table(obj["target"], obj["draft"], obj["device"], obj["created_utc"], max_k, acceptance, buckets,
                  None if stage2 is None else {"file": stage2["file"], "sha256": stage2["sha256"]},
                  None if fingerprints is None else {role: fingerprints.get(role) for role in ("target", "draft")},
-                 None if costs is None else dict(costs), drafter)
+                 None if costs is None else dict(costs), drafter, experts)
 
 
 def load_table(path: str | os.PathLike) -> Table:

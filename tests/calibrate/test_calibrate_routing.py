@@ -119,6 +119,12 @@ def test_calibrate_measures_a_checkpoints_routing_over_prompts_and_the_table_car
     assert not model.routing_notes()  # the model's own routing: nothing to warn about
     table = CliRunner().invoke(cli.app, ["table", str(tmp_path / "model.json"), "-o", str(tmp_path / "table.json")])
     assert table.exit_code == 0, table.output
+    written = json.loads((tmp_path / "table.json").read_text())
+    assert written["experts"]["target"]["routing"]["source"] == "measured"
+    for entry in written["buckets"][0]["entries"]:  # the verify pass's experts: b rows x (nodes + 1) tokens
+        nodes = len(entry["strategy"]["tree"] or ())  # a chain of k is a tree of k nodes
+        expected = model.experts_touched("target", entry["batch_size"], nodes + 1)
+        assert entry["experts_touched"] == pytest.approx(expected, rel=1e-3)
 
 
 def test_random_weights_record_that_their_routing_is_not_a_models(tmp_path):

@@ -144,3 +144,19 @@ def test_routing_that_shares_experts_makes_speculation_cheaper_at_small_batch():
     uniform, shared = moe_table(RoutingFit()), moe_table(RoutingFit(0.9, 0.6))
     assert shared[1] > uniform[1]  # a continuation's tokens share experts: verifying them reads fewer
     assert shared[512] == uniform[512]  # at large b every expert is read either way
+
+
+def test_a_tables_expert_term_round_trips_and_a_bad_count_is_named():
+    from specbatch.perfmodel.table import Bucket, Table, TableEntry, table_from_json
+
+    entry = TableEntry(1, 2, 100.0, 1.5, 1, 0.1, experts_touched=5.5)
+    table = Table("t", "d", "cpu", "2026-01-01T00:00:00Z", 2, {}, (Bucket(64, (entry,)),),
+                  experts={"target": {"num_experts": 8, "experts_per_token": 2, "moe_layers": 2,
+                                      "routing": RoutingFit().to_json()}})
+    obj = json.loads(json.dumps(table.to_json()))
+    again = table_from_json(obj, "t.json")
+    assert again.buckets[0].entries[0].experts_touched == 5.5 and again.experts == table.experts
+    obj["buckets"][0]["entries"][0]["experts_touched"] = 0.5
+    with pytest.raises(PerfModelError, match=r"t\.json: buckets\[0\]\.entries\[0\]\.experts_touched: expected a "
+                                             r"number >= 1"):
+        table_from_json(obj, "t.json")
