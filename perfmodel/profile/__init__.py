@@ -24,6 +24,9 @@ Optional engine steps (`engine` and `engine_steps`, profile/engine.py): steps me
 engine (`calibrate --engine vllm`), with the engine's name, version and settings; such a profile is the
 engine's and holds no pass timings of ours.
 
+Optional mixture-of-experts parts (profile/routing.py): `models.<role>.experts`, the routed experts' shape, and
+the `routing` section, the distinct experts per routed layer measured in windows of b rows x n tokens.
+
 The device section says how the passes ran (`execution`: eager, or cuda-graphs replayed; older profiles:
 eager): perfmodel/execution.py keeps a runtime from using the costs of the other.
 
