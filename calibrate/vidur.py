@@ -179,7 +179,12 @@ def read_vidur_folder(folder: Path) -> VidurTimings:
 
 
 def check_block(timings: VidurTimings, config: ModelConfig, option: str) -> None:
-    """The model's block must be the one vidur timed (the layer count and vocabulary may differ)."""
+    """The model's block must be the one vidur timed (the layer count and vocabulary may differ). vidur times a
+    dense MLP: a mixture of experts' layers are not composed from it (whatever its widths)."""
+    if config.num_experts:
+        raise CalibrationError(f"{option}: a mixture of experts ({config.num_experts} experts, top-"
+                               f"{config.experts_per_token}); vidur's per-operation timings are of a dense MLP, which "
+                               "reads every weight a pass, so they cannot compose its passes; calibrate it on a GPU")
     mine = {"n_head": config.num_heads, "n_kv_head": config.num_kv_heads, "n_embd": config.hidden_size,
             "n_expanded_embd": config.intermediate_size, "use_gated_mlp": config.family == "llama"}
     differ = [f"{key} {mine[key]} here, {timings.shape[key]} there" for key in SHAPE_COLUMNS

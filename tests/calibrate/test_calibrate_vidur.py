@@ -135,6 +135,16 @@ def test_a_model_vidur_did_not_profile_is_refused(tmp_path):
         read_vidur_folder(tmp_path)
 
 
+def test_a_mixture_of_experts_of_the_profiled_widths_is_refused(tmp_path, draft_config):
+    """Mixtral's block has Llama's widths; vidur's dense MLP, which reads every weight, would compose it silently."""
+    moe = tmp_path / "mixtral.json"
+    moe.write_text(json.dumps(dict(PRESETS["llama-2-7b"], model_type="mixtral", num_local_experts=8,
+                                   num_experts_per_tok=2, num_hidden_layers=2)))
+    result = invoke("calibrate", "--from-vidur", A100, "--target", moe, "--draft", draft_config,
+                    "--acceptance", "0.8", "-o", tmp_path / "p.json")
+    assert_one_line_error(result, f"--target {moe}", "a mixture of experts (8 experts, top-2)", "on a GPU")
+
+
 def test_acceptance_is_required_and_an_existing_profile_is_kept(tmp_path, draft_config):
     out = tmp_path / "p.json"
     assert_one_line_error(invoke("calibrate", "--from-vidur", A100, "--target", "llama-2-7b", "--draft",
