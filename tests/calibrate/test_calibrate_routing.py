@@ -125,6 +125,16 @@ def test_calibrate_measures_a_checkpoints_routing_over_prompts_and_the_table_car
         nodes = len(entry["strategy"]["tree"] or ())  # a chain of k is a tree of k nodes
         expected = model.experts_touched("target", entry["batch_size"], nodes + 1)
         assert entry["experts_touched"] == pytest.approx(expected, rel=1e-3)
+    # the table runs: speculative greedy output equals the target's own
+    def generate(*options):
+        result = CliRunner().invoke(cli.app, ["generate", "--target", str(directory), "--draft", str(DEMO_DRAFT),
+                                              "--prompt", "def add(a, b):", "--prompt", "import os",
+                                              "--max-new-tokens", "24", "--json", *options])
+        assert result.exit_code == 0, result.output
+        [line] = [line for line in result.output.splitlines() if line.startswith('{"outputs"')]  # notes aside
+        return [row["text"] for row in json.loads(line)["outputs"]]
+
+    assert generate("--table", str(tmp_path / "table.json")) == generate("--k", "0")
 
 
 def test_random_weights_record_that_their_routing_is_not_a_models(tmp_path):
