@@ -12,7 +12,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ("results", "cpu_spells", "pairing_noise", "pass_ratios", "runtime_costs", "gpu_results",
-           "serving_fidelity", "vllm_loop", "vllm_roundtrip", "linear_layout", "host_step_cost")
+           "serving_fidelity", "vllm_loop", "vllm_roundtrip", "linear_layout", "host_step_cost", "moe_results",
+           "moe_routing", "moesd")
 
 
 def run_script(name: str, *args: str, timeout_s: int = 120) -> subprocess.CompletedProcess:
@@ -105,3 +106,12 @@ def test_runtime_costs_runs_on_the_demo_pair(tmp_path):
     page = markdown(figures)
     assert "| 8 | plain (k = 0) | 300 | 200 | 1.50x [1.50, 1.50] | 8/8 |" in page
     assert "| 8 | table | 450 | 500 | 0.90x [0.90, 0.90] | 7/8 |" in page and "`table-chain.json`" in page
+
+
+def test_moe_routing_runs_and_counts_the_experts_it_forces():
+    """Each forced D appears with the rows an expert multiplies (16 tokens x top-4 / D); no timing is asserted."""
+    run = run_script("moe_routing", "--quick", timeout_s=300)
+    assert run.returncode == 0, run.stderr
+    for touched in (4, 8, 16, 32, 48, 64):
+        assert f"| {touched} | {64 / touched:g} | " in run.stdout
+    assert "uniform routing's expectation: 41.2" in " ".join(run.stdout.split())  # 64 (1 - (1 - 4/64)^16)
