@@ -150,8 +150,9 @@ def train(config: ModelConfig, stream: np.ndarray, run_dir: Path, args) -> tuple
             seconds += now - started
             count = (step - 1) % args.log_every + 1
             share = window_load / window_load.sum(dim=1, keepdim=True)
-            record = {"step": step, "loss": window_loss / count, "bits_per_byte_train": window_loss / count / math.log(2),
-                      "aux": window_aux / count, "seconds": round(seconds, 1),
+            record = {"step": step, "loss": window_loss / count,
+                      "bits_per_byte_train": window_loss / count / math.log(2), "aux": window_aux / count,
+                      "seconds": round(seconds, 1),
                       "experts_used": (share >= USED_SHARE).sum(dim=1).tolist(),
                       "max_share": [round(x, 3) for x in share.max(dim=1).values.tolist()]}
             with open(log_path, "a") as log:
@@ -259,7 +260,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--stdlib", type=Path, default=Path(sysconfig.get_paths()["stdlib"]))
     parser.add_argument("--out", type=Path, default=ROOT / "data" / "models" / "demo-moe")
     parser.add_argument("--run-dir", type=Path, default=ROOT / "runs" / "demo-moe")
-    parser.add_argument("--reference", type=lambda s: Path(s) if s else None, default=ROOT / "data" / "models" / "demo-target",
+    parser.add_argument("--reference", type=lambda s: Path(s) if s else None,
+                        default=ROOT / "data" / "models" / "demo-target",
                         help="a model scored on the same evaluation windows ('' for none)")
     parser.add_argument("--steps", type=int, default=800)
     parser.add_argument("--batch-size", type=int, default=8)
