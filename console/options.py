@@ -304,8 +304,10 @@ MaxKOpt = Annotated[Optional[int], typer.Option("--max-k", help=(
     f"Largest k considered, at most {MAX_TABLE_K} (default: the profile's max_k)."))]
 MaxBatchOpt = Annotated[int, typer.Option(
     "--max-batch", help=f"Tabulate batch sizes 1..this (at most {MAX_TABLE_BATCH}).")]
+_RUNNABLE_PRESETS = [name for name in _presets.PRESET_NAMES
+                     if _presets.PRESETS[name]["model_type"] not in _presets.SHAPE_ONLY]
 MODEL_FORMS_HELP = ("Model directory (real weights), config.json or shape preset (random weights: "
-                    f"{', '.join(_presets.PRESET_NAMES)})")
+                    f"{', '.join(_RUNNABLE_PRESETS)})")
 AnyTargetOpt = Annotated[Optional[str], typer.Option(  # calibrate and bench: every form runtime.loading reads
     "--target", help=f"{MODEL_FORMS_HELP}. Default: bundled demo target.")]
 AnyDraftOpt = Annotated[Optional[str], typer.Option(
