@@ -18,7 +18,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-from specbatch.perfmodel.profile import Grid
+from specbatch.perfmodel.profile import Grid, Profile
 from specbatch.perfmodel.profile.routing import RoutingRow, RoutingSection
 from specbatch.runtime.experts import RoutedExperts
 from specbatch.runtime.model import CausalLM
@@ -108,6 +108,24 @@ def routing_section(routes_by_role: dict[str, list[np.ndarray]], experts_by_role
     return RoutingSection(source=source, prompts=prompts,
                           prompt_count=max((len(routes) for routes in routes_by_role.values()), default=0),
                           rows=tuple(rows))
+
+
+def expert_roles(profile: Profile) -> tuple[str, ...]:
+    """The roles whose model is a mixture of experts and whose routing is measured over prompts. A head's layer
+    (GLM-4.5's MTP layer) routes too, but it reads the target's hidden states, which a prefill of its own cannot
+    give: its expert term keeps the uniform prior, and the table says so."""
+    return tuple(role for role in ("target", "draft")
+                 if profile.model(role).experts is not None and not profile.model(role).is_head)
+
+
+def measure_routing(models: dict[str, CausalLM], prompts: Sequence[Sequence[int]], grid: Grid, random_weights: bool,
+                    prompts_source: str | None) -> RoutingSection:
+    """The profile's routing section for `models` (role -> a mixture of experts) over `prompts`: the prompt file's
+    text, or random token ids for random weights, which the section says."""
+    return routing_section({role: record_routes(model, prompts) for role, model in models.items()},
+                           {role: model.config.num_experts for role, model in models.items()}, grid,
+                           "random_weights" if random_weights else "prompts",
+                           "random tokens" if random_weights else prompts_source)
 
 
 class TextWindows:

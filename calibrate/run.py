@@ -35,7 +35,7 @@ from .grid import (DEFAULT_BATCH_SIZES, DEFAULT_CONTEXT_LENS, DEFAULT_MAX_K, QUI
                    OverheadPoint, TreeOverheadPoint, check_grid_fits, fit_wide_passes, make_grid,
                    merge_grids, overhead_points, timing_points, tree_overhead_points)
 from .insitu import InSituPoint, insitu_groups, insitu_points, measure_insitu, random_prompts
-from .routing import MAX_ROUTING_PROMPTS, TextWindows, record_routes, routing_section
+from .routing import MAX_ROUTING_PROMPTS, TextWindows, expert_roles, measure_routing
 from .memory import MemoryPlan, memory_budget, plan_memory, reference_bytes
 from .models import model_info
 from .noise import MachineWatch, NoiseMonitor, reference_sampler
@@ -390,13 +390,13 @@ def _calibrate(request: CalibrationRequest, plan: _Plan, on_progress, on_estimat
                  overheads=[p for p in overhead_points(grid) if p not in done_overheads],
                  trees=[p for p in all_trees if p not in done_trees],
                  insitu=[p for p in all_insitu if p not in done_insitu],
-                 routing=bool(_expert_roles(profile)) and profile.routing is None)
+                 routing=bool(expert_roles(profile)) and profile.routing is None)
     memory = _memory_plan(plan, profile, todo)
     todo = todo.without(memory.skipped)
     for note in memory.notes:
         if on_notice is not None:
             on_notice(note)
-    total = (len(plan.samplings) + int(plan.stage2 is not None) + int(bool(_expert_roles(profile)))
+    total = (len(plan.samplings) + int(plan.stage2 is not None) + int(bool(expert_roles(profile)))
              + len(timing_points(grid)) + len(overhead_points(grid)) + len(all_trees) + len(all_insitu)
              - len(memory.skipped))
     resumed = done = total - todo.count
@@ -558,20 +558,12 @@ def _measure(pair: LoadedPair, plan: _Plan, grid: Grid, todo: _Todo, request: Ca
         advance(label if row is not None else label + " (out of memory, not recorded)", row)
 
 
-def _expert_roles(profile: Profile) -> tuple[str, ...]:
-    """The roles whose model is a mixture of experts and whose routing is measured over prompts. A head's layer
-    (GLM-4.5's MTP layer) routes too, but it reads the target's hidden states, which a prefill of its own cannot
-    give: its expert term keeps the uniform prior, and the table says so."""
-    return tuple(role for role in ("target", "draft")
-                 if profile.model(role).experts is not None and not profile.model(role).is_head)
-
-
 def _routing(pair: LoadedPair, plan: _Plan, grid: Grid, profile: Profile, measure: bool, prompts_source: str | None,
              advance: Callable) -> dict[str, TextWindows]:
     """A mixture of experts' routing (calibrate.routing), measured when `measure`; and, where the weights are a
     model's, the text windows its timed passes are fed. Random weights (a preset) route random token ids, and
     the section says so: no trained router's routing is in it."""
-    roles = _expert_roles(profile)
+    roles = expert_roles(profile)
     if not roles:
         return {}
     models = {"target": pair.target, "draft": pair.draft}
@@ -583,10 +575,7 @@ def _routing(pair: LoadedPair, plan: _Plan, grid: Grid, profile: Profile, measur
         limit = min(plan.target.config.max_position_embeddings, plan.draft.config.max_position_embeddings)
         prompts = acc.encode_prompts(pair.tokenizer, list(plan.prompts[:MAX_ROUTING_PROMPTS]), limit - 1)
     if measure:
-        section = routing_section({role: record_routes(models[role], prompts) for role in roles},
-                                  {role: models[role].config.num_experts for role in roles}, grid,
-                                  "random_weights" if random_weights else "prompts",
-                                  "random tokens" if random_weights else prompts_source)
+        section = measure_routing({role: models[role] for role in roles}, prompts, grid, random_weights, prompts_source)
         advance(f"routing: distinct experts per layer over {len(prompts)} prompts", section)
     return {} if random_weights else {role: TextWindows(prompts) for role in roles}
 

@@ -144,3 +144,18 @@ def fit_routing(shape: ExpertShape, rows: Sequence[RoutingRow], random_weights: 
 
 def _mape(predicted: np.ndarray, measured: np.ndarray) -> float:
     return float(np.mean(np.abs(predicted - measured) / measured) * 100.0)
+
+
+def table_term(shape: ExpertShape, routing: RoutingFit) -> dict:
+    """What a table records of a role's expert term: the experts' layout and the fitted routing."""
+    return {"num_experts": shape.num_experts, "experts_per_token": shape.experts_per_token,
+            "moe_layers": shape.moe_layers, "routing": routing.to_json()}
+
+
+def routing_note(role: str, routing: RoutingFit) -> str | None:
+    """The note a table carries when its expert term rests on routing that is not the model's own."""
+    if routing.is_models:
+        return None
+    return (f"{role}: the expert term assumes {routing.describe()}: real routers touch fewer experts (tokens of one "
+            "text share them), so speculation is cheaper at small b than this table says; calibrate the model's "
+            "own weights to measure its routing")

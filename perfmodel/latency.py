@@ -30,11 +30,11 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .errors import PerfModelError
-from .experts import RoutingFit
-from .fields import json_object, number, number_list
+from .experts import RoutingFit, routing_fit_from_json
+from .fields import at, get, integer, json_object, number, number_list
 from .jsonio import rounded
 from .profile import ModelInfo, TimingRow
-from .profile.routing import ExpertShape
+from .profile.routing import ExpertShape, expert_shape_from_json
 from .staircase import Staircase, fit_staircase
 from .token_curve import TokenCurve
 
@@ -101,6 +101,21 @@ class RoleShape:
             obj["experts"] = self.experts.to_json()
             obj["routing"] = self.routing.to_json()
         return obj
+
+    @classmethod
+    def from_json(cls, obj: dict, where: str) -> "RoleShape":
+        """The inverse of `to_json`; a mixture of experts carries its experts and their fitted routing together."""
+        sizes = {name: integer(obj, name, where, 1) for name in ("parameters", "weight_bytes", "kv_bytes_per_token",
+                                                                 "layers", "attention_width")}
+        if obj.get("experts") is None:
+            return cls(**sizes)
+        experts = expert_shape_from_json(obj["experts"], at(where, "experts"))
+        if experts.routed_bytes >= sizes["weight_bytes"]:
+            raise PerfModelError(f"{at(where, 'experts')}: {experts.moe_layers} x {experts.num_experts} experts of "
+                                 f"{experts.expert_bytes} bytes exceed the {sizes['weight_bytes']} bytes of all "
+                                 "weights")
+        return cls(**sizes, experts=experts, routing=routing_fit_from_json(get(obj, "routing", where),
+                                                                           at(where, "routing")))
 
 
 @dataclass(frozen=True, eq=False)

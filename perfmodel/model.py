@@ -34,14 +34,13 @@ from .acceptance import AcceptanceModel, acceptance_from_user
 from .coverage import Coverage, describe_cells
 from .engine_steps import EngineStepFit, engine_step_model
 from .errors import PerfModelError
-from .experts import routing_fit_from_json
+from .experts import routing_note, table_term
 from .fields import at, boolean, duration_ms, get, int_list, integer, is_int, listed, number, record, string
 from .jsonio import read_json, rounded, write_json_atomic
 from .overhead import OverheadModel
 from .profile import ROLES, DeviceInfo, Grid, ModelInfo, Stage2Info
 from .profile.composition import Composition
 from .profile.noise import NoiseFigure
-from .profile.routing import expert_shape_from_json
 from .staircase import Staircase
 from .steps import SourceChoice, StepCorrection
 from .strategy import MAX_TREE_NODES, StepModel, StrategyCandidate, StrategyChoice, candidate_strategies
@@ -119,13 +118,8 @@ class FittedModel:
 
     def expert_terms(self) -> dict | None:
         """Per role with experts, its expert shape and fitted routing (a table carries them); None when dense."""
-        terms = {}
-        for role, fit in self.roles.items():
-            shape = fit.model.shape
-            if shape.experts is not None:
-                experts = shape.experts
-                terms[role] = {"num_experts": experts.num_experts, "experts_per_token": experts.experts_per_token,
-                               "moe_layers": experts.moe_layers, "routing": shape.routing.to_json()}
+        terms = {role: table_term(fit.model.shape.experts, fit.model.shape.routing)
+                 for role, fit in self.roles.items() if fit.model.shape.experts is not None}
         return terms or None
 
     def experts_touched(self, role: str, batch_size: int, new_tokens: int) -> float | None:
@@ -196,14 +190,9 @@ class FittedModel:
 
     def routing_notes(self) -> list[str]:
         """A mixture of experts' table rests on its routing: say so where it is not the model's own."""
-        notes = []
-        for role, fit in self.roles.items():
-            routing = fit.model.shape.routing
-            if routing is not None and not routing.is_models:
-                notes.append(f"{role}: the expert term assumes {routing.describe()}: real routers touch fewer experts "
-                             "(tokens of one text share them), so speculation is cheaper at small b than this table "
-                             "says; calibrate the model's own weights to measure its routing")
-        return notes
+        notes = (routing_note(role, fit.model.shape.routing) for role, fit in self.roles.items()
+                 if fit.model.shape.routing is not None)
+        return [note for note in notes if note]
 
     def timing_source_notes(self) -> list[str]:
         """Which pass timings the latency was fitted to, when the profile offered a choice (fit's step stage)."""
@@ -455,26 +444,12 @@ def _points_from_json(obj: dict, where: str) -> lat.Points:
     return lat.Points(table[:, 0], table[:, 1], table[:, 2], table[:, 3])
 
 
-def _shape_from_json(obj: dict, where: str) -> lat.RoleShape:
-    """A role's shape; a mixture of experts carries its experts and their fitted routing together."""
-    sizes = {name: integer(obj, name, where, 1) for name in ("parameters", "weight_bytes", "kv_bytes_per_token",
-                                                             "layers", "attention_width")}
-    if obj.get("experts") is None:
-        return lat.RoleShape(**sizes)
-    experts = expert_shape_from_json(obj["experts"], at(where, "experts"))
-    if experts.routed_bytes >= sizes["weight_bytes"]:
-        raise PerfModelError(f"{at(where, 'experts')}: {experts.moe_layers} x {experts.num_experts} experts of "
-                             f"{experts.expert_bytes} bytes exceed the {sizes['weight_bytes']} bytes of all weights")
-    return lat.RoleShape(**sizes, experts=experts, routing=routing_fit_from_json(get(obj, "routing", where),
-                                                                                 at(where, "routing")))
-
-
 def _role_from_json(role: str, obj: dict, where: str) -> RoleFit:
     """One role's fit, every field read by the profile's rules (perfmodel.fields): a hand-edited file is told
     which field breaks which rule."""
     where = f"{where}: roles.{role}"
     shape_obj = get(obj, "shape", where)
-    shape = _shape_from_json(shape_obj, at(where, "shape"))
+    shape = lat.RoleShape.from_json(shape_obj, at(where, "shape"))
     roofline = _roofline_from_json(get(obj, "roofline", where), at(where, "roofline"))
     kind = string(obj, "kind", where, lat.KINDS)
     correction = staircase = None

@@ -160,3 +160,14 @@ def test_a_tables_expert_term_round_trips_and_a_bad_count_is_named():
     with pytest.raises(PerfModelError, match=r"t\.json: buckets\[0\]\.entries\[0\]\.experts_touched: expected a "
                                              r"number >= 1"):
         table_from_json(obj, "t.json")
+
+
+def test_a_moe_shape_round_trips_through_the_model_file_and_impossible_experts_are_named():
+    shape = small_shape(RoutingFit(0.8, 0.5, MEASURED, 12, 1.5, 2.5))
+    again = lat.RoleShape.from_json(json.loads(json.dumps(shape.to_json())), "model.json: roles.target.shape")
+    assert again == shape
+    dense = lat.RoleShape(2500, 5000, 10, 2, 4)
+    assert lat.RoleShape.from_json(dense.to_json(), "m") == dense
+    too_big = dict(shape.to_json(), weight_bytes=1600)  # exactly the experts: no room for anything dense
+    with pytest.raises(PerfModelError, match=r"m\.experts: 2 x 8 experts of 100 bytes exceed the 1600 bytes"):
+        lat.RoleShape.from_json(too_big, "m")
